@@ -1,0 +1,32 @@
+# make run   - serve on 127.0.0.1:8000 with an embedded SQLite database under ./var/
+# make test  - the whole suite on SQLite, then on PostgreSQL (TEST_POSTGRES_URL)
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TEST_POSTGRES_URL ?= postgresql://postgres@127.0.0.1:5432/test
+PYTEST_ARGS ?=
+
+.PHONY: run migrate test test-sqlite test-postgres clean
+
+$(BIN)/.installed: requirements.txt requirements-dev.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -r requirements-dev.txt
+	touch $@
+
+run: $(BIN)/.installed
+	$(BIN)/python receiver.py serve
+
+migrate: $(BIN)/.installed
+	$(BIN)/python receiver.py migrate
+
+test: test-sqlite test-postgres
+
+test-sqlite: $(BIN)/.installed
+	TEST_DATABASE_URL= $(BIN)/pytest $(PYTEST_ARGS)
+
+test-postgres: $(BIN)/.installed
+	TEST_DATABASE_URL=$(TEST_POSTGRES_URL) $(BIN)/pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) var

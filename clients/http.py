@@ -1,0 +1,65 @@
+"""The one place where an outbound HTTP call is made and its outcome classified."""
+import dataclasses
+import json
+import logging
+
+from tornado.httpclient import AsyncHTTPClient, HTTPRequest
+
+log = logging.getLogger("receiver.clients")
+
+# Statuses worth asking again; any other 4xx is the peer refusing for good.
+RETRYABLE_STATUSES = {408, 425, 429}
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    ok: bool
+    retryable: bool = False
+    error: str = ""
+    status: int = 0
+    body: object = None
+
+    def __bool__(self):
+        return self.ok
+
+    @classmethod
+    def failed(cls, error, retryable=True, status=0):
+        return cls(ok=False, retryable=retryable, error=error, status=status)
+
+
+def new_http_client(max_clients=200):
+    """A client of our own: a slow peer may hold many requests open at once without
+    queueing anybody else's behind it (Tornado's shared default allows only 10)."""
+    return AsyncHTTPClient(force_instance=True, max_clients=max_clients)
+
+
+async def post_json(http, url, body, headers=None, timeout=10.0):
+    """POST `body` as JSON; a 2xx with a JSON reply is ok, anything else is a failed Result."""
+    request = HTTPRequest(
+        url, method="POST", body=json.dumps(body),
+        headers={"Content-Type": "application/json", "Accept": "application/json",
+                 **(headers or {})},
+        connect_timeout=min(timeout, 5.0), request_timeout=timeout)
+    try:
+        response = await http.fetch(request, raise_error=False)
+    except Exception as exc:  # network errors of every kind
+        return Result.failed(f"{type(exc).__name__}: {exc}")
+    if response.code == 599:
+        return Result.failed(f"connection failed: {response.error}")
+    if not 200 <= response.code < 300:
+        retryable = response.code >= 500 or response.code in RETRYABLE_STATUSES
+        return Result.failed(f"HTTP {response.code}: {_excerpt(response.body)}",
+                             retryable=retryable, status=response.code)
+    try:
+        parsed = json.loads(response.body or b"null")
+    except ValueError:
+        return Result.failed(f"HTTP {response.code} with an unreadable reply: "
+                             f"{_excerpt(response.body)}", status=response.code)
+    return Result(ok=True, status=response.code, body=parsed)
+
+
+def _excerpt(body, limit=200):
+    text = (body or b"").decode("utf-8", "replace")
+    return text if len(text) <= limit else text[:limit] + "…"
+
+

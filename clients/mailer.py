@@ -1,0 +1,75 @@
+"""SMTP mail. Sending runs in a worker thread so the IOLoop never waits on a mail server.
+
+SMTP_URL: smtp://[user:pass@]host[:port] (STARTTLS when the server offers it),
+smtp+starttls://... (STARTTLS required) or smtps://... (TLS from the start).
+Unset: each message is logged (recipients and subject only) instead of sent.
+"""
+import asyncio
+import email.message
+import email.utils
+import logging
+import smtplib
+import ssl
+import urllib.parse
+
+from clients.http import Result
+
+log = logging.getLogger("receiver.mail")
+
+# Codes a mail server uses to refuse a message for good; anything else may pass later.
+PERMANENT_SMTP_CODES = range(500, 600)
+
+
+class Mailer:
+    def __init__(self, settings, executor=None):
+        self.settings = settings
+        self.executor = executor
+
+    async def send(self, to, subject, text, html=None):
+        if not self.settings.smtp_url:
+            log.info("mail not sent (SMTP_URL unset): to=%s subject=%r", ",".join(to), subject)
+            return Result(ok=True)
+        message = self.compose(to, subject, text, html)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, self._deliver, message)
+
+    def compose(self, to, subject, text, html=None):
+        message = email.message.EmailMessage()
+        message["From"] = self.settings.mail_from
+        message["To"] = ", ".join(to)
+        message["Subject"] = subject
+        message["Date"] = email.utils.formatdate(usegmt=True)
+        message["Message-ID"] = email.utils.make_msgid(domain="receiver")
+        message.set_content(text)
+        if html:
+            message.add_alternative(html, subtype="html")
+        return message
+
+    def _deliver(self, message):
+        url = urllib.parse.urlsplit(self.settings.smtp_url)
+        timeout = self.settings.outbound_timeout_seconds
+        try:
+            if url.scheme == "smtps":
+                client = smtplib.SMTP_SSL(url.hostname, url.port or 465, timeout=timeout,
+                                          context=ssl.create_default_context())
+            else:
+                client = smtplib.SMTP(url.hostname, url.port or 25, timeout=timeout)
+            with client:
+                client.ehlo()
+                if url.scheme == "smtp+starttls" or (
+                        url.scheme == "smtp" and client.has_extn("starttls")):
+                    client.starttls(context=ssl.create_default_context())
+                    client.ehlo()
+                if url.username:
+                    client.login(urllib.parse.unquote(url.username),
+                                 urllib.parse.unquote(url.password or ""))
+                client.send_message(message)
+        except smtplib.SMTPResponseException as exc:
+            return Result.failed(f"SMTP {exc.smtp_code}",
+                                 retryable=exc.smtp_code not in PERMANENT_SMTP_CODES)
+        except smtplib.SMTPRecipientsRefused as exc:
+            return Result.failed(f"recipients refused: {', '.join(exc.recipients)}",
+                                 retryable=False)
+        except (OSError, smtplib.SMTPException) as exc:
+            return Result.failed(f"{type(exc).__name__}: {exc}")
+        return Result(ok=True)

@@ -1,0 +1,17 @@
+"""The worker service: POST {WORKER_URL}/jobs with the action and its payload."""
+from clients.http import Result, post_json
+
+
+class WorkerClient:
+    def __init__(self, http, settings):
+        self.http = http
+        self.settings = settings
+
+    async def dispatch(self, action, payload, idempotency_key):
+        if not self.settings.worker_url:
+            return Result.failed("WORKER_URL is not set")
+        return await post_json(
+            self.http, f"{self.settings.worker_url}/jobs",
+            {"action": action, **payload},
+            headers={"Idempotency-Key": idempotency_key},
+            timeout=self.settings.outbound_timeout_seconds)

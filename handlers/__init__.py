@@ -1,0 +1,1 @@
+"""HTTP handlers: authentication, parsing and answers. Event logic lives in plugins/."""

@@ -1,0 +1,60 @@
+"""POST /api/v1/webhooks/<group>/<event>: the workflow system's state-change webhooks."""
+import base64
+import hashlib
+import hmac
+import logging
+
+from handlers.base import ApiHandler, same_secret
+from plugins import registries
+from services import inbox
+
+log = logging.getLogger("receiver.workflow")
+
+# Frappe retries a failed webhook a few times within seconds, and may time out while we
+# wait on the worker. The same body to the same path within this window is that same
+# delivery. A sender that re-fires an identical body on purpose sends an Idempotency-Key.
+DEDUP_WINDOW_SECONDS = 600
+
+
+class WorkflowWebhookHandler(ApiHandler):
+    async def post(self, path):
+        webhook = registries()["workflow"].get(path)
+        if webhook is None:
+            self.fail(404, "not found")
+        self.authenticate()
+        body = self.json_body()
+        missing = webhook.first_missing_field(body)
+        if missing:
+            self.fail(400, f"missing field: {missing}")
+        event, created = self.record(path, body)
+        if created:
+            await inbox.process(self.ctx, event)
+        self.answer(200, {"received": True, "action": webhook.answer})
+
+    def authenticate(self):
+        settings = self.ctx.settings
+        if not same_secret(self.request.headers.get("X-Webhook-Secret"), settings.webhook_secret):
+            self.fail(401, "Unauthorized")
+        if settings.workflow_webhook_signing_secret and not self.frappe_signature_valid(
+                settings.workflow_webhook_signing_secret):
+            self.fail(401, "Unauthorized")
+
+    def frappe_signature_valid(self, secret):
+        expected = base64.b64encode(
+            hmac.new(secret.encode(), self.raw_body, hashlib.sha256).digest()).decode()
+        return same_secret(self.request.headers.get("X-Frappe-Webhook-Signature"), expected)
+
+    def record(self, path, body):
+        explicit = self.request.headers.get("Idempotency-Key", "").strip()
+        if explicit:
+            dedup_key = f"{path}:key:{explicit}"
+        else:
+            digest = hashlib.sha256(self.raw_body).hexdigest()
+            window = int(self.ctx.clock().timestamp()) // DEDUP_WINDOW_SECONDS
+            previous = f"{path}:{digest}:{window - 1}"
+            if inbox.find(self.ctx, "workflow", previous):
+                log.info("duplicate workflow webhook %s for %s", path, body["order_number"])
+                return None, False
+            dedup_key = f"{path}:{digest}:{window}"
+        return inbox.record(self.ctx, "workflow", path, dedup_key, self.raw_body,
+                            order_number=body["order_number"])

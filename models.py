@@ -1,0 +1,269 @@
+"""Peewee models: the tables other systems depend on (names fixed by DESIGN.md).
+
+One Database is chosen at start-up from DATABASE_URL by `open_database`; models are
+bound to it through a proxy. Times are stored as timezone-aware UTC, money as integer
+cents, coin amounts as exact decimals (every digit kept, on SQLite too).
+"""
+import datetime
+import decimal
+import os
+
+from peewee import (
+    BigIntegerField, BooleanField, DatabaseProxy, DateTimeField, Field,
+    ForeignKeyField, IntegerField, Model, PostgresqlDatabase, SqliteDatabase,
+    TextField,
+)
+from playhouse.db_url import parse
+from playhouse.shortcuts import ReconnectMixin
+
+database = DatabaseProxy()
+
+UTC = datetime.timezone.utc
+
+# Our two custom column kinds, spelled per database: PostgreSQL keeps time zones and
+# arbitrary-precision numerics natively; SQLite keeps text so no digit is lost.
+POSTGRES_FIELD_TYPES = {"UTCDATETIME": "TIMESTAMPTZ", "EXACTDECIMAL": "NUMERIC"}
+SQLITE_FIELD_TYPES = {"UTCDATETIME": "DATETIME", "EXACTDECIMAL": "TEXT"}
+
+
+def utcnow():
+    return datetime.datetime.now(UTC)
+
+
+class UTCDateTimeField(DateTimeField):
+    """A timezone-aware UTC timestamp; naive values read from the database are UTC."""
+
+    field_type = "UTCDATETIME"
+
+    def db_value(self, value):
+        if value is None:
+            return None
+        if isinstance(value, str):
+            value = datetime.datetime.fromisoformat(value)
+        if value.tzinfo is None:
+            raise ValueError(f"{self.name}: refusing a naive datetime {value!r}")
+        return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f+00:00")
+
+    def python_value(self, value):
+        if value is None:
+            return None
+        if isinstance(value, str):
+            value = datetime.datetime.fromisoformat(value)
+        if value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value.astimezone(UTC)
+
+
+class ExactDecimalField(Field):
+    """A Decimal stored without rounding (NUMERIC on PostgreSQL, TEXT on SQLite)."""
+
+    field_type = "EXACTDECIMAL"
+
+    def db_value(self, value):
+        if value is None:
+            return None
+        return format(decimal.Decimal(value), "f")
+
+    def python_value(self, value):
+        if value is None:
+            return None
+        return decimal.Decimal(str(value))
+
+
+class ReconnectingPostgresqlDatabase(ReconnectMixin, PostgresqlDatabase):
+    """Reconnects once when PostgreSQL dropped the connection (restart, failover)."""
+
+
+def open_database(url):
+    """Create the Database for `url` (sqlite:///path or postgresql://...) and bind the models."""
+    parsed = parse(url)
+    scheme = url.split(":", 1)[0]
+    if scheme == "sqlite":
+        path = parsed.pop("database")
+        if path != ":memory:":
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        db = SqliteDatabase(
+            path,
+            field_types=SQLITE_FIELD_TYPES,
+            pragmas={
+                "journal_mode": "wal",
+                # An acknowledged webhook must survive a power cut, not only a crash.
+                "synchronous": "full",
+                "busy_timeout": 5000,
+                "foreign_keys": 1,
+            },
+        )
+    elif scheme in ("postgres", "postgresql"):
+        parsed.setdefault("connect_timeout", 3)
+        db = ReconnectingPostgresqlDatabase(field_types=POSTGRES_FIELD_TYPES, **parsed)
+    else:
+        raise ValueError(
+            f"DATABASE_URL must start with sqlite:// or postgresql://, got {scheme}://")
+    database.initialize(db)
+    return db
+
+
+def is_postgres(db=None):
+    target = db or database.obj
+    return isinstance(target, PostgresqlDatabase)
+
+
+class BaseModel(Model):
+    created_at = UTCDateTimeField(default=utcnow)
+    updated_at = UTCDateTimeField(default=utcnow)
+
+    class Meta:
+        database = database
+        legacy_table_names = False
+
+
+class OrderBase(BaseModel):
+    """Columns shared by the four order tables. Other systems insert rows with only some
+    of them, so every column but order_number has a default or is nullable."""
+
+    order_number = TextField(unique=True)
+    payment_status = TextField(default="pending_payment")
+    notes = TextField(default="")
+    stripe_session_id = TextField(null=True)
+    stripe_payment_intent_id = TextField(null=True, index=True)
+    customer_email = TextField(null=True)
+    customer_name = TextField(null=True)
+    service_name = TextField(null=True)
+    paid_at = UTCDateTimeField(null=True)
+    parent_order_number = TextField(null=True)
+    discount_code = TextField(null=True)
+
+    kind = None
+
+    def append_note(self, line):
+        self.notes = f"{self.notes}\n{line}" if self.notes else line
+
+
+class FormationOrder(OrderBase):
+    kind = "formation"
+
+    class Meta:
+        table_name = "formation_orders"
+
+
+class ComplianceOrder(OrderBase):
+    kind = "compliance"
+    service_slug = TextField(null=True)
+    stripe_subscription_id = TextField(null=True, index=True)
+    subscription_status = TextField(null=True)
+    cancelled_at = UTCDateTimeField(null=True)
+    fulfillment_status = TextField(null=True)
+
+    class Meta:
+        table_name = "compliance_orders"
+
+
+class BundleOrder(OrderBase):
+    kind = "bundle"
+
+    class Meta:
+        table_name = "bundle_orders"
+
+
+class CrtcOrder(OrderBase):
+    kind = "canada_crtc"
+    payment_method = TextField(null=True)
+    funds_available = BooleanField(default=False)
+    funds_available_at = UTCDateTimeField(null=True)
+    total_cents = BigIntegerField(null=True)
+    amb_annual_price_cents = BigIntegerField(null=True)
+
+    class Meta:
+        table_name = "crtc_orders"
+        indexes = ((("payment_status", "funds_available", "paid_at"), False),)
+
+
+ORDER_MODELS = {m.kind: m for m in (FormationOrder, ComplianceOrder, BundleOrder, CrtcOrder)}
+
+
+class TreasuryJob(BaseModel):
+    order_id = TextField(unique=True)
+    order_type = TextField()
+    state = TextField(default="received")
+    coin = TextField()
+    amount_coin = ExactDecimalField(default=decimal.Decimal(0))
+    amount_usd_cents = BigIntegerField(default=0)
+    idempotency_key = TextField()
+    received_at = UTCDateTimeField(default=utcnow)
+
+    class Meta:
+        table_name = "treasury_jobs"
+
+
+class LedgerEntry(BaseModel):
+    order_id = TextField(index=True)
+    order_type = TextField()
+    coin = TextField()
+    movement_type = TextField(default="receive")
+    amount_coin = ExactDecimalField(default=decimal.Decimal(0))
+    amount_usd_cents = BigIntegerField(default=0)
+    provider = TextField()
+    provider_ref = TextField()
+    provider_status = TextField()
+    state = TextField(default="confirmed")
+    idempotency_key = TextField(unique=True)
+    acquired_at = UTCDateTimeField(default=utcnow)
+    notes = TextField(default="")
+
+    class Meta:
+        table_name = "ledger_entries"
+
+
+class WebhookEvent(BaseModel):
+    """The inbox: every accepted call, stored raw before it is handled.
+
+    status: received (stored, not yet handled), processed, failed (handling raised; the
+    scheduler retries it), rejected (malformed; kept with the reason), ignored (nothing
+    to do for it)."""
+
+    source = TextField()
+    event_type = TextField()
+    dedup_key = TextField()
+    external_id = TextField(null=True)
+    order_number = TextField(null=True, index=True)
+    payload = TextField()
+    status = TextField(default="received")
+    attempts = IntegerField(default=0)
+    last_error = TextField(null=True)
+    next_attempt_at = UTCDateTimeField(null=True)
+    received_at = UTCDateTimeField(default=utcnow)
+    processed_at = UTCDateTimeField(null=True)
+
+    class Meta:
+        table_name = "webhook_events"
+        indexes = (
+            (("source", "dedup_key"), True),
+            (("status", "next_attempt_at"), False),
+            (("received_at",), False),
+        )
+
+
+class Outbox(BaseModel):
+    """An effect on another system, recorded in the same transaction as its cause.
+
+    status: pending (to send at next_attempt_at), sent, dead (gave up; see last_error)."""
+
+    event = ForeignKeyField(WebhookEvent, null=True, on_delete="SET NULL",
+                            backref="effects", column_name="event_id")
+    kind = TextField()
+    order_number = TextField(null=True, index=True)
+    payload = TextField()
+    idempotency_key = TextField(unique=True)
+    status = TextField(default="pending")
+    attempts = IntegerField(default=0)
+    next_attempt_at = UTCDateTimeField(default=utcnow)
+    last_error = TextField(null=True)
+    sent_at = UTCDateTimeField(null=True)
+
+    class Meta:
+        table_name = "outbox"
+        indexes = ((("status", "next_attempt_at"), False),)
+
+
+ALL_MODELS = [*ORDER_MODELS.values(), TreasuryJob, LedgerEntry, WebhookEvent, Outbox]
+

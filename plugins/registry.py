@@ -1,0 +1,45 @@
+"""The decorator-based registry that maps an event's name to its plugin."""
+
+
+class Registry:
+    def __init__(self, what):
+        self.what = what
+        self._plugins = {}
+
+    def register(self, key):
+        def decorator(plugin):
+            if key in self._plugins:
+                raise ValueError(f"two plugins for {self.what} {key!r}")
+            self._plugins[key] = plugin
+            return plugin
+        return decorator
+
+    def get(self, key):
+        return self._plugins.get(key)
+
+    def keys(self):
+        return sorted(self._plugins)
+
+    def __len__(self):
+        return len(self._plugins)
+
+
+workflow_webhooks = Registry("workflow webhook")
+card_events = Registry("card event type")
+crypto_statuses = Registry("crypto invoice status")
+
+
+def card_event(event_type):
+    """Register `handle(ctx, event, effects)` for one card-processor event type."""
+    return card_events.register(event_type)
+
+
+def crypto_status(status):
+    """Register `handle(ctx, callback, effects)` for one crypto invoice status."""
+    return crypto_statuses.register(status)
+
+
+def workflow_webhook(cls):
+    """Register a `WorkflowWebhook` subclass under its `path`."""
+    workflow_webhooks.register(cls.path)(cls())
+    return cls

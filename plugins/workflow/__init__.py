@@ -1,0 +1,35 @@
+"""One module per workflow-system webhook path (SPEC.md 4.1). Each declares the path, the
+fields it requires, the workflow action it applies, the job it dispatches and the action
+it answers with; `WorkflowWebhook` does the rest."""
+from plugins.registry import workflow_webhook
+
+ORDER_FIELDS = ("order_name", "order_number")
+
+
+class WorkflowWebhook:
+    path = None
+    fields = ORDER_FIELDS          # required, non-empty strings; also the job's payload
+    workflow_action = None         # applied to the order in the workflow system, if any
+    job = None                     # the worker job dispatched, if any
+    job_constants = {}             # fixed payload fields added to the job
+    answer = None                  # the `action` of the acknowledgement
+
+    def first_missing_field(self, body):
+        for name in self.fields:
+            value = body.get(name)
+            if not isinstance(value, str) or not value.strip():
+                return name
+        return None
+
+    def job_payload(self, ctx, body):
+        return {**{name: body[name] for name in self.fields}, **self.job_constants}
+
+    def __call__(self, ctx, body, effects):
+        if self.workflow_action:
+            effects.workflow_action(ctx.settings.workflow_doctype, body["order_name"],
+                                    self.workflow_action, order_number=body["order_number"])
+        if self.job:
+            effects.job(self.job, self.job_payload(ctx, body))
+
+
+__all__ = ["WorkflowWebhook", "workflow_webhook", "ORDER_FIELDS"]

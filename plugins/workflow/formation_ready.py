@@ -1,0 +1,12 @@
+"""POST /api/v1/webhooks/formation/ready
+
+The formation order is ready: deliver it.
+"""
+from plugins.workflow import WorkflowWebhook, workflow_webhook
+
+
+@workflow_webhook
+class FormationReady(WorkflowWebhook):
+    path = "formation/ready"
+    job = "deliver"
+    answer = "delivery_dispatched"

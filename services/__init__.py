@@ -1,0 +1,1 @@
+"""Shared mechanics: the context plugins receive, the inbox, the outbox, order operations."""

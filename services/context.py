@@ -1,0 +1,73 @@
+"""The context every plugin and handler receives: settings, clients, clock, templates.
+
+Nothing reaches for globals: tests build a Context with their own settings, peers and
+clock."""
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import os
+import typing
+import zoneinfo
+
+import jinja2
+
+from clients.http import new_http_client
+from clients.mailer import Mailer
+from clients.telegram import TelegramClient
+from clients.workflow import WorkflowClient
+from clients.worker import WorkerClient
+from models import utcnow
+from settings import Settings
+
+log = logging.getLogger("receiver")
+
+TEMPLATES_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "templates")
+
+
+def template_environment():
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(TEMPLATES_DIR),
+        autoescape=jinja2.select_autoescape(["html", "htm", "xml"]),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True, lstrip_blocks=True)
+
+
+@dataclasses.dataclass
+class Context:
+    settings: Settings
+    workflow: WorkflowClient
+    worker: WorkerClient
+    mailer: Mailer
+    telegram: TelegramClient
+    templates: jinja2.Environment
+    clock: typing.Callable = utcnow
+    background_tasks: set = dataclasses.field(default_factory=set)
+
+    @classmethod
+    def create(cls, settings, clock=utcnow):
+        http = new_http_client()
+        mail_threads = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="smtp")
+        return cls(
+            settings=settings,
+            workflow=WorkflowClient(http, settings),
+            worker=WorkerClient(http, settings),
+            mailer=Mailer(settings, mail_threads),
+            telegram=TelegramClient(http, settings),
+            templates=template_environment(),
+            clock=clock)
+
+    @property
+    def business_tz(self):
+        return zoneinfo.ZoneInfo(self.settings.business_tz)
+
+    def background(self, coroutine):
+        """Run `coroutine` after the answer is sent; kept so shutdown can wait for it."""
+        task = asyncio.ensure_future(coroutine)
+        self.background_tasks.add(task)
+        task.add_done_callback(self.background_tasks.discard)
+        return task
+
+    async def drain_background(self):
+        while self.background_tasks:
+            await asyncio.gather(*list(self.background_tasks), return_exceptions=True)

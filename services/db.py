@@ -1,0 +1,24 @@
+"""Small database helpers shared by the services."""
+import peewee
+
+from models import database, is_postgres
+
+# Errors that mean "the database cannot be reached or written", not "this data is wrong".
+UNAVAILABLE = (peewee.OperationalError, peewee.InterfaceError)
+
+
+def locked(query):
+    """`query` with FOR UPDATE on PostgreSQL; SQLite serialises writers by itself."""
+    return query.for_update() if is_postgres() else query
+
+
+def insert_once(model, **fields):
+    """Insert a row unless a unique key already holds it; return the new id or None.
+
+    The insert runs in a savepoint, so a duplicate leaves an enclosing transaction
+    usable; two racing inserts of the same key end with exactly one row."""
+    try:
+        with database.atomic():
+            return model.insert(**fields).execute()
+    except peewee.IntegrityError:
+        return None

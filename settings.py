@@ -1,0 +1,149 @@
+"""Settings, read once from the environment (a systemd EnvironmentFile sets them).
+
+The names are fixed by DESIGN.md: other systems and operators depend on them.
+"""
+import dataclasses
+import logging
+import os
+
+log = logging.getLogger("receiver.settings")
+
+PLACEHOLDER_WEBHOOK_SECRET = "change-me-webhook-secret"
+PLACEHOLDER_LINK_SECRET = "change-me-link-secret"
+
+DEFAULT_DATABASE_URL = "sqlite:///var/receiver.sqlite3"
+
+
+class ConfigurationError(Exception):
+    """The settings cannot run the service; the message says which one and why."""
+
+
+def _int(environ, name, default):
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigurationError(f"{name} must be a whole number, got {raw!r}") from None
+
+
+def _csv(raw):
+    return tuple(part.strip() for part in raw.split(",") if part.strip())
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    env: str = "development"
+    database_url: str = DEFAULT_DATABASE_URL
+    webhook_secret: str = PLACEHOLDER_WEBHOOK_SECRET
+    workflow_webhook_signing_secret: str = ""
+    stripe_secret_key: str = ""
+    stripe_webhook_secrets: tuple = ()
+    stripe_api_base: str = ""
+    crypto_processor_api_key: str = ""
+    workflow_url: str = ""
+    workflow_api_key: str = ""
+    workflow_api_secret: str = ""
+    workflow_site_name: str = ""
+    workflow_doctype: str = "Formation Order"
+    crtc_doctype: str = "CRTC Order"
+    crtc_funds_action: str = "Confirm Funds"
+    worker_url: str = ""
+    admin_email: str = ""
+    mail_from: str = "receiver@localhost"
+    smtp_url: str = ""
+    telegram_bot_token: str = ""
+    telegram_chat_id: str = ""
+    telegram_api_url: str = "https://api.telegram.org"
+    link_secret: str = PLACEHOLDER_LINK_SECRET
+    public_base_url: str = "http://127.0.0.1:8000"
+    business_tz: str = "UTC"
+    settlement_interval_minutes: int = 60
+    max_body_bytes: int = 1024 * 1024
+    spool_dir: str = "var/spool"
+    log_format: str = "text"
+    outbound_timeout_seconds: int = 10
+
+    @classmethod
+    def from_env(cls, environ=None):
+        env = os.environ if environ is None else environ
+
+        def text(name, default=""):
+            value = env.get(name, "").strip()
+            return value or default
+
+        settings = cls(
+            host=text("RECEIVER_HOST", cls.host),
+            port=_int(env, "RECEIVER_PORT", cls.port),
+            env=text("RECEIVER_ENV", cls.env),
+            database_url=text("DATABASE_URL", cls.database_url),
+            webhook_secret=text("WEBHOOK_SECRET", cls.webhook_secret),
+            workflow_webhook_signing_secret=text("WORKFLOW_WEBHOOK_SIGNING_SECRET"),
+            stripe_secret_key=text("STRIPE_SECRET_KEY"),
+            stripe_webhook_secrets=_csv(env.get("STRIPE_WEBHOOK_SECRET", "")),
+            stripe_api_base=text("STRIPE_API_BASE"),
+            crypto_processor_api_key=text("CRYPTO_PROCESSOR_API_KEY"),
+            workflow_url=text("WORKFLOW_URL").rstrip("/"),
+            workflow_api_key=text("WORKFLOW_API_KEY"),
+            workflow_api_secret=text("WORKFLOW_API_SECRET"),
+            workflow_site_name=text("WORKFLOW_SITE_NAME"),
+            workflow_doctype=text("WORKFLOW_DOCTYPE", cls.workflow_doctype),
+            crtc_doctype=text("CRTC_DOCTYPE", cls.crtc_doctype),
+            crtc_funds_action=text("CRTC_FUNDS_ACTION", cls.crtc_funds_action),
+            worker_url=text("WORKER_URL").rstrip("/"),
+            admin_email=text("ADMIN_EMAIL"),
+            mail_from=text("MAIL_FROM", cls.mail_from),
+            smtp_url=text("SMTP_URL"),
+            telegram_bot_token=text("TELEGRAM_BOT_TOKEN"),
+            telegram_chat_id=text("TELEGRAM_CHAT_ID"),
+            telegram_api_url=text("TELEGRAM_API_URL", cls.telegram_api_url).rstrip("/"),
+            link_secret=text("LINK_SECRET", cls.link_secret),
+            public_base_url=text("PUBLIC_BASE_URL", cls.public_base_url).rstrip("/"),
+            business_tz=text("BUSINESS_TZ", cls.business_tz),
+            settlement_interval_minutes=_int(
+                env, "SETTLEMENT_INTERVAL_MINUTES", cls.settlement_interval_minutes),
+            max_body_bytes=_int(env, "MAX_BODY_BYTES", cls.max_body_bytes),
+            spool_dir=text("SPOOL_DIR", cls.spool_dir),
+            log_format=text("RECEIVER_LOG_FORMAT", cls.log_format),
+            outbound_timeout_seconds=_int(
+                env, "OUTBOUND_TIMEOUT_SECONDS", cls.outbound_timeout_seconds),
+        )
+        settings.check()
+        return settings
+
+    @property
+    def production(self):
+        return self.env == "production"
+
+    def check(self):
+        """Refuse settings that cannot work; in production, refuse placeholder secrets."""
+        if self.env not in ("development", "production"):
+            raise ConfigurationError(
+                f"RECEIVER_ENV must be development or production, got {self.env!r}")
+        if self.max_body_bytes <= 0:
+            raise ConfigurationError("MAX_BODY_BYTES must be positive")
+        if not self.production:
+            return
+        missing = []
+        if self.webhook_secret == PLACEHOLDER_WEBHOOK_SECRET:
+            missing.append("WEBHOOK_SECRET")
+        if self.link_secret == PLACEHOLDER_LINK_SECRET:
+            missing.append("LINK_SECRET")
+        if not self.stripe_webhook_secrets:
+            missing.append("STRIPE_WEBHOOK_SECRET")
+        if not self.crypto_processor_api_key:
+            missing.append("CRYPTO_PROCESSOR_API_KEY")
+        if missing:
+            raise ConfigurationError(
+                "RECEIVER_ENV=production needs real secrets; not set: " + ", ".join(missing))
+
+    def warn_about_placeholders(self):
+        if self.webhook_secret == PLACEHOLDER_WEBHOOK_SECRET:
+            log.warning("WEBHOOK_SECRET is not set: the workflow webhooks accept the "
+                        "built-in placeholder secret. Set WEBHOOK_SECRET before going live.")
+        if self.link_secret == PLACEHOLDER_LINK_SECRET:
+            log.warning("LINK_SECRET is not set: 'already filed' links are signed with a "
+                        "placeholder. Set LINK_SECRET before sending reminders.")

@@ -1,0 +1,193 @@
+"""Fixtures: a real database (SQLite, or PostgreSQL with TEST_DATABASE_URL), real peers
+on loopback, a settable clock, and the application under test."""
+import datetime
+import json
+import os
+import tempfile
+import urllib.parse
+import uuid
+
+import peewee
+import pytest
+from tornado.httpclient import AsyncHTTPClient
+
+import migrations
+from models import UTC, open_database
+from receiver import make_app
+from services.context import Context
+from settings import Settings
+from tests.peers import HttpPeer, SmtpPeer
+
+WEBHOOK_SECRET = "test-webhook-secret"
+
+
+def _postgres_scratch_database(url):
+    """A database of our own beside the one TEST_DATABASE_URL names, so that parallel
+    runs never share tables. Returns (url, drop)."""
+    parts = urllib.parse.urlsplit(url)
+    name = f"receiver_test_{uuid.uuid4().hex[:12]}"
+    admin = peewee.PostgresqlDatabase(parts.path.lstrip("/"), host=parts.hostname,
+                                      port=parts.port or 5432, user=parts.username,
+                                      password=parts.password)
+    admin.execute_sql(f'CREATE DATABASE "{name}"')
+
+    def drop():
+        admin.execute_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.close()
+    return urllib.parse.urlunsplit(parts._replace(path=f"/{name}")), drop
+
+
+@pytest.fixture(scope="session")
+def database_url():
+    url = os.environ.get("TEST_DATABASE_URL", "")
+    if url.startswith("postgres"):
+        scratch, drop = _postgres_scratch_database(url)
+        yield scratch
+        from models import database
+        if database.obj is not None:
+            database.close()
+        drop()
+    else:
+        with tempfile.TemporaryDirectory() as folder:
+            yield f"sqlite:///{folder}/test.sqlite3"
+
+
+@pytest.fixture(scope="session")
+def migrated_db(database_url):
+    db = open_database(database_url)
+    migrations.migrate(db)
+    return db
+
+
+@pytest.fixture(autouse=True)
+def db(migrated_db):
+    """Every test starts with empty tables."""
+    tables = [t for t in migrated_db.get_tables() if t != "schema_migrations"]
+    if migrated_db.__class__.__name__.startswith("Reconnecting"):
+        migrated_db.execute_sql(f"TRUNCATE {', '.join(tables)} RESTART IDENTITY CASCADE")
+    else:
+        with migrated_db.atomic():
+            for table in tables:
+                migrated_db.execute_sql(f"DELETE FROM {table}")
+    yield migrated_db
+    if not migrated_db.is_closed() and migrated_db.in_transaction():
+        migrated_db.rollback()
+
+
+class Clock:
+    """A clock the test sets; it runs in real time until told otherwise."""
+
+    def __init__(self):
+        self.fixed = None
+
+    def __call__(self):
+        return self.fixed or datetime.datetime.now(UTC)
+
+    def set(self, *args):
+        self.fixed = datetime.datetime(*args, tzinfo=UTC) if args else None
+
+    def advance(self, **delta):
+        self.fixed = self() + datetime.timedelta(**delta)
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+@pytest.fixture
+def worker(io_loop):
+    peer = HttpPeer("worker", body={"ok": True, "job_id": "job-1"})
+    yield peer
+    peer.stop()
+
+
+@pytest.fixture
+def frappe(io_loop):
+    peer = HttpPeer("frappe", body={"message": {"name": "FO-0001", "workflow_state": "Name Check"}})
+    yield peer
+    peer.stop()
+
+
+@pytest.fixture
+def telegram(io_loop):
+    peer = HttpPeer("telegram", body={"ok": True, "result": {"message_id": 1}})
+    yield peer
+    peer.stop()
+
+
+@pytest.fixture(scope="session")
+def smtp_server():
+    peer = SmtpPeer()
+    yield peer
+    peer.stop()
+
+
+@pytest.fixture
+def smtp(smtp_server):
+    smtp_server.clear()
+    return smtp_server
+
+
+@pytest.fixture
+def settings(worker, frappe, telegram, smtp):
+    return Settings(
+        webhook_secret=WEBHOOK_SECRET,
+        workflow_url=frappe.url, workflow_api_key="wf-key", workflow_api_secret="wf-secret",
+        workflow_site_name="erp.example.test",
+        worker_url=worker.url,
+        telegram_api_url=telegram.url, telegram_bot_token="123:bot-token",
+        telegram_chat_id="-1001",
+        smtp_url=smtp.url, admin_email="admin@example.test",
+        mail_from="receiver@example.test",
+        outbound_timeout_seconds=3,
+    )
+
+
+@pytest.fixture
+def ctx(settings, clock):
+    return Context.create(settings, clock=clock)
+
+
+@pytest.fixture
+def app(ctx):
+    return make_app(ctx)
+
+
+class Client:
+    """An HTTP client with room for many requests at once (the default allows ten),
+    made on first use so it belongs to the running loop."""
+
+    def __init__(self):
+        self.http = None
+
+    async def fetch(self, url, **kwargs):
+        if self.http is None:
+            self.http = AsyncHTTPClient(force_instance=True, max_clients=100)
+        return await self.http.fetch(url, raise_error=False, **kwargs)
+
+    def close(self):
+        if self.http is not None:
+            self.http.close()
+
+
+@pytest.fixture
+def client(io_loop):
+    http = Client()
+    yield http
+    http.close()
+
+
+@pytest.fixture
+def post(http_server, base_url, client):
+    """POST to the service under test; returns (status, parsed JSON body, response)."""
+    async def send(path, body, headers=None):
+        raw = body if isinstance(body, (bytes, str)) else json.dumps(body)
+        response = await client.fetch(base_url + path, method="POST", body=raw,
+                                      headers=headers or {})
+        try:
+            parsed = json.loads(response.body) if response.body else None
+        except ValueError:
+            parsed = None
+        return response.code, parsed, response
+    return send

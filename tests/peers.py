@@ -1,0 +1,114 @@
+"""Real HTTP and SMTP servers on loopback standing in for the systems we talk to.
+
+Each records what it receives and can be told to fail, to refuse, or to be slow."""
+import asyncio
+import dataclasses
+import email
+import email.policy
+import json
+import threading
+
+import tornado.httpserver
+import tornado.testing
+import tornado.web
+from aiosmtpd.controller import Controller
+
+
+@dataclasses.dataclass
+class Received:
+    method: str
+    path: str
+    headers: dict
+    body: bytes
+
+    @property
+    def json(self):
+        return json.loads(self.body)
+
+
+class _Record(tornado.web.RequestHandler):
+    def initialize(self, peer):
+        self.peer = peer
+
+    async def _respond(self):
+        peer = self.peer
+        peer.requests.append(Received(self.request.method, self.request.path,
+                                      dict(self.request.headers), self.request.body))
+        if peer.delay:
+            await asyncio.sleep(peer.delay)
+        status, body = peer.responses.pop(0) if peer.responses else (peer.status, peer.body)
+        self.set_status(status)
+        self.set_header("Content-Type", "application/json")
+        self.finish(body if isinstance(body, (bytes, str)) else json.dumps(body))
+
+    get = post = put = _respond
+
+
+class HttpPeer:
+    """A recording HTTP server. `status`/`body` answer every request; `responses` queues
+    one-off answers; `delay` makes every answer slow; `stop()` takes it off the network."""
+
+    def __init__(self, name, body=None):
+        self.name = name
+        self.requests = []
+        self.responses = []
+        self.status = 200
+        self.body = {"ok": True} if body is None else body
+        self.delay = 0
+        sock, self.port = tornado.testing.bind_unused_port()
+        self.server = tornado.httpserver.HTTPServer(
+            tornado.web.Application([(r".*", _Record, {"peer": self})]))
+        self.server.add_sockets([sock])
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self):
+        self.server.stop()
+
+    def fail_with(self, status, body=None):
+        self.status, self.body = status, {"error": "peer told to fail"} if body is None else body
+
+
+class _MailBox:
+    def __init__(self):
+        self.messages = []
+        self.refuse_with = None
+        self.lock = threading.Lock()
+
+    async def handle_DATA(self, server, session, envelope):
+        if self.refuse_with:
+            return self.refuse_with
+        message = email.message_from_bytes(envelope.content, policy=email.policy.default)
+        with self.lock:
+            self.messages.append((envelope.rcpt_tos, message))
+        return "250 Message accepted for delivery"
+
+
+class SmtpPeer:
+    """A real SMTP server (aiosmtpd) in its own thread."""
+
+    def __init__(self):
+        self.box = _MailBox()
+        sock, self.port = tornado.testing.bind_unused_port()
+        sock.close()
+        self.controller = Controller(self.box, hostname="127.0.0.1", port=self.port)
+        self.controller.start()
+
+    @property
+    def url(self):
+        return f"smtp://127.0.0.1:{self.port}"
+
+    @property
+    def messages(self):
+        with self.box.lock:
+            return list(self.box.messages)
+
+    def clear(self):
+        with self.box.lock:
+            self.box.messages.clear()
+        self.box.refuse_with = None
+
+    def stop(self):
+        self.controller.stop()
