@@ -1,0 +1,101 @@
+"""Order operations shared by the card and crypto plugins, written once.
+
+Each runs inside the caller's transaction and asks for its effects through `effects`, so
+an event's changes and the mail, jobs and alerts they cause happen together, once."""
+import logging
+
+from models import ORDER_MODELS, ComplianceOrder
+from services.db import locked
+
+log = logging.getLogger("receiver.orders")
+
+# The card processor's payment method types, in the words our CRTC orders use.
+PAYMENT_METHODS = {
+    "card": "card",
+    "us_bank_account": "ach",
+    "affirm": "bnpl",
+    "klarna": "bnpl",
+    "afterpay_clearpay": "bnpl",
+    "crypto": "crypto",
+}
+
+
+class OrderNotFound(LookupError):
+    """No order of that kind and number (yet): the event is retried later, not dropped,
+    because the system that creates orders may not have written it yet."""
+
+
+def payment_method_of(processor_type):
+    return PAYMENT_METHODS.get(processor_type or "")
+
+
+def find_order(order_type, order_number, for_update=False):
+    model = ORDER_MODELS[order_type]
+    query = model.select().where(model.order_number == order_number)
+    return (locked(query) if for_update else query).first()
+
+
+def complete_payment(ctx, effects, order_id, order_type, reference, *, source,
+                     payment_intent_id=None, payment_method=None):
+    """Mark an order paid, once (DESIGN.md "Completing a payment").
+
+    A first completion sets payment_status `paid`, paid_at, the reference
+    (stripe_session_id), the payment intent and, on CRTC orders, the payment method;
+    re-dispatches a parent order with gov_fee_paid=true; and sends one order alert.
+    An order already paid only gets a missing payment-intent id filled in.
+    Returns (order, newly_paid)."""
+    if order_type not in ORDER_MODELS:
+        raise ValueError(f"unknown order type {order_type!r}")
+    order = find_order(order_type, order_id, for_update=True)
+    if order is None:
+        raise OrderNotFound(f"no {order_type} order {order_id}")
+    now = ctx.clock()
+    if order.payment_status == "paid":
+        if payment_intent_id and not order.stripe_payment_intent_id:
+            order.stripe_payment_intent_id = payment_intent_id
+            order.updated_at = now
+            order.save()
+        log.info("%s order %s is already paid; nothing more to do", order_type, order_id)
+        return order, False
+
+    order.payment_status = "paid"
+    order.paid_at = now
+    order.stripe_session_id = reference
+    order.stripe_payment_intent_id = payment_intent_id or order.stripe_payment_intent_id
+    if order_type == "canada_crtc" and payment_method:
+        order.payment_method = payment_method
+    order.updated_at = now
+    order.save()
+
+    if order.parent_order_number:
+        _redispatch_parent(effects, order)
+    effects.alert(order_alert_text(order, source), key=f"alert-paid-{order_type}-{order_id}",
+                  order_number=order_id)
+    log.info("%s order %s paid via %s (%s)", order_type, order_id, source, reference)
+    return order, True
+
+
+def _redispatch_parent(effects, child):
+    """The child collected the parent's government fee: the parent's compliance service
+    runs again, now with the fee paid."""
+    parent = (ComplianceOrder.select()
+              .where(ComplianceOrder.order_number == child.parent_order_number).first())
+    if parent is None:
+        log.error("order %s names parent %s, which is not a compliance order; not re-dispatched",
+                  child.order_number, child.parent_order_number)
+        return
+    effects.job("process_compliance_service", {
+        "order_name": parent.order_number,
+        "order_number": parent.order_number,
+        "service_slug": parent.service_slug or "",
+        "gov_fee_paid": True,
+    }, key=f"job-gov-fee-paid-{parent.order_number}-{child.order_number}")
+
+
+def order_alert_text(order, source):
+    lines = [f"New paid order {order.order_number} ({order.kind})", f"Source: {source}"]
+    if order.service_name:
+        lines.append(f"Service: {order.service_name}")
+    if order.discount_code:
+        lines.append(f"Campaign discount code: {order.discount_code}")
+    return "\n".join(lines)

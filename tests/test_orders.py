@@ -1,0 +1,90 @@
+"""The shared "complete a payment" step, against real peers."""
+import datetime
+import json
+
+import pytest
+
+from models import ComplianceOrder, CrtcOrder, FormationOrder, Outbox, database
+from services import outbox
+from services.orders import OrderNotFound, complete_payment, payment_method_of
+
+
+def complete(ctx, *args, **kwargs):
+    effects = outbox.Effects(ctx)
+    with database.atomic():
+        result = complete_payment(ctx, effects, *args, **kwargs)
+    return result, effects
+
+
+@pytest.mark.gen_test
+async def test_first_completion_marks_paid_and_alerts_once(ctx, clock, telegram):
+    clock.set(2026, 11, 20, 15, 30)
+    FormationOrder.create(order_number="FO-1", customer_email="c@example.test",
+                          discount_code="SPRING25", service_name="Wyoming LLC")
+    (order, newly_paid), effects = complete(ctx, "FO-1", "formation", "cs_test_1",
+                                            source="card", payment_intent_id="pi_1")
+    await outbox.deliver(ctx, effects.rows)
+    order = FormationOrder.get(FormationOrder.order_number == "FO-1")
+    assert newly_paid and order.payment_status == "paid"
+    assert order.paid_at == datetime.datetime(2026, 11, 20, 15, 30, tzinfo=datetime.timezone.utc)
+    assert (order.stripe_session_id, order.stripe_payment_intent_id) == ("cs_test_1", "pi_1")
+    [request] = telegram.requests
+    assert request.path == "/bot123:bot-token/sendMessage"
+    text = request.json["text"]
+    assert request.json["chat_id"] == "-1001"
+    assert "FO-1" in text and "card" in text and "SPRING25" in text
+
+    (order, newly_paid), effects = complete(ctx, "FO-1", "formation", "cs_other",
+                                            source="card")
+    await outbox.deliver(ctx, effects.rows)
+    assert not newly_paid and effects.rows == []
+    assert FormationOrder.get().stripe_session_id == "cs_test_1"
+    assert len(telegram.requests) == 1
+
+
+def test_a_paid_order_gets_a_missing_payment_intent_filled_in(ctx):
+    FormationOrder.create(order_number="FO-2", payment_status="paid", stripe_session_id="cs_2")
+    (_, newly_paid), _ = complete(ctx, "FO-2", "formation", "cs_2", source="card",
+                                  payment_intent_id="pi_2")
+    order = FormationOrder.get()
+    assert not newly_paid and order.stripe_payment_intent_id == "pi_2"
+    assert Outbox.select().count() == 0
+
+
+@pytest.mark.parametrize("processor_type,method", [
+    ("card", "card"), ("us_bank_account", "ach"), ("affirm", "bnpl"), ("klarna", "bnpl"),
+    ("afterpay_clearpay", "bnpl"), ("crypto", "crypto"), ("link", None), (None, None)])
+def test_payment_method_mapping(processor_type, method):
+    assert payment_method_of(processor_type) == method
+
+
+def test_crtc_order_records_its_payment_method(ctx):
+    CrtcOrder.create(order_number="CA-1")
+    complete(ctx, "CA-1", "canada_crtc", "cs_ca", source="card",
+             payment_method=payment_method_of("us_bank_account"))
+    assert CrtcOrder.get().payment_method == "ach"
+
+
+@pytest.mark.gen_test
+async def test_a_child_order_redispatches_its_parent_with_the_fee_paid(ctx, worker):
+    ComplianceOrder.create(order_number="CO-PARENT", service_slug="ca-annual-report")
+    ComplianceOrder.create(order_number="CO-FEE", parent_order_number="CO-PARENT")
+    _, effects = complete(ctx, "CO-FEE", "compliance", "cs_fee", source="card")
+    await outbox.deliver(ctx, effects.rows)
+    [request] = worker.requests
+    assert request.json == {"action": "process_compliance_service", "order_name": "CO-PARENT",
+                            "order_number": "CO-PARENT", "service_slug": "ca-annual-report",
+                            "gov_fee_paid": True}
+
+
+def test_an_unknown_order_is_an_error_so_the_event_is_retried(ctx):
+    with pytest.raises(OrderNotFound):
+        complete(ctx, "FO-404", "formation", "cs", source="card")
+
+
+def test_alert_payload_is_stored_with_its_key(ctx):
+    FormationOrder.create(order_number="FO-3")
+    complete(ctx, "FO-3", "formation", "crypto-tx1", source="crypto")
+    row = Outbox.get()
+    assert row.idempotency_key == "alert-paid-formation-FO-3"
+    assert "crypto" in json.loads(row.payload)["text"]
