@@ -1,12 +1,13 @@
 # make run   - serve on 127.0.0.1:8000 with an embedded SQLite database under ./var/
 # make test  - the whole suite on SQLite, then on PostgreSQL (TEST_POSTGRES_URL)
+# make bench - the receivers against a bare Tornado app, results in bench/results/
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 TEST_POSTGRES_URL ?= postgresql://postgres@127.0.0.1:5432/test
 PYTEST_ARGS ?=
 
-.PHONY: run migrate test test-sqlite test-postgres clean
+.PHONY: run migrate test test-sqlite test-postgres bench clean
 
 $(BIN)/.installed: requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +28,9 @@ test-sqlite: $(BIN)/.installed
 
 test-postgres: $(BIN)/.installed
 	TEST_DATABASE_URL=$(TEST_POSTGRES_URL) $(BIN)/pytest $(PYTEST_ARGS)
+
+bench: $(BIN)/.installed
+	$(BIN)/python -m bench.run $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) var

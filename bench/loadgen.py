@@ -1,0 +1,83 @@
+"""A small closed-loop HTTP/1.1 load generator: N keep-alive connections, each sending
+its next request as soon as the previous answer is read, for a fixed time.
+
+It runs in its own process (python bench/loadgen.py ...), so it never shares a core's
+event loop with the server it measures. Requests come from a scenario in
+bench/scenarios.py, which can make every request unique (fresh ids, fresh signatures).
+"""
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+
+from bench import scenarios
+
+
+async def connection(host, port, scenario, deadline, latencies, failures):
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        while time.monotonic() < deadline:
+            request = scenario.next_request(host, port)
+            started = time.perf_counter()
+            writer.write(request)
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = 0
+            for line in head.split(b"\r\n")[1:]:
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    length = int(value)
+            if length:
+                await reader.readexactly(length)
+            latencies.append(time.perf_counter() - started)
+            status = int(head.split(b" ", 2)[1])
+            if status != scenario.expected_status:
+                failures[status] = failures.get(status, 0) + 1
+    finally:
+        writer.close()
+
+
+def percentile(sorted_values, fraction):
+    if not sorted_values:
+        return float("nan")
+    index = min(len(sorted_values) - 1, int(round(fraction * (len(sorted_values) - 1))))
+    return sorted_values[index]
+
+
+async def run(host, port, scenario, connections, duration):
+    latencies, failures = [], {}
+    started = time.monotonic()
+    deadline = started + duration
+    await asyncio.gather(*(connection(host, port, scenario, deadline, latencies, failures)
+                           for _ in range(connections)))
+    elapsed = time.monotonic() - started
+    latencies.sort()
+    return {
+        "requests": len(latencies),
+        "seconds": round(elapsed, 3),
+        "rps": round(len(latencies) / elapsed, 1),
+        "p50_ms": round(1000 * percentile(latencies, 0.50), 2),
+        "p99_ms": round(1000 * percentile(latencies, 0.99), 2),
+        "mean_ms": round(1000 * statistics.fmean(latencies), 2) if latencies else None,
+        "unexpected_statuses": failures,
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("scenario", choices=sorted(scenarios.SCENARIOS))
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--connections", type=int, default=32)
+    parser.add_argument("--duration", type=float, default=10.0)
+    parser.add_argument("--options", default="{}", help="JSON options for the scenario")
+    args = parser.parse_args(argv)
+    scenario = scenarios.SCENARIOS[args.scenario](**json.loads(args.options))
+    result = asyncio.run(run(args.host, args.port, scenario, args.connections, args.duration))
+    json.dump(result, sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
