@@ -10,8 +10,8 @@ import os
 
 from peewee import (
     BigIntegerField, BooleanField, DatabaseProxy, DateTimeField, Field,
-    ForeignKeyField, IntegerField, Model, PostgresqlDatabase, SqliteDatabase,
-    TextField,
+    ForeignKeyField, IntegerField, InterfaceError, Model, OperationalError,
+    PostgresqlDatabase, SqliteDatabase, TextField,
 )
 from playhouse.db_url import parse
 from playhouse.shortcuts import ReconnectMixin
@@ -72,6 +72,15 @@ class ExactDecimalField(Field):
 
 class ReconnectingPostgresqlDatabase(ReconnectMixin, PostgresqlDatabase):
     """Reconnects once when PostgreSQL dropped the connection (restart, failover)."""
+
+    # psycopg2's words for a connection that is gone (ReconnectMixin only knows MySQL's).
+    reconnect_errors = (
+        (OperationalError, "server closed the connection"),
+        (OperationalError, "could not connect"),
+        (OperationalError, "connection to server"),
+        (OperationalError, "terminating connection"),
+        (InterfaceError, "connection already closed"),
+    )
 
 
 def open_database(url):
@@ -153,6 +162,8 @@ class ComplianceOrder(OrderBase):
     subscription_status = TextField(null=True)
     cancelled_at = UTCDateTimeField(null=True)
     fulfillment_status = TextField(null=True)
+    intake_reminders_sent = IntegerField(default=0)
+    intake_reminded_at = UTCDateTimeField(null=True)
 
     class Meta:
         table_name = "compliance_orders"
@@ -267,3 +278,68 @@ class Outbox(BaseModel):
 
 ALL_MODELS = [*ORDER_MODELS.values(), TreasuryJob, LedgerEntry, WebhookEvent, Outbox]
 
+
+
+# Public endpoints (issue 6): "already filed" links, surveys and referral codes.
+
+class SelfFiling(BaseModel):
+    """A customer's "I already filed" click for one IFTA/UCR order and cycle; the first
+    click's time is kept and reminders for that cycle stop."""
+
+    kind = TextField()
+    order_number = TextField()
+    cycle = TextField()
+    self_filed_at = UTCDateTimeField()
+
+    class Meta:
+        table_name = "self_filings"
+        indexes = ((("kind", "order_number", "cycle"), True),)
+
+
+class SurveyResponse(BaseModel):
+    """The post-completion survey: one response per order."""
+
+    order_number = TextField(unique=True)
+    rating = IntegerField()
+    comment = TextField(default="")
+
+    class Meta:
+        table_name = "survey_responses"
+
+
+class ReferralCode(BaseModel):
+    """A customer's referral code, written by the back office. The new customer gets
+    percent_off; the referrer earns reward_cents per paid order that used the code."""
+
+    code = TextField(unique=True)
+    owner_email = TextField(index=True)
+    percent_off = IntegerField()
+    reward_cents = BigIntegerField(default=0)
+    active = BooleanField(default=True)
+    expires_at = UTCDateTimeField(null=True)
+
+    class Meta:
+        table_name = "referral_codes"
+
+
+PUBLIC_MODELS = [SelfFiling, SurveyResponse, ReferralCode]
+
+
+# Card processor (issue 3): the subscription cycles of compliance orders.
+
+class SubscriptionCycle(BaseModel):
+    """One paid renewal (Stripe invoice with billing_reason subscription_cycle) of a
+    subscription, numbered 1, 2, ... in the order they were paid. Kept apart from the
+    inbox, which is pruned, so the numbering survives."""
+
+    subscription_id = TextField()
+    invoice_id = TextField(unique=True)
+    order_number = TextField()
+    cycle = IntegerField()
+
+    class Meta:
+        table_name = "subscription_cycles"
+        indexes = ((("subscription_id", "cycle"), True),)
+
+
+CARD_MODELS = [SubscriptionCycle]

@@ -66,6 +66,11 @@ class Settings:
     spool_dir: str = "var/spool"
     log_format: str = "text"
     outbound_timeout_seconds: int = 10
+    scheduler_tick_seconds: int = 10
+    claim_lease_seconds: int = 60
+    retention_days: int = 30
+    public_rate_limit: int = 30
+    public_rate_window_seconds: int = 60
 
     @classmethod
     def from_env(cls, environ=None):
@@ -110,6 +115,13 @@ class Settings:
             log_format=text("RECEIVER_LOG_FORMAT", cls.log_format),
             outbound_timeout_seconds=_int(
                 env, "OUTBOUND_TIMEOUT_SECONDS", cls.outbound_timeout_seconds),
+            scheduler_tick_seconds=_int(
+                env, "SCHEDULER_TICK_SECONDS", cls.scheduler_tick_seconds),
+            claim_lease_seconds=_int(env, "CLAIM_LEASE_SECONDS", cls.claim_lease_seconds),
+            retention_days=_int(env, "RETENTION_DAYS", cls.retention_days),
+            public_rate_limit=_int(env, "PUBLIC_RATE_LIMIT", cls.public_rate_limit),
+            public_rate_window_seconds=_int(
+                env, "PUBLIC_RATE_WINDOW_SECONDS", cls.public_rate_window_seconds),
         )
         settings.check()
         return settings
@@ -125,6 +137,15 @@ class Settings:
                 f"RECEIVER_ENV must be development or production, got {self.env!r}")
         if self.max_body_bytes <= 0:
             raise ConfigurationError("MAX_BODY_BYTES must be positive")
+        if min(self.scheduler_tick_seconds, self.claim_lease_seconds, self.retention_days) <= 0:
+            raise ConfigurationError(
+                "SCHEDULER_TICK_SECONDS, CLAIM_LEASE_SECONDS and RETENTION_DAYS must be positive")
+        if self.claim_lease_seconds <= self.outbound_timeout_seconds:
+            # A send still waiting on its peer would be claimed and sent a second time.
+            raise ConfigurationError(
+                "CLAIM_LEASE_SECONDS must be longer than OUTBOUND_TIMEOUT_SECONDS")
+        if self.public_rate_window_seconds <= 0:
+            raise ConfigurationError("PUBLIC_RATE_WINDOW_SECONDS must be positive")
         if not self.production:
             return
         missing = []

@@ -1,8 +1,30 @@
 """Every route of the service, in one list."""
+from handlers.card import CardWebhookHandler
+from handlers.crypto import crypto_route
+from handlers.ops import HealthHandler, MetricsHandler, ReadyHandler
+from handlers.links import FiledLinkHandler
+from handlers.openapi import OpenApiHandler
+from handlers.public import (
+    DotRequirementsHandler, ReferralCheckHandler, ReferralInfoHandler, SurveyHandler,
+)
 from handlers.workflow import WorkflowWebhookHandler
+from services.ratelimit import RateLimiter
 
 
 def routes(ctx):
+    public = {"ctx": ctx, "limiter": RateLimiter.from_settings(ctx.settings)}
     return [
         (r"/api/v1/webhooks/([a-z]+/[a-z-]+)", WorkflowWebhookHandler, {"ctx": ctx}),
+        (r"/api/v1/webhooks/card-processor", CardWebhookHandler, {"ctx": ctx}),
+        crypto_route(ctx),
+        (r"/healthz", HealthHandler, {"ctx": ctx}),
+        (r"/readyz", ReadyHandler, {"ctx": ctx}),
+        (r"/metrics", MetricsHandler, {"ctx": ctx}),
+        (r"/api/v1/ifta/filed", FiledLinkHandler, {**public, "kind": "ifta"}),
+        (r"/api/v1/ucr/filed", FiledLinkHandler, {**public, "kind": "ucr"}),
+        (r"/api/v1/survey", SurveyHandler, public),
+        (r"/api/v1/referral/check", ReferralCheckHandler, public),
+        (r"/api/v1/referral/([^/]+)", ReferralInfoHandler, public),
+        (r"/api/v1/dot/state-requirements", DotRequirementsHandler, public),
+        (r"/api/v1/openapi.yaml", OpenApiHandler),
     ]

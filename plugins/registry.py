@@ -1,9 +1,19 @@
 """The decorator-based registry that maps an event's name to its plugin."""
+import decimal
+import json
+
+
+def exact_json(text):
+    """JSON whose numbers keep every digit: 7.80 becomes Decimal("7.80"), never a float."""
+    return json.loads(text, parse_float=decimal.Decimal, parse_constant=decimal.Decimal)
 
 
 class Registry:
-    def __init__(self, what):
+    """`decode` turns a stored payload into what the plugins of this registry receive."""
+
+    def __init__(self, what, decode=json.loads):
         self.what = what
+        self.decode = decode
         self._plugins = {}
 
     def register(self, key):
@@ -26,7 +36,7 @@ class Registry:
 
 workflow_webhooks = Registry("workflow webhook")
 card_events = Registry("card event type")
-crypto_statuses = Registry("crypto invoice status")
+crypto_statuses = Registry("crypto invoice status", decode=exact_json)
 
 
 def card_event(event_type):

@@ -18,6 +18,7 @@ from clients.telegram import TelegramClient
 from clients.workflow import WorkflowClient
 from clients.worker import WorkerClient
 from models import utcnow
+from services.metrics import Metrics
 from settings import Settings
 
 log = logging.getLogger("receiver")
@@ -43,6 +44,9 @@ class Context:
     templates: jinja2.Environment
     clock: typing.Callable = utcnow
     background_tasks: set = dataclasses.field(default_factory=set)
+    metrics: Metrics = dataclasses.field(default_factory=Metrics)
+    # Set by `serve` once the scheduler runs (anything with `.running`); /readyz asks it.
+    scheduler: typing.Any = None
 
     @classmethod
     def create(cls, settings, clock=utcnow):

@@ -7,38 +7,90 @@ is written to be safe to run again. Outbox rows are sent after the commit.
 """
 import datetime
 import inspect
-import json
 import logging
+import time
 
 import peewee
 
 from models import WebhookEvent, database
-from services import outbox
-from services.db import insert_once, locked
+from services import outbox, spool
+from services.claims import claim, lease
+from services.db import UNAVAILABLE, insert_once, locked
 
 log = logging.getLogger("receiver.events")
 
 RETRY_BASE_SECONDS = 60
 RETRY_CAP_SECONDS = 6 * 3600
+# Handling that failed this many times is given up as `dead`, and the admin is told once.
+MAX_ATTEMPTS = 10
+FINAL_STATUSES = ("processed", "ignored", "rejected", "dead")
 
 
 def record(ctx, source, event_type, dedup_key, payload, external_id=None,
-           order_number=None, status="received", last_error=None):
-    """Store the call; return (event, created). A known dedup key returns the first copy."""
-    now = ctx.clock()
-    event_id = insert_once(
-        WebhookEvent, source=source, event_type=event_type, dedup_key=dedup_key,
-        external_id=external_id, order_number=order_number,
-        payload=payload.decode("utf-8", "replace") if isinstance(payload, bytes) else payload,
-        status=status, last_error=last_error, received_at=now,
-        created_at=now, updated_at=now)
-    if event_id:
-        return WebhookEvent.get_by_id(event_id), True
-    existing = WebhookEvent.get(WebhookEvent.source == source,
-                                WebhookEvent.dedup_key == dedup_key)
+           order_number=None, status="received", last_error=None, also_known_as=()):
+    """Store the call; return (event, created). A known dedup key, or one of
+    `also_known_as` (earlier keys of the same call), returns the first copy.
+
+    While the database is unavailable the call is appended to the spool instead and
+    (None, False) is returned: it is durable, and the spool drain will store and handle
+    it. If even the spool cannot be written, the database error propagates (503)."""
+    if isinstance(payload, bytes):
+        payload = payload.decode("utf-8", "replace")
+    call = {"source": source, "event_type": event_type, "dedup_key": dedup_key,
+            "also_known_as": list(also_known_as), "external_id": _storable(external_id),
+            "order_number": _storable(order_number), "status": status,
+            "last_error": last_error, "payload": _storable(payload),
+            "received_at": ctx.clock()}
+    try:
+        return _store(ctx, call)
+    except UNAVAILABLE as unavailable:
+        _spool(ctx, call, unavailable)
+        return None, False
+
+
+def _storable(text):
+    """PostgreSQL text cannot hold NUL. A raw NUL is not valid JSON, and no order number
+    has one, so it is kept as U+FFFD rather than failing the whole call."""
+    return text.replace("\x00", "\ufffd") if isinstance(text, str) else text
+
+
+def store_spooled(ctx, call):
+    """Store a call read back from the spool; the database errors propagate."""
+    return _store(ctx, call)
+
+
+def _store(ctx, call):
+    source, event_type = call["source"], call["event_type"]
+    existing = None
+    for earlier_key in call["also_known_as"]:
+        existing = existing or find(ctx, source, earlier_key)
+    if existing is None:
+        now = ctx.clock()
+        event_id = insert_once(
+            WebhookEvent, source=source, event_type=event_type,
+            dedup_key=call["dedup_key"], external_id=call["external_id"],
+            order_number=call["order_number"], payload=call["payload"],
+            status=call["status"], last_error=call["last_error"],
+            received_at=call["received_at"], created_at=now, updated_at=now)
+        if event_id:
+            return WebhookEvent.get_by_id(event_id), True
+        existing = find(ctx, source, call["dedup_key"])
+    ctx.metrics.event_duplicate(source, event_type)
     log.info("duplicate %s event %s (%s) ignored; first stored as #%s",
-             source, event_type, external_id or dedup_key, existing.id)
+             source, event_type, call["external_id"] or call["dedup_key"], existing.id)
     return existing, False
+
+
+def _spool(ctx, call, unavailable):
+    try:
+        spool.append(ctx.settings.spool_dir,
+                     {**call, "received_at": call["received_at"].isoformat()})
+    except OSError:
+        log.exception("database unavailable (%s) and the spool cannot be written either",
+                      unavailable)
+        raise unavailable from None
+    log.warning("database unavailable (%s): %s event %s spooled",
+                " ".join(str(unavailable).split()), call["source"], call["event_type"])
 
 
 def find(ctx, source, dedup_key):
@@ -53,11 +105,26 @@ def _registry(source):
 
 async def process(ctx, event):
     """Handle a stored event once. Never raises: a failure is logged and recorded on the
-    event, which the scheduler retries with backoff."""
-    plugin = _registry(event.source).get(event.event_type)
+    event, which the scheduler retries with backoff. One log line per event says how it
+    went, keyed by the event's id."""
+    started = time.monotonic()
+    outcome = await _handle(ctx, event)
+    seconds = time.monotonic() - started
+    ctx.metrics.event_handled(event, outcome, seconds)
+    log.info("event #%s %s %s %s %.1fms", event.id, event.source, event.event_type, outcome,
+             1000 * seconds, extra={"event_id": event.id, "source": event.source,
+                                    "event_type": event.event_type,
+                                    "external_id": event.external_id,
+                                    "outcome": outcome, "ms": round(1000 * seconds, 1)})
+    return outcome
+
+
+async def _handle(ctx, event):
+    registry = _registry(event.source)
+    plugin = registry.get(event.event_type)
     effects = outbox.Effects(ctx, event)
     try:
-        payload = json.loads(event.payload)
+        payload = registry.decode(event.payload)
         if plugin is None:
             _finish(ctx, event.id, "ignored")
             return "ignored"
@@ -69,7 +136,7 @@ async def process(ctx, event):
             with database.atomic():
                 current = locked(WebhookEvent.select(WebhookEvent.status)
                                  .where(WebhookEvent.id == event.id)).get()
-                if current.status in ("processed", "ignored", "rejected"):
+                if current.status in FINAL_STATUSES:
                     return current.status
                 plugin(ctx, payload, effects)
                 _finish(ctx, event.id, "processed")
@@ -91,12 +158,46 @@ def _finish(ctx, event_id, status):
 def _fail(ctx, event, exc):
     now = ctx.clock()
     attempts = event.attempts + 1
+    error = f"{type(exc).__name__}: {exc}"[:2000]
     delay = min(RETRY_CAP_SECONDS, RETRY_BASE_SECONDS * 2 ** (attempts - 1))
     try:
-        (WebhookEvent.update(status="failed", attempts=attempts, updated_at=now,
-                             last_error=f"{type(exc).__name__}: {exc}"[:2000],
-                             next_attempt_at=now + datetime.timedelta(seconds=delay))
-         .where(WebhookEvent.id == event.id).execute())
+        with database.atomic():
+            if attempts >= MAX_ATTEMPTS:
+                _give_up(ctx, event, attempts, error)
+            else:
+                (WebhookEvent.update(status="failed", attempts=attempts, updated_at=now,
+                                     last_error=error,
+                                     next_attempt_at=now + datetime.timedelta(seconds=delay))
+                 .where(WebhookEvent.id == event.id).execute())
     except peewee.PeeweeException:
         log.exception("could not record the failure of event #%s; it stays %s",
                       event.id, event.status)
+
+
+def _give_up(ctx, event, attempts, error):
+    now = ctx.clock()
+    (WebhookEvent.update(status="dead", attempts=attempts, updated_at=now, last_error=error,
+                         next_attempt_at=None)
+     .where(WebhookEvent.id == event.id).execute())
+    log.error("%s event #%s (%s) dead after %d attempts: %s",
+              event.source, event.id, event.event_type, attempts, error)
+    outbox.tell_admin(
+        ctx, f"event-{event.id}", f"Webhook event #{event.id} given up",
+        "event_dead", event=event, attempts=attempts, error=error)
+
+
+async def retry_due(ctx):
+    """Claim the events due for handling and handle each once; returns how many.
+
+    Due: stored but left unhandled for a whole lease (the process that took it died), or
+    failed with its retry time come."""
+    now = ctx.clock()
+    abandoned = ((WebhookEvent.status == "received")
+                 & (WebhookEvent.received_at <= now - lease(ctx))
+                 & (WebhookEvent.next_attempt_at.is_null()
+                    | (WebhookEvent.next_attempt_at <= now)))
+    retry = (WebhookEvent.status == "failed") & (WebhookEvent.next_attempt_at <= now)
+    events = claim(ctx, WebhookEvent, abandoned | retry)
+    for event in events:
+        await process(ctx, event)
+    return len(events)

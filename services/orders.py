@@ -20,6 +20,10 @@ PAYMENT_METHODS = {
 }
 
 
+# A payment failure only moves orders that were still expecting or holding the money.
+FAILABLE_STATUSES = ("paid", "pending_payment")
+
+
 class OrderNotFound(LookupError):
     """No order of that kind and number (yet): the event is retried later, not dropped,
     because the system that creates orders may not have written it yet."""
@@ -42,7 +46,8 @@ def complete_payment(ctx, effects, order_id, order_type, reference, *, source,
     A first completion sets payment_status `paid`, paid_at, the reference
     (stripe_session_id), the payment intent and, on CRTC orders, the payment method;
     re-dispatches a parent order with gov_fee_paid=true; and sends one order alert.
-    An order already paid only gets a missing payment-intent id filled in.
+    An order already paid only gets a missing payment-intent id (or CRTC payment
+    method) filled in.
     Returns (order, newly_paid)."""
     if order_type not in ORDER_MODELS:
         raise ValueError(f"unknown order type {order_type!r}")
@@ -51,8 +56,7 @@ def complete_payment(ctx, effects, order_id, order_type, reference, *, source,
         raise OrderNotFound(f"no {order_type} order {order_id}")
     now = ctx.clock()
     if order.payment_status == "paid":
-        if payment_intent_id and not order.stripe_payment_intent_id:
-            order.stripe_payment_intent_id = payment_intent_id
+        if _fill_in_missing(order, payment_intent_id, payment_method):
             order.updated_at = now
             order.save()
         log.info("%s order %s is already paid; nothing more to do", order_type, order_id)
@@ -73,6 +77,19 @@ def complete_payment(ctx, effects, order_id, order_type, reference, *, source,
                   order_number=order_id)
     log.info("%s order %s paid via %s (%s)", order_type, order_id, source, reference)
     return order, True
+
+
+def _fill_in_missing(order, payment_intent_id, payment_method):
+    """A later event of the same payment may know what the first did not: the payment
+    intent, or (on CRTC orders, where settlement depends on it) the payment method."""
+    changed = False
+    if payment_intent_id and not order.stripe_payment_intent_id:
+        order.stripe_payment_intent_id = payment_intent_id
+        changed = True
+    if order.kind == "canada_crtc" and payment_method and not order.payment_method:
+        order.payment_method = payment_method
+        changed = True
+    return changed
 
 
 def _redispatch_parent(effects, child):
@@ -99,3 +116,50 @@ def order_alert_text(order, source):
     if order.discount_code:
         lines.append(f"Campaign discount code: {order.discount_code}")
     return "\n".join(lines)
+
+
+def mark_payment_failed(ctx, order_number, reason):
+    """SPEC.md 4.2 payment_intent.payment_failed: every order of any kind with that number
+    that is `paid` or `pending_payment` becomes `failed`, with a note line. Returns them."""
+    now = ctx.clock()
+    marked = []
+    for model in ORDER_MODELS.values():
+        query = model.select().where(model.order_number == order_number,
+                                     model.payment_status.in_(FAILABLE_STATUSES))
+        for order in locked(query):
+            order.payment_status = "failed"
+            order.append_note(f"Payment failed: {reason} ({now.isoformat(timespec='seconds')})")
+            order.updated_at = now
+            order.save()
+            marked.append(order)
+    return marked
+
+
+def find_by_payment_intent(payment_intent_id):
+    """The order a payment intent paid: exact match on stripe_payment_intent_id first, then
+    (SPEC.md) a substring match on the reference, across the four kinds; or None."""
+    if not payment_intent_id:
+        return None
+    for model in ORDER_MODELS.values():
+        order = locked(model.select().where(
+            model.stripe_payment_intent_id == payment_intent_id)).first()
+        if order:
+            return order
+    for model in ORDER_MODELS.values():
+        # ILIKE narrows it down; the case-sensitive test makes it exact (ids are).
+        for order in locked(model.select().where(
+                model.stripe_session_id.contains(payment_intent_id))):
+            if payment_intent_id in order.stripe_session_id:
+                return order
+    return None
+
+
+def mark_disputed(ctx, order, reason, amount):
+    """SPEC.md 4.2 charge.dispute.created: `disputed` whatever the status was, with a note
+    line naming the reason and the disputed amount."""
+    now = ctx.clock()
+    order.payment_status = "disputed"
+    order.append_note(f"Dispute opened: {reason}, amount {amount} "
+                      f"({now.isoformat(timespec='seconds')})")
+    order.updated_at = now
+    order.save()

@@ -9,14 +9,21 @@ import json
 import logging
 import random
 
+from peewee import fn
+
 from models import Outbox
+from services.claims import claim, lease
 from services.db import insert_once
 
 log = logging.getLogger("receiver.outbox")
 
-# While the cause's own request sends a row, the scheduler leaves it alone this long.
-SEND_LEASE = datetime.timedelta(seconds=60)
 MAX_ATTEMPTS = 12
+# Keys of the admin e-mails that say a row or an event was given up; such an e-mail
+# given up itself is only logged, not announced again.
+ADMIN_NOTICE_PREFIX = "admin-notice-"
+# A run of the sender goes on while rows keep succeeding (an order's queued effects
+# go out one after another), up to this many passes.
+MAX_PASSES = 50
 BACKOFF_BASE_SECONDS = 30
 BACKOFF_CAP_SECONDS = 6 * 3600
 
@@ -42,16 +49,21 @@ class Effects:
         self.ctx = ctx
         self.event = event
         self.rows = []
+        # Counts every effect asked for, new or already stored, so a replay derives the
+        # same keys as the first run did.
+        self.asked = 0
 
     def add(self, kind, payload, key=None, order_number=None):
         if key is None:
             origin = (self.event.source, self.event.dedup_key) if self.event else ("direct",)
-            key = f"{kind}-{stable_key(*origin, kind, len(self.rows))}"
+            key = f"{kind}-{stable_key(*origin, kind, self.asked)}"
+        self.asked += 1
         now = self.ctx.clock()
+        # While the cause's own request sends the row, the scheduler leaves it alone.
         row_id = insert_once(
             Outbox, event=self.event.id if self.event else None, kind=kind,
             order_number=order_number, payload=json.dumps(payload),
-            idempotency_key=key, next_attempt_at=now + SEND_LEASE,
+            idempotency_key=key, next_attempt_at=now + lease(self.ctx),
             created_at=now, updated_at=now)
         if row_id:
             self.rows.append(row_id)
@@ -116,24 +128,93 @@ def record_outcome(ctx, row, result):
     changes = {Outbox.attempts: attempts, Outbox.updated_at: now}
     if result.ok:
         changes.update({Outbox.status: "sent", Outbox.sent_at: now, Outbox.last_error: None})
+        ctx.metrics.effect_sent(row.kind, "sent")
     elif not result.retryable or attempts >= MAX_ATTEMPTS:
         changes.update({Outbox.status: "dead", Outbox.last_error: result.error})
+        ctx.metrics.effect_sent(row.kind, "dead")
         log.error("outbox %s %s dead after %d attempt(s): %s",
                   row.id, row.kind, attempts, result.error)
+        if not row.idempotency_key.startswith(ADMIN_NOTICE_PREFIX):
+            tell_admin(ctx, f"outbox-{row.id}", f"Outbox effect #{row.id} given up",
+                       "outbox_dead", row=row, attempts=attempts, error=result.error)
     else:
         changes.update({Outbox.last_error: result.error,
                         Outbox.next_attempt_at: now + backoff(attempts)})
+        ctx.metrics.effect_sent(row.kind, "retry")
         log.warning("outbox %s %s failed (attempt %d), will retry: %s",
                     row.id, row.kind, attempts, result.error)
     Outbox.update(changes).where(Outbox.id == row.id).execute()
 
 
 async def deliver(ctx, row_ids):
-    """Send the given rows concurrently; each outcome is recorded, none raises."""
+    """Send the given rows concurrently; each outcome is recorded, none raises.
+
+    A row whose order still has an earlier effect pending (from an earlier event) is not
+    sent here: it is handed to the scheduled sender, which keeps each order's effects in
+    the order they were caused."""
     if not row_ids:
         return []
     rows = list(Outbox.select().where(Outbox.id.in_(row_ids), Outbox.status == "pending")
                 .order_by(Outbox.id))
-    return await asyncio.gather(*(send(ctx, row) for row in rows))
+    queued = [row for row in rows if _behind_an_earlier_effect(row)]
+    if queued:
+        _hand_to_scheduler(ctx, [row.id for row in queued])
+    return await asyncio.gather(*(send(ctx, row) for row in rows if row not in queued))
 
 
+def _behind_an_earlier_effect(row):
+    if row.order_number is None:
+        return False
+    earlier = Outbox.select().where(
+        Outbox.order_number == row.order_number, Outbox.status == "pending",
+        Outbox.id < row.id)
+    if row.event_id is not None:
+        earlier = earlier.where(Outbox.event.is_null() | (Outbox.event != row.event_id))
+    return earlier.exists()
+
+
+def _hand_to_scheduler(ctx, row_ids):
+    now = ctx.clock()
+    Outbox.update(next_attempt_at=now, updated_at=now).where(Outbox.id.in_(row_ids)).execute()
+
+
+def _due(now):
+    """Pending rows whose time has come and that no earlier pending row of the same
+    order is waiting before."""
+    earlier = Outbox.alias("earlier")
+    waiting_before = earlier.select(earlier.id).where(
+        earlier.order_number == Outbox.order_number, earlier.status == "pending",
+        earlier.id < Outbox.id)
+    return ((Outbox.status == "pending") & (Outbox.next_attempt_at <= now)
+            & ~fn.EXISTS(waiting_before))
+
+
+async def send_due(ctx):
+    """The scheduled sender: claim the due rows, send them, and go on while sends succeed
+    (the next effect of an order becomes due when the one before it is sent). Returns the
+    number sent."""
+    sent = 0
+    for _ in range(MAX_PASSES):
+        rows = claim(ctx, Outbox, _due(ctx.clock()))
+        if not rows:
+            break
+        results = await asyncio.gather(*(send(ctx, row) for row in rows))
+        succeeded = sum(1 for result in results if result.ok)
+        sent += succeeded
+        if not succeeded:
+            break
+    return sent
+
+
+def tell_admin(ctx, key, subject, template, **variables):
+    """One e-mail to the administrator, keyed so it exists once; the scheduled sender
+    sends it on its next run. Without ADMIN_EMAIL it is only logged."""
+    admin = ctx.settings.admin_email
+    if not admin:
+        log.error("no ADMIN_EMAIL to tell: %s", subject)
+        return None
+    row_id = Effects(ctx).email([admin], subject, f"email/{template}",
+                                key=ADMIN_NOTICE_PREFIX + key, title=subject, **variables)
+    if row_id:
+        _hand_to_scheduler(ctx, [row_id])
+    return row_id

@@ -130,8 +130,9 @@ def smtp(smtp_server):
 
 
 @pytest.fixture
-def settings(worker, frappe, telegram, smtp):
+def settings(worker, frappe, telegram, smtp, tmp_path):
     return Settings(
+        spool_dir=str(tmp_path / "spool"),
         webhook_secret=WEBHOOK_SECRET,
         workflow_url=frappe.url, workflow_api_key="wf-key", workflow_api_secret="wf-secret",
         workflow_site_name="erp.example.test",

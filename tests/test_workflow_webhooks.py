@@ -1,6 +1,7 @@
 """SPEC.md 4.1: the twenty workflow-system webhooks, against real peers on loopback."""
 import asyncio
 import base64
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -8,9 +9,10 @@ import time
 
 import pytest
 
-from models import ComplianceOrder, Outbox, WebhookEvent, database
+from models import ComplianceOrder, Outbox, WebhookEvent
 from plugins import registries
 from tests.conftest import WEBHOOK_SECRET
+from tests.service_process import database_down
 
 ORDER = {"order_name": "ORD-2026-0042", "order_number": "FO-10042"}
 AUTH = {"X-Webhook-Secret": WEBHOOK_SECRET, "Content-Type": "application/json"}
@@ -142,6 +144,18 @@ async def test_body_that_is_not_a_json_object_is_400(post, worker, raw):
 async def test_missing_field_is_400_naming_the_first_one(post, worker, path, body, field):
     status, reply, _ = await post(url(path), body, AUTH)
     assert (status, reply) == (400, {"error": f"missing field: {field}"})
+    assert worker.requests == [] and WebhookEvent.select().count() == 0
+
+
+@pytest.mark.parametrize("raw,field", [
+    (b'{"order_name": "A\\u0000", "order_number": "FO-1"}', "order_name"),
+    (b'{"order_name": "A", "order_number": "FO-1\\u0000"}', "order_number"),
+    (b'{"order_name": "A", "order_number": "FO-1\\n2"}', "order_number"),
+], ids=["nul-name", "nul-number", "newline"])
+@pytest.mark.gen_test
+async def test_control_characters_in_a_field_are_400(post, worker, raw, field):
+    status, reply, _ = await post(url("crtc/approved"), raw, AUTH)
+    assert (status, reply) == (400, {"error": f"invalid field: {field}"})
     assert worker.requests == [] and WebhookEvent.select().count() == 0
 
 
@@ -364,16 +378,9 @@ async def test_frappe_signature_is_verified_when_configured(post, worker, signin
 # --- database down -----------------------------------------------------------------------
 
 @pytest.mark.gen_test
-async def test_database_down_is_not_acknowledged_as_received(post, worker, db):
-    database.close()
-    original = db.connect
-
-    def refuse(*args, **kwargs):
-        raise __import__("peewee").OperationalError("database is down")
-    db.connect = refuse
-    try:
+async def test_database_and_spool_down_is_not_acknowledged_as_received(post, worker, db, ctx):
+    ctx.settings = dataclasses.replace(ctx.settings, spool_dir="/dev/null/spool")
+    with database_down(db):
         status, reply, _ = await post(url("formation/ready"), ORDER, AUTH)
-    finally:
-        db.connect = original
     assert status == 503 and reply == {"error": "temporarily unavailable"}
     assert worker.requests == []

@@ -14,11 +14,15 @@ class WorkflowWebhook:
     job_constants = {}             # fixed payload fields added to the job
     answer = None                  # the `action` of the acknowledgement
 
-    def first_missing_field(self, body):
+    def field_error(self, body):
+        """What is wrong with the first unusable required field, or None. Control
+        characters (a NUL, say) are no part of an order's name or number."""
         for name in self.fields:
             value = body.get(name)
             if not isinstance(value, str) or not value.strip():
-                return name
+                return f"missing field: {name}"
+            if not value.isprintable():
+                return f"invalid field: {name}"
         return None
 
     def job_payload(self, ctx, body):

@@ -1,0 +1,178 @@
+"""POST /api/v1/webhooks/crypto-processor: SHKeeper's invoice callbacks (SPEC.md 4.3).
+
+SHKeeper re-sends a callback every 60 s, forever, until it gets exactly 202; so every
+outcome but a refused key is 202, and the inbox, not the sender, retries our failures.
+"""
+import functools
+import hashlib
+import hmac
+import logging
+import re
+
+from handlers.base import ApiHandler, same_secret
+from models import database
+from services import inbox, outbox, treasury
+from services.db import UNAVAILABLE
+
+log = logging.getLogger("receiver.crypto")
+
+SOURCE = "crypto"
+KEY_HEADERS = ("X-Crypto-Processor-Api-Key", "X-Shkeeper-Api-Key")
+SIGNATURE_HEADER = "X-Shkeeper-Signature"
+TIMESTAMP_HEADER = "X-Shkeeper-Timestamp"
+SIGNATURE_WINDOW_SECONDS = 300
+RECEIVED = {"received": True}
+INTERNAL_ERROR = {"received": True, "error": "internal"}
+
+
+class WarnOnce:
+    """Logs its warning the first time it is called, never again."""
+
+    def __init__(self, message):
+        self.message = message
+        self.warned = False
+
+    def __call__(self):
+        if not self.warned:
+            self.warned = True
+            log.warning(self.message)
+
+
+def crypto_route(ctx):
+    """The route, with its own once-per-process warning about a missing key."""
+    unkeyed = WarnOnce("CRYPTO_PROCESSOR_API_KEY is not set: crypto-processor callbacks "
+                       "are accepted without any check. Set it before going live.")
+    return (r"/api/v1/webhooks/crypto-processor", CryptoProcessorWebhookHandler,
+            {"ctx": ctx, "unkeyed_warning": unkeyed})
+
+
+def signature_valid(api_key, raw, signature, timestamp, now):
+    """SHKeeper's signature: hex HMAC-SHA256(api_key, "<timestamp>." + raw body), made
+    within SIGNATURE_WINDOW_SECONDS of `now` either way."""
+    if not signature or not timestamp or not re.fullmatch(r"[0-9]{1,12}", timestamp):
+        return False
+    if abs(now.timestamp() - int(timestamp)) > SIGNATURE_WINDOW_SECONDS:
+        return False
+    expected = hmac.new(api_key.encode("utf-8"), f"{timestamp}.".encode("ascii") + raw,
+                        hashlib.sha256).hexdigest()
+    return same_secret(signature.strip().lower(), expected)
+
+
+class CryptoProcessorWebhookHandler(ApiHandler):
+    def initialize(self, ctx, unkeyed_warning):
+        super().initialize(ctx)
+        self.unkeyed_warning = unkeyed_warning
+
+    async def post(self):
+        raw = self.raw_body
+        self.authenticate(raw)
+        try:
+            event, created, rows = self.store(raw)
+        except UNAVAILABLE:
+            raise
+        except Exception:
+            # Kept in the log, the only place left for it: the body carries no secret.
+            log.exception("crypto callback could not be stored: %s",
+                          raw[:4000].decode("utf-8", "replace"))
+            self.answer(202, INTERNAL_ERROR)
+            return
+        await outbox.deliver(self.ctx, rows)
+        outcome = None
+        if created and event.status == "received":
+            outcome = await inbox.process(self.ctx, event)
+        self.answer(202, INTERNAL_ERROR if outcome == "failed" else RECEIVED)
+
+    def authenticate(self, raw):
+        """Every credential presented must be right, and at least one presented: the
+        API key in either header, SHKeeper's signature when it sends one."""
+        api_key = self.ctx.settings.crypto_processor_api_key
+        if not api_key:
+            self.unkeyed_warning()
+            return
+        headers = self.request.headers
+        keys = [headers[name] for name in KEY_HEADERS if name in headers]
+        signed = SIGNATURE_HEADER in headers or TIMESTAMP_HEADER in headers
+        if not keys and not signed:
+            self.refuse("no api key")
+        if not all(same_secret(key, api_key) for key in keys):
+            self.refuse("api key mismatch")
+        if signed and not signature_valid(api_key, raw, headers.get(SIGNATURE_HEADER),
+                                          headers.get(TIMESTAMP_HEADER), self.ctx.clock()):
+            self.refuse("bad or expired signature")
+
+    def refuse(self, why):
+        log.warning("crypto callback refused from %s: %s", self.request.remote_ip, why)
+        self.fail(401, "invalid api key")
+
+    def store(self, raw):
+        """Keep the call in the inbox; returns (event, created, outbox rows to send)."""
+        body = None
+        try:
+            body = treasury.read(raw)
+            if treasury.external_id_of(body) is None:
+                event, created = self.ignore(raw, body)
+                return event, created, []
+            callback = treasury.Callback.parse(body)
+        except treasury.MalformedCallback as malformed:
+            return self.reject(raw, body, str(malformed))
+        event, created = inbox.record(
+            self.ctx, SOURCE, callback.status or "unknown", callback.dedup_key(), raw,
+            external_id=callback.external_id, order_number=callback.external_id)
+        return event, created, []
+
+    def ignore(self, raw, body):
+        """No external_id: nothing to act on (SPEC.md 4.3 rule 2). Kept as `ignored`, so
+        an operator can see what arrived."""
+        status = body.get("status")
+        status = status if isinstance(status, str) and status.isprintable() else "unknown"
+        log.info("crypto callback without external_id (status %r) ignored", status)
+        return inbox.record(self.ctx, SOURCE, status or "unknown",
+                            f"no-external-id:{_digest(raw)}", raw, status="ignored",
+                            last_error="no external_id")
+
+    def reject(self, raw, body, reason):
+        """Kept as `rejected` with the reason; the admin hears of it when it claimed to be
+        paid, since an order may be waiting on this money."""
+        external_id = _external_id_or_none(body)
+        log.warning("crypto callback for %s rejected: %s", external_id or "unknown order",
+                    reason)
+        record = functools.partial(
+            inbox.record, self.ctx, SOURCE, "malformed", f"rejected:{_digest(raw)}", raw,
+            external_id=external_id, order_number=external_id, status="rejected",
+            last_error=reason)
+        try:
+            with database.atomic():
+                event, created = record()
+                effects = outbox.Effects(self.ctx, event)
+                if created and treasury.claims_paid(body):
+                    self.tell_admin(effects, event, external_id, reason, raw)
+        except UNAVAILABLE:
+            # No transaction to be had: the inbox alone can still keep it (in the spool).
+            event, created = record()
+            return event, created, []
+        return event, created, effects.rows
+
+    def tell_admin(self, effects, event, external_id, reason, raw):
+        admin = self.ctx.settings.admin_email
+        if not admin:
+            log.warning("ADMIN_EMAIL unset: nobody is told of rejected crypto callback #%s",
+                        event.id)
+            return
+        order = " ".join((external_id or "unknown order").split())[:80]
+        subject = f"Crypto payment callback rejected: {order}"
+        effects.email([admin], subject, "email/crypto_callback_rejected",
+                      order_number=external_id, title=subject, order=order,
+                      reason=reason, event_id=event.id,
+                      received_at=event.received_at.isoformat(timespec="seconds"),
+                      body=raw.decode("utf-8", "replace")[:4000])
+
+
+def _digest(raw):
+    return hashlib.sha256(raw).hexdigest()
+
+
+def _external_id_or_none(body):
+    try:
+        return treasury.external_id_of(body) if isinstance(body, dict) else None
+    except treasury.MalformedCallback:
+        return None

@@ -1,0 +1,95 @@
+"""GET /api/v1/ifta/filed and /api/v1/ucr/filed: the one-click "I already filed" links.
+
+These GETs change state, so they are idempotent: the first valid click records the time,
+every later one (a second click, a mail scanner's prefetch) shows the same page with that
+first time. The token is checked before the order is looked up, so a caller without a
+valid link learns nothing about which orders exist."""
+import tornado.web
+
+from handlers.public import RateLimited
+from services import links
+from services.db import UNAVAILABLE
+
+KIND_TITLES = {"ifta": "IFTA fuel-tax return", "ucr": "UCR annual registration"}
+ERROR_TEXTS = {
+    429: ("Too many requests", "Please wait a minute, then open the link again."),
+    503: ("Temporarily unavailable", "Please open the link again in a few minutes."),
+}
+GENERIC_ERROR = ("Something went wrong", "Please open the link again later.")
+
+
+class PageHandler(tornado.web.RequestHandler):
+    """An HTML page: Jinja2 (autoescaped) from templates/pages/, and errors as pages."""
+
+    def initialize(self, ctx):
+        self.ctx = ctx
+
+    def set_default_headers(self):
+        self.clear_header("Server")
+        self.set_header("Content-Type", "text/html; charset=utf-8")
+        self.set_header("Cache-Control", "no-store")
+        self.set_header("X-Content-Type-Options", "nosniff")
+        # The page needs no script; the URL carries a token that must not leak onward.
+        self.set_header("Content-Security-Policy",
+                        "default-src 'none'; style-src 'unsafe-inline'; base-uri 'none'")
+        self.set_header("Referrer-Policy", "no-referrer")
+        self.set_header("X-Robots-Tag", "noindex")
+
+    def show(self, status, template, **values):
+        self.set_status(status)
+        page = self.ctx.templates.get_template(f"pages/{template}.html")
+        self.finish(page.render(**values))
+
+    def stop_with(self, status, template, **values):
+        self.show(status, template, **values)
+        raise tornado.web.Finish()
+
+    def show_error(self, status):
+        heading, text = ERROR_TEXTS.get(status, GENERIC_ERROR)
+        self.show(status, "error", heading=heading, text=text)
+
+    def write_error(self, status_code, exc_info=None, **kwargs):
+        if exc_info and isinstance(exc_info[1], UNAVAILABLE):
+            self.set_header("Retry-After", "30")
+            status_code = 503
+        self.show_error(status_code)
+
+
+class FiledLinkHandler(RateLimited, PageHandler):
+    def initialize(self, ctx, limiter, kind):
+        super().initialize(ctx, limiter)
+        self.kind = kind
+
+    def refuse_too_many(self):
+        self.show_error(429)
+        raise tornado.web.Finish()
+
+    def head(self):
+        """Link checkers send HEAD: answer as GET would, but record nothing."""
+        self.checked_link()
+        self.set_status(200)
+
+    def get(self):
+        order, cycle = self.checked_link()
+        filed_at, first_time = links.record_self_filed(self.kind, order.order_number, cycle,
+                                                       self.ctx.clock())
+        self.show(200, "filed", title=self.title, kind=self.kind,
+                  order_number=order.order_number, cycle=cycle,
+                  customer_name=order.customer_name or "", filed_at=filed_at,
+                  first_time=first_time)
+
+    @property
+    def title(self):
+        return KIND_TITLES[self.kind]
+
+    def checked_link(self):
+        """(order, cycle) of a valid link to a known order; else the 403 or 404 page."""
+        order_number, cycle, token = (self.get_query_argument(name, "").strip()
+                                      for name in ("order", "cycle", "token"))
+        if not links.token_valid(self.ctx.settings.link_secret, self.kind, order_number,
+                                 cycle, token):
+            self.stop_with(403, "invalid_link", title=self.title)
+        order = links.find_order(order_number)
+        if order is None:
+            self.stop_with(404, "unknown_order", title=self.title)
+        return order, cycle

@@ -1,0 +1,59 @@
+"""For the operator and their monitoring: liveness, readiness and Prometheus metrics.
+
+None of them needs a secret and none of them shows one: they say what is wrong in words
+an operator can act on (which part is down), never a connection string."""
+import logging
+
+import tornado.web
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+
+from handlers.base import ApiHandler
+from models import database
+from services.db import UNAVAILABLE
+
+log = logging.getLogger("receiver.ops")
+
+
+class HealthHandler(ApiHandler):
+    """The process is up and its event loop answers."""
+
+    def get(self):
+        self.answer(200, {"status": "ok"})
+
+
+class ReadyHandler(ApiHandler):
+    """Ready to take webhooks: the database answers and the scheduler runs."""
+
+    def get(self):
+        checks = {"database": self.database_check(), "scheduler": self.scheduler_check()}
+        problems = {name: problem for name, problem in checks.items() if problem != "ok"}
+        status = 503 if problems else 200
+        self.answer(status, {"status": "ready" if not problems else "not ready",
+                             "checks": checks})
+
+    def database_check(self):
+        try:
+            database.execute_sql("SELECT 1").fetchone()
+        except UNAVAILABLE as exc:
+            log.warning("readiness: database unavailable: %s", exc)
+            return "unreachable"
+        return "ok"
+
+    def scheduler_check(self):
+        scheduler = self.ctx.scheduler
+        if scheduler is None:
+            return "not started"
+        return "ok" if scheduler.running else "stopped"
+
+
+class MetricsHandler(tornado.web.RequestHandler):
+    """Prometheus text format; the gauges are computed now, from indexed queries."""
+
+    def initialize(self, ctx):
+        self.ctx = ctx
+
+    def get(self):
+        # The classic text format: every Prometheus version (and most agents) reads it.
+        self.set_header("Content-Type", CONTENT_TYPE_PLAIN_0_0_4)
+        self.set_header("Cache-Control", "no-store")
+        self.finish(self.ctx.metrics.exposition(self.ctx))

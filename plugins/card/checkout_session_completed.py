@@ -1,0 +1,44 @@
+"""checkout.session.completed: a Checkout Session finished.
+
+Paid now (card): the order is paid. Unpaid (a bank debit still clearing): wait for
+payment_intent.succeeded. A subscription-mode session links its subscription to the
+compliance order, paid or not, so renewals and cancellation find the order.
+"""
+import logging
+
+from plugins.registry import card_event
+from services.card_events import object_of, order_of_metadata, payment_method_used
+from services.orders import OrderNotFound, complete_payment, find_order
+
+log = logging.getLogger("receiver.card")
+
+
+@card_event("checkout.session.completed")
+def handle(ctx, event, effects):
+    session = object_of(event)
+    order = order_of_metadata(session)
+    if order is None:
+        return
+    order_id, order_type = order
+    if session.get("payment_status") == "paid":
+        complete_payment(ctx, effects, order_id, order_type, session["id"], source="card",
+                         payment_intent_id=session.get("payment_intent"),
+                         payment_method=payment_method_used(session))
+    else:
+        log.info("session %s for %s is %s; waiting for the payment to clear",
+                 session["id"], order_id, session.get("payment_status"))
+    if session.get("mode") == "subscription" and session.get("subscription"):
+        link_subscription(ctx, order_id, order_type, session["subscription"])
+
+
+def link_subscription(ctx, order_id, order_type, subscription_id):
+    if order_type != "compliance":
+        log.error("subscription %s belongs to %s order %s, not a compliance order; not kept",
+                  subscription_id, order_type, order_id)
+        return
+    order = find_order("compliance", order_id, for_update=True)
+    if order is None:
+        raise OrderNotFound(f"no compliance order {order_id}")
+    order.stripe_subscription_id = subscription_id
+    order.updated_at = ctx.clock()
+    order.save()

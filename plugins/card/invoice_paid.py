@@ -1,0 +1,31 @@
+"""invoice.paid: a subscription renewed, so the compliance service runs again for the new
+cycle. Only renewals (billing_reason subscription_cycle) count; the first invoice is the
+checkout itself."""
+import logging
+
+from plugins.registry import card_event
+from services.card_events import (
+    object_of, order_with_subscription, record_cycle, subscription_of_invoice)
+from services.orders import OrderNotFound
+
+log = logging.getLogger("receiver.card")
+
+
+@card_event("invoice.paid")
+def handle(ctx, event, effects):
+    invoice = object_of(event)
+    if invoice.get("billing_reason") != "subscription_cycle":
+        return
+    subscription = subscription_of_invoice(invoice)
+    order = order_with_subscription(subscription)
+    if order is None:
+        # Its checkout.session.completed may not have linked the subscription yet.
+        raise OrderNotFound(f"no compliance order with subscription {subscription!r}")
+    cycle = record_cycle(ctx, order, subscription, invoice["id"])
+    effects.job("process_compliance_service", {
+        "order_name": order.order_number,
+        "order_number": order.order_number,
+        "service_slug": order.service_slug or "",
+        "recurring_cycle": cycle,
+        "invoice_id": invoice["id"],
+    }, key=f"job-subscription-cycle-{invoice['id']}")

@@ -1,0 +1,30 @@
+"""invoice.payment_failed: a subscription payment failed. The administrator is told each
+time; on the first attempt the customer also gets a nudge to update the card."""
+from plugins.registry import card_event
+from services.card_events import (
+    dollars, email_admin, object_of, order_with_subscription, subscription_of_invoice)
+
+FIRST_ATTEMPT = 1
+NUDGE_SUBJECT = "Your payment did not go through"
+
+
+@card_event("invoice.payment_failed")
+def handle(ctx, event, effects):
+    invoice = object_of(event)
+    order = order_with_subscription(subscription_of_invoice(invoice))
+    order_number = order.order_number if order else "unknown"
+    details = {
+        "invoice": invoice["id"],
+        "attempt": invoice.get("attempt_count"),
+        "amount": f"${dollars(invoice.get('amount_due'))}",
+        "customer_name": (order and order.customer_name) or invoice.get("customer_name") or "",
+        "customer_email": (order and order.customer_email) or invoice.get("customer_email"),
+        "service_name": (order and order.service_name) or "your subscription",
+        "pay_url": invoice.get("hosted_invoice_url"),
+    }
+    email_admin(ctx, effects, f"Subscription payment failed for order {order_number}",
+                "invoice_payment_failed_admin", order_number, **details)
+    if invoice.get("attempt_count") == FIRST_ATTEMPT and details["customer_email"]:
+        effects.email([details["customer_email"]], NUDGE_SUBJECT,
+                      "email/invoice_payment_failed_customer", order_number=order_number,
+                      title=NUDGE_SUBJECT, **details)

@@ -1,0 +1,148 @@
+"""The periodic work, run in-process by APScheduler on the service's event loop.
+
+Every SCHEDULER_TICK_SECONDS: send due outbox rows, retry due inbox events, drain the
+spool. Every hour: intake reminders and pruning. Every SETTLEMENT_INTERVAL_MINUTES (and
+once at start): the settlement fallback.
+
+Several processes may share one PostgreSQL: each run of a job first takes a
+PostgreSQL advisory lock named after the job, and a process that does not get it skips
+that run, so a job runs in one process at a time. On SQLite one process is assumed.
+"""
+import asyncio
+import dataclasses
+import datetime
+import logging
+import typing
+import zlib
+
+from apscheduler.schedulers.asyncio import AsyncIOScheduler
+from apscheduler.triggers.interval import IntervalTrigger
+
+from models import UTC, database, is_postgres
+from services import inbox, outbox, reminders, retention, spool
+from services.db import UNAVAILABLE
+
+log = logging.getLogger("receiver.scheduler")
+
+HOURLY = 3600
+
+
+async def settle(ctx):
+    from services.settlement import settle_crtc_orders
+    return await settle_crtc_orders(ctx)
+
+
+async def prune(ctx):
+    return retention.prune(ctx)
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    name: str
+    run: typing.Callable
+    every: typing.Callable  # settings -> seconds
+    at_start: bool = True
+
+    @property
+    def lock_id(self):
+        return zlib.crc32(f"receiver.job.{self.name}".encode())
+
+
+JOBS = (
+    Job("outbox", outbox.send_due, lambda s: s.scheduler_tick_seconds),
+    Job("inbox", inbox.retry_due, lambda s: s.scheduler_tick_seconds),
+    Job("spool", spool.drain, lambda s: s.scheduler_tick_seconds),
+    Job("settlement", settle, lambda s: 60 * s.settlement_interval_minutes),
+    Job("reminders", reminders.send_intake_reminders, lambda s: HOURLY),
+    Job("retention", prune, lambda s: HOURLY, at_start=False),
+)
+JOBS_BY_NAME = {job.name: job for job in JOBS}
+
+
+class AdvisoryLock:
+    """A PostgreSQL session-level advisory lock, taken without waiting; on SQLite the one
+    process always has it."""
+
+    def __init__(self, lock_id):
+        self.lock_id = lock_id
+
+    def acquire(self):
+        if not is_postgres():
+            return True
+        cursor = database.execute_sql("SELECT pg_try_advisory_lock(%s)", (self.lock_id,))
+        return bool(cursor.fetchone()[0])
+
+    def release(self):
+        if is_postgres():
+            database.execute_sql("SELECT pg_advisory_unlock(%s)", (self.lock_id,))
+
+
+class Scheduler:
+    def __init__(self, ctx, jobs=JOBS):
+        self.ctx = ctx
+        self.jobs = jobs
+        self.apscheduler = AsyncIOScheduler(timezone=UTC)
+        self.in_progress = set()
+
+    @property
+    def running(self):
+        """For /readyz: the jobs are scheduled and will run."""
+        return self.apscheduler.running
+
+    async def start(self):
+        """Drain the spool left by an earlier run, then schedule every job."""
+        await self.run(JOBS_BY_NAME["spool"])
+        now = datetime.datetime.now(UTC)
+        for job in self.jobs:
+            self.apscheduler.add_job(
+                self.run, IntervalTrigger(seconds=job.every(self.ctx.settings)), args=[job],
+                id=job.name, name=job.name, max_instances=1, coalesce=True,
+                misfire_grace_time=None,
+                next_run_time=now if job.at_start else None)
+        # APScheduler logs every run at INFO; a run that fails is logged by `run` itself.
+        logging.getLogger("apscheduler").setLevel(logging.WARNING)
+        self.apscheduler.start()
+        log.info("scheduler started: %s", ", ".join(job.name for job in self.jobs))
+
+    async def stop(self):
+        """No new runs; wait for the runs in progress to finish."""
+        if self.apscheduler.running:
+            self.apscheduler.shutdown(wait=False)
+        while self.apscheduler.running:  # AsyncIOScheduler shuts down on the next loop turn
+            await asyncio.sleep(0.01)
+        if self.in_progress:
+            await asyncio.gather(*self.in_progress, return_exceptions=True)
+
+    async def run(self, job):
+        """One run of `job` if this process gets its lock; returns the job's result, or
+        None when skipped or failed (a failure is logged; the next run tries again)."""
+        task = asyncio.current_task()
+        self.in_progress.add(task)
+        try:
+            return await self._run_locked(job)
+        finally:
+            self.in_progress.discard(task)
+
+    async def _run_locked(self, job):
+        lock = AdvisoryLock(job.lock_id)
+        try:
+            if not lock.acquire():
+                log.debug("job %s skipped: running in another process", job.name)
+                return None
+        except UNAVAILABLE as exc:
+            log.warning("job %s skipped, the database is unavailable: %s", job.name,
+                        " ".join(str(exc).split()))
+            return None
+        try:
+            return await job.run(self.ctx)
+        except UNAVAILABLE as exc:
+            log.warning("job %s stopped, the database is unavailable: %s", job.name,
+                        " ".join(str(exc).split()))
+        except Exception:
+            log.exception("job %s failed", job.name)
+        finally:
+            try:
+                lock.release()
+            except UNAVAILABLE:
+                pass  # the session is gone, and its locks with it
+        return None

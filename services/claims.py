@@ -1,0 +1,32 @@
+"""Claiming due rows (inbox events, outbox effects) so that only one process works on each.
+
+A claim is one short transaction: the due rows are selected FOR UPDATE SKIP LOCKED on
+PostgreSQL (a row another process is claiming right now is passed over, not waited
+for) and their next_attempt_at is pushed one lease ahead, so after the commit no other
+process finds them due until the lease runs out. The work itself happens after the
+commit; if the process dies mid-work the lease expires and another run picks the row up.
+On SQLite a single process is assumed and writers are serialised by the database.
+"""
+import datetime
+
+from models import database, is_postgres
+
+CLAIM_BATCH = 100
+
+
+def lease(ctx):
+    return datetime.timedelta(seconds=ctx.settings.claim_lease_seconds)
+
+
+def claim(ctx, model, due, limit=CLAIM_BATCH):
+    """Claim up to `limit` rows of `model` matching `due`, oldest first; return them."""
+    now = ctx.clock()
+    with database.atomic():
+        query = model.select().where(due).order_by(model.id).limit(limit)
+        if is_postgres():
+            query = query.for_update(skip_locked=True)
+        rows = list(query)
+        if rows:
+            (model.update(next_attempt_at=now + lease(ctx), updated_at=now)
+             .where(model.id.in_([row.id for row in rows])).execute())
+    return rows

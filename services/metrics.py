@@ -1,0 +1,119 @@
+"""Prometheus metrics: what happened (counters kept in memory) and what is waiting now
+(gauges read from the database and the spool directory when /metrics is scraped).
+
+Each Context owns its own registry, so tests and several apps in one process never share
+counts."""
+import logging
+import os
+
+from peewee import fn
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from models import Outbox, WebhookEvent
+from services.db import UNAVAILABLE
+
+log = logging.getLogger("receiver.metrics")
+
+# Handling runs from a few milliseconds (a plain plugin) to the outbound timeout (an
+# effect sent while the sender waits).
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.events = Counter(
+            "receiver_events", "Inbound events by source, type and outcome of handling "
+            "(processed, ignored, failed, duplicate).",
+            ["source", "type", "outcome"], registry=self.registry)
+        self.handling = Histogram(
+            "receiver_event_handling_seconds", "Time to handle one stored event, "
+            "including sending its effects.", ["source"], buckets=LATENCY_BUCKETS,
+            registry=self.registry)
+        self.sends = Counter(
+            "receiver_outbox_sends", "Attempts to send an outbox effect, by kind and "
+            "result (sent, retry, dead).", ["kind", "result"], registry=self.registry)
+
+    def event_handled(self, event, outcome, seconds):
+        self.events.labels(event.source, event.event_type, outcome).inc()
+        self.handling.labels(event.source).observe(seconds)
+
+    def event_duplicate(self, source, event_type):
+        self.events.labels(source, event_type, "duplicate").inc()
+
+    def effect_sent(self, kind, result):
+        self.sends.labels(kind, result).inc()
+
+    def exposition(self, ctx):
+        """The text format: our counters, then the gauges of this moment."""
+        now_registry = CollectorRegistry()
+        now_registry.register(StateCollector(ctx))
+        return generate_latest(self.registry) + generate_latest(now_registry)
+
+
+class StateCollector:
+    """Gauges computed at scrape time. Every query uses the (status, next_attempt_at)
+    indexes; the spool is a directory listing."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+
+    def collect(self):
+        database_up = GaugeMetricFamily(
+            "receiver_database_up", "1 when the database answered this scrape.")
+        try:
+            families = list(self.database_families())
+        except UNAVAILABLE as exc:
+            log.warning("metrics: database unavailable: %s", exc)
+            families = []
+        database_up.add_metric([], 1 if families else 0)
+        yield database_up
+        yield from families
+        yield from self.spool_families()
+
+    def database_families(self):
+        pending = (Outbox.select(fn.COUNT(Outbox.id), fn.MIN(Outbox.created_at))
+                   .where(Outbox.status == "pending").tuples().get())
+        dead = Outbox.select().where(Outbox.status == "dead").count()
+        failed = WebhookEvent.select().where(WebhookEvent.status == "failed").count()
+        dead_events = WebhookEvent.select().where(WebhookEvent.status == "dead").count()
+        backlog, oldest = pending
+        yield _gauge("receiver_outbox_pending", "Effects waiting to be sent.", backlog)
+        age = 0.0
+        if oldest is not None:
+            age = max(0.0, (self.ctx.clock() - Outbox.created_at.python_value(oldest))
+                      .total_seconds())
+        yield _gauge("receiver_outbox_oldest_pending_age_seconds",
+                     "Age of the oldest effect still waiting (0 when none).", age)
+        yield _gauge("receiver_outbox_dead", "Effects given up on; see `outbox list "
+                     "--status dead`.", dead)
+        yield _gauge("receiver_events_failed", "Stored events whose handling failed and "
+                     "waits for a retry.", failed)
+        yield _gauge("receiver_events_dead", "Stored events given up on after too many "
+                     "failures; see `events replay --failed`.", dead_events)
+
+    def spool_families(self):
+        files, size = spool_usage(self.ctx.settings.spool_dir)
+        yield _gauge("receiver_spool_files", "Files in SPOOL_DIR (calls kept while the "
+                     "database was down).", files)
+        yield _gauge("receiver_spool_bytes", "Bytes in SPOOL_DIR.", size)
+
+
+def _gauge(name, documentation, value):
+    family = GaugeMetricFamily(name, documentation)
+    family.add_metric([], value)
+    return family
+
+
+def spool_usage(folder):
+    """(files, bytes) under `folder`; a missing folder is an empty spool."""
+    files = size = 0
+    for root, _dirs, names in os.walk(folder):
+        for name in names:
+            try:
+                size += os.stat(os.path.join(root, name)).st_size
+            except FileNotFoundError:  # drained while we looked
+                continue
+            files += 1
+    return files, size

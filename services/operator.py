@@ -1,0 +1,151 @@
+"""What the operator's command line does, apart from printing: find events and outbox
+rows, replay events, put dead effects back in line.
+
+Replay runs an event through `services.inbox.process` again, the same path a webhook
+takes. What it can and cannot redo:
+- a `received` or `failed` event is handled as if it had just arrived, and so is a `dead`
+  one (given up after too many failures) with its attempts counted afresh;
+- a `processed`, `ignored` or `rejected` event is handled again only when forced; its
+  database changes are made again (the order operations are idempotent: a paid order
+  stays paid once) and every effect it asks for is deduplicated by its idempotency key,
+  so nothing that is already in the outbox is sent a second time;
+- an effect that was sent, or that died, is not sent again by a replay: `outbox retry`
+  puts a dead one back in line; nothing undoes an effect another system received.
+"""
+import dataclasses
+import datetime
+
+from models import Outbox, WebhookEvent
+from services import inbox
+
+EVENT_STATUSES = ("received", "processed", "failed", "dead", "rejected", "ignored")
+OUTBOX_STATUSES = ("pending", "sent", "dead")
+# Handled without --force: the event never got through. A dead or forced one is reopened
+# first, since handling skips events in a final status.
+UNFINISHED = ("received", "failed")
+FAILURES = ("failed", "dead")
+
+
+class NotFound(Exception):
+    """No row has that id."""
+
+
+class Refused(Exception):
+    """The operation would do something the operator did not ask for; the message says
+    what to add to ask for it."""
+
+
+def list_events(source=None, status=None, since=None, until=None, limit=50):
+    """The newest events first, filtered; `since` inclusive, `until` exclusive."""
+    query = WebhookEvent.select()
+    if source:
+        query = query.where(WebhookEvent.source == source)
+    if status:
+        query = query.where(WebhookEvent.status == status)
+    if since:
+        query = query.where(WebhookEvent.received_at >= since)
+    if until:
+        query = query.where(WebhookEvent.received_at < until)
+    return list(query.order_by(WebhookEvent.received_at.desc(), WebhookEvent.id.desc())
+                .limit(limit))
+
+
+def get_event(event_id):
+    event = WebhookEvent.get_or_none(WebhookEvent.id == event_id)
+    if event is None:
+        raise NotFound(f"no event #{event_id}")
+    return event
+
+
+def effects_of(event):
+    return list(Outbox.select().where(Outbox.event == event.id).order_by(Outbox.id))
+
+
+async def replay(ctx, event_id, force=False):
+    """Handle one event again; returns the outcome (processed, failed, ignored...)."""
+    event = get_event(event_id)
+    if event.status not in UNFINISHED:
+        if event.status not in FAILURES and not force:
+            raise Refused(f"event #{event.id} is {event.status}; add --force to handle "
+                          "it again (its effects are not sent twice)")
+        event = _reopen(ctx, event)
+    return await inbox.process(ctx, event)
+
+
+def _reopen(ctx, event):
+    now = ctx.clock()
+    (WebhookEvent.update(status="received", attempts=0, next_attempt_at=None, updated_at=now)
+     .where(WebhookEvent.id == event.id).execute())
+    return get_event(event.id)
+
+
+@dataclasses.dataclass
+class Replayed:
+    event: WebhookEvent
+    outcome: str
+
+
+async def replay_failed(ctx):
+    """Every failed or dead event, oldest first, one after the other (so the effects of
+    one order keep their order)."""
+    failed = list(WebhookEvent.select().where(WebhookEvent.status.in_(FAILURES))
+                  .order_by(WebhookEvent.received_at, WebhookEvent.id))
+    return [Replayed(event, await replay(ctx, event.id)) for event in failed]
+
+
+def list_outbox(status=None, limit=50):
+    query = Outbox.select()
+    if status:
+        query = query.where(Outbox.status == status)
+    return list(query.order_by(Outbox.id.desc()).limit(limit))
+
+
+def retry_outbox(ctx, row_id):
+    """Put one pending or dead effect back in line, due now, with a fresh attempt count."""
+    row = Outbox.get_or_none(Outbox.id == row_id)
+    if row is None:
+        raise NotFound(f"no outbox row #{row_id}")
+    if row.status == "sent":
+        raise Refused(f"outbox row #{row_id} was sent at {format_time(row.sent_at)}; "
+                      "it is not sent twice")
+    _requeue(ctx, Outbox.id == row_id)
+    return Outbox.get_by_id(row_id)
+
+
+def retry_dead(ctx):
+    """Put every dead effect back in line; returns how many."""
+    return _requeue(ctx, Outbox.status == "dead")
+
+
+def _requeue(ctx, condition):
+    now = ctx.clock()
+    return (Outbox.update(status="pending", attempts=0, next_attempt_at=now,
+                          updated_at=now)
+            .where(condition, Outbox.status != "sent").execute())
+
+
+def parse_time(text):
+    """ISO 8601 date or date-time; without an offset it is taken as UTC."""
+    value = datetime.datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=datetime.timezone.utc)
+    return value.astimezone(datetime.timezone.utc)
+
+
+def format_time(value):
+    return value.strftime("%Y-%m-%d %H:%M:%S") if value else "-"
+
+
+def table(headers, rows):
+    """Plain text columns, as wide as their widest cell; empty cells show as "-"."""
+    cells = [[str(cell) if cell not in (None, "") else "-" for cell in row] for row in rows]
+    widths = [max(len(h), *(len(row[i]) for row in cells)) if cells else len(h)
+              for i, h in enumerate(headers)]
+    lines = [headers, *cells]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip()
+                     for line in lines)
+
+
+def clip(text, width=48):
+    text = " ".join((text or "").split())
+    return text if len(text) <= width else text[:width - 1] + "…"

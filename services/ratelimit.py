@@ -1,0 +1,53 @@
+"""A per-client-IP limit for the public endpoints, so codes, e-mails and order numbers
+cannot be enumerated.
+
+A token bucket per client address: `limit` requests, refilled evenly over `window`
+seconds. The buckets live in this process's memory, which is right for the service as
+deployed (one process); several processes would each allow `limit`.
+"""
+import math
+import time
+
+# Past this many addresses, buckets that have refilled completely are dropped: a full
+# bucket is the same as no bucket, so forgetting it changes nothing.
+PRUNE_ABOVE = 10_000
+
+
+class RateLimiter:
+    def __init__(self, limit, window_seconds, clock=time.monotonic):
+        self.limit = limit
+        self.window = window_seconds
+        self.clock = clock
+        self.buckets = {}
+
+    @classmethod
+    def from_settings(cls, settings):
+        return cls(settings.public_rate_limit, settings.public_rate_window_seconds)
+
+    @property
+    def refill_per_second(self):
+        return self.limit / self.window
+
+    def acquire(self, client):
+        """Take one request for `client`; return 0 when allowed, else the whole seconds to
+        wait before the next request is allowed (for Retry-After)."""
+        if self.limit <= 0:
+            return 0
+        now = self.clock()
+        tokens = self.tokens_at(client, now)
+        if tokens >= 1:
+            self.buckets[client] = (tokens - 1, now)
+            self.prune(now)
+            return 0
+        self.buckets[client] = (tokens, now)
+        return max(1, math.ceil((1 - tokens) / self.refill_per_second))
+
+    def tokens_at(self, client, now):
+        tokens, since = self.buckets.get(client, (self.limit, now))
+        return min(self.limit, tokens + (now - since) * self.refill_per_second)
+
+    def prune(self, now):
+        if len(self.buckets) <= PRUNE_ABOVE:
+            return
+        self.buckets = {client: state for client, state in self.buckets.items()
+                        if self.tokens_at(client, now) < self.limit}

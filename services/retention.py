@@ -1,0 +1,29 @@
+"""Pruning: handled inbox events and sent outbox rows are deleted after RETENTION_DAYS.
+
+Failed, dead and rejected events and pending or dead outbox rows are kept for the
+operator whatever their age. A pruned event's dedup key goes with it, so RETENTION_DAYS
+must stay longer than any sender's retry window (Stripe retries for 3 days).
+"""
+import datetime
+import logging
+
+from models import Outbox, WebhookEvent, database
+
+log = logging.getLogger("receiver.retention")
+
+PRUNED_EVENT_STATUSES = ("processed", "ignored")
+
+
+def prune(ctx):
+    """Delete what is past retention; returns (events, outbox rows) deleted."""
+    cutoff = ctx.clock() - datetime.timedelta(days=ctx.settings.retention_days)
+    with database.atomic():
+        rows = (Outbox.delete()
+                .where(Outbox.status == "sent", Outbox.sent_at < cutoff).execute())
+        events = (WebhookEvent.delete()
+                  .where(WebhookEvent.status.in_(PRUNED_EVENT_STATUSES),
+                         WebhookEvent.processed_at < cutoff).execute())
+    if events or rows:
+        log.info("pruned %d event(s) and %d sent effect(s) older than %s",
+                 events, rows, cutoff.isoformat())
+    return events, rows

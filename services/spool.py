@@ -1,0 +1,168 @@
+"""The spool: where an accepted call goes while the database cannot be written.
+
+One JSON object per line in SPOOL_DIR/inbox.jsonl (the arguments of `inbox.record`: source,
+event_type, dedup_key, also_known_as, external_id, order_number, status, last_error, the
+payload as text, received_at in ISO 8601), appended and fsynced before the sender is
+acknowledged. Several processes may share the directory: a writer holds an
+exclusive flock while it appends and checks that the path still names the file it
+opened (a drain may have renamed it meanwhile).
+
+Draining renames the live file to `inbox-<ns>-<pid>.draining` first, so new calls go to
+a fresh file, then stores every line in the inbox under its dedup key and deletes the
+file. A crash anywhere in between leaves the `.draining` file for the next drain, which
+stores the lines again: the dedup keys make that a no-op for the ones already stored.
+"""
+import datetime
+import fcntl
+import glob
+import json
+import logging
+import os
+import time
+
+from models import UTC
+from services.db import UNAVAILABLE
+
+log = logging.getLogger("receiver.spool")
+
+LIVE_NAME = "inbox.jsonl"
+UNSTORABLE_NAME = "unstorable.jsonl"
+DRAINING_SUFFIX = ".draining"
+
+
+def append(spool_dir, entry, name=LIVE_NAME):
+    """Append `entry` (a JSON-ready dict) durably; raises OSError if it could not be."""
+    os.makedirs(spool_dir, exist_ok=True)
+    line = (json.dumps(entry, separators=(",", ":")) + "\n").encode()
+    path = os.path.join(spool_dir, name)
+    while True:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if not _still_named(fd, path):
+                continue  # renamed by a drain between our open and our lock
+            created = os.fstat(fd).st_size == 0
+            _write_all(fd, line)
+            os.fsync(fd)
+            if created:
+                _fsync_directory(spool_dir)
+            return
+        finally:
+            os.close(fd)
+
+
+async def drain(ctx):
+    """Move every spooled call into the inbox, then handle the ones new to it.
+
+    Returns the number of calls read from the spool. A database still down leaves the
+    spool as it is for the next run."""
+    from services import inbox  # here, because the inbox imports this module
+    spool_dir = ctx.settings.spool_dir
+    _rotate(spool_dir)
+    read = 0
+    created = []
+    for path in sorted(glob.glob(os.path.join(spool_dir, "*" + DRAINING_SUFFIX))):
+        read += _store_file(ctx, path, created) or 0
+    for event in created:
+        await inbox.process(ctx, event)
+    if read:
+        log.info("spool drained: %d call(s) read, %d new to the inbox", read, len(created))
+    return read
+
+
+def _rotate(spool_dir):
+    live = os.path.join(spool_dir, LIVE_NAME)
+    target = os.path.join(spool_dir, f"inbox-{time.time_ns()}-{os.getpid()}{DRAINING_SUFFIX}")
+    try:
+        os.rename(live, target)
+    except FileNotFoundError:
+        return
+    _fsync_directory(spool_dir)
+
+
+def _store_file(ctx, path, created):
+    """Store the lines of one draining file, then delete it; None if another process is
+    draining it or it is gone. A database failure leaves the file in place."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return None
+        if not _still_named(fd, path):
+            return None  # drained and deleted by another process just now
+        with os.fdopen(os.dup(fd), "rb") as handle:
+            entries = _entries(handle, path)
+        for entry in entries:
+            event, is_new = _store_entry(ctx, entry)
+            if is_new:
+                created.append(event)
+        os.unlink(path)
+        _fsync_directory(os.path.dirname(path))
+        return len(entries)
+    except UNAVAILABLE as exc:
+        log.warning("spool not drained, the database is still unavailable: %s",
+                    " ".join(str(exc).split()))
+        return None
+    finally:
+        os.close(fd)
+
+
+def _store_entry(ctx, entry):
+    """Store one spooled call. A call the inbox refuses for a reason other than the
+    database being down would block the spool for good: it is set aside in
+    UNSTORABLE_NAME for the operator instead (the spool size in /metrics shows it)."""
+    from services import inbox  # here, because the inbox imports this module
+    try:
+        return inbox.store_spooled(ctx, entry)
+    except UNAVAILABLE:
+        raise
+    except Exception:
+        log.exception("spooled %s call %s cannot be stored; set aside in %s",
+                      entry.get("source"), entry.get("dedup_key"), UNSTORABLE_NAME)
+        append(ctx.settings.spool_dir,
+               {**entry, "received_at": entry["received_at"].isoformat()},
+               name=UNSTORABLE_NAME)
+        return None, False
+
+
+def _entries(handle, path):
+    entries = []
+    for number, line in enumerate(handle, start=1):
+        try:
+            entries.append(_decode(json.loads(line)))
+        except (ValueError, KeyError, TypeError):
+            # Only a line torn by a crash mid-append can be unreadable, and its call was
+            # never acknowledged (the fsync comes before the answer).
+            log.error("spool %s line %d unreadable, skipped", path, number)
+    return entries
+
+
+def _decode(entry):
+    received_at = datetime.datetime.fromisoformat(entry["received_at"]).astimezone(UTC)
+    return {**entry, "received_at": received_at}
+
+
+def _still_named(fd, path):
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def _write_all(fd, data):
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def _fsync_directory(folder):
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,269 @@
+"""Crypto payments (SHKeeper invoice callbacks, SPEC.md 4.3, 2.4, 2.5).
+
+Reading a callback: amounts are Decimal end to end (strings or JSON numbers, every digit
+kept), fiat cents are rounded half-up, the order type comes from the order number's
+prefix. Recording a paid one: the treasury job and the ledger entry are written together
+in a savepoint, then the order's payment is completed.
+"""
+import dataclasses
+import datetime
+import decimal
+import hashlib
+import logging
+
+import peewee
+
+from models import LedgerEntry, TreasuryJob, database
+from plugins.registry import exact_json
+from services.db import insert_once
+from services.orders import complete_payment
+
+log = logging.getLogger("receiver.crypto")
+
+PROVIDER = "crypto-processor"
+PAID_STATUSES = ("PAID", "OVERPAID")
+ORDER_TYPE_PREFIXES = (
+    ("CA-", "canada_crtc"), ("FO-", "formation"), ("BU-", "bundle"), ("CO-", "compliance"))
+DEFAULT_ORDER_TYPE = "canada_crtc"
+# Wider than any coin's precision or any invoice; anything beyond is not a payment.
+MAX_DECIMAL_PLACES = 30
+MAX_AMOUNT = decimal.Decimal(10) ** 15
+MAX_EXTERNAL_ID_LENGTH = 200
+MAX_TXID_LENGTH = 256
+EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
+
+
+class MalformedCallback(ValueError):
+    """The callback cannot be read as an invoice callback; the message says why."""
+
+
+def read(raw):
+    """The body as a JSON object whose numbers are Decimal, or MalformedCallback."""
+    try:
+        body = exact_json(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise MalformedCallback("body is not JSON") from None
+    if not isinstance(body, dict):
+        raise MalformedCallback("body is not a JSON object")
+    return body
+
+
+def external_id_of(body):
+    """The order number, or None when the callback names none (SPEC.md 4.3 rule 2)."""
+    value = body.get("external_id")
+    if value is None or value == "":
+        return None
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise MalformedCallback(f"external_id is not a string: {_shown(value)}")
+    value = str(value).strip()
+    if len(value) > MAX_EXTERNAL_ID_LENGTH or not value.isprintable():
+        raise MalformedCallback(f"external_id is not an order number: {_shown(value)}")
+    return value or None
+
+
+def claims_paid(body):
+    """Whether a (possibly malformed) callback says the invoice is paid."""
+    return isinstance(body, dict) and (
+        body.get("paid") is True or body.get("status") in PAID_STATUSES)
+
+
+def order_type_of(order_number):
+    for prefix, order_type in ORDER_TYPE_PREFIXES:
+        if order_number.startswith(prefix):
+            return order_type
+    return DEFAULT_ORDER_TYPE
+
+
+def amount(body, field):
+    """A non-negative finite Decimal from a string or JSON number; absent is 0."""
+    value = body.get(field)
+    if value is None:
+        return decimal.Decimal(0)
+    if isinstance(value, bool) or not isinstance(value, (str, int, decimal.Decimal)):
+        raise MalformedCallback(f"{field} is not a number: {_shown(value)}")
+    try:
+        number = decimal.Decimal(value.strip() if isinstance(value, str) else value)
+    except decimal.InvalidOperation:
+        raise MalformedCallback(f"{field} is not a number: {_shown(value)}") from None
+    if not number.is_finite() or number < 0:
+        raise MalformedCallback(f"{field} is not an amount: {_shown(value)}")
+    if number >= MAX_AMOUNT or -number.as_tuple().exponent > MAX_DECIMAL_PLACES:
+        raise MalformedCallback(f"{field} is out of range: {_shown(value)}")
+    return number
+
+
+def cents(amount_fiat):
+    return int((amount_fiat * 100).quantize(decimal.Decimal(1), rounding=decimal.ROUND_HALF_UP))
+
+
+def _text(body, field):
+    value = body.get(field)
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise MalformedCallback(f"{field} is not a string: {_shown(value)}")
+    if not value.isprintable():
+        # Control characters (NUL above all, which PostgreSQL cannot store) are no data.
+        raise MalformedCallback(f"{field} is not printable text: {_shown(value)}")
+    return value.strip()
+
+
+def _txids(body):
+    transactions = body.get("transactions")
+    if transactions is None:
+        return ()
+    if not isinstance(transactions, list) or not all(isinstance(t, dict) for t in transactions):
+        raise MalformedCallback("transactions is not a list of objects")
+    txids = tuple(_text(t, "txid") for t in transactions)
+    if any(len(txid) > MAX_TXID_LENGTH for txid in txids):
+        raise MalformedCallback("a transaction's txid is too long")
+    return txids
+
+
+def _shown(value):
+    """A bad value as it goes into a log line, last_error and the admin's e-mail."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+@dataclasses.dataclass(frozen=True)
+class Callback:
+    """An invoice callback (or an `unconfirmed` notice), read and checked."""
+
+    external_id: str
+    status: str
+    paid: bool
+    coin: str
+    fiat: str
+    amount_coin: decimal.Decimal
+    amount_fiat: decimal.Decimal
+    txids: tuple
+    notice_txid: str
+
+    @classmethod
+    def parse(cls, body):
+        external_id = external_id_of(body)
+        if external_id is None:
+            raise MalformedCallback("no external_id")
+        paid = body.get("paid", False)
+        if not isinstance(paid, bool):
+            raise MalformedCallback(f"paid is not true or false: {_shown(paid)}")
+        return cls(
+            external_id=external_id, status=_text(body, "status"), paid=paid,
+            coin=_text(body, "crypto").upper() or "UNKNOWN", fiat=_text(body, "fiat").upper(),
+            # An `unconfirmed` notice names its coin amount `amount`.
+            amount_coin=amount(body, "balance_crypto" if "balance_crypto" in body else "amount"),
+            amount_fiat=amount(body, "balance_fiat"),
+            txids=_txids(body), notice_txid=_text(body, "txid"))
+
+    @property
+    def to_be_processed(self):
+        return self.paid and self.status in PAID_STATUSES
+
+    @property
+    def order_type(self):
+        return order_type_of(self.external_id)
+
+    @property
+    def amount_usd_cents(self):
+        return cents(self.amount_fiat)
+
+    def txid(self, arrived_at):
+        """transactions[0].txid, or `crypto-<coin>-<epoch ms>` of the callback's arrival."""
+        if self.txids and self.txids[0]:
+            return self.txids[0]
+        epoch_ms = (arrived_at - EPOCH) // datetime.timedelta(milliseconds=1)
+        return f"crypto-{self.coin}-{epoch_ms}"
+
+    def dedup_key(self):
+        """One key per state of the invoice: SHKeeper's re-sends (every 60 s until it
+        gets 202) carry the same state and are one event; a PAID after a PARTIAL, or an
+        OVERPAID after a PAID, differs in status or transactions and is a new one."""
+        state = "|".join([self.status, str(self.paid), *sorted(self.txids), self.notice_txid])
+        digest = hashlib.sha256(state.encode("utf-8")).hexdigest()[:32]
+        return f"{self.external_id}:{self.status or '-'}:{digest}"
+
+    def notes(self):
+        return (f"{self.status}: received {self.amount_coin} {self.coin or 'coin'} "
+                f"({self.amount_fiat} {self.fiat or 'fiat'})")
+
+
+def receive_payment(ctx, payload, effects):
+    """PAID and OVERPAID: record the treasury job and ledger entry, then complete the
+    payment. Anything else, or paid not true, is only logged (SPEC.md 4.3 rule 3)."""
+    callback = Callback.parse(payload)
+    if not callback.to_be_processed:
+        log.info("crypto %s callback for %s with paid=%s: logged only",
+                 callback.status, callback.external_id, callback.paid)
+        return
+    if callback.fiat not in ("", "USD"):
+        log.warning("crypto invoice %s is in %s; its amount is recorded as USD cents as given",
+                    callback.external_id, callback.fiat)
+    txid = callback.txid(arrived_at(ctx, effects))
+    record_receipt(ctx, callback, txid)
+    complete_payment(ctx, effects, callback.external_id, callback.order_type,
+                     f"crypto-{txid}", source="crypto", payment_method="crypto")
+
+
+def log_notice(ctx, payload, effects):
+    """PARTIAL invoices and `unconfirmed` notices: kept in the inbox, logged, no more."""
+    callback = Callback.parse(payload)
+    log.info("crypto %s notice for %s: %s %s (%s %s), transactions %s; nothing to do yet",
+             callback.status, callback.external_id, callback.amount_coin, callback.coin,
+             callback.amount_fiat, callback.fiat,
+             ", ".join(filter(None, (*callback.txids, callback.notice_txid))) or "none")
+
+
+def arrived_at(ctx, effects):
+    """When the callback was first stored: the fallback txid built from it is then the
+    same on every retry of the event, so a retry cannot add a second ledger entry."""
+    return effects.event.received_at if effects.event else ctx.clock()
+
+
+def record_receipt(ctx, callback, txid):
+    """Write the treasury job and the ledger entry together, in a savepoint. A failure
+    is logged and the enclosing transaction goes on (SPEC.md 4.3 rule 6)."""
+    try:
+        with database.atomic():
+            _save_treasury_job(ctx, callback, txid)
+            _add_ledger_entry(ctx, callback, txid)
+        return True
+    except peewee.DatabaseError:
+        log.exception("crypto payment %s for %s: treasury job / ledger entry not written",
+                      txid, callback.external_id)
+        return False
+
+
+def _save_treasury_job(ctx, callback, txid):
+    """One job per order. While it is still `received` its amounts follow the latest
+    callback; once the settlement worker has taken it further it is left as it is."""
+    now = ctx.clock()
+    created = insert_once(
+        TreasuryJob, order_id=callback.external_id, order_type=callback.order_type,
+        state="received", coin=callback.coin, amount_coin=callback.amount_coin,
+        amount_usd_cents=callback.amount_usd_cents,
+        idempotency_key=f"crypto-settle:{callback.external_id}:{txid}",
+        received_at=now, created_at=now, updated_at=now)
+    if created:
+        return
+    updated = (TreasuryJob
+               .update(amount_coin=callback.amount_coin,
+                       amount_usd_cents=callback.amount_usd_cents, updated_at=now)
+               .where(TreasuryJob.order_id == callback.external_id,
+                      TreasuryJob.state == "received")
+               .execute())
+    if not updated:
+        log.info("treasury job of %s is past `received`; left untouched", callback.external_id)
+
+
+def _add_ledger_entry(ctx, callback, txid):
+    now = ctx.clock()
+    added = insert_once(
+        LedgerEntry, order_id=callback.external_id, order_type=callback.order_type,
+        coin=callback.coin, movement_type="receive", amount_coin=callback.amount_coin,
+        amount_usd_cents=callback.amount_usd_cents, provider=PROVIDER, provider_ref=txid,
+        provider_status=callback.status, state="confirmed",
+        idempotency_key=f"{PROVIDER}:{txid}", acquired_at=now, notes=callback.notes(),
+        created_at=now, updated_at=now)
+    if not added:
+        log.info("ledger entry %s:%s already recorded; skipped", PROVIDER, txid)

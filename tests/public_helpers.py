@@ -1,0 +1,42 @@
+"""Helpers shared by the tests of the public endpoints and pages."""
+import contextlib
+import json
+import urllib.parse
+
+import tornado.netutil
+
+from models import ComplianceOrder
+from receiver import make_server
+from services.links import link_token
+
+
+def compliance_order(order_number="CO-20001", customer_name="Dana Trucking LLC"):
+    return ComplianceOrder.create(order_number=order_number, customer_name=customer_name,
+                                  service_slug="ifta-quarterly")
+
+
+def link_path(kind, order_number, cycle, token):
+    query = urllib.parse.urlencode({"order": order_number, "cycle": cycle, "token": token})
+    return f"/api/v1/{kind}/filed?{query}"
+
+
+def signed_path(ctx, kind, order_number, cycle):
+    return link_path(kind, order_number, cycle,
+                     link_token(ctx.settings.link_secret, kind, order_number, cycle))
+
+
+@contextlib.contextmanager
+def served(app, settings):
+    """The app behind the service's own HTTPServer (xheaders=True, as in production) on a
+    free loopback port; yields its base URL."""
+    [sock] = tornado.netutil.bind_sockets(0, "127.0.0.1")
+    server = make_server(app, settings)
+    server.add_sockets([sock])
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.stop()
+
+
+def parsed(response):
+    return json.loads(response.body) if response.body else None

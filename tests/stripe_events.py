@@ -1,0 +1,218 @@
+"""Stripe Event envelopes (API version 2026-03-25.dahlia) as Stripe sends them, and a
+signer written from Stripe's documentation, independent of the service's verifier:
+Stripe-Signature: t=<unix>,v1=<hex HMAC-SHA256(secret, "<t>.<raw body>")>."""
+import dataclasses
+import hashlib
+import hmac
+import itertools
+import json
+
+import pytest
+
+from models import WebhookEvent
+
+API_VERSION = "2026-03-25.dahlia"
+SECRET = "whsec_test_5f2b8c1e9a7d4630b1c2d3e4f5a6b7c8"
+SECRET_KEY = "sk_test_51Receiver0000000000000000"
+
+_serial = itertools.count(1)
+
+
+def _id(prefix):
+    return f"{prefix}_test_{next(_serial):08d}Xk9"
+
+
+def sign(raw, secret=SECRET, timestamp=0):
+    mac = hmac.new(secret.encode("utf-8"), f"{timestamp}.".encode() + raw, hashlib.sha256)
+    return f"t={timestamp},v1={mac.hexdigest()}"
+
+
+def event(event_type, obj, event_id=None, created=1795683600):
+    return {
+        "id": event_id or _id("evt"),
+        "object": "event",
+        "api_version": API_VERSION,
+        "created": created,
+        "data": {"object": obj},
+        "livemode": False,
+        "pending_webhooks": 1,
+        "request": {"id": None, "idempotency_key": None},
+        "type": event_type,
+    }
+
+
+def order_metadata(order_id, order_type):
+    return {"order_id": order_id, "order_type": order_type} if order_id else {}
+
+
+def checkout_session(order_id, order_type, payment_status="paid", mode="payment",
+                     session_id=None, payment_intent="auto", subscription=None,
+                     payment_method_types=("card",), amount_total=49900):
+    session_id = session_id or _id("cs")
+    return {
+        "id": session_id,
+        "object": "checkout.session",
+        "amount_subtotal": amount_total,
+        "amount_total": amount_total,
+        "client_reference_id": None,
+        "created": 1795683500,
+        "currency": "usd",
+        "customer": "cus_test_Q1w2E3r4",
+        "customer_details": {"email": "buyer@example.test", "name": "Pat Buyer",
+                             "address": None, "phone": None, "tax_exempt": "none"},
+        "livemode": False,
+        "metadata": order_metadata(order_id, order_type),
+        "mode": mode,
+        "payment_intent": (_id("pi") if payment_intent == "auto" and mode == "payment"
+                           else None if payment_intent == "auto" else payment_intent),
+        "payment_method_types": list(payment_method_types),
+        "payment_status": payment_status,
+        "status": "complete",
+        "subscription": subscription,
+        "success_url": "https://example.test/thanks",
+        "url": None,
+    }
+
+
+def payment_intent(order_id, order_type, intent_id=None, checkout_session_id=None,
+                   payment_method_types=("card",), latest_charge=None,
+                   last_payment_error=None, status="succeeded", amount=49900):
+    metadata = order_metadata(order_id, order_type)
+    if checkout_session_id:
+        metadata["checkout_session_id"] = checkout_session_id
+    return {
+        "id": intent_id or _id("pi"),
+        "object": "payment_intent",
+        "amount": amount,
+        "amount_received": amount if status == "succeeded" else 0,
+        "capture_method": "automatic",
+        "created": 1795683500,
+        "currency": "usd",
+        "customer": "cus_test_Q1w2E3r4",
+        "last_payment_error": last_payment_error,
+        "latest_charge": latest_charge or _id("ch"),
+        "livemode": False,
+        "metadata": metadata,
+        "payment_method": _id("pm"),
+        "payment_method_types": list(payment_method_types),
+        "status": status,
+    }
+
+
+def card_declined(message="Your card was declined."):
+    return {"code": "card_declined", "decline_code": "generic_decline", "message": message,
+            "type": "card_error"}
+
+
+def dispute(payment_intent_id, amount=12345, reason="fraudulent"):
+    return {
+        "id": _id("dp"),
+        "object": "dispute",
+        "amount": amount,
+        "charge": _id("ch"),
+        "created": 1795683500,
+        "currency": "usd",
+        "evidence_details": {"due_by": 1796547600, "has_evidence": False,
+                             "past_due": False, "submission_count": 0},
+        "is_charge_refundable": False,
+        "livemode": False,
+        "metadata": {},
+        "payment_intent": payment_intent_id,
+        "reason": reason,
+        "status": "needs_response",
+    }
+
+
+def balance():
+    return {
+        "object": "balance",
+        "available": [{"amount": 250000, "currency": "usd",
+                       "source_types": {"card": 250000}}],
+        "livemode": False,
+        "pending": [{"amount": 0, "currency": "usd", "source_types": {"card": 0}}],
+    }
+
+
+def invoice(subscription_id, billing_reason="subscription_cycle", invoice_id=None,
+            attempt_count=1, amount_due=19900, customer_email="buyer@example.test",
+            customer_name="Pat Buyer", status="paid"):
+    invoice_id = invoice_id or _id("in")
+    return {
+        "id": invoice_id,
+        "object": "invoice",
+        "amount_due": amount_due,
+        "amount_paid": amount_due if status == "paid" else 0,
+        "amount_remaining": 0 if status == "paid" else amount_due,
+        "attempt_count": attempt_count,
+        "attempted": True,
+        "billing_reason": billing_reason,
+        "collection_method": "charge_automatically",
+        "currency": "usd",
+        "customer": "cus_test_Q1w2E3r4",
+        "customer_email": customer_email,
+        "customer_name": customer_name,
+        "hosted_invoice_url": f"https://invoice.stripe.com/i/acct_test/{invoice_id}",
+        "livemode": False,
+        "metadata": {},
+        "parent": {
+            "quote_details": None,
+            "subscription_details": {"metadata": {}, "subscription": subscription_id},
+            "type": "subscription_details",
+        },
+        "status": status,
+    }
+
+
+def subscription(subscription_id, ended_at=1795683600):
+    return {
+        "id": subscription_id,
+        "object": "subscription",
+        "cancel_at_period_end": False,
+        "canceled_at": ended_at,
+        "customer": "cus_test_Q1w2E3r4",
+        "ended_at": ended_at,
+        "livemode": False,
+        "metadata": {},
+        "status": "canceled",
+    }
+
+
+def raw_of(evt):
+    """The bytes Stripe sends: pretty-printed JSON, two-space indent, like its payloads."""
+    return json.dumps(evt, indent=2).encode("utf-8")
+
+
+# --- delivering them to the service under test ----------------------------------------------
+
+CARD_URL = "/api/v1/webhooks/card-processor"
+
+
+@pytest.fixture
+def settings(settings):
+    """The suite's settings with the card processor configured."""
+    return dataclasses.replace(settings, stripe_secret_key=SECRET_KEY,
+                               stripe_webhook_secrets=(SECRET,))
+
+
+async def deliver(post, clock, evt=None, raw=None, secret=SECRET, age=0,
+                  header="Stripe-Signature"):
+    """POST an event signed `age` seconds before the service's clock; returns
+    (status, json, response)."""
+    raw = raw_of(evt) if raw is None else raw
+    signature = sign(raw, secret, int(clock().timestamp()) - age)
+    return await post(CARD_URL, raw, {header: signature, "Content-Type": "application/json"})
+
+
+RECEIVED = (200, {"received": True})
+
+
+@pytest.fixture
+def send(post, ctx, clock):
+    """Deliver a signed event and wait for any background handling to finish; returns
+    the event's inbox row."""
+    async def send_event(event_type, obj):
+        evt = event(event_type, obj)
+        assert (await deliver(post, clock, evt))[:2] == RECEIVED
+        await ctx.drain_background()
+        return WebhookEvent.get(WebhookEvent.external_id == evt["id"])
+    return send_event

@@ -1,0 +1,158 @@
+"""The "I already filed" pages in a real browser: Debian's headless Chromium, driven by its
+own command line (--dump-dom for the DOM after load, --screenshot for a PNG), at a phone
+width and a desktop width. Screenshots are written to tests/artifacts/browser/."""
+import asyncio
+import os
+import shutil
+import struct
+
+import pytest
+import tornado.web
+
+from receiver import make_app
+from services.links import record_self_filed
+from tests.public_helpers import compliance_order, served, signed_path
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCREENSHOTS = os.path.join(ROOT, "tests", "artifacts", "browser")
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+SIZES = {"phone": (375, 812), "desktop": (1280, 800)}
+FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", "--no-first-run",
+         "--hide-scrollbars", "--disable-dev-shm-usage")
+
+if CHROMIUM is None:
+    if os.environ.get("CI"):
+        pytest.fail("chromium is not installed: .ci/run installs it", pytrace=False)
+    pytestmark = pytest.mark.skip(reason="chromium not installed (apt-get install chromium)")
+
+
+class Chromium:
+    def __init__(self, profiles):
+        self.profiles = profiles
+        self.runs = 0
+
+    async def run(self, url, size, *action):
+        """Run one headless Chromium with a fresh profile; returns its stdout."""
+        self.runs += 1
+        profile = self.profiles / f"profile-{self.runs}"
+        width, height = size
+        process = await asyncio.create_subprocess_exec(
+            CHROMIUM, *FLAGS, f"--user-data-dir={profile}", f"--window-size={width},{height}",
+            "--virtual-time-budget=3000", *action, url,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(process.communicate(), timeout=60)
+        assert process.returncode == 0, err.decode(errors="replace")[-2000:]
+        return out.decode("utf-8")
+
+    async def dom(self, url, size):
+        return await self.run(url, size, "--dump-dom")
+
+    async def screenshot(self, url, size, name):
+        os.makedirs(SCREENSHOTS, exist_ok=True)
+        path = os.path.join(SCREENSHOTS, f"{name}.png")
+        if os.path.exists(path):
+            os.remove(path)
+        await self.run(url, size, f"--screenshot={path}")
+        return path
+
+
+def png_size(path):
+    with open(path, "rb") as png:
+        header = png.read(24)
+    assert header[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", header[16:24])
+
+
+class OverflowProbe(tornado.web.RequestHandler):
+    """A test-only page (same origin as the link) that loads a link in a 375 px wide frame
+    and writes into its own DOM how wide the framed page's content is."""
+
+    def get(self):
+        self.finish(f"""<!doctype html><body>
+<iframe id="page" src="{tornado.escape.xhtml_escape(self.get_query_argument('path'))}"
+        style="width:375px;height:812px;border:0"></iframe>
+<script>
+window.onload = () => {{
+  const root = document.getElementById("page").contentDocument.documentElement;
+  const out = document.createElement("p");
+  out.id = "result";
+  out.textContent = "scrollWidth=" + root.scrollWidth + " clientWidth=" + root.clientWidth;
+  document.body.appendChild(out);
+}};
+</script></body>""")
+
+
+@pytest.fixture
+def browser(tmp_path):
+    return Chromium(tmp_path)
+
+
+@pytest.fixture
+def site(ctx, clock):
+    """The service behind its own HTTPServer, plus the overflow probe."""
+    compliance_order("CO-20001", "Dana Trucking LLC")
+    clock.set(2026, 10, 5, 8, 30)
+    record_self_filed("ifta", "CO-20001", "2026-Q2", clock())
+    clock.set(2026, 11, 20, 9, 15)
+    app = make_app(ctx)
+    app.add_handlers(r".*", [(r"/test-only/overflow-probe", OverflowProbe)])
+    return app
+
+
+PAGES = {
+    "confirmation": ("Thank you, Dana Trucking LLC: we have recorded that you filed",
+                     "20 November 2026 at 09:15 UTC"),
+    "already-recorded": ("Already recorded, Dana Trucking LLC", "5 October 2026 at 08:30 UTC"),
+    "invalid-link": ("This link is not valid", "Nothing was recorded."),
+}
+
+
+def page_path(ctx, page, width):
+    if page == "confirmation":
+        # A cycle of its own per width, so each load is the first click.
+        return signed_path(ctx, "ifta", "CO-20001", f"2026-Q3-w{width}")
+    if page == "already-recorded":
+        return signed_path(ctx, "ifta", "CO-20001", "2026-Q2")
+    good = signed_path(ctx, "ifta", "CO-20001", "2026-Q3")
+    return good[:-4]
+
+
+@pytest.mark.parametrize("device", SIZES)
+@pytest.mark.parametrize("page", PAGES)
+@pytest.mark.gen_test(timeout=120)
+async def test_the_page_reads_right_in_chromium(site, ctx, browser, page, device):
+    width, height = SIZES[device]
+    heading, detail = PAGES[page]
+    with served(site, ctx.settings) as base:
+        dom = await browser.dom(base + page_path(ctx, page, width), SIZES[device])
+        screenshot = await browser.screenshot(base + page_path(ctx, page, width + 1),
+                                              SIZES[device], f"{page}-{device}")
+    assert heading in dom and detail in dom
+    assert "<script" not in dom
+    assert png_size(screenshot) == (width, height)
+
+
+@pytest.mark.parametrize("page", PAGES)
+@pytest.mark.gen_test(timeout=120)
+async def test_no_page_is_wider_than_a_375_px_phone(site, ctx, browser, page):
+    long_cycle = "2026-Q3-" + "x" * 80
+    path = (signed_path(ctx, "ucr", "CO-20001", long_cycle) if page == "confirmation"
+            else page_path(ctx, page, 375))
+    with served(site, ctx.settings) as base:
+        probe = f"{base}/test-only/overflow-probe?{tornado.httputil.urlencode({'path': path})}"
+        dom = await browser.dom(probe, SIZES["phone"])
+    assert "scrollWidth=375 clientWidth=375" in dom, dom[-400:]
+
+
+@pytest.mark.gen_test(timeout=120)
+async def test_html_in_the_name_and_cycle_stays_text_in_the_browser(ctx, browser, clock):
+    compliance_order("CO-30001", '<b id="injected">Bold</b> & Co')
+    app = make_app(ctx)
+    path = signed_path(ctx, "ucr", "CO-30001", "<i>2027</i>")
+    with served(app, ctx.settings) as base:
+        dom = await browser.dom(base + path, SIZES["phone"])
+        await browser.screenshot(base + path, SIZES["phone"], "escaped-name-and-cycle-phone")
+    assert '<b id="injected">' not in dom and "<i>" not in dom
+    assert "&lt;b id=\"injected\"&gt;Bold&lt;/b&gt; &amp; Co" in dom
+    assert "&lt;i&gt;2027&lt;/i&gt;" in dom

@@ -1,0 +1,286 @@
+"""SPEC.md 4.2: checkout.session.completed, payment_intent.succeeded,
+payment_intent.payment_failed and charge.dispute.created, end to end through the signed
+webhook, with the mail read back from a real SMTP server."""
+import dataclasses
+
+import pytest
+
+from models import (
+    ORDER_MODELS, BundleOrder, ComplianceOrder, CrtcOrder, FormationOrder, Outbox,
+    WebhookEvent)
+from tests import stripe_events as se
+from tests.stripe_events import RECEIVED, deliver, send, settings  # noqa: F401 (fixtures)
+
+
+def parts(message):
+    return (message.get_body(("plain",)).get_content(),
+            message.get_body(("html",)).get_content())
+
+
+# --- checkout.session.completed ---------------------------------------------------------------
+
+@pytest.mark.gen_test
+async def test_a_paid_session_pays_the_order(send, clock, telegram):
+    clock.set(2026, 11, 20, 15, 0)
+    CrtcOrder.create(order_number="CA-1", discount_code="LAUNCH10")
+    session = se.checkout_session("CA-1", "canada_crtc", payment_intent="pi_test_paid")
+    assert (await send("checkout.session.completed", session)).status == "processed"
+    order = CrtcOrder.get()
+    assert (order.payment_status, order.paid_at, order.stripe_session_id,
+            order.stripe_payment_intent_id, order.payment_method) == (
+        "paid", clock(), session["id"], "pi_test_paid", "card")
+    [alert] = telegram.requests
+    assert "CA-1" in alert.json["text"] and "card" in alert.json["text"]
+    assert "LAUNCH10" in alert.json["text"]
+
+
+@pytest.mark.gen_test
+async def test_an_unpaid_bank_debit_session_waits_then_the_intent_pays_it(send, telegram):
+    CrtcOrder.create(order_number="CA-2")
+    session = se.checkout_session("CA-2", "canada_crtc", payment_status="unpaid",
+                                  payment_intent="pi_test_ach",
+                                  payment_method_types=["us_bank_account"])
+    assert (await send("checkout.session.completed", session)).status == "processed"
+    assert CrtcOrder.get().payment_status == "pending_payment" and telegram.requests == []
+
+    intent = se.payment_intent("CA-2", "canada_crtc", intent_id="pi_test_ach",
+                               checkout_session_id=session["id"],
+                               payment_method_types=["us_bank_account"])
+    await send("payment_intent.succeeded", intent)
+    order = CrtcOrder.get()
+    assert (order.payment_status, order.stripe_session_id, order.stripe_payment_intent_id,
+            order.payment_method) == ("paid", session["id"], "pi_test_ach", "ach")
+    assert len(telegram.requests) == 1
+
+
+@pytest.mark.parametrize("metadata", [
+    {}, {"order_id": "FO-1"}, {"order_type": "formation"},
+    {"order_id": "FO-1", "order_type": "spaceship"}, None,
+], ids=["none", "no-type", "no-id", "unknown-type", "null"])
+@pytest.mark.parametrize("event_type,build", [
+    ("checkout.session.completed", lambda: se.checkout_session(None, None)),
+    ("payment_intent.succeeded", lambda: se.payment_intent(None, None)),
+])
+@pytest.mark.gen_test
+async def test_without_usable_order_metadata_nothing_happens(
+        send, telegram, metadata, event_type, build):
+    FormationOrder.create(order_number="FO-1")
+    obj = {**build(), "metadata": metadata}
+    assert (await send(event_type, obj)).status == "processed"
+    assert FormationOrder.get().payment_status == "pending_payment"
+    assert telegram.requests == [] and Outbox.select().count() == 0
+
+
+@pytest.mark.gen_test
+async def test_a_subscription_session_links_the_subscription_to_the_compliance_order(send):
+    ComplianceOrder.create(order_number="CO-1", service_slug="registered-agent")
+    session = se.checkout_session("CO-1", "compliance", mode="subscription",
+                                  subscription="sub_test_1", payment_intent=None)
+    await send("checkout.session.completed", session)
+    order = ComplianceOrder.get()
+    assert (order.payment_status, order.stripe_subscription_id) == ("paid", "sub_test_1")
+
+
+@pytest.mark.gen_test
+async def test_a_trial_subscription_is_linked_though_nothing_is_paid_yet(send):
+    ComplianceOrder.create(order_number="CO-1")
+    session = se.checkout_session("CO-1", "compliance", mode="subscription",
+                                  payment_status="no_payment_required",
+                                  subscription="sub_test_trial")
+    await send("checkout.session.completed", session)
+    order = ComplianceOrder.get()
+    assert (order.payment_status, order.stripe_subscription_id) == (
+        "pending_payment", "sub_test_trial")
+
+
+@pytest.mark.gen_test
+async def test_a_subscription_on_another_kind_of_order_is_not_kept(send):
+    BundleOrder.create(order_number="BU-1")
+    session = se.checkout_session("BU-1", "bundle", mode="subscription",
+                                  subscription="sub_test_x")
+    assert (await send("checkout.session.completed", session)).status == "processed"
+    assert BundleOrder.get().payment_status == "paid"
+
+
+@pytest.mark.gen_test
+async def test_a_trial_subscription_for_an_order_not_yet_written_is_retried(send):
+    session = se.checkout_session("CO-404", "compliance", mode="subscription",
+                                  payment_status="no_payment_required",
+                                  subscription="sub_test_late")
+    stored = await send("checkout.session.completed", session)
+    assert stored.status == "failed" and "CO-404" in stored.last_error
+
+
+@pytest.mark.gen_test
+async def test_the_intent_fills_in_a_payment_method_the_session_could_not_tell(send):
+    CrtcOrder.create(order_number="CA-3")
+    session = se.checkout_session("CA-3", "canada_crtc", payment_intent="pi_test_multi",
+                                  payment_method_types=["card", "klarna", "us_bank_account"])
+    await send("checkout.session.completed", session)
+    assert CrtcOrder.get().payment_method is None
+    charge = {"id": "ch_test_1", "object": "charge",
+              "payment_method_details": {"type": "klarna", "klarna": {}}}
+    intent = se.payment_intent("CA-3", "canada_crtc", intent_id="pi_test_multi",
+                               payment_method_types=["card", "klarna"], latest_charge=charge)
+    await send("payment_intent.succeeded", intent)
+    order = CrtcOrder.get()
+    assert (order.payment_method, order.stripe_session_id) == ("bnpl", session["id"])
+
+
+# --- payment_intent.succeeded -----------------------------------------------------------------
+
+@pytest.mark.gen_test
+async def test_an_intent_without_a_session_is_its_own_reference(send, telegram):
+    BundleOrder.create(order_number="BU-7")
+    intent = se.payment_intent("BU-7", "bundle", intent_id="pi_test_direct")
+    await send("payment_intent.succeeded", intent)
+    order = BundleOrder.get()
+    assert (order.payment_status, order.stripe_session_id, order.stripe_payment_intent_id) == (
+        "paid", "pi_test_direct", "pi_test_direct")
+    assert len(telegram.requests) == 1
+
+
+@pytest.mark.gen_test
+async def test_an_intent_for_an_unknown_order_is_retried(send):
+    stored = await send("payment_intent.succeeded", se.payment_intent("FO-404", "formation"))
+    assert stored.status == "failed" and "OrderNotFound" in stored.last_error
+
+
+# --- payment_intent.payment_failed ------------------------------------------------------------
+
+@pytest.mark.gen_test
+async def test_a_failed_payment_fails_every_paid_or_pending_order_and_mails_the_admin(
+        send, clock, smtp):
+    clock.set(2026, 11, 20, 9, 30, 15)
+    statuses = {"formation": "paid", "compliance": "pending_payment", "bundle": "disputed",
+                "canada_crtc": "pending_payment"}
+    for kind, status in statuses.items():
+        ORDER_MODELS[kind].create(order_number="ORD-77", payment_status=status,
+                                  notes="created by checkout")
+    intent = se.payment_intent("ORD-77", "formation", status="requires_payment_method",
+                               last_payment_error=se.card_declined("Insufficient funds."))
+    assert (await send("payment_intent.payment_failed", intent)).status == "processed"
+
+    after = {kind: model.get() for kind, model in ORDER_MODELS.items()}
+    assert {k: o.payment_status for k, o in after.items()} == {
+        "formation": "failed", "compliance": "failed", "bundle": "disputed",
+        "canada_crtc": "failed"}
+    line = "Payment failed: Insufficient funds. (2026-11-20T09:30:15+00:00)"
+    assert after["formation"].notes == f"created by checkout\n{line}"
+    assert after["bundle"].notes == "created by checkout"
+
+    [(recipients, message)] = smtp.messages
+    assert recipients == ["admin@example.test"]
+    assert message["Subject"] == "Payment failed for order ORD-77"
+    text, html = parts(message)
+    for body in (text, html):
+        assert "ORD-77" in body and "Insufficient funds." in body
+        assert "2026-11-20T09:30:15+00:00" in body and intent["id"] in body
+
+
+@pytest.mark.gen_test
+async def test_a_failure_without_a_message_is_an_unknown_error(send, smtp):
+    CrtcOrder.create(order_number="CA-9")
+    await send("payment_intent.payment_failed",
+               se.payment_intent("CA-9", "canada_crtc", status="requires_payment_method"))
+    assert "Payment failed: unknown error" in CrtcOrder.get().notes
+    assert "unknown error" in parts(smtp.messages[0][1])[0]
+
+
+@pytest.mark.gen_test
+async def test_a_failure_without_an_order_id_does_nothing(send, smtp):
+    FormationOrder.create(order_number="FO-1")
+    intent = se.payment_intent(None, None, last_payment_error=se.card_declined())
+    assert (await send("payment_intent.payment_failed", intent)).status == "processed"
+    assert FormationOrder.get().payment_status == "pending_payment" and smtp.messages == []
+
+
+@pytest.mark.gen_test
+async def test_without_an_admin_address_the_order_still_fails_and_nothing_is_mailed(
+        send, ctx, smtp):
+    ctx.settings = dataclasses.replace(ctx.settings, admin_email="")
+    FormationOrder.create(order_number="FO-1")
+    await send("payment_intent.payment_failed",
+               se.payment_intent("FO-1", "formation", last_payment_error=se.card_declined()))
+    assert FormationOrder.get().payment_status == "failed"
+    assert smtp.messages == [] and Outbox.select().count() == 0
+
+
+@pytest.mark.gen_test
+async def test_a_mail_server_down_keeps_the_mail_for_retry(send, smtp):
+    smtp.box.refuse_with = "451 try again later"
+    FormationOrder.create(order_number="FO-1")
+    await send("payment_intent.payment_failed",
+               se.payment_intent("FO-1", "formation", last_payment_error=se.card_declined()))
+    mail = Outbox.get(Outbox.kind == "email")
+    assert (mail.status, mail.last_error) == ("pending", "SMTP 451")
+    assert FormationOrder.get().payment_status == "failed"
+
+
+# --- charge.dispute.created -------------------------------------------------------------------
+
+@pytest.mark.gen_test
+async def test_a_dispute_marks_the_order_found_by_payment_intent_and_mails_the_admin(
+        send, clock, smtp):
+    clock.set(2026, 11, 21, 8, 0)
+    CrtcOrder.create(order_number="CA-5", payment_status="paid", stripe_session_id="cs_test_5",
+                     stripe_payment_intent_id="pi_test_5", customer_name="Dana Client",
+                     customer_email="dana@example.test", service_name="CRTC package")
+    stored = await send("charge.dispute.created", se.dispute("pi_test_5", amount=123456))
+    assert stored.status == "processed"
+    order = CrtcOrder.get()
+    assert order.payment_status == "disputed"
+    assert order.notes == "Dispute opened: fraudulent, amount $1234.56 (2026-11-21T08:00:00+00:00)"
+
+    [(recipients, message)] = smtp.messages
+    assert recipients == ["admin@example.test"]
+    assert message["Subject"] == "Dispute opened on order CA-5"
+    for body in parts(message):
+        for fact in ("CA-5", "$1234.56", "fraudulent", "pi_test_5", "Dana Client",
+                     "dana@example.test", "CRTC package"):
+            assert fact in body
+
+
+@pytest.mark.gen_test
+async def test_the_exact_payment_intent_wins_over_a_substring_match(send):
+    FormationOrder.create(order_number="FO-1", stripe_session_id="ref-pi_test_9-old")
+    BundleOrder.create(order_number="BU-1", stripe_payment_intent_id="pi_test_9")
+    await send("charge.dispute.created", se.dispute("pi_test_9"))
+    assert BundleOrder.get().payment_status == "disputed"
+    assert FormationOrder.get().payment_status == "pending_payment"
+
+
+@pytest.mark.gen_test
+async def test_a_dispute_falls_back_to_a_substring_of_the_reference(send, smtp):
+    ComplianceOrder.create(order_number="CO-3", payment_status="paid",
+                           stripe_session_id="legacy:pi_test_old_3")
+    FormationOrder.create(order_number="FO-3", stripe_session_id="legacy:PI_TEST_OLD_3")
+    await send("charge.dispute.created", se.dispute("pi_test_old_3", reason="duplicate"))
+    assert ComplianceOrder.get().payment_status == "disputed"
+    assert FormationOrder.get().payment_status == "pending_payment"
+    assert smtp.messages[0][1]["Subject"] == "Dispute opened on order CO-3"
+
+
+@pytest.mark.parametrize("payment_intent", ["pi_test_nowhere", None],
+                         ids=["not-found", "no-payment-intent"])
+@pytest.mark.gen_test
+async def test_a_dispute_with_no_matching_order_mails_about_order_unknown(
+        send, smtp, payment_intent):
+    FormationOrder.create(order_number="FO-1", stripe_session_id="cs_test_1")
+    dispute = {**se.dispute(payment_intent, amount=5), "reason": None}
+    assert (await send("charge.dispute.created", dispute)).status == "processed"
+    assert FormationOrder.get().payment_status == "pending_payment"
+    [(_, message)] = smtp.messages
+    assert message["Subject"] == "Dispute opened on order unknown"
+    text, _ = parts(message)
+    assert "$0.05" in text and "Reason:         unknown" in text
+
+
+@pytest.mark.gen_test
+async def test_customer_details_are_escaped_in_the_html_part(send, smtp):
+    FormationOrder.create(order_number="FO-1", stripe_payment_intent_id="pi_test_x",
+                          customer_name="<script>alert(1)</script>")
+    await send("charge.dispute.created", se.dispute("pi_test_x"))
+    text, html = parts(smtp.messages[0][1])
+    assert "<script>" not in html and "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+    assert "<script>alert(1)</script>" in text

@@ -1,0 +1,182 @@
+"""SPEC.md 4.2 balance.available: CRTC orders advance to Client Selection once their
+payment has had 2 (card, bnpl) or 4 (ach) business days to settle. Fixed clock; Frappe is a
+real HTTP peer on loopback."""
+import asyncio
+import dataclasses
+import datetime
+import json
+
+import pytest
+
+from models import UTC, CrtcOrder, WebhookEvent
+from services.settlement import business_days_after, settle_crtc_orders
+from tests import stripe_events as se
+from tests.stripe_events import RECEIVED, deliver, settings  # noqa: F401 (fixture)
+
+FRIDAY = datetime.datetime(2026, 11, 20, 16, 0, tzinfo=UTC)
+
+
+def paid_crtc(number, method="card", paid_at=FRIDAY, **fields):
+    return CrtcOrder.create(order_number=number, payment_status="paid", payment_method=method,
+                            paid_at=paid_at, **fields)
+
+
+def advanced(frappe):
+    return [json.loads(r.json["doc"])["name"] for r in frappe.requests]
+
+
+@pytest.mark.parametrize("start,end,days", [
+    ((2026, 11, 20), (2026, 11, 20), 0),   # Friday, same day
+    ((2026, 11, 20), (2026, 11, 22), 0),   # to Sunday
+    ((2026, 11, 20), (2026, 11, 23), 1),   # to Monday
+    ((2026, 11, 20), (2026, 11, 24), 2),   # to Tuesday
+    ((2026, 11, 20), (2026, 11, 26), 4),   # to Thursday
+    ((2026, 11, 21), (2026, 11, 23), 1),   # Saturday to Monday
+    ((2026, 11, 16), (2026, 11, 30), 10),  # two whole weeks
+])
+def test_business_days_count_weekdays_after_the_start_up_to_the_end(start, end, days):
+    assert business_days_after(datetime.date(*start), datetime.date(*end)) == days
+
+
+@pytest.mark.parametrize("day,settled", [
+    ((2026, 11, 21), []), ((2026, 11, 22), []),               # the weekend: nothing
+    ((2026, 11, 23), []),                                      # Monday: 1 business day
+    ((2026, 11, 24), ["CA-CARD", "CA-BNPL"]),                  # Tuesday: card and bnpl
+    ((2026, 11, 25), ["CA-CARD", "CA-BNPL"]),                  # Wednesday: ach has 3
+    ((2026, 11, 26), ["CA-CARD", "CA-BNPL", "CA-ACH"]),        # Thursday: ach has 4
+], ids=["sat", "sun", "mon", "tue", "wed", "thu"])
+@pytest.mark.gen_test
+async def test_paid_friday_card_settles_tuesday_and_ach_thursday(
+        ctx, clock, frappe, day, settled):
+    paid_crtc("CA-CARD", "card")
+    paid_crtc("CA-BNPL", "bnpl", paid_at=FRIDAY + datetime.timedelta(minutes=5))
+    paid_crtc("CA-ACH", "ach", paid_at=FRIDAY + datetime.timedelta(minutes=10))
+    clock.set(*day, 9, 0)
+    counts = await settle_crtc_orders(ctx)
+    assert advanced(frappe) == settled
+    assert counts == {"examined": 3, "settled": len(settled), "not_due": 3 - len(settled),
+                      "failed": 0}
+    for order in CrtcOrder.select():
+        expected = order.order_number in settled
+        assert order.funds_available is expected
+        assert order.funds_available_at == (clock() if expected else None)
+
+
+@pytest.mark.gen_test
+async def test_the_frappe_call_applies_the_configured_action_to_the_crtc_doctype(
+        ctx, clock, frappe):
+    ctx.settings = dataclasses.replace(ctx.settings, crtc_doctype="Canada Order",
+                                       crtc_funds_action="Funds Cleared")
+    paid_crtc("CA-1")
+    clock.set(2026, 11, 24, 9, 0)
+    await settle_crtc_orders(ctx)
+    [request] = frappe.requests
+    assert request.path == "/api/method/frappe.model.workflow.apply_workflow"
+    assert request.json == {"cmd": "frappe.model.workflow.apply_workflow",
+                            "doc": json.dumps({"doctype": "Canada Order", "name": "CA-1"}),
+                            "action": "Funds Cleared"}
+
+
+@pytest.mark.gen_test
+async def test_business_days_are_dated_in_the_business_time_zone(ctx, clock, frappe):
+    ctx.settings = dataclasses.replace(ctx.settings, business_tz="America/Toronto")
+    # Saturday 02:00 UTC is still Friday evening in Toronto.
+    paid_crtc("CA-1", paid_at=datetime.datetime(2026, 11, 21, 2, 0, tzinfo=UTC))
+    clock.set(2026, 11, 24, 4, 59)           # Monday 23:59 in Toronto
+    assert (await settle_crtc_orders(ctx))["settled"] == 0
+    clock.set(2026, 11, 24, 5, 0)            # Tuesday 00:00 in Toronto
+    assert (await settle_crtc_orders(ctx))["settled"] == 1
+
+
+@pytest.mark.gen_test
+async def test_only_paid_unsettled_card_ach_bnpl_orders_with_a_payment_time_are_examined(
+        ctx, clock, frappe):
+    paid_crtc("CA-OK")
+    paid_crtc("CA-CRYPTO", "crypto")
+    paid_crtc("CA-NO-METHOD", None)
+    paid_crtc("CA-SETTLED", funds_available=True)
+    paid_crtc("CA-NO-TIME", paid_at=None)
+    CrtcOrder.create(order_number="CA-PENDING", payment_method="card", paid_at=FRIDAY)
+    CrtcOrder.create(order_number="CA-DISPUTED", payment_status="disputed",
+                     payment_method="card", paid_at=FRIDAY)
+    clock.set(2026, 12, 7, 9, 0)
+    counts = await settle_crtc_orders(ctx)
+    assert advanced(frappe) == ["CA-OK"] and counts["examined"] == 1
+
+
+@pytest.mark.gen_test
+async def test_at_most_twenty_oldest_paid_first(ctx, clock, frappe):
+    for n in range(25):
+        paid_crtc(f"CA-{n:02d}", paid_at=FRIDAY - datetime.timedelta(hours=25 - n))
+    clock.set(2026, 12, 7, 9, 0)
+    counts = await settle_crtc_orders(ctx)
+    assert advanced(frappe) == [f"CA-{n:02d}" for n in range(20)]
+    assert counts["examined"] == 20
+    await settle_crtc_orders(ctx)
+    assert advanced(frappe)[20:] == [f"CA-{n:02d}" for n in range(20, 25)]
+
+
+@pytest.mark.parametrize("failure", [(500, {"exc": "boom"}),
+                                     (417, {"exc_type": "WorkflowTransitionError"})],
+                         ids=["frappe-500", "frappe-417"])
+@pytest.mark.gen_test
+async def test_a_refused_order_stays_unsettled_and_the_loop_goes_on(ctx, clock, frappe, failure):
+    paid_crtc("CA-1", paid_at=FRIDAY)
+    paid_crtc("CA-2", paid_at=FRIDAY + datetime.timedelta(hours=1))
+    frappe.responses.append(failure)
+    clock.set(2026, 11, 30, 9, 0)
+    counts = await settle_crtc_orders(ctx)
+    assert advanced(frappe) == ["CA-1", "CA-2"]
+    assert (counts["settled"], counts["failed"]) == (1, 1)
+    states = {o.order_number: o.funds_available for o in CrtcOrder.select()}
+    assert states == {"CA-1": False, "CA-2": True}
+
+    await settle_crtc_orders(ctx)
+    assert CrtcOrder.get(CrtcOrder.order_number == "CA-1").funds_available is True
+
+
+@pytest.mark.gen_test
+async def test_frappe_unreachable_is_a_failure_per_order_not_a_crash(ctx, clock, frappe):
+    frappe.stop()
+    paid_crtc("CA-1")
+    paid_crtc("CA-2", paid_at=FRIDAY + datetime.timedelta(hours=1))
+    clock.set(2026, 11, 30, 9, 0)
+    counts = await settle_crtc_orders(ctx)
+    assert counts == {"examined": 2, "settled": 0, "not_due": 0, "failed": 2}
+    assert not CrtcOrder.select().where(CrtcOrder.funds_available).exists()
+
+
+@pytest.mark.gen_test
+async def test_two_runs_at_once_settle_an_order_once(ctx, clock, frappe):
+    paid_crtc("CA-1")
+    clock.set(2026, 11, 30, 9, 0)
+    frappe.delay = 0.2
+    frappe.responses = [(200, {"message": {"name": "CA-1"}}),
+                        (417, {"exc_type": "WorkflowTransitionError"})]
+    first, second = await asyncio.gather(settle_crtc_orders(ctx), settle_crtc_orders(ctx))
+    assert len(frappe.requests) == 2, "both runs asked before either had an answer"
+    assert first["settled"] + second["settled"] == 1
+    order = CrtcOrder.get()
+    assert order.funds_available is True and order.funds_available_at == clock()
+
+
+@pytest.mark.gen_test
+async def test_a_run_after_a_settled_one_asks_frappe_nothing(ctx, clock, frappe):
+    paid_crtc("CA-1")
+    clock.set(2026, 11, 30, 9, 0)
+    await settle_crtc_orders(ctx)
+    assert await settle_crtc_orders(ctx) == {"examined": 0, "settled": 0, "not_due": 0,
+                                             "failed": 0}
+    assert len(frappe.requests) == 1
+
+
+@pytest.mark.gen_test
+async def test_balance_available_settles_in_the_background(post, ctx, clock, frappe):
+    paid_crtc("CA-1")
+    paid_crtc("CA-ACH", "ach")
+    clock.set(2026, 11, 24, 9, 0)
+    answer = await deliver(post, clock, se.event("balance.available", se.balance()))
+    assert answer[:2] == RECEIVED
+    await ctx.drain_background()
+    assert advanced(frappe) == ["CA-1"]
+    assert WebhookEvent.get().status == "processed"

@@ -1,0 +1,192 @@
+"""SPEC.md 4.2: invoice.paid, invoice.payment_failed and customer.subscription.deleted
+(API 2026-03-25.dahlia: the subscription is under invoice.parent.subscription_details)."""
+import datetime
+
+import pytest
+
+from models import UTC, ComplianceOrder, SubscriptionCycle, WebhookEvent
+from services import card_events, inbox
+from tests import stripe_events as se
+from tests.stripe_events import RECEIVED, deliver, send, settings  # noqa: F401 (fixtures)
+
+
+@pytest.fixture
+def subscribed():
+    return ComplianceOrder.create(
+        order_number="CO-42", service_slug="registered-agent", service_name="Registered Agent",
+        stripe_subscription_id="sub_test_42", payment_status="paid",
+        customer_name="Robin <b>Roe</b>", customer_email="robin@example.test")
+
+
+# --- invoice.paid -------------------------------------------------------------------------------
+
+@pytest.mark.gen_test
+async def test_each_renewal_dispatches_the_service_with_its_cycle(send, worker, subscribed):
+    for invoice_id in ("in_test_a", "in_test_b"):
+        stored = await send("invoice.paid", se.invoice("sub_test_42", invoice_id=invoice_id))
+        assert stored.status == "processed"
+    assert [r.json for r in worker.requests] == [
+        {"action": "process_compliance_service", "order_name": "CO-42",
+         "order_number": "CO-42", "service_slug": "registered-agent",
+         "recurring_cycle": cycle, "invoice_id": invoice_id}
+        for cycle, invoice_id in ((1, "in_test_a"), (2, "in_test_b"))]
+    assert worker.requests[0].headers["Idempotency-Key"] == "job-subscription-cycle-in_test_a"
+
+
+@pytest.mark.gen_test
+async def test_cycles_are_counted_apart_from_the_inbox_which_is_pruned(
+        send, worker, subscribed):
+    await send("invoice.paid", se.invoice("sub_test_42", invoice_id="in_test_1"))
+    await send("invoice.paid", se.invoice("sub_test_42", invoice_id="in_test_2"))
+    WebhookEvent.delete().execute()
+    await send("invoice.paid", se.invoice("sub_test_42", invoice_id="in_test_3"))
+    assert worker.requests[-1].json["recurring_cycle"] == 3
+
+
+@pytest.mark.gen_test
+async def test_the_same_invoice_twice_is_one_cycle_and_one_job(
+        post, clock, worker, subscribed):
+    invoice = se.invoice("sub_test_42", invoice_id="in_test_same")
+    for _ in range(2):
+        answer = await deliver(post, clock, se.event("invoice.paid", invoice))
+        assert answer[:2] == RECEIVED
+    assert len(worker.requests) == 1 and SubscriptionCycle.select().count() == 1
+
+
+def test_an_invoice_keeps_its_cycle_number(ctx, subscribed):
+    first = card_events.record_cycle(ctx, subscribed, "sub_test_42", "in_test_x")
+    again = card_events.record_cycle(ctx, subscribed, "sub_test_42", "in_test_x")
+    other = card_events.record_cycle(ctx, subscribed, "sub_test_other", "in_test_y")
+    assert (first, again, other) == (1, 1, 1)
+
+
+@pytest.mark.parametrize("reason", ["subscription_create", "manual", "subscription_update",
+                                    None])
+@pytest.mark.gen_test
+async def test_only_renewals_dispatch(send, worker, subscribed, reason):
+    stored = await send("invoice.paid", se.invoice("sub_test_42", billing_reason=reason))
+    assert stored.status == "processed"
+    assert worker.requests == [] and SubscriptionCycle.select().count() == 0
+
+
+@pytest.mark.gen_test
+async def test_a_renewal_before_its_subscription_is_linked_is_retried(
+        send, ctx, worker, subscribed):
+    stored = await send("invoice.paid", se.invoice("sub_test_unlinked", invoice_id="in_test_u"))
+    assert stored.status == "failed" and "sub_test_unlinked" in stored.last_error
+    assert worker.requests == []
+
+    subscribed.stripe_subscription_id = "sub_test_unlinked"
+    subscribed.save()
+    assert await inbox.process(ctx, WebhookEvent.get_by_id(stored.id)) == "processed"
+    assert worker.requests[0].json["recurring_cycle"] == 1
+
+
+@pytest.mark.gen_test
+async def test_an_invoice_without_a_parent_subscription_is_retried(send, worker):
+    invoice = {**se.invoice(None), "parent": None}
+    assert (await send("invoice.paid", invoice)).status == "failed"
+    assert worker.requests == []
+
+
+# --- invoice.payment_failed ---------------------------------------------------------------------
+
+def bodies(message):
+    return (message.get_body(("plain",)).get_content(),
+            message.get_body(("html",)).get_content())
+
+
+@pytest.mark.gen_test
+async def test_a_first_failed_attempt_alerts_the_admin_and_nudges_the_customer(
+        send, smtp, subscribed):
+    invoice = se.invoice("sub_test_42", invoice_id="in_test_f", attempt_count=1,
+                         amount_due=19900, status="open")
+    assert (await send("invoice.payment_failed", invoice)).status == "processed"
+    mail = {tuple(recipients): message for recipients, message in smtp.messages}
+    assert set(mail) == {("admin@example.test",), ("robin@example.test",)}
+
+    admin = mail[("admin@example.test",)]
+    assert admin["Subject"] == "Subscription payment failed for order CO-42"
+    for body in bodies(admin):
+        for fact in ("CO-42", "in_test_f", "$199.00", "robin@example.test"):
+            assert fact in body
+
+    nudge = mail[("robin@example.test",)]
+    assert nudge["Subject"] == "Your payment did not go through"
+    text, html = bodies(nudge)
+    assert "Robin <b>Roe</b>" in text and invoice["hosted_invoice_url"] in text
+    assert "Robin &lt;b&gt;Roe&lt;/b&gt;" in html and "<b>Roe" not in html
+    assert f'href="{invoice["hosted_invoice_url"]}"' in html and "$199.00" in html
+
+
+@pytest.mark.parametrize("attempt", [2, 3, 4])
+@pytest.mark.gen_test
+async def test_later_attempts_alert_only_the_admin(send, smtp, subscribed, attempt):
+    invoice = se.invoice("sub_test_42", attempt_count=attempt, status="open")
+    await send("invoice.payment_failed", invoice)
+    [(recipients, message)] = smtp.messages
+    assert recipients == ["admin@example.test"] and f"attempt {attempt}" in bodies(message)[0]
+
+
+@pytest.mark.gen_test
+async def test_each_attempt_on_one_invoice_is_its_own_alert(send, smtp, subscribed):
+    for attempt in (1, 2):
+        await send("invoice.payment_failed",
+                   se.invoice("sub_test_42", invoice_id="in_test_r", attempt_count=attempt,
+                              status="open"))
+    admin = [m for r, m in smtp.messages if r == ["admin@example.test"]]
+    assert len(admin) == 2 and len(smtp.messages) == 3
+
+
+@pytest.mark.gen_test
+async def test_a_failure_for_an_unknown_subscription_still_alerts_and_nudges_the_invoice_email(
+        send, smtp):
+    invoice = se.invoice("sub_test_gone", customer_email="payer@example.test", status="open")
+    await send("invoice.payment_failed", invoice)
+    recipients = sorted(r[0] for r, _ in smtp.messages)
+    assert recipients == ["admin@example.test", "payer@example.test"]
+    subjects = {m["Subject"] for _, m in smtp.messages}
+    assert "Subscription payment failed for order unknown" in subjects
+
+
+@pytest.mark.gen_test
+async def test_no_customer_address_means_no_nudge(send, smtp):
+    await send("invoice.payment_failed",
+               se.invoice("sub_test_gone", customer_email=None, status="open"))
+    assert [r for r, _ in smtp.messages] == [["admin@example.test"]]
+
+
+# --- customer.subscription.deleted --------------------------------------------------------------
+
+@pytest.mark.gen_test
+async def test_a_deleted_subscription_cancels_its_order(send, subscribed):
+    ended = int(datetime.datetime(2026, 11, 19, 12, 0, tzinfo=UTC).timestamp())
+    await send("customer.subscription.deleted", se.subscription("sub_test_42", ended))
+    order = ComplianceOrder.get()
+    assert order.subscription_status == "cancelled"
+    assert order.cancelled_at == datetime.datetime(2026, 11, 19, 12, 0, tzinfo=UTC)
+    assert order.payment_status == "paid"
+
+
+@pytest.mark.gen_test
+async def test_without_an_end_time_the_cancellation_is_dated_now(send, clock, subscribed):
+    clock.set(2026, 11, 20, 10, 0)
+    await send("customer.subscription.deleted",
+               {**se.subscription("sub_test_42"), "ended_at": None, "canceled_at": None})
+    assert ComplianceOrder.get().cancelled_at == clock()
+
+
+@pytest.mark.gen_test
+async def test_an_order_already_cancelled_keeps_its_date(send, subscribed):
+    subscribed.subscription_status = "cancelled"
+    subscribed.cancelled_at = datetime.datetime(2026, 1, 1, tzinfo=UTC)
+    subscribed.save()
+    await send("customer.subscription.deleted", se.subscription("sub_test_42"))
+    assert ComplianceOrder.get().cancelled_at == datetime.datetime(2026, 1, 1, tzinfo=UTC)
+
+
+@pytest.mark.gen_test
+async def test_a_deleted_subscription_of_no_order_changes_nothing(send, subscribed):
+    stored = await send("customer.subscription.deleted", se.subscription("sub_test_other"))
+    assert stored.status == "processed"
+    assert ComplianceOrder.get().subscription_status is None

@@ -1,0 +1,258 @@
+"""SPEC.md 2.4 and 2.5: the treasury job and ledger entry a paid crypto invoice leaves, and
+the payment it completes, through SHKeeper's real sequence of callbacks."""
+import asyncio
+import dataclasses
+import datetime
+from decimal import Decimal
+
+import pytest
+
+from models import UTC, CrtcOrder, FormationOrder, LedgerEntry, TreasuryJob, WebhookEvent
+from services import treasury
+from tests import shkeeper
+from tests.shkeeper import API_KEY, URL, key_headers
+
+
+@pytest.fixture
+def settings(settings):
+    return dataclasses.replace(settings, crypto_processor_api_key=API_KEY)
+
+
+async def send(post, callback):
+    status, reply, _ = await post(URL, callback, key_headers())
+    assert (status, reply) == (202, {"received": True})
+
+
+@pytest.mark.gen_test
+async def test_a_paid_invoice_leaves_a_job_an_entry_and_a_paid_order(post, clock, telegram):
+    clock.set(2026, 11, 20, 9, 30)
+    CrtcOrder.create(order_number="CA-1001", service_name="CRTC licence",
+                     discount_code="CRYPTO10")
+    await send(post, shkeeper.paid("CA-1001", txid="0x518a10b1", balance_crypto="7.80000000",
+                                   balance_fiat="7.80", crypto="ETH-USDT"))
+    now = datetime.datetime(2026, 11, 20, 9, 30, tzinfo=UTC)
+
+    job = TreasuryJob.get()
+    assert (job.order_id, job.order_type, job.state, job.coin) == (
+        "CA-1001", "canada_crtc", "received", "ETH-USDT")
+    assert (job.amount_coin, job.amount_usd_cents) == (Decimal("7.80000000"), 780)
+    assert job.idempotency_key == "crypto-settle:CA-1001:0x518a10b1"
+    assert job.received_at == now
+
+    entry = LedgerEntry.get()
+    assert dataclasses.astuple(_ledger(entry)) == (
+        "CA-1001", "canada_crtc", "ETH-USDT", "receive", Decimal("7.8"), 780,
+        "crypto-processor", "0x518a10b1", "PAID", "confirmed",
+        "crypto-processor:0x518a10b1", now)
+    assert entry.notes == "PAID: received 7.80000000 ETH-USDT (7.80 USD)"
+
+    order = CrtcOrder.get()
+    assert (order.payment_status, order.paid_at, order.stripe_session_id,
+            order.payment_method) == ("paid", now, "crypto-0x518a10b1", "crypto")
+    [alert] = telegram.requests
+    assert "CA-1001" in alert.json["text"] and "crypto" in alert.json["text"]
+    assert "CRYPTO10" in alert.json["text"]
+    assert WebhookEvent.get().status == "processed"
+
+
+@dataclasses.dataclass
+class _LedgerRow:
+    order_id: str
+    order_type: str
+    coin: str
+    movement_type: str
+    amount_coin: Decimal
+    amount_usd_cents: int
+    provider: str
+    provider_ref: str
+    provider_status: str
+    state: str
+    idempotency_key: str
+    acquired_at: datetime.datetime
+
+
+def _ledger(entry):
+    return _LedgerRow(*(getattr(entry, f.name) for f in dataclasses.fields(_LedgerRow)))
+
+
+@pytest.mark.gen_test
+async def test_partial_then_paid_then_overpaid(post, clock, telegram):
+    clock.set(2026, 11, 20, 9, 0)
+    FormationOrder.create(order_number="FO-3001")
+    partial, paid, overpaid = shkeeper.paid_in_steps("FO-3001")
+
+    await send(post, partial)
+    assert TreasuryJob.select().count() == 0 and telegram.requests == []
+    assert FormationOrder.get().payment_status == "pending_payment"
+
+    clock.advance(minutes=20)
+    await send(post, paid)
+    job = TreasuryJob.get()
+    assert (job.amount_coin, job.amount_usd_cents, job.state) == (
+        Decimal("0.00012345"), 780, "received")
+    assert FormationOrder.get().payment_status == "paid"
+    paid_at = FormationOrder.get().paid_at
+
+    clock.advance(minutes=20)
+    await send(post, overpaid)
+    job = TreasuryJob.get()
+    assert (job.amount_coin, job.amount_usd_cents) == (Decimal("0.00013345"), 843)
+    assert job.updated_at == clock() and job.received_at == paid_at
+    assert job.idempotency_key == "crypto-settle:FO-3001:tx-step-1"
+
+    # The ledger key is transactions[0].txid (SPEC.md 4.3 rule 5), the same in both.
+    [entry] = LedgerEntry.select()
+    assert (entry.provider_ref, entry.provider_status, entry.amount_usd_cents) == (
+        "tx-step-1", "PAID", 780)
+    order = FormationOrder.get()
+    assert (order.payment_status, order.paid_at) == ("paid", paid_at)
+    assert len(telegram.requests) == 1
+    assert [e.event_type for e in WebhookEvent.select().order_by(WebhookEvent.id)] == [
+        "PARTIAL", "PAID", "OVERPAID"]
+
+
+@pytest.mark.gen_test
+async def test_a_repeat_of_paid_is_one_event_and_changes_nothing(post, clock, telegram):
+    CrtcOrder.create(order_number="CA-1001")
+    callback = shkeeper.paid("CA-1001")
+    await send(post, callback)
+    clock.advance(seconds=60)
+    await send(post, callback)
+    # The same callback serialised differently (key order, spacing) is still the same.
+    await send(post, shkeeper.encode(callback).replace(b",", b", "))
+    assert WebhookEvent.select().count() == 1
+    assert TreasuryJob.select().count() == 1 and LedgerEntry.select().count() == 1
+    assert len(telegram.requests) == 1
+
+
+@pytest.mark.gen_test
+async def test_a_job_past_received_is_left_untouched(post, clock, telegram):
+    clock.set(2026, 11, 20, 9, 0)
+    CrtcOrder.create(order_number="CA-1001")
+    partial, paid, overpaid = shkeeper.paid_in_steps("CA-1001")
+    await send(post, paid)
+    TreasuryJob.update(state="sizing").execute()
+    before = TreasuryJob.get()
+
+    clock.advance(hours=1)
+    await send(post, overpaid)
+    after = TreasuryJob.get()
+    assert (after.state, after.amount_coin, after.amount_usd_cents, after.updated_at) == (
+        "sizing", before.amount_coin, before.amount_usd_cents, before.updated_at)
+    assert WebhookEvent.select().where(WebhookEvent.status == "processed").count() == 2
+
+
+@pytest.mark.gen_test
+async def test_a_new_invoice_for_an_order_whose_job_is_sizing_still_pays_and_ledgers(
+        post, telegram):
+    CrtcOrder.create(order_number="CA-1001")
+    TreasuryJob.create(order_id="CA-1001", order_type="canada_crtc", state="sizing",
+                       coin="BTC", amount_coin=Decimal("0.5"), amount_usd_cents=5,
+                       idempotency_key="crypto-settle:CA-1001:older")
+    await send(post, shkeeper.paid("CA-1001", txid="tx-new"))
+    job = TreasuryJob.get()
+    assert (job.state, job.amount_coin, job.amount_usd_cents) == ("sizing", Decimal("0.5"), 5)
+    assert LedgerEntry.get().provider_ref == "tx-new"
+    assert CrtcOrder.get().payment_status == "paid"
+
+
+@pytest.mark.gen_test
+async def test_a_ledger_entry_already_recorded_is_skipped_silently(post, telegram):
+    CrtcOrder.create(order_number="CA-1001")
+    LedgerEntry.create(order_id="CA-1001", order_type="canada_crtc", coin="BTC",
+                       amount_coin=Decimal("0.00012345"), amount_usd_cents=780,
+                       provider="crypto-processor", provider_ref="tx-paid-1",
+                       provider_status="PAID", idempotency_key="crypto-processor:tx-paid-1")
+    await send(post, shkeeper.paid("CA-1001"))
+    assert LedgerEntry.select().count() == 1 and TreasuryJob.select().count() == 1
+    assert CrtcOrder.get().payment_status == "paid"
+    assert WebhookEvent.get().status == "processed"
+
+
+@pytest.mark.gen_test(timeout=30)
+async def test_twenty_identical_paid_callbacks_at_once(post, telegram):
+    CrtcOrder.create(order_number="CA-1001")
+    raw = shkeeper.encode(shkeeper.paid("CA-1001"))
+    answers = await asyncio.gather(*(post(URL, raw, key_headers()) for _ in range(20)))
+    assert [(status, reply) for status, reply, _ in answers] == [
+        (202, {"received": True})] * 20
+    assert WebhookEvent.select().count() == 1
+    assert TreasuryJob.select().count() == 1 and LedgerEntry.select().count() == 1
+    order = CrtcOrder.get()
+    assert order.payment_status == "paid"
+    assert len(telegram.requests) == 1
+
+
+@pytest.mark.gen_test
+async def test_a_failed_treasury_write_is_logged_and_the_payment_still_completed(
+        post, db, telegram, caplog):
+    CrtcOrder.create(order_number="CA-1001")
+    db.execute_sql("ALTER TABLE treasury_jobs RENAME TO treasury_jobs_away")
+    try:
+        await send(post, shkeeper.paid("CA-1001"))
+    finally:
+        db.execute_sql("ALTER TABLE treasury_jobs_away RENAME TO treasury_jobs")
+    assert "treasury job / ledger entry not written" in caplog.text
+    # Written together: the ledger entry went with the job.
+    assert TreasuryJob.select().count() == 0 and LedgerEntry.select().count() == 0
+    assert CrtcOrder.get().payment_status == "paid"
+    assert WebhookEvent.get().status == "processed"
+    assert len(telegram.requests) == 1
+
+
+@pytest.mark.gen_test
+async def test_a_failed_ledger_write_takes_the_job_with_it(post, db, telegram, caplog):
+    CrtcOrder.create(order_number="CA-1001")
+    db.execute_sql("ALTER TABLE ledger_entries RENAME TO ledger_entries_away")
+    try:
+        await send(post, shkeeper.paid("CA-1001"))
+    finally:
+        db.execute_sql("ALTER TABLE ledger_entries_away RENAME TO ledger_entries")
+    assert "treasury job / ledger entry not written" in caplog.text
+    assert TreasuryJob.select().count() == 0
+    assert CrtcOrder.get().payment_status == "paid"
+
+
+# --- reading a callback --------------------------------------------------------------------
+
+@pytest.mark.parametrize("order_number,order_type", [
+    ("CA-1", "canada_crtc"), ("FO-1", "formation"), ("BU-1", "bundle"),
+    ("CO-1", "compliance"), ("ZZ-1", "canada_crtc"), ("CA1", "canada_crtc"),
+    ("", "canada_crtc"),
+])
+def test_order_type_of(order_number, order_type):
+    assert treasury.order_type_of(order_number) == order_type
+
+
+@pytest.mark.parametrize("fiat,expected", [
+    ("7.80", 780), ("7.805", 781), ("7.8049", 780), ("0.004", 0), ("0.005", 1),
+    ("1234567.895", 123456790), ("0", 0),
+])
+def test_cents_round_half_up(fiat, expected):
+    assert treasury.cents(Decimal(fiat)) == expected
+
+
+def test_a_callback_reads_as_shkeeper_means_it():
+    callback = treasury.Callback.parse(treasury.read(shkeeper.encode(
+        shkeeper.paid_in_steps("BU-9")[2])))
+    assert (callback.external_id, callback.status, callback.paid, callback.coin) == (
+        "BU-9", "OVERPAID", True, "BTC")
+    assert callback.txids == ("tx-step-1", "tx-step-2", "tx-step-3")
+    assert (callback.amount_coin, callback.amount_usd_cents) == (Decimal("0.00013345"), 843)
+    assert callback.to_be_processed and callback.order_type == "bundle"
+
+
+def test_the_dedup_key_separates_invoice_states_but_not_resends():
+    steps = [treasury.Callback.parse(c) for c in shkeeper.paid_in_steps("CA-1")]
+    keys = [c.dedup_key() for c in steps]
+    assert len(set(keys)) == 3
+    again = treasury.Callback.parse(shkeeper.paid_in_steps("CA-1")[1])
+    assert again.dedup_key() == keys[1]
+    assert all(key.startswith("CA-1:") for key in keys)
+
+
+def test_an_unconfirmed_notice_reads_its_amount_and_txid():
+    notice = treasury.Callback.parse(shkeeper.unconfirmed("CA-1", txid="tx-u", amount="0.5"))
+    assert (notice.status, notice.notice_txid, notice.amount_coin) == (
+        "unconfirmed", "tx-u", Decimal("0.5"))
+    assert not notice.to_be_processed

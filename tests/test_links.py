@@ -1,0 +1,279 @@
+"""The IFTA/UCR "I already filed" links: tokens, recording once, the pages and the CLI."""
+import asyncio
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+
+from models import SelfFiling
+from receiver import make_app
+from services.context import Context
+from services.links import (
+    InvalidLinkPart, already_filed, link_token, record_self_filed, signed_link, token_valid,
+)
+from tests.public_helpers import compliance_order, link_path, served, signed_path
+from tests.service_process import database_down
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SECRET = "link-secret-for-tests"
+
+
+# --- tokens ---------------------------------------------------------------------------
+
+def test_a_token_verifies_only_for_what_it_signed():
+    token = link_token(SECRET, "ifta", "CO-1", "2026-Q3")
+    assert token_valid(SECRET, "ifta", "CO-1", "2026-Q3", token)
+    assert not token_valid(SECRET, "ifta", "CO-2", "2026-Q3", token)
+    assert not token_valid(SECRET, "ifta", "CO-1", "2026-Q4", token)
+    assert not token_valid(SECRET, "ucr", "CO-1", "2026-Q3", token)
+    assert not token_valid("another-secret", "ifta", "CO-1", "2026-Q3", token)
+
+
+def test_a_truncated_or_altered_token_is_refused():
+    token = link_token(SECRET, "ucr", "CO-1", "2027")
+    assert not token_valid(SECRET, "ucr", "CO-1", "2027", token[:-1])
+    assert not token_valid(SECRET, "ucr", "CO-1", "2027", token[:10])
+    assert not token_valid(SECRET, "ucr", "CO-1", "2027", "")
+    assert not token_valid(SECRET, "ucr", "CO-1", "2027", None)
+    flipped = ("A" if token[0] != "A" else "B") + token[1:]
+    assert not token_valid(SECRET, "ucr", "CO-1", "2027", flipped)
+
+
+def test_the_token_is_url_safe_base64_of_the_hmac():
+    import base64
+    import hashlib
+    import hmac
+    digest = hmac.new(SECRET.encode(), b"ifta|CO-1|2026-Q3", hashlib.sha256).digest()
+    expected = base64.urlsafe_b64encode(digest).decode()
+    assert link_token(SECRET, "ifta", "CO-1", "2026-Q3") == expected.rstrip("=")
+    assert token_valid(SECRET, "ifta", "CO-1", "2026-Q3", expected)
+
+
+@pytest.mark.parametrize("order,cycle", [("CO|1", "2026"), ("CO-1", "2026|Q3"), ("", "2026"),
+                                         ("CO-1", ""), ("CO-1", "x" * 101),
+                                         ("CO-1\x00", "2026"), ("CO-1", "2026\x00")])
+def test_parts_that_cannot_be_signed_unambiguously_are_refused(order, cycle):
+    with pytest.raises(InvalidLinkPart):
+        link_token(SECRET, "ifta", order, cycle)
+    assert not token_valid(SECRET, "ifta", order, cycle, "anything")
+
+
+def test_moving_the_separator_between_order_and_cycle_gives_no_valid_link():
+    # "ifta|CO|1|2026" would read as order "CO|1" or as cycle "1|2026": both are refused.
+    token = link_token(SECRET, "ifta", "CO", "2026")
+    assert not token_valid(SECRET, "ifta", "CO|", "2026", token)
+
+
+def test_an_unknown_kind_is_refused():
+    with pytest.raises(InvalidLinkPart):
+        link_token(SECRET, "irp", "CO-1", "2026")
+
+
+def test_signed_link_uses_the_public_base_url(settings):
+    s = dataclasses.replace(settings, link_secret=SECRET,
+                            public_base_url="https://orders.example.com")
+    link = signed_link(s, "ucr", "CO 7&8", "2027")
+    token = link_token(SECRET, "ucr", "CO 7&8", "2027")
+    assert link == ("https://orders.example.com/api/v1/ucr/filed?order=CO+7%268"
+                    f"&cycle=2027&token={token}")
+
+
+# --- recording once -----------------------------------------------------------------------
+
+def test_already_filed_answers_per_kind_order_and_cycle(clock):
+    clock.set(2026, 10, 5, 8, 30)
+    assert not already_filed("ifta", "CO-1", "2026-Q3")
+    record_self_filed("ifta", "CO-1", "2026-Q3", clock())
+    assert already_filed("ifta", "CO-1", "2026-Q3")
+    assert not already_filed("ifta", "CO-1", "2026-Q4")
+    assert not already_filed("ucr", "CO-1", "2026-Q3")
+    assert not already_filed("ifta", "CO-2", "2026-Q3")
+
+
+def test_recording_twice_keeps_the_first_time(clock):
+    clock.set(2026, 10, 5, 8, 30)
+    first = clock()
+    assert record_self_filed("ucr", "CO-1", "2027", first) == (first, True)
+    clock.advance(days=3)
+    assert record_self_filed("ucr", "CO-1", "2027", clock()) == (first, False)
+    assert SelfFiling.select().count() == 1
+
+
+# --- the pages ------------------------------------------------------------------------------
+
+@pytest.fixture
+def get(http_server, base_url, client):
+    async def fetch(path, **kwargs):
+        return await client.fetch(base_url + path, **kwargs)
+    return fetch
+
+
+def html(response):
+    return response.body.decode("utf-8")
+
+
+@pytest.mark.parametrize("kind,title", [("ifta", "IFTA fuel-tax return"),
+                                        ("ucr", "UCR annual registration")])
+@pytest.mark.gen_test
+async def test_a_valid_link_records_and_confirms(get, ctx, clock, kind, title):
+    compliance_order("CO-20001", "Dana")
+    clock.set(2026, 10, 5, 8, 30)
+    response = await get(signed_path(ctx, kind, "CO-20001", "2026-Q3"))
+    assert response.code == 200
+    assert response.headers["Content-Type"] == "text/html; charset=utf-8"
+    assert response.headers["Cache-Control"] == "no-store"
+    assert response.headers["Referrer-Policy"] == "no-referrer"
+    page = html(response)
+    assert "Thank you, Dana: we have recorded that you filed" in page
+    assert title in page and "5 October 2026 at 08:30 UTC" in page
+    assert "<script" not in page
+    assert already_filed(kind, "CO-20001", "2026-Q3")
+
+
+@pytest.mark.gen_test
+async def test_a_second_click_or_a_prefetch_shows_the_first_date(get, ctx, clock):
+    compliance_order("CO-20001", "Dana")
+    path = signed_path(ctx, "ifta", "CO-20001", "2026-Q3")
+    clock.set(2026, 10, 5, 8, 30)
+    assert (await get(path)).code == 200
+    clock.advance(days=2)
+    responses = await asyncio.gather(*(get(path) for _ in range(5)))
+    for response in responses:
+        assert response.code == 200
+        assert "Already recorded, Dana" in html(response)
+        assert "5 October 2026 at 08:30 UTC" in html(response)
+    assert SelfFiling.select().count() == 1
+
+
+@pytest.mark.gen_test
+async def test_a_link_checker_s_head_request_records_nothing(get, ctx):
+    compliance_order("CO-20001")
+
+    async def head(path):
+        return (await get(path, method="HEAD")).code
+    assert await head(signed_path(ctx, "ifta", "CO-20001", "2026-Q3")) == 200
+    assert await head(signed_path(ctx, "ifta", "CO-404", "2026-Q3")) == 404
+    assert await head(link_path("ifta", "CO-20001", "2026-Q3", "x")) == 403
+    assert not already_filed("ifta", "CO-20001", "2026-Q3")
+
+
+@pytest.mark.gen_test
+async def test_concurrent_first_clicks_record_one_row(get, ctx):
+    compliance_order("CO-20001")
+    path = signed_path(ctx, "ucr", "CO-20001", "2027")
+    responses = await asyncio.gather(*(get(path) for _ in range(8)))
+    assert {r.code for r in responses} == {200}
+    assert sum("we have recorded that you filed" in html(r) for r in responses) == 1
+    assert SelfFiling.select().count() == 1
+
+
+def tampered_links(ctx):
+    good = link_token(ctx.settings.link_secret, "ifta", "CO-20001", "2026-Q3")
+    return {
+        "changed order": link_path("ifta", "CO-20002", "2026-Q3", good),
+        "changed cycle": link_path("ifta", "CO-20001", "2026-Q4", good),
+        "changed kind": link_path("ucr", "CO-20001", "2026-Q3", good),
+        "truncated token": link_path("ifta", "CO-20001", "2026-Q3", good[:-3]),
+        "empty token": link_path("ifta", "CO-20001", "2026-Q3", ""),
+        "no query": "/api/v1/ifta/filed",
+        "no cycle": f"/api/v1/ifta/filed?order=CO-20001&token={good}",
+        "other secret": link_path("ifta", "CO-20001", "2026-Q3",
+                                  link_token("other", "ifta", "CO-20001", "2026-Q3")),
+    }
+
+
+@pytest.mark.gen_test
+async def test_a_tampered_link_gets_the_403_page_and_records_nothing(get, ctx):
+    compliance_order("CO-20001")
+    compliance_order("CO-20002")
+    for name, path in tampered_links(ctx).items():
+        response = await get(path)
+        assert response.code == 403, name
+        assert response.headers["Content-Type"] == "text/html; charset=utf-8"
+        assert "This link is not valid" in html(response), name
+    assert SelfFiling.select().count() == 0
+
+
+@pytest.mark.gen_test
+async def test_an_unknown_order_with_a_valid_token_gets_the_404_page(get, ctx):
+    response = await get(signed_path(ctx, "ifta", "CO-404", "2026-Q3"))
+    assert response.code == 404
+    assert "We could not find this order" in html(response)
+    assert SelfFiling.select().count() == 0
+
+
+@pytest.mark.gen_test
+async def test_html_in_a_customer_name_or_cycle_is_shown_escaped(get, ctx):
+    compliance_order("CO-20001", customer_name="<script>alert('name')</script>")
+    cycle = '<img src=x onerror="alert(1)">Q3'
+    response = await get(signed_path(ctx, "ifta", "CO-20001", cycle))
+    page = html(response)
+    assert response.code == 200
+    assert "<script>" not in page and "<img" not in page
+    assert "&lt;script&gt;alert(&#39;name&#39;)&lt;/script&gt;" in page
+    assert "&lt;img src=x onerror=&#34;alert(1)&#34;&gt;Q3" in page
+
+
+@pytest.mark.gen_test
+async def test_other_methods_get_a_405_page(get, ctx):
+    compliance_order("CO-20001")
+    response = await get(signed_path(ctx, "ifta", "CO-20001", "2026-Q3"), method="POST",
+                         body=b"")
+    assert response.code == 405
+    assert response.headers["Content-Type"] == "text/html; charset=utf-8"
+    assert "Something went wrong" in html(response)
+    assert SelfFiling.select().count() == 0
+
+
+@pytest.mark.gen_test
+async def test_database_down_gives_a_503_page_with_retry_after(get, ctx, db):
+    path = signed_path(ctx, "ifta", "CO-20001", "2026-Q3")
+    with database_down(db):
+        response = await get(path)
+    assert response.code == 503 and response.headers["Retry-After"] == "30"
+    assert "Temporarily unavailable" in html(response)
+
+
+@pytest.mark.gen_test
+async def test_too_many_clicks_from_one_address_get_a_429_page(settings, clock, client):
+    limited = dataclasses.replace(settings, public_rate_limit=2)
+    ctx = Context.create(limited, clock=clock)
+    compliance_order("CO-20001")
+    path = signed_path(ctx, "ucr", "CO-20001", "2027")
+    with served(make_app(ctx), limited) as base:
+        codes = [(await client.fetch(base + path)).code for _ in range(3)]
+        refused = await client.fetch(base + path)
+    assert codes == [200, 200, 429]
+    assert int(refused.headers["Retry-After"]) >= 1
+    assert "Too many requests" in html(refused)
+
+
+# --- the command line -----------------------------------------------------------------------
+
+def run_cli(*args, env):
+    return subprocess.run([sys.executable, "receiver.py", *args], cwd=ROOT, text=True,
+                          capture_output=True, timeout=60, env={**os.environ, **env})
+
+
+@pytest.mark.gen_test(timeout=60)
+async def test_the_cli_prints_a_link_that_works(get, ctx, base_url):
+    compliance_order("CO-20001")
+    env = {"LINK_SECRET": ctx.settings.link_secret, "PUBLIC_BASE_URL": base_url}
+    result = await asyncio.to_thread(run_cli, "link", "ifta", "CO-20001", "2026-Q3", env=env)
+    assert result.returncode == 0, result.stderr
+    link = result.stdout.strip()
+    assert link == signed_link(dataclasses.replace(ctx.settings, public_base_url=base_url),
+                               "ifta", "CO-20001", "2026-Q3")
+    response = await get(link[len(base_url):])
+    assert response.code == 200 and "we have recorded that you filed" in html(response)
+
+
+def test_the_cli_refuses_what_it_cannot_sign():
+    env = {"LINK_SECRET": SECRET}
+    bad_cycle = run_cli("link", "ucr", "CO-1", "2027|2028", env=env)
+    assert bad_cycle.returncode == 2 and "cycle" in bad_cycle.stderr
+    assert bad_cycle.stdout == ""
+    bad_kind = run_cli("link", "irp", "CO-1", "2027", env=env)
+    assert bad_kind.returncode == 2 and "invalid choice" in bad_kind.stderr

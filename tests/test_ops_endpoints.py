@@ -1,0 +1,188 @@
+"""GET /healthz, /readyz and /metrics against the real app, database and peers."""
+import contextlib
+import json
+import os
+
+import peewee
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from models import Outbox, WebhookEvent, database
+from scheduler import Scheduler
+from services.context import Context
+from tests.conftest import WEBHOOK_SECRET
+
+AUTH = {"X-Webhook-Secret": WEBHOOK_SECRET, "Content-Type": "application/json"}
+SUBMITTED = {"order_name": "ORD-1", "order_number": "FO-1", "state_code": "WY",
+             "entity_name": "Acme LLC"}
+
+
+@pytest.fixture
+def get(http_server, base_url, client):
+    async def fetch(path):
+        response = await client.fetch(base_url + path)
+        return response.code, response
+    return fetch
+
+
+@contextlib.contextmanager
+def unreachable_database():
+    """Point the models at a PostgreSQL port nobody listens on, then back."""
+    real = database.obj
+    database.initialize(peewee.PostgresqlDatabase(
+        "receiver", host="127.0.0.1", port=1, user="nobody", password="db-password-x",
+        connect_timeout=1))
+    try:
+        yield
+    finally:
+        database.initialize(real)
+
+
+async def start_scheduler(ctx):
+    """The service's scheduler, without periodic jobs: only whether it runs matters."""
+    ctx.scheduler = Scheduler(ctx, jobs=())
+    await ctx.scheduler.start()
+    return ctx.scheduler
+
+
+@pytest.fixture
+def scheduled(ctx, io_loop):
+    """Stops the scheduler a test started, whatever the test's outcome."""
+    yield
+    if ctx.scheduler is not None:
+        io_loop.run_sync(ctx.scheduler.stop)
+
+
+def samples(body):
+    """{(name, frozenset(labels)): value} of a Prometheus text exposition."""
+    found = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for sample in family.samples:
+            found[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return found
+
+
+def value(found, name, **labels):
+    return found.get((name, frozenset(labels.items())))
+
+
+@pytest.mark.gen_test
+async def test_healthz_answers_ok(get):
+    code, response = await get("/healthz")
+    assert code == 200 and json.loads(response.body) == {"status": "ok"}
+
+
+@pytest.mark.gen_test
+async def test_readyz_is_ready_with_database_and_scheduler(get, ctx, scheduled):
+    await start_scheduler(ctx)
+    code, response = await get("/readyz")
+    assert code == 200
+    assert json.loads(response.body) == {
+        "status": "ready", "checks": {"database": "ok", "scheduler": "ok"}}
+
+
+@pytest.mark.gen_test
+async def test_readyz_without_a_scheduler_is_not_ready(get):
+    code, response = await get("/readyz")
+    assert code == 503
+    assert json.loads(response.body)["checks"] == {"database": "ok", "scheduler": "not started"}
+
+
+@pytest.mark.gen_test
+async def test_readyz_with_a_stopped_scheduler_is_not_ready(get, ctx, scheduled):
+    await (await start_scheduler(ctx)).stop()
+    code, response = await get("/readyz")
+    assert code == 503 and json.loads(response.body)["checks"]["scheduler"] == "stopped"
+
+
+@pytest.mark.gen_test
+async def test_readyz_names_an_unreachable_database_without_its_secrets(get, ctx, scheduled):
+    await start_scheduler(ctx)
+    with unreachable_database():
+        code, response = await get("/readyz")
+    assert code == 503
+    assert json.loads(response.body) == {
+        "status": "not ready", "checks": {"database": "unreachable", "scheduler": "ok"}}
+    assert b"db-password-x" not in response.body and b"nobody" not in response.body
+
+
+@pytest.mark.gen_test
+async def test_metrics_count_events_by_source_type_and_outcome(get, post):
+    await post("/api/v1/webhooks/formation/submitted", SUBMITTED, AUTH)
+    await post("/api/v1/webhooks/formation/submitted", SUBMITTED, AUTH)  # a redelivery
+    code, response = await get("/metrics")
+    assert code == 200
+    assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+    found = samples(response.body)
+    kind = {"source": "workflow", "type": "formation/submitted"}
+    assert value(found, "receiver_events_total", outcome="processed", **kind) == 1
+    assert value(found, "receiver_events_total", outcome="duplicate", **kind) == 1
+    assert value(found, "receiver_event_handling_seconds_count", source="workflow") == 1
+    assert value(found, "receiver_outbox_sends_total", kind="job", result="sent") == 1
+    assert value(found, "receiver_outbox_pending") == 0
+    assert value(found, "receiver_database_up") == 1
+
+
+@pytest.mark.gen_test
+async def test_metrics_show_the_backlog_and_its_oldest_age(get, post, worker, clock):
+    clock.set(2026, 11, 20, 9, 0, 0)
+    worker.fail_with(503)
+    await post("/api/v1/webhooks/formation/submitted", SUBMITTED, AUTH)
+    clock.advance(seconds=90)
+    found = samples((await get("/metrics"))[1].body)
+    assert value(found, "receiver_outbox_pending") == 1
+    assert value(found, "receiver_outbox_oldest_pending_age_seconds") == 90
+    assert value(found, "receiver_outbox_sends_total", kind="job", result="retry") == 1
+
+
+@pytest.mark.gen_test
+async def test_metrics_count_dead_rows_and_failed_events(get, post, worker):
+    worker.fail_with(400)
+    await post("/api/v1/webhooks/formation/submitted", SUBMITTED, AUTH)
+    found = samples((await get("/metrics"))[1].body)
+    assert Outbox.select().where(Outbox.status == "dead").count() == 1
+    assert value(found, "receiver_outbox_dead") == 1
+    assert value(found, "receiver_events_failed") == 0
+    assert value(found, "receiver_events_dead") == 0
+
+
+@pytest.mark.gen_test
+async def test_metrics_count_failed_and_dead_events(get):
+    for n, status in enumerate(("failed", "failed", "dead", "processed")):
+        WebhookEvent.create(source="card", event_type="x", dedup_key=f"k{n}", payload="{}",
+                            status=status)
+    found = samples((await get("/metrics"))[1].body)
+    assert value(found, "receiver_events_failed") == 2
+    assert value(found, "receiver_events_dead") == 1
+
+
+@pytest.mark.gen_test
+async def test_metrics_measure_the_spool(get, settings):
+    os.makedirs(settings.spool_dir, exist_ok=True)
+    with open(os.path.join(settings.spool_dir, "inbox.jsonl"), "wb") as spooled:
+        spooled.write(b"x" * 1234)
+    found = samples((await get("/metrics"))[1].body)
+    assert value(found, "receiver_spool_files") == 1
+    assert value(found, "receiver_spool_bytes") == 1234
+
+
+@pytest.mark.gen_test
+async def test_metrics_still_answer_when_the_database_is_down(get):
+    with unreachable_database():
+        code, response = await get("/metrics")
+    found = samples(response.body)
+    assert code == 200
+    assert value(found, "receiver_database_up") == 0
+    assert value(found, "receiver_outbox_pending") is None
+    assert value(found, "receiver_spool_files") == 0
+
+
+def test_each_context_counts_on_its_own(settings, clock):
+    first, second = Context.create(settings, clock), Context.create(settings, clock)
+    first.metrics.event_duplicate("card", "balance.available")
+    counted = {"source": "card", "type": "balance.available", "outcome": "duplicate"}
+    assert value(samples(generate_latest(first.metrics.registry)),
+                 "receiver_events_total", **counted) == 1
+    assert value(samples(generate_latest(second.metrics.registry)),
+                 "receiver_events_total", **counted) is None

@@ -1,0 +1,342 @@
+"""The scheduler's jobs, run against real peers and the real database: the outbox
+sender, the inbox retry, claims and job locks across connections, pruning."""
+import asyncio
+import dataclasses
+import datetime
+import json
+import urllib.parse
+
+import psycopg2
+import pytest
+
+import migrations
+from models import ComplianceOrder, CrtcOrder, Outbox, WebhookEvent
+from scheduler import JOBS_BY_NAME, AdvisoryLock, Scheduler
+from services import inbox, outbox, retention
+from settings import ConfigurationError, Settings
+from tests.conftest import WEBHOOK_SECRET
+from tests.service_process import postgres_only
+
+AUTH = {"X-Webhook-Secret": WEBHOOK_SECRET, "Content-Type": "application/json"}
+
+
+def url(path):
+    return f"/api/v1/webhooks/{path}"
+
+
+def order(number, **extra):
+    return {"order_name": f"ORD-{number}", "order_number": number, **extra}
+
+
+def admin_mail(smtp):
+    return [message for rcpt, message in smtp.messages if rcpt == ["admin@example.test"]]
+
+
+async def run_sender_until_quiet(ctx, clock, rounds=40):
+    """Let time pass and the sender run, as the scheduler would, until nothing waits."""
+    for _ in range(rounds):
+        clock.advance(hours=7)
+        await outbox.send_due(ctx)
+        if not Outbox.select().where(Outbox.status == "pending").exists():
+            return
+
+
+@pytest.fixture
+def other_connection(database_url):
+    """A second PostgreSQL session, as another service process would have."""
+    parts = urllib.parse.urlsplit(database_url)
+    connection = psycopg2.connect(host=parts.hostname, port=parts.port or 5432,
+                                  user=parts.username, dbname=parts.path.lstrip("/"))
+    yield connection
+    connection.close()
+
+
+# --- outbox sender ---------------------------------------------------------------------
+
+@pytest.mark.gen_test
+async def test_a_failed_send_is_retried_with_growing_backoff_until_it_goes_out(
+        post, ctx, clock, worker):
+    clock.set(2026, 11, 20, 9, 0)
+    worker.fail_with(503)
+    await post(url("formation/ready"), order("FO-1"), AUTH)
+    [row] = Outbox.select()
+    delays = []
+    for _ in range(4):
+        row = Outbox.get_by_id(row.id)
+        delays.append((row.next_attempt_at - clock()).total_seconds())
+        clock.fixed = row.next_attempt_at
+        assert await outbox.send_due(ctx) == 0
+    assert 15 <= delays[0] <= 30 and all(b > a for a, b in zip(delays, delays[1:]))
+
+    worker.fail_with(200, {"ok": True})
+    clock.advance(hours=7)
+    assert await outbox.send_due(ctx) == 1
+    row = Outbox.get_by_id(row.id)
+    assert (row.status, row.attempts) == ("sent", 6)
+    assert len({r.headers["Idempotency-Key"] for r in worker.requests}) == 1
+
+
+@pytest.mark.gen_test
+async def test_after_the_last_attempt_the_row_is_dead_and_the_admin_gets_one_mail(
+        post, ctx, clock, worker, smtp):
+    clock.set(2026, 11, 20, 9, 0)
+    worker.fail_with(502)
+    await post(url("formation/ready"), order("FO-7"), AUTH)
+    await run_sender_until_quiet(ctx, clock)
+    await run_sender_until_quiet(ctx, clock)
+
+    job = Outbox.get(Outbox.kind == "job")
+    assert (job.status, job.attempts) == ("dead", outbox.MAX_ATTEMPTS)
+    assert len(worker.requests) == outbox.MAX_ATTEMPTS
+    [mail] = admin_mail(smtp)
+    assert mail["Subject"] == f"Outbox effect #{job.id} given up"
+    assert "FO-7" in mail.get_body(("plain",)).get_content()
+    assert "HTTP 502" in mail.get_body(("html",)).get_content()
+
+
+@pytest.mark.gen_test
+async def test_a_refusal_no_retry_can_change_is_dead_at_once_with_one_mail(
+        post, ctx, clock, frappe, smtp):
+    frappe.fail_with(417, {"exc_type": "WorkflowTransitionError"})
+    await post(url("formation/approved"), order("FO-8"), AUTH)
+    await run_sender_until_quiet(ctx, clock)
+
+    [action] = Outbox.select().where(Outbox.kind == "workflow_action")
+    assert (action.status, action.attempts) == ("dead", 1)
+    assert len(frappe.requests) == 1 and len(admin_mail(smtp)) == 1
+
+
+@pytest.mark.gen_test
+async def test_a_dead_admin_mail_is_not_announced_by_another(post, ctx, clock, frappe, smtp):
+    frappe.fail_with(417)
+    smtp.box.refuse_with = "550 mailbox unavailable"
+    await post(url("formation/approved"), order("FO-9"), AUTH)
+    await run_sender_until_quiet(ctx, clock)
+
+    assert [row.status for row in Outbox.select().order_by(Outbox.id)] == ["dead", "dead"]
+    assert smtp.messages == []
+
+
+@pytest.mark.gen_test
+async def test_an_orders_later_effect_waits_for_its_earlier_one(post, ctx, clock, worker):
+    clock.set(2026, 11, 20, 9, 0)
+    worker.fail_with(503)
+    await post(url("formation/filed-skip-ein"), order("FO-3"), AUTH)
+    worker.fail_with(200, {"ok": True})
+    await post(url("formation/ready"), order("FO-3"), AUTH)
+    await post(url("formation/ready"), order("FO-4"), AUTH)
+    # The other order is not held up; FO-3's delivery waits for its document generation.
+    assert [r.json["action"] for r in worker.requests[1:]] == ["deliver"]
+    assert worker.requests[1].json["order_number"] == "FO-4"
+
+    await run_sender_until_quiet(ctx, clock)
+    fo3 = [r.json["action"] for r in worker.requests if r.json["order_number"] == "FO-3"]
+    assert fo3 == ["generate_docs", "generate_docs", "deliver"]
+
+
+# --- inbox retry -----------------------------------------------------------------------
+
+def stored_event(ctx, number, payload=None, **fields):
+    body = json.dumps(order(number) if payload is None else payload)
+    event, created = inbox.record(ctx, "workflow", "formation/ready", f"key-{number}", body,
+                                  order_number=number)
+    assert created
+    if fields:
+        WebhookEvent.update(**fields).where(WebhookEvent.id == event.id).execute()
+    return event
+
+
+@pytest.mark.gen_test
+async def test_an_event_stored_but_left_unhandled_is_handled_once_after_its_lease(
+        ctx, clock, worker):
+    clock.set(2026, 11, 20, 9, 0)
+    stored_event(ctx, "FO-1")
+    clock.advance(seconds=ctx.settings.claim_lease_seconds - 1)
+    assert await inbox.retry_due(ctx) == 0  # its own request may still be handling it
+
+    clock.advance(seconds=2)
+    assert await inbox.retry_due(ctx) == 1
+    assert await inbox.retry_due(ctx) == 0
+    clock.advance(hours=1)
+    assert await inbox.retry_due(ctx) == 0
+    assert WebhookEvent.get().status == "processed"
+    assert [r.json["order_number"] for r in worker.requests] == ["FO-1"]
+
+
+@pytest.mark.gen_test
+async def test_a_failing_event_is_retried_then_dead_with_one_mail(ctx, clock, smtp):
+    clock.set(2026, 11, 20, 9, 0)
+    event = stored_event(ctx, "FO-5", payload={"order_number": "FO-5"})  # no order_name
+    assert await inbox.process(ctx, event) == "failed"
+    event = WebhookEvent.get_by_id(event.id)
+    assert (event.status, event.attempts) == ("failed", 1)
+    assert "order_name" in event.last_error
+
+    for _ in range(inbox.MAX_ATTEMPTS + 3):
+        clock.advance(hours=7)
+        await inbox.retry_due(ctx)
+        await outbox.send_due(ctx)
+
+    event = WebhookEvent.get_by_id(event.id)
+    assert (event.status, event.attempts) == ("dead", inbox.MAX_ATTEMPTS)
+    [mail] = admin_mail(smtp)
+    assert mail["Subject"] == f"Webhook event #{event.id} given up"
+    assert "FO-5" in mail.get_body(("plain",)).get_content()
+
+
+@pytest.mark.gen_test
+async def test_a_failed_event_waits_for_its_retry_time(ctx, clock, worker):
+    clock.set(2026, 11, 20, 9, 0)
+    later = clock() + datetime.timedelta(minutes=5)
+    stored_event(ctx, "FO-6", status="failed", attempts=1, next_attempt_at=later)
+    clock.advance(minutes=4)
+    assert await inbox.retry_due(ctx) == 0
+    clock.advance(minutes=2)
+    assert await inbox.retry_due(ctx) == 1
+    assert [r.json["order_number"] for r in worker.requests] == ["FO-6"]
+
+
+# --- claims and locks across processes (PostgreSQL) --------------------------------------
+
+@postgres_only
+@pytest.mark.gen_test
+async def test_a_row_another_process_is_claiming_is_skipped_not_waited_for(
+        post, ctx, clock, worker, other_connection):
+    worker.fail_with(503)
+    for number in ("FO-1", "FO-2"):
+        await post(url("formation/ready"), order(number), AUTH)
+    worker.fail_with(200, {"ok": True})
+    first, second = Outbox.select().order_by(Outbox.id)
+    cursor = other_connection.cursor()
+    cursor.execute("SELECT id FROM outbox WHERE id = %s FOR UPDATE", (first.id,))
+
+    clock.advance(hours=7)
+    assert await outbox.send_due(ctx) == 1
+    assert [r.json["order_number"] for r in worker.requests[2:]] == ["FO-2"]
+
+    other_connection.rollback()
+    assert await outbox.send_due(ctx) == 1
+    assert [r.json["order_number"] for r in worker.requests[2:]] == ["FO-2", "FO-1"]
+
+
+@pytest.mark.gen_test
+async def test_a_claimed_row_is_left_alone_for_its_lease(post, ctx, clock, worker):
+    clock.set(2026, 11, 20, 9, 0)
+    worker.fail_with(503)
+    await post(url("formation/ready"), order("FO-1"), AUTH)
+    worker.delay = 1.0
+    clock.advance(hours=1)
+    sending = asyncio.ensure_future(outbox.send_due(ctx))
+    await asyncio.sleep(0.3)  # the first run has claimed the row and waits on the worker
+    assert await outbox.send_due(ctx) == 0
+    await sending
+    assert len(worker.requests) == 2
+
+
+@postgres_only
+@pytest.mark.gen_test
+async def test_a_job_another_process_is_running_is_skipped(ctx, clock, frappe,
+                                                           other_connection):
+    clock.set(2026, 11, 20, 9, 0)
+    CrtcOrder.create(order_number="CR-1", payment_status="paid", payment_method="card",
+                     paid_at=clock() - datetime.timedelta(days=7))
+    settlement = JOBS_BY_NAME["settlement"]
+    cursor = other_connection.cursor()
+    cursor.execute("SELECT pg_advisory_lock(%s)", (settlement.lock_id,))
+    other_connection.commit()
+
+    scheduler = Scheduler(ctx)
+    assert await scheduler.run(settlement) is None
+    assert frappe.requests == []
+
+    cursor.execute("SELECT pg_advisory_unlock(%s)", (settlement.lock_id,))
+    other_connection.commit()
+    assert (await scheduler.run(settlement))["settled"] == 1
+    assert len(frappe.requests) == 1
+    assert AdvisoryLock(settlement.lock_id).acquire()  # released after the run
+    AdvisoryLock(settlement.lock_id).release()
+
+
+# --- the scheduler itself ----------------------------------------------------------------
+
+@pytest.mark.gen_test
+async def test_the_scheduler_runs_its_jobs_until_stopped(ctx, worker, db):
+    event = stored_event(ctx, "FO-1")
+    WebhookEvent.update(received_at=event.received_at - datetime.timedelta(hours=1)).where(
+        WebhookEvent.id == event.id).execute()
+    scheduler = Scheduler(ctx)
+    assert not scheduler.running
+    await scheduler.start()
+    assert scheduler.running
+    for _ in range(100):
+        if worker.requests:
+            break
+        await asyncio.sleep(0.02)
+    await scheduler.stop()
+    assert not scheduler.running
+    assert [r.json["order_number"] for r in worker.requests] == ["FO-1"]
+
+
+@pytest.mark.gen_test
+async def test_a_run_that_fails_is_logged_not_raised(ctx, caplog, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    ctx.settings = dataclasses.replace(ctx.settings, spool_dir=str(blocker / "spool"))
+    assert await Scheduler(ctx).run(JOBS_BY_NAME["spool"]) is None
+    assert "job spool failed" in caplog.text
+
+
+# --- pruning -----------------------------------------------------------------------------
+
+def test_pruning_deletes_only_handled_events_and_sent_effects_past_retention(ctx, clock):
+    clock.set(2026, 11, 20, 9, 0)
+    old = clock() - datetime.timedelta(days=ctx.settings.retention_days, minutes=1)
+    recent = clock() - datetime.timedelta(days=ctx.settings.retention_days - 1)
+    kept, pruned = [], []
+    for n, (status, when) in enumerate([("processed", old), ("ignored", old),
+                                        ("processed", recent), ("failed", old),
+                                        ("dead", old), ("rejected", old)]):
+        event = stored_event(ctx, f"FO-{n}", status=status, processed_at=when)
+        (pruned if status in ("processed", "ignored") and when == old else kept).append(
+            event.id)
+    for n, (status, when) in enumerate([("sent", old), ("sent", recent), ("pending", old),
+                                        ("dead", old)]):
+        Outbox.create(kind="job", payload="{}", idempotency_key=f"k{n}", status=status,
+                      sent_at=when, event=kept[0])
+
+    assert retention.prune(ctx) == (2, 1)
+    assert sorted(e.id for e in WebhookEvent.select()) == sorted(kept)
+    assert sorted(r.status for r in Outbox.select()) == ["dead", "pending", "sent"]
+    assert retention.prune(ctx) == (0, 0)
+
+
+def test_migration_0005_adds_the_reminder_columns_to_an_older_database(db):
+    db.execute_sql("ALTER TABLE compliance_orders DROP COLUMN intake_reminders_sent")
+    db.execute_sql("ALTER TABLE compliance_orders DROP COLUMN intake_reminded_at")
+    db.execute_sql("DELETE FROM schema_migrations WHERE name = '0005_intake_reminders'")
+
+    assert migrations.migrate(db) == ["0005_intake_reminders"]
+    columns = {column.name for column in db.get_columns("compliance_orders")}
+    assert {"intake_reminders_sent", "intake_reminded_at"} <= columns
+    assert ComplianceOrder.create(order_number="CO-1").intake_reminders_sent == 0
+    assert migrations.migrate(db) == []
+
+
+# --- settings ----------------------------------------------------------------------------
+
+def test_the_scheduler_settings_come_from_the_environment():
+    settings = Settings.from_env({"SCHEDULER_TICK_SECONDS": "5", "CLAIM_LEASE_SECONDS": "90",
+                                  "RETENTION_DAYS": "14"})
+    assert (settings.scheduler_tick_seconds, settings.claim_lease_seconds,
+            settings.retention_days) == (5, 90, 14)
+
+
+@pytest.mark.parametrize("environment,complaint", [
+    ({"CLAIM_LEASE_SECONDS": "10", "OUTBOUND_TIMEOUT_SECONDS": "10"},
+     "CLAIM_LEASE_SECONDS must be longer than OUTBOUND_TIMEOUT_SECONDS"),
+    ({"SCHEDULER_TICK_SECONDS": "0"}, "must be positive"),
+    ({"RETENTION_DAYS": "-1"}, "must be positive"),
+])
+def test_scheduler_settings_that_cannot_work_are_refused(environment, complaint):
+    with pytest.raises(ConfigurationError, match=complaint):
+        Settings.from_env(environment)

@@ -1,0 +1,189 @@
+"""The spool: calls accepted while the database is down are kept in an fsynced file and
+stored and handled once when it is back (DESIGN.md "Flow of one inbound call")."""
+import dataclasses
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from models import WebhookEvent
+from services import inbox, spool
+from tests.conftest import WEBHOOK_SECRET
+from tests.service_process import ROOT, database_down
+
+AUTH = {"X-Webhook-Secret": WEBHOOK_SECRET, "Content-Type": "application/json"}
+SUBMITTED = "/api/v1/webhooks/formation/submitted"
+
+
+def submitted(number):
+    return {"order_name": f"ORD-{number}", "order_number": f"FO-{number}",
+            "state_code": "WY", "entity_name": f"Acme {number} LLC"}
+
+
+def spool_files(ctx):
+    return sorted(glob.glob(os.path.join(ctx.settings.spool_dir, "*")))
+
+
+def spooled_lines(ctx):
+    lines = []
+    for path in spool_files(ctx):
+        with open(path, encoding="utf-8") as handle:
+            lines += [json.loads(line) for line in handle]
+    return lines
+
+
+@pytest.mark.gen_test
+async def test_a_call_taken_while_the_database_is_down_is_acknowledged_then_handled_once(
+        post, ctx, db, worker, frappe):
+    with database_down(db):
+        first = await post(SUBMITTED, submitted(1), AUTH)
+        retried = await post(SUBMITTED, submitted(1), AUTH)  # the sender's own retry
+
+    for status, reply, _ in (first, retried):
+        assert (status, reply) == (200, {"received": True, "action": "name_search_dispatched"})
+    assert worker.requests == [] and frappe.requests == []
+    [line, _] = spooled_lines(ctx)
+    assert (line["source"], line["event_type"], line["order_number"]) == (
+        "workflow", "formation/submitted", "FO-1")
+    assert json.loads(line["payload"]) == submitted(1)
+
+    assert await spool.drain(ctx) == 2
+    [event] = WebhookEvent.select()
+    assert event.status == "processed"
+    assert event.received_at.isoformat() == line["received_at"]
+    assert [r.json["action"] for r in worker.requests] == ["name_search"]
+    assert len(frappe.requests) == 1
+    assert spool_files(ctx) == []
+
+    assert await spool.drain(ctx) == 0
+    status, _, _ = await post(SUBMITTED, submitted(1), AUTH)
+    assert status == 200 and len(worker.requests) == 1 and WebhookEvent.select().count() == 1
+
+
+@pytest.mark.gen_test
+async def test_database_and_spool_both_unwritable_answers_503_so_the_sender_retries(
+        post, ctx, db, worker, tmp_path):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    ctx.settings = dataclasses.replace(ctx.settings, spool_dir=str(blocker / "spool"))
+    with database_down(db):
+        status, reply, response = await post(SUBMITTED, submitted(1), AUTH)
+    assert (status, reply) == (503, {"error": "temporarily unavailable"})
+    assert response.headers["Retry-After"] == "30"
+    assert worker.requests == []
+
+
+@pytest.mark.gen_test
+async def test_a_drain_that_died_midway_is_finished_by_the_next_without_duplicates(
+        post, ctx, db, worker):
+    with database_down(db):
+        for number in (1, 2, 3):
+            await post(SUBMITTED, submitted(number), AUTH)
+    # A drain renamed the file and stored the first call, then the process died.
+    spool._rotate(ctx.settings.spool_dir)
+    [draining] = spool_files(ctx)
+    assert draining.endswith(".draining")
+    with open(draining, encoding="utf-8") as handle:
+        first = spool._decode(json.loads(handle.readline()))
+    inbox.store_spooled(ctx, first)
+
+    assert await spool.drain(ctx) == 3
+
+    assert sorted(e.order_number for e in WebhookEvent.select()) == ["FO-1", "FO-2", "FO-3"]
+    assert sorted(r.json["order_number"] for r in worker.requests) == ["FO-2", "FO-3"]
+    # The first was stored but never handled: the inbox retry job takes it once its
+    # lease has passed, as it would after the crash.
+    assert WebhookEvent.get(order_number="FO-1").status == "received"
+    ctx.clock.set(2099, 1, 1)
+    assert await inbox.retry_due(ctx) == 1
+    assert sorted(r.json["order_number"] for r in worker.requests) == ["FO-1", "FO-2", "FO-3"]
+    assert await inbox.retry_due(ctx) == 0 and len(worker.requests) == 3
+
+
+@pytest.mark.gen_test
+async def test_a_line_torn_by_a_crash_mid_append_is_skipped(post, ctx, db, worker, caplog):
+    with database_down(db):
+        await post(SUBMITTED, submitted(1), AUTH)
+    [live] = spool_files(ctx)
+    with open(live, "a", encoding="utf-8") as handle:
+        handle.write('{"source": "workflow", "event_ty')  # never fsynced, never answered
+
+    assert await spool.drain(ctx) == 1
+    assert WebhookEvent.select().count() == 1 and len(worker.requests) == 1
+    assert "line 2 unreadable" in caplog.text
+
+
+@pytest.mark.gen_test
+async def test_a_call_the_inbox_cannot_store_is_set_aside_and_does_not_block_the_rest(
+        post, ctx, db, worker):
+    with database_down(db):
+        await post(SUBMITTED, submitted(1), AUTH)
+    [good] = spooled_lines(ctx)
+    unknown_shape = {key: value for key, value in good.items() if key != "event_type"}
+    spool.append(ctx.settings.spool_dir, unknown_shape)
+    with database_down(db):
+        await post(SUBMITTED, submitted(2), AUTH)
+
+    assert await spool.drain(ctx) == 3
+    assert sorted(e.order_number for e in WebhookEvent.select()) == ["FO-1", "FO-2"]
+    assert len(worker.requests) == 2
+    [aside] = spool_files(ctx)
+    assert os.path.basename(aside) == spool.UNSTORABLE_NAME
+    assert spooled_lines(ctx) == [unknown_shape]
+    assert await spool.drain(ctx) == 0
+
+
+@pytest.mark.gen_test
+async def test_the_drain_leaves_the_spool_alone_while_the_database_is_still_down(
+        post, ctx, db, worker):
+    with database_down(db):
+        await post(SUBMITTED, submitted(1), AUTH)
+        assert await spool.drain(ctx) == 0
+    assert len(spooled_lines(ctx)) == 1
+    assert await spool.drain(ctx) == 1 and len(worker.requests) == 1
+
+
+@pytest.mark.gen_test
+async def test_a_retry_across_the_dedup_window_while_the_database_is_down_is_one_delivery(
+        post, ctx, db, clock, worker):
+    clock.set(2026, 11, 20, 9, 9, 59)
+    await post(SUBMITTED, submitted(1), AUTH)
+    clock.set(2026, 11, 20, 9, 10, 1)  # the next ten-minute window
+    with database_down(db):
+        status, _, _ = await post(SUBMITTED, submitted(1), AUTH)
+    assert status == 200
+
+    assert await spool.drain(ctx) == 1
+    assert WebhookEvent.select().count() == 1 and len(worker.requests) == 1
+
+
+@pytest.mark.gen_test
+async def test_appends_from_several_processes_during_drains_are_stored_once_each(ctx):
+    writers = [subprocess.Popen([sys.executable, "-c", APPENDER, ctx.settings.spool_dir,
+                                 str(writer)], cwd=ROOT) for writer in range(4)]
+    drained = 0
+    while any(writer.poll() is None for writer in writers):
+        drained += await spool.drain(ctx)
+    drained += await spool.drain(ctx)
+
+    assert [writer.returncode for writer in writers] == [0, 0, 0, 0]
+    assert drained == 400
+    assert WebhookEvent.select().count() == 400
+    assert spool_files(ctx) == []
+
+
+# Appends 100 calls nobody handles (no plugin: they end `ignored`), as fast as it can.
+APPENDER = """
+import sys
+from services import spool
+folder, writer = sys.argv[1], sys.argv[2]
+for n in range(100):
+    spool.append(folder, {"source": "workflow", "event_type": "test/unhandled",
+                          "dedup_key": f"{writer}-{n}", "also_known_as": [],
+                          "external_id": None, "order_number": None, "status": "received",
+                          "last_error": None, "payload": "{}",
+                          "received_at": "2026-11-20T09:00:00+00:00"})
+"""
