@@ -11,7 +11,7 @@ import os
 from peewee import (
     BigIntegerField, BooleanField, DatabaseProxy, DateTimeField, Field,
     ForeignKeyField, IntegerField, InterfaceError, Model, OperationalError,
-    PostgresqlDatabase, SqliteDatabase, TextField,
+    PostgresqlDatabase, SQL, SqliteDatabase, TextField,
 )
 from playhouse.db_url import parse
 from playhouse.shortcuts import ReconnectMixin
@@ -126,13 +126,25 @@ class BaseModel(Model):
         legacy_table_names = False
 
 
+def database_default(sql):
+    """A DEFAULT clause in the table itself: a peewee `default` is applied by peewee alone,
+    and other systems insert orders with plain SQL naming only some columns."""
+    return [SQL(f"DEFAULT {sql}")]
+
+
 class OrderBase(BaseModel):
     """Columns shared by the four order tables. Other systems insert rows with only some
-    of them, so every column but order_number has a default or is nullable."""
+    of them, so every column but order_number is nullable or has a database default
+    (migration 0006 adds those defaults to tables created before they were declared)."""
 
+    # SQLite's CURRENT_TIMESTAMP is UTC text without a zone ("2026-11-22 03:14:57"), which
+    # UTCDateTimeField reads as UTC; PostgreSQL's is a TIMESTAMPTZ.
+    created_at = UTCDateTimeField(default=utcnow, constraints=database_default("CURRENT_TIMESTAMP"))
+    updated_at = UTCDateTimeField(default=utcnow, constraints=database_default("CURRENT_TIMESTAMP"))
     order_number = TextField(unique=True)
-    payment_status = TextField(default="pending_payment")
-    notes = TextField(default="")
+    payment_status = TextField(default="pending_payment",
+                               constraints=database_default("'pending_payment'"))
+    notes = TextField(default="", constraints=database_default("''"))
     stripe_session_id = TextField(null=True)
     stripe_payment_intent_id = TextField(null=True, index=True)
     customer_email = TextField(null=True)
@@ -146,6 +158,11 @@ class OrderBase(BaseModel):
 
     def append_note(self, line):
         self.notes = f"{self.notes}\n{line}" if self.notes else line
+
+    class Meta:
+        # save() writes only the columns this instance changed, so two writers that change
+        # different columns of one order (a webhook and the settlement job) both keep theirs.
+        only_save_dirty = True
 
 
 class FormationOrder(OrderBase):
@@ -162,7 +179,7 @@ class ComplianceOrder(OrderBase):
     subscription_status = TextField(null=True)
     cancelled_at = UTCDateTimeField(null=True)
     fulfillment_status = TextField(null=True)
-    intake_reminders_sent = IntegerField(default=0)
+    intake_reminders_sent = IntegerField(default=0, constraints=database_default("0"))
     intake_reminded_at = UTCDateTimeField(null=True)
 
     class Meta:
@@ -179,7 +196,7 @@ class BundleOrder(OrderBase):
 class CrtcOrder(OrderBase):
     kind = "canada_crtc"
     payment_method = TextField(null=True)
-    funds_available = BooleanField(default=False)
+    funds_available = BooleanField(default=False, constraints=database_default("FALSE"))
     funds_available_at = UTCDateTimeField(null=True)
     total_cents = BigIntegerField(null=True)
     amb_annual_price_cents = BigIntegerField(null=True)

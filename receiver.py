@@ -16,14 +16,17 @@ import asyncio
 import datetime
 import json
 import logging
+import os
 import re
 import signal
 import sys
 import time
 import urllib.parse
+import weakref
 
 import stripe
 import tornado.httpserver
+import tornado.httputil
 import tornado.ioloop
 import tornado.web
 
@@ -49,20 +52,28 @@ class ReceiverApplication(tornado.web.Application):
     """Counts the requests being handled, so that a shutdown can wait for them.
 
     A request counts from the moment a handler is chosen for it until the handler's
-    access-log line (written once per request, also after an error or a lost client)."""
+    access-log line (written once per request, also after an error or a lost client), or
+    until its connection closes before the request was read in full: no handler runs to
+    the log line then (a client that gave up mid-upload), and counting it would hold up
+    every later shutdown for the whole grace."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.in_flight = 0
+        # A set, not a number, so that a request ended both ways is uncounted once.
+        self.requests = weakref.WeakSet()
+
+    @property
+    def in_flight(self):
+        return len(self.requests)
 
     def get_handler_delegate(self, request, target_class, target_kwargs=None,
                              path_args=None, path_kwargs=None):
-        self.in_flight += 1
-        return super().get_handler_delegate(request, target_class, target_kwargs,
-                                            path_args, path_kwargs)
+        self.requests.add(request)
+        return _CountedDelegate(self, request, super().get_handler_delegate(
+            request, target_class, target_kwargs, path_args, path_kwargs))
 
     def log_request(self, handler):
-        self.in_flight -= 1
+        self.requests.discard(handler.request)
         super().log_request(handler)
 
     async def wait_idle(self, timeout):
@@ -71,6 +82,28 @@ class ReceiverApplication(tornado.web.Application):
         while self.in_flight > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         return self.in_flight
+
+
+class _CountedDelegate(tornado.httputil.HTTPMessageDelegate):
+    """Tornado's delegate for one request, telling the application when the connection
+    closed before the request was read in full (tornado calls on_connection_close then
+    only)."""
+
+    def __init__(self, app, request, inner):
+        self.app, self.request, self.inner = app, request, inner
+
+    def headers_received(self, start_line, headers):
+        return self.inner.headers_received(start_line, headers)
+
+    def data_received(self, chunk):
+        return self.inner.data_received(chunk)
+
+    def finish(self):
+        self.inner.finish()
+
+    def on_connection_close(self):
+        self.app.requests.discard(self.request)
+        self.inner.on_connection_close()
 
 
 def make_app(ctx):
@@ -111,8 +144,9 @@ class JsonLogFormatter(logging.Formatter):
                  "message": record.getMessage()}
         entry.update({key: value for key, value in vars(record).items()
                       if key not in _STANDARD_RECORD_FIELDS})
-        if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
+        if record.exc_info or record.exc_text:
+            # exc_text when set: RedactingFormatter has formatted and redacted it already.
+            entry["exception"] = record.exc_text or self.formatException(record.exc_info)
         return json.dumps(entry, default=str)
 
 
@@ -132,7 +166,23 @@ class RedactingFormatter(logging.Formatter):
                               key=len, reverse=True)
 
     def format(self, record):
-        text = self.inner.format(record)
+        # Redact the texts before the inner formatter runs: JSON escapes ", \ and non-ASCII,
+        # after which a secret holding them no longer matches. A copy, so that other
+        # handlers of the record still see it as it was.
+        clean = logging.makeLogRecord(vars(record))
+        clean.msg, clean.args = self.redact(record.getMessage()), None
+        if record.exc_info:
+            clean.exc_text = self.redact(
+                record.exc_text or self.inner.formatException(record.exc_info))
+        if record.stack_info:
+            clean.stack_info = self.redact(record.stack_info)
+        for key, value in vars(record).items():
+            if key not in _STANDARD_RECORD_FIELDS and isinstance(value, str):
+                setattr(clean, key, self.redact(value))
+        # Again on the whole line: what the inner formatter adds is redacted as well.
+        return self.redact(self.inner.format(clean))
+
+    def redact(self, text):
         for secret in self.secrets:
             text = text.replace(secret, "[redacted]")
         return self.QUERY_CREDENTIAL.sub(r"\1[redacted]", text)
@@ -159,6 +209,9 @@ def configure_logging(settings):
         formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s")
     handler.setFormatter(RedactingFormatter(formatter, secrets_of(settings)))
     logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+    # APScheduler says "Running job ..." at INFO on every tick of every job; our jobs log
+    # what they did, and /metrics counts their runs.
+    logging.getLogger("apscheduler").setLevel(logging.WARNING)
 
 
 async def serve(settings):
@@ -167,6 +220,7 @@ async def serve(settings):
     if applied:
         log.info("migrations applied: %s", ", ".join(applied))
     settings.warn_about_placeholders()
+    prepare_spool(settings.spool_dir)
     ctx = Context.create(settings)
     app = make_app(ctx)
     server = make_server(app, settings)
@@ -193,6 +247,22 @@ async def serve(settings):
         watchdog.stop()
     db.close()
     log.info("stopped")
+
+
+def prepare_spool(folder):
+    """Create SPOOL_DIR now rather than when the database first fails, and make its entry
+    durable, so that /readyz can tell a spool that could not take a call before one comes.
+    A failure is logged, not fatal: the service works while the database does, and
+    /readyz says what is wrong with the spool."""
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        parent = os.open(os.path.dirname(os.path.abspath(folder)), os.O_RDONLY)
+        try:
+            os.fsync(parent)
+        finally:
+            os.close(parent)
+    except OSError as exc:
+        log.error("spool directory %s cannot be prepared: %s", folder, exc)
 
 
 async def stop_requested():
@@ -241,7 +311,10 @@ def main(argv=None):
         return print_signed_link(settings, args.kind, args.order, args.cycle,
                                  sys.stdout, sys.stderr)
     if args.command == "migrate":
-        applied = migrations.migrate(open_database(settings.database_url))
+        try:
+            applied = migrations.migrate(open_database(settings.database_url))
+        except UNAVAILABLE as exc:
+            return database_unavailable(exc)
         print("applied: " + ", ".join(applied) if applied else "schema is up to date")
         return 0
     if args.run:
@@ -319,11 +392,16 @@ def run_operator_command(command, settings, args):
         print(f"receiver: {exc}", file=sys.stderr)
         return 1
     except UNAVAILABLE as exc:
-        print(f"receiver: database unavailable: {str(exc).strip().splitlines()[0]}",
-              file=sys.stderr)
-        return 1
+        return database_unavailable(exc)
     finally:
         db.close()
+
+
+def database_unavailable(exc):
+    """One line an operator can act on, not a traceback; exit 1 (not done)."""
+    print(f"receiver: database unavailable: {str(exc).strip().splitlines()[0]}",
+          file=sys.stderr)
+    return 1
 
 
 async def _with_context(command, settings, args):

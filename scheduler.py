@@ -25,6 +25,10 @@ from services.db import UNAVAILABLE
 log = logging.getLogger("receiver.scheduler")
 
 HOURLY = 3600
+# How long a stop waits for job runs in progress before cancelling them. After the 20 s
+# given to requests in flight (receiver.SHUTDOWN_GRACE_SECONDS) this still ends within
+# systemd's TimeoutStopSec (30 s), so the process exits by itself rather than by SIGKILL.
+STOP_GRACE_SECONDS = 5
 
 
 async def settle(ctx):
@@ -83,6 +87,7 @@ class Scheduler:
         self.jobs = jobs
         self.apscheduler = AsyncIOScheduler(timezone=UTC)
         self.in_progress = set()
+        ctx.metrics.jobs_scheduled(job.name for job in jobs)
 
     @property
     def running(self):
@@ -104,14 +109,24 @@ class Scheduler:
         self.apscheduler.start()
         log.info("scheduler started: %s", ", ".join(job.name for job in self.jobs))
 
-    async def stop(self):
-        """No new runs; wait for the runs in progress to finish."""
+    async def stop(self, grace=STOP_GRACE_SECONDS):
+        """No new runs; wait up to `grace` seconds for the runs in progress, then cancel
+        those left (a long outbox pass, say). Cancelling is safe: what a run had claimed
+        stays leased, and a later run, here or in another process, takes it after the
+        lease, as after a crash; each effect keeps its idempotency key."""
         if self.apscheduler.running:
             self.apscheduler.shutdown(wait=False)
         while self.apscheduler.running:  # AsyncIOScheduler shuts down on the next loop turn
             await asyncio.sleep(0.01)
-        if self.in_progress:
-            await asyncio.gather(*self.in_progress, return_exceptions=True)
+        if not self.in_progress:
+            return
+        _done, left = await asyncio.wait(set(self.in_progress), timeout=grace)
+        if left:
+            log.warning("stopping: %d job run(s) still busy after %s s; cancelling them",
+                        len(left), grace)
+            for task in left:
+                task.cancel()
+            await asyncio.gather(*left, return_exceptions=True)
 
     async def run(self, job):
         """One run of `job` if this process gets its lock; returns the job's result, or
@@ -128,13 +143,18 @@ class Scheduler:
         try:
             if not lock.acquire():
                 log.debug("job %s skipped: running in another process", job.name)
+                self.ctx.metrics.job_ran(job.name, "skipped", self.ctx.clock())
                 return None
         except UNAVAILABLE as exc:
             log.warning("job %s skipped, the database is unavailable: %s", job.name,
                         " ".join(str(exc).split()))
+            # Not done, and not done elsewhere either: a failure to the operator.
+            self.ctx.metrics.job_ran(job.name, "failed", self.ctx.clock())
             return None
         try:
-            return await job.run(self.ctx)
+            result = await job.run(self.ctx)
+            self.ctx.metrics.job_ran(job.name, "ok", self.ctx.clock())
+            return result
         except UNAVAILABLE as exc:
             log.warning("job %s stopped, the database is unavailable: %s", job.name,
                         " ".join(str(exc).split()))
@@ -145,4 +165,5 @@ class Scheduler:
                 lock.release()
             except UNAVAILABLE:
                 pass  # the session is gone, and its locks with it
+        self.ctx.metrics.job_ran(job.name, "failed", self.ctx.clock())
         return None

@@ -5,6 +5,8 @@ The names are fixed by DESIGN.md: other systems and operators depend on them.
 import dataclasses
 import logging
 import os
+import urllib.parse
+import zoneinfo
 
 log = logging.getLogger("receiver.settings")
 
@@ -32,21 +34,58 @@ def _csv(raw):
     return tuple(part.strip() for part in raw.split(",") if part.strip())
 
 
+def _check_url(name, value, schemes):
+    if not value:
+        return
+    parts = urllib.parse.urlsplit(value)
+    if parts.scheme not in schemes:
+        raise ConfigurationError(
+            f"{name} must start with {' or '.join(s + '://' for s in schemes)}, "
+            f"got {parts.scheme + '://' if parts.scheme else 'no scheme'}")
+    if parts.scheme not in ("sqlite",) and not parts.hostname:
+        raise ConfigurationError(f"{name} names no host")
+
+
+# Settings that must be whole numbers above zero, by their environment names.
+POSITIVE_NUMBERS = {
+    "MAX_BODY_BYTES": "max_body_bytes",
+    "SETTLEMENT_INTERVAL_MINUTES": "settlement_interval_minutes",
+    "OUTBOUND_TIMEOUT_SECONDS": "outbound_timeout_seconds",
+    "SCHEDULER_TICK_SECONDS": "scheduler_tick_seconds",
+    "CLAIM_LEASE_SECONDS": "claim_lease_seconds",
+    "RETENTION_DAYS": "retention_days",
+    "PUBLIC_RATE_WINDOW_SECONDS": "public_rate_window_seconds",
+}
+
+# URL settings, when set, and the schemes each may use.
+URL_SCHEMES = {
+    "DATABASE_URL": ("database_url", ("sqlite", "postgres", "postgresql")),
+    "WORKER_URL": ("worker_url", ("http", "https")),
+    "WORKFLOW_URL": ("workflow_url", ("http", "https")),
+    "TELEGRAM_API_URL": ("telegram_api_url", ("http", "https")),
+    "PUBLIC_BASE_URL": ("public_base_url", ("http", "https")),
+    "STRIPE_API_BASE": ("stripe_api_base", ("http", "https")),
+    "SMTP_URL": ("smtp_url", ("smtp", "smtps", "smtp+starttls")),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
+    # Fields that hold a secret (or a URL with a password) stay out of repr(), so no
+    # traceback or debug print shows them.
     host: str = "127.0.0.1"
     port: int = 8000
     env: str = "development"
-    database_url: str = DEFAULT_DATABASE_URL
-    webhook_secret: str = PLACEHOLDER_WEBHOOK_SECRET
-    workflow_webhook_signing_secret: str = ""
-    stripe_secret_key: str = ""
-    stripe_webhook_secrets: tuple = ()
+    database_url: str = dataclasses.field(default=DEFAULT_DATABASE_URL, repr=False)
+    webhook_secret: str = dataclasses.field(default=PLACEHOLDER_WEBHOOK_SECRET, repr=False)
+    workflow_webhook_signing_secret: str = dataclasses.field(default="", repr=False)
+    stripe_secret_key: str = dataclasses.field(default="", repr=False)
+    stripe_webhook_secrets: tuple = dataclasses.field(default=(), repr=False)
     stripe_api_base: str = ""
-    crypto_processor_api_key: str = ""
+    crypto_processor_api_key: str = dataclasses.field(default="", repr=False)
     workflow_url: str = ""
-    workflow_api_key: str = ""
-    workflow_api_secret: str = ""
+    workflow_api_key: str = dataclasses.field(default="", repr=False)
+    workflow_api_secret: str = dataclasses.field(default="", repr=False)
     workflow_site_name: str = ""
     workflow_doctype: str = "Formation Order"
     crtc_doctype: str = "CRTC Order"
@@ -54,11 +93,11 @@ class Settings:
     worker_url: str = ""
     admin_email: str = ""
     mail_from: str = "receiver@localhost"
-    smtp_url: str = ""
-    telegram_bot_token: str = ""
+    smtp_url: str = dataclasses.field(default="", repr=False)
+    telegram_bot_token: str = dataclasses.field(default="", repr=False)
     telegram_chat_id: str = ""
     telegram_api_url: str = "https://api.telegram.org"
-    link_secret: str = PLACEHOLDER_LINK_SECRET
+    link_secret: str = dataclasses.field(default=PLACEHOLDER_LINK_SECRET, repr=False)
     public_base_url: str = "http://127.0.0.1:8000"
     business_tz: str = "UTC"
     settlement_interval_minutes: int = 60
@@ -131,32 +170,43 @@ class Settings:
         return self.env == "production"
 
     def check(self):
-        """Refuse settings that cannot work; in production, refuse placeholder secrets."""
+        """Refuse, at start-up, settings that could only fail later; in production, refuse
+        placeholder or missing secrets. Messages name the setting, never its value."""
         if self.env not in ("development", "production"):
             raise ConfigurationError(
                 f"RECEIVER_ENV must be development or production, got {self.env!r}")
-        if self.max_body_bytes <= 0:
-            raise ConfigurationError("MAX_BODY_BYTES must be positive")
-        if min(self.scheduler_tick_seconds, self.claim_lease_seconds, self.retention_days) <= 0:
+        if self.log_format not in ("text", "json"):
             raise ConfigurationError(
-                "SCHEDULER_TICK_SECONDS, CLAIM_LEASE_SECONDS and RETENTION_DAYS must be positive")
+                f"RECEIVER_LOG_FORMAT must be text or json, got {self.log_format!r}")
+        for name, attribute in POSITIVE_NUMBERS.items():
+            if getattr(self, attribute) <= 0:
+                raise ConfigurationError(f"{name} must be a whole number above zero")
+        if self.public_rate_limit < 0:
+            raise ConfigurationError("PUBLIC_RATE_LIMIT must be zero (off) or more")
         if self.claim_lease_seconds <= self.outbound_timeout_seconds:
             # A send still waiting on its peer would be claimed and sent a second time.
             raise ConfigurationError(
                 "CLAIM_LEASE_SECONDS must be longer than OUTBOUND_TIMEOUT_SECONDS")
-        if self.public_rate_window_seconds <= 0:
-            raise ConfigurationError("PUBLIC_RATE_WINDOW_SECONDS must be positive")
-        if not self.production:
-            return
-        missing = []
-        if self.webhook_secret == PLACEHOLDER_WEBHOOK_SECRET:
-            missing.append("WEBHOOK_SECRET")
-        if self.link_secret == PLACEHOLDER_LINK_SECRET:
-            missing.append("LINK_SECRET")
-        if not self.stripe_webhook_secrets:
-            missing.append("STRIPE_WEBHOOK_SECRET")
-        if not self.crypto_processor_api_key:
-            missing.append("CRYPTO_PROCESSOR_API_KEY")
+        for name, (attribute, schemes) in URL_SCHEMES.items():
+            _check_url(name, getattr(self, attribute), schemes)
+        try:
+            zoneinfo.ZoneInfo(self.business_tz)
+        except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+            raise ConfigurationError(
+                f"BUSINESS_TZ must be an IANA time zone such as America/Toronto, "
+                f"got {self.business_tz!r}") from None
+        if self.production:
+            self._check_production_secrets()
+
+    def _check_production_secrets(self):
+        missing = [name for name, is_missing in (
+            ("WEBHOOK_SECRET", self.webhook_secret == PLACEHOLDER_WEBHOOK_SECRET),
+            ("LINK_SECRET", self.link_secret == PLACEHOLDER_LINK_SECRET),
+            # Without the API key the card webhook acknowledges and drops every event.
+            ("STRIPE_SECRET_KEY", not self.stripe_secret_key),
+            ("STRIPE_WEBHOOK_SECRET", not self.stripe_webhook_secrets),
+            ("CRYPTO_PROCESSOR_API_KEY", not self.crypto_processor_api_key),
+        ) if is_missing]
         if missing:
             raise ConfigurationError(
                 "RECEIVER_ENV=production needs real secrets; not set: " + ", ".join(missing))

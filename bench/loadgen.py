@@ -15,10 +15,10 @@ import time
 from bench import scenarios
 
 
-async def connection(host, port, scenario, deadline, latencies, failures):
+async def connection(host, port, scenario, deadline, latencies, failures, budget):
     reader, writer = await asyncio.open_connection(host, port)
     try:
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and budget.take():
             request = scenario.next_request(host, port)
             started = time.perf_counter()
             writer.write(request)
@@ -38,6 +38,21 @@ async def connection(host, port, scenario, deadline, latencies, failures):
         writer.close()
 
 
+class Budget:
+    """How many requests may still be sent, over all connections (None: no limit)."""
+
+    def __init__(self, limit):
+        self.left = limit
+
+    def take(self):
+        if self.left is None:
+            return True
+        if self.left <= 0:
+            return False
+        self.left -= 1
+        return True
+
+
 def percentile(sorted_values, fraction):
     if not sorted_values:
         return float("nan")
@@ -45,11 +60,13 @@ def percentile(sorted_values, fraction):
     return sorted_values[index]
 
 
-async def run(host, port, scenario, connections, duration):
+async def run(host, port, scenario, connections, duration, requests=None):
     latencies, failures = [], {}
+    budget = Budget(requests)
     started = time.monotonic()
     deadline = started + duration
-    await asyncio.gather(*(connection(host, port, scenario, deadline, latencies, failures)
+    await asyncio.gather(*(connection(host, port, scenario, deadline, latencies, failures,
+                                      budget)
                            for _ in range(connections)))
     elapsed = time.monotonic() - started
     latencies.sort()
@@ -71,10 +88,12 @@ def main(argv=None):
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--connections", type=int, default=32)
     parser.add_argument("--duration", type=float, default=10.0)
+    parser.add_argument("--requests", type=int, help="stop after this many requests")
     parser.add_argument("--options", default="{}", help="JSON options for the scenario")
     args = parser.parse_args(argv)
     scenario = scenarios.SCENARIOS[args.scenario](**json.loads(args.options))
-    result = asyncio.run(run(args.host, args.port, scenario, args.connections, args.duration))
+    result = asyncio.run(run(args.host, args.port, scenario, args.connections, args.duration,
+                             args.requests))
     json.dump(result, sys.stdout)
     return 0
 

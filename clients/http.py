@@ -1,11 +1,9 @@
 """The one place where an outbound HTTP call is made and its outcome classified."""
 import dataclasses
 import json
-import logging
 
-from tornado.httpclient import AsyncHTTPClient, HTTPRequest
-
-log = logging.getLogger("receiver.clients")
+from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
+from tornado.iostream import StreamClosedError
 
 # Statuses worth asking again; any other 4xx is the peer refusing for good.
 RETRYABLE_STATUSES = {408, 425, 429}
@@ -18,13 +16,17 @@ class Result:
     error: str = ""
     status: int = 0
     body: object = None
+    # False when the peer is not configured at all: no try has been made, so the effect
+    # waits for the configuration instead of using up its attempts.
+    configured: bool = True
 
     def __bool__(self):
         return self.ok
 
     @classmethod
-    def failed(cls, error, retryable=True, status=0):
-        return cls(ok=False, retryable=retryable, error=error, status=status)
+    def failed(cls, error, retryable=True, status=0, configured=True):
+        return cls(ok=False, retryable=retryable, error=error, status=status,
+                   configured=configured)
 
 
 def new_http_client(max_clients=200):
@@ -43,7 +45,7 @@ async def post_json(http, url, body, headers=None, timeout=10.0):
     try:
         response = await http.fetch(request, raise_error=False)
     except Exception as exc:  # network errors of every kind
-        return Result.failed(f"{type(exc).__name__}: {exc}")
+        return Result.failed(describe(exc))
     if response.code == 599:
         return Result.failed(f"connection failed: {response.error}")
     if not 200 <= response.code < 300:
@@ -56,6 +58,17 @@ async def post_json(http, url, body, headers=None, timeout=10.0):
         return Result.failed(f"HTTP {response.code} with an unreadable reply: "
                              f"{_excerpt(response.body)}", status=response.code)
     return Result(ok=True, status=response.code, body=parsed)
+
+
+# Errors whose text says what went wrong on the network and nothing else. Any other
+# error's text may quote the request, and so a URL with a token in it (Telegram's).
+NETWORK_ERRORS = (OSError, StreamClosedError, HTTPClientError)
+
+
+def describe(exc):
+    if isinstance(exc, NETWORK_ERRORS):
+        return f"{type(exc).__name__}: {exc}"
+    return type(exc).__name__
 
 
 def _excerpt(body, limit=200):

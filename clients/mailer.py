@@ -7,7 +7,9 @@ Unset: each message is logged (recipients and subject only) instead of sent.
 import asyncio
 import email.message
 import email.utils
+import hashlib
 import logging
+import re
 import smtplib
 import ssl
 import urllib.parse
@@ -25,27 +27,42 @@ class Mailer:
         self.settings = settings
         self.executor = executor
 
-    async def send(self, to, subject, text, html=None):
+    async def send(self, to, subject, text, html=None, before=None, key=None):
+        """`before`, if given, is called in the mail thread right before the message goes
+        out (after any wait for a free thread); an exception from it sends nothing. `key`
+        (the outbox row's idempotency key) makes the Message-ID the same on every retry."""
         if not self.settings.smtp_url:
+            if before is not None:
+                before()
             log.info("mail not sent (SMTP_URL unset): to=%s subject=%r", ",".join(to), subject)
             return Result(ok=True)
-        message = self.compose(to, subject, text, html)
+        message = self.compose(to, subject, text, html, key)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, self._deliver, message)
+        return await loop.run_in_executor(self.executor, self._deliver, message, before)
 
-    def compose(self, to, subject, text, html=None):
+    def compose(self, to, subject, text, html=None, key=None):
         message = email.message.EmailMessage()
         message["From"] = self.settings.mail_from
         message["To"] = ", ".join(to)
-        message["Subject"] = subject
+        # A line break in a header would start another header (header injection).
+        message["Subject"] = re.sub(r"[\r\n]+", " ", subject)
         message["Date"] = email.utils.formatdate(usegmt=True)
-        message["Message-ID"] = email.utils.make_msgid(domain="receiver")
+        if key:
+            # A mail server or client that drops repeats by Message-ID then sees a send
+            # repeated after a lost outcome as one message. Hashed: a key may hold
+            # characters a Message-ID cannot.
+            digest = hashlib.sha256(key.encode()).hexdigest()[:40]
+            message["Message-ID"] = f"<{digest}@receiver>"
+        else:
+            message["Message-ID"] = email.utils.make_msgid(domain="receiver")
         message.set_content(text)
         if html:
             message.add_alternative(html, subtype="html")
         return message
 
-    def _deliver(self, message):
+    def _deliver(self, message, before=None):
+        if before is not None:
+            before()
         url = urllib.parse.urlsplit(self.settings.smtp_url)
         timeout = self.settings.outbound_timeout_seconds
         try:

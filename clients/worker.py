@@ -9,7 +9,7 @@ class WorkerClient:
 
     async def dispatch(self, action, payload, idempotency_key):
         if not self.settings.worker_url:
-            return Result.failed("WORKER_URL is not set")
+            return Result.failed("WORKER_URL is not set", configured=False)
         return await post_json(
             self.http, f"{self.settings.worker_url}/jobs",
             {"action": action, **payload},

@@ -1,7 +1,11 @@
-"""The workflow system (Frappe): apply a named workflow action to a document."""
+"""The workflow system (Frappe): apply a named workflow action to a document, and read a
+document back."""
 import json
+import urllib.parse
 
-from clients.http import Result, post_json
+from tornado.httpclient import HTTPRequest
+
+from clients.http import Result, describe, post_json
 
 APPLY_WORKFLOW = "frappe.model.workflow.apply_workflow"
 
@@ -11,24 +15,56 @@ class WorkflowClient:
         self.http = http
         self.settings = settings
 
+    def _headers(self):
+        s = self.settings
+        return {
+            "Authorization": f"token {s.workflow_api_key}:{s.workflow_api_secret}",
+            "X-Frappe-Site-Name": s.workflow_site_name,
+            "X-Workflow-Site-Name": s.workflow_site_name,
+        }
+
     async def apply_action(self, doctype, name, action):
         """POST the apply-workflow call. Frappe answers 417 for an invalid transition,
         which no retry will change."""
         s = self.settings
         if not s.workflow_url:
-            return Result.failed("WORKFLOW_URL is not set")
+            return Result.failed("WORKFLOW_URL is not set", configured=False)
         result = await post_json(
             self.http,
             f"{s.workflow_url}/api/method/{APPLY_WORKFLOW}",
             {"cmd": APPLY_WORKFLOW,
              "doc": json.dumps({"doctype": doctype, "name": name}),
              "action": action},
-            headers={
-                "Authorization": f"token {s.workflow_api_key}:{s.workflow_api_secret}",
-                "X-Frappe-Site-Name": s.workflow_site_name,
-                "X-Workflow-Site-Name": s.workflow_site_name,
-            },
+            headers=self._headers(),
             timeout=s.outbound_timeout_seconds)
         if result.status == 417:
             return Result.failed(result.error, retryable=False, status=417)
         return result
+
+    async def document(self, doctype, name):
+        """GET the document (Frappe's REST resource). An ok Result's body is the
+        document's fields (Frappe's `data`), workflow_state among them."""
+        s = self.settings
+        if not s.workflow_url:
+            return Result.failed("WORKFLOW_URL is not set", configured=False)
+        path = "/".join(urllib.parse.quote(part, safe="") for part in (doctype, name))
+        request = HTTPRequest(
+            f"{s.workflow_url}/api/resource/{path}", method="GET",
+            headers={"Accept": "application/json", **self._headers()},
+            connect_timeout=min(s.outbound_timeout_seconds, 5.0),
+            request_timeout=s.outbound_timeout_seconds)
+        try:
+            response = await self.http.fetch(request, raise_error=False)
+        except Exception as exc:  # network errors of every kind
+            return Result.failed(describe(exc))
+        if response.code != 200:
+            return Result.failed(f"HTTP {response.code} reading {doctype} {name}",
+                                 retryable=response.code >= 500 or response.code == 599,
+                                 status=response.code)
+        try:
+            data = json.loads(response.body)["data"]
+        except (ValueError, TypeError, KeyError):
+            return Result.failed(f"unreadable reply reading {doctype} {name}", status=200)
+        if not isinstance(data, dict):
+            return Result.failed(f"no document in the reply for {doctype} {name}", status=200)
+        return Result(ok=True, status=200, body=data)

@@ -2,6 +2,7 @@
 import hmac
 import json
 import logging
+import re
 
 import tornado.web
 
@@ -94,10 +95,24 @@ class NotFoundHandler(ApiHandler):
         self.fail(404, "not found")
 
 
+# Paths that carry personal data, and what the access log writes instead: the route's
+# pattern. Anything below /api/v1/referral/ but `check` is a customer's e-mail address
+# (also a path no route matched: a mistyped one still holds the address).
+PERSONAL_PATHS = ((re.compile(r"/api/v1/referral/(?!check\Z)."), "/api/v1/referral/<email>"),)
+
+
+def logged_path(path):
+    for pattern, shown in PERSONAL_PATHS:
+        if pattern.match(path):
+            return shown
+    return path
+
+
 def log_request(handler):
-    """One access-log line per request. The path only: query strings can carry tokens."""
+    """One access-log line per request. The path only (query strings can carry tokens),
+    and a route's pattern instead of a path that holds personal data."""
     status = handler.get_status()
     level = logging.INFO if status < 400 else logging.WARNING if status < 500 else logging.ERROR
     logging.getLogger("receiver.access").log(
-        level, "%d %s %s %.1fms", status, handler.request.method, handler.request.path,
-        1000.0 * handler.request.request_time())
+        level, "%d %s %s %.1fms", status, handler.request.method,
+        logged_path(handler.request.path), 1000.0 * handler.request.request_time())

@@ -6,9 +6,9 @@ first time. The token is checked before the order is looked up, so a caller with
 valid link learns nothing about which orders exist."""
 import tornado.web
 
-from handlers.public import RateLimited
 from services import links
 from services.db import UNAVAILABLE
+from services.ratelimit import RateLimited
 
 KIND_TITLES = {"ifta": "IFTA fuel-tax return", "ucr": "UCR annual registration"}
 ERROR_TEXTS = {

@@ -3,6 +3,7 @@
 None of them needs a secret and none of them shows one: they say what is wrong in words
 an operator can act on (which part is down), never a connection string."""
 import logging
+import os
 
 import tornado.web
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
@@ -22,10 +23,12 @@ class HealthHandler(ApiHandler):
 
 
 class ReadyHandler(ApiHandler):
-    """Ready to take webhooks: the database answers and the scheduler runs."""
+    """Ready to take webhooks: the database answers, the scheduler runs, and the spool
+    (where calls go while the database is down) can be written."""
 
     def get(self):
-        checks = {"database": self.database_check(), "scheduler": self.scheduler_check()}
+        checks = {"database": self.database_check(), "scheduler": self.scheduler_check(),
+                  "spool": self.spool_check()}
         problems = {name: problem for name, problem in checks.items() if problem != "ok"}
         status = 503 if problems else 200
         self.answer(status, {"status": "ready" if not problems else "not ready",
@@ -37,6 +40,16 @@ class ReadyHandler(ApiHandler):
         except UNAVAILABLE as exc:
             log.warning("readiness: database unavailable: %s", exc)
             return "unreachable"
+        return "ok"
+
+    def spool_check(self):
+        """Cheap enough for every probe: no file is written, the directory and its
+        permissions are looked at (a full disk shows in the spool's own error log)."""
+        folder = self.ctx.settings.spool_dir
+        if not os.path.isdir(folder):
+            return "not a directory" if os.path.exists(folder) else "missing"
+        if not os.access(folder, os.W_OK | os.X_OK):
+            return "not writable"
         return "ok"
 
     def scheduler_check(self):

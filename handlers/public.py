@@ -13,30 +13,16 @@ from peewee import fn
 from handlers.base import ApiHandler, same_secret
 from models import ORDER_MODELS, ReferralCode, SurveyResponse
 from services.db import insert_once
+from services.links import survey_token_valid
+from services.ratelimit import RateLimited
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data")
 MAX_COMMENT_LENGTH = 2000
 MAX_ORDER_NUMBER_LENGTH = 100
+# An unpadded base64 HMAC-SHA256 is 43 characters; room for padding, nothing more.
+MAX_TOKEN_LENGTH = 64
 REFERRAL_CODE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 EMAIL = re.compile(r"[^@\s/\x00-\x1f]{1,64}@[^@\s/\x00-\x1f]{1,189}\.[^@\s/.\x00-\x1f]{1,63}")
-
-
-class RateLimited:
-    """Refuses a client over its allowance with 429 and Retry-After, before any work.
-
-    The client is `request.remote_ip`: the server runs with xheaders=True behind a local
-    proxy, which sets X-Real-IP / X-Forwarded-For to the address that connected to it."""
-
-    def initialize(self, ctx, limiter):
-        super().initialize(ctx)
-        self.limiter = limiter
-
-    def prepare(self):
-        wait = self.limiter.acquire(self.request.remote_ip)
-        if wait:
-            self.set_header("Retry-After", str(wait))
-            self.refuse_too_many()
-        super().prepare()
 
 
 class PublicApiHandler(RateLimited, ApiHandler):
@@ -73,17 +59,23 @@ def order_exists(order_number):
 
 
 class SurveyHandler(PublicApiHandler):
-    """POST /api/v1/survey: one post-completion survey response per order."""
+    """POST /api/v1/survey: one post-completion survey response per order, from the
+    customer's signed invitation (services.links.survey_token)."""
 
     def post(self):
         body = self.json_body()
-        self.refuse_unknown_fields(body, ("order_number", "rating", "comment"))
+        self.refuse_unknown_fields(body, ("order_number", "token", "rating", "comment"))
         order_number = self.text_field(body, "order_number", MAX_ORDER_NUMBER_LENGTH)
+        token = self.text_field(body, "token", MAX_TOKEN_LENGTH)
         rating = body.get("rating")
         # bool is an int in Python; a rating of `true` is not a rating.
         if type(rating) is not int or not 1 <= rating <= 5:
             self.fail_field(400, "rating must be a whole number from 1 to 5", "rating")
         comment = self.text_field(body, "comment", MAX_COMMENT_LENGTH, required=False)
+        # Before the lookup: without the order's own token nobody learns whether it exists,
+        # nor takes the one response that belongs to its customer.
+        if not survey_token_valid(self.ctx.settings.link_secret, order_number, token):
+            self.fail_field(403, "invalid token for this order", "token")
         if not order_exists(order_number):
             self.fail_field(404, "unknown order", "order_number")
         now = self.ctx.clock()

@@ -3,13 +3,19 @@ and the small vocabulary the card plugins share.
 
 The webhook handler and the event backfill both feed events through `accept`.
 """
+import asyncio
 import decimal
+import functools
 import hashlib
 import logging
 
-from models import ORDER_MODELS, ComplianceOrder, SubscriptionCycle
+import stripe
+
+from models import ORDER_MODELS, ComplianceOrder
 from services import inbox
-from services.orders import payment_method_of
+from services.db import locked
+# The plugins' vocabulary includes the admin e-mail, which the shared order steps use too.
+from services.orders import email_admin, payment_method_of  # noqa: F401
 
 log = logging.getLogger("receiver.card")
 
@@ -100,12 +106,32 @@ def order_of_metadata(obj):
 
 def payment_method_used(obj):
     """Our word for how a session or payment intent was paid, when the object tells it:
-    an expanded charge's payment_method_details, else the only allowed method type."""
-    charge = obj.get("latest_charge")
-    if isinstance(charge, dict) and (charge.get("payment_method_details") or {}).get("type"):
-        return payment_method_of(charge["payment_method_details"]["type"])
+    the only allowed method type. Webhook events never expand latest_charge (it is a
+    "ch_..." id), so with several allowed types the method is unknown (None)."""
     types = obj.get("payment_method_types") or []
     return payment_method_of(types[0]) if len(types) == 1 else None
+
+
+async def charged_method(ctx, intent_id):
+    """The method of the intent's charge, asked of Stripe with the charge expanded (an
+    event only names it, "ch_..."). None when Stripe cannot be asked or does not say: the
+    order is then paid without a method, and the administrator told."""
+    if not intent_id or not ctx.settings.stripe_secret_key:
+        return None
+    # Imported here: the backfill feeds events through this module, which imports it.
+    from services.backfill import stripe_client
+    retrieve = functools.partial(stripe_client(ctx.settings).v1.payment_intents.retrieve,
+                                 intent_id, params={"expand": ["latest_charge"]})
+    try:
+        # The stripe library blocks; the loop stays free for other requests meanwhile.
+        retrieved = await asyncio.get_running_loop().run_in_executor(None, retrieve)
+    except stripe.StripeError as exc:
+        log.warning("payment intent %s: could not ask Stripe which method paid: %s",
+                    intent_id, exc)
+        return None
+    charge = retrieved.to_dict().get("latest_charge")
+    details = charge.get("payment_method_details") if isinstance(charge, dict) else None
+    return payment_method_of((details or {}).get("type"))
 
 
 def subscription_of_invoice(invoice):
@@ -114,40 +140,17 @@ def subscription_of_invoice(invoice):
     return details.get("subscription")
 
 
-def order_with_subscription(subscription_id):
+def order_with_subscription(subscription_id, for_update=False):
+    """The compliance order with that subscription, or None. `for_update` when the caller
+    saves it: another process (a dispute) may be changing the same row meanwhile."""
     if not subscription_id:
         return None
-    return (ComplianceOrder.select()
-            .where(ComplianceOrder.stripe_subscription_id == subscription_id).first())
+    query = (ComplianceOrder.select()
+             .where(ComplianceOrder.stripe_subscription_id == subscription_id))
+    return (locked(query) if for_update else query).first()
 
 
 def dollars(cents):
     """Integer cents as dollars with two decimals, exactly: 123456 -> '1234.56'."""
     amount = decimal.Decimal(int(cents or 0)) / 100
     return str(amount.quantize(decimal.Decimal("0.01")))
-
-
-def email_admin(ctx, effects, subject, template, order, **variables):
-    """An e-mail to ADMIN_EMAIL about order number `order` (templates see it as `order`);
-    logged instead when no administrator is configured."""
-    if not ctx.settings.admin_email:
-        log.warning("ADMIN_EMAIL unset; not e-mailed: %s", subject)
-        return None
-    return effects.email([ctx.settings.admin_email], subject, f"email/{template}",
-                         order_number=order, title=subject, order=order, **variables)
-
-
-def record_cycle(ctx, order, subscription_id, invoice_id):
-    """The renewal number of a paid invoice: 1 + the renewals recorded before it. The same
-    invoice keeps its number; two invoices racing for one number cannot both have it (a
-    unique index), so the loser fails and is retried with the next number."""
-    known = SubscriptionCycle.get_or_none(SubscriptionCycle.invoice_id == invoice_id)
-    if known:
-        return known.cycle
-    cycle = 1 + (SubscriptionCycle.select()
-                 .where(SubscriptionCycle.subscription_id == subscription_id).count())
-    now = ctx.clock()
-    SubscriptionCycle.create(subscription_id=subscription_id, invoice_id=invoice_id,
-                             order_number=order.order_number, cycle=cycle,
-                             created_at=now, updated_at=now)
-    return cycle

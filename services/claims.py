@@ -27,6 +27,11 @@ def claim(ctx, model, due, limit=CLAIM_BATCH):
             query = query.for_update(skip_locked=True)
         rows = list(query)
         if rows:
-            (model.update(next_attempt_at=now + lease(ctx), updated_at=now)
+            held_until = now + lease(ctx)
+            (model.update(next_attempt_at=held_until, updated_at=now)
              .where(model.id.in_([row.id for row in rows])).execute())
+            # The rows say which lease they hold: a sender re-takes the row only if its
+            # lease is still this one (services.outbox.send).
+            for row in rows:
+                row.next_attempt_at = held_until
     return rows

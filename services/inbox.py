@@ -24,6 +24,7 @@ RETRY_CAP_SECONDS = 6 * 3600
 # Handling that failed this many times is given up as `dead`, and the admin is told once.
 MAX_ATTEMPTS = 10
 FINAL_STATUSES = ("processed", "ignored", "rejected", "dead")
+AWAITING_HANDLING = ("received", "failed")
 
 
 def record(ctx, source, event_type, dedup_key, payload, external_id=None,
@@ -55,11 +56,14 @@ def _storable(text):
 
 
 def store_spooled(ctx, call):
-    """Store a call read back from the spool; the database errors propagate."""
-    return _store(ctx, call)
+    """Store a call read back from the spool; the database errors propagate.
+
+    Its received_at may be older than a lease (the outage lasted): leased from now, so
+    the inbox retry leaves it to the drain that handles it next."""
+    return _store(ctx, call, next_attempt_at=ctx.clock() + lease(ctx))
 
 
-def _store(ctx, call):
+def _store(ctx, call, next_attempt_at=None):
     source, event_type = call["source"], call["event_type"]
     existing = None
     for earlier_key in call["also_known_as"]:
@@ -71,7 +75,8 @@ def _store(ctx, call):
             dedup_key=call["dedup_key"], external_id=call["external_id"],
             order_number=call["order_number"], payload=call["payload"],
             status=call["status"], last_error=call["last_error"],
-            received_at=call["received_at"], created_at=now, updated_at=now)
+            received_at=call["received_at"], next_attempt_at=next_attempt_at,
+            created_at=now, updated_at=now)
         if event_id:
             return WebhookEvent.get_by_id(event_id), True
         existing = find(ctx, source, call["dedup_key"])
@@ -120,6 +125,9 @@ async def process(ctx, event):
 
 
 async def _handle(ctx, event):
+    if event.status not in AWAITING_HANDLING:
+        # Stored as rejected (malformed) or already settled: kept as it is, reason included.
+        return event.status
     registry = _registry(event.source)
     plugin = registry.get(event.event_type)
     effects = outbox.Effects(ctx, event)
@@ -131,7 +139,7 @@ async def _handle(ctx, event):
         if inspect.iscoroutinefunction(plugin) or inspect.iscoroutinefunction(
                 getattr(plugin, "__call__", None)):
             await plugin(ctx, payload, effects)
-            _finish(ctx, event.id, "processed")
+            outcome = _conclude(ctx, event, effects)
         else:
             with database.atomic():
                 current = locked(WebhookEvent.select(WebhookEvent.status)
@@ -139,12 +147,24 @@ async def _handle(ctx, event):
                 if current.status in FINAL_STATUSES:
                     return current.status
                 plugin(ctx, payload, effects)
-                _finish(ctx, event.id, "processed")
+                outcome = _conclude(ctx, event, effects)
     except Exception as exc:
         log.exception("%s event #%s (%s) failed", event.source, event.id, event.event_type)
-        _fail(ctx, event, exc)
+        _fail(ctx, event, f"{type(exc).__name__}: {exc}")
         return "failed"
     await outbox.deliver(ctx, effects.rows)
+    return outcome
+
+
+def _conclude(ctx, event, effects):
+    """Processed; or, when the plugin kept part of its work and asked for the rest
+    later, failed with a retry time, in the same transaction as that work."""
+    if effects.retry_reason:
+        log.warning("%s event #%s (%s) partly handled, retried later: %s", event.source,
+                    event.id, event.event_type, effects.retry_reason)
+        _record_failure(ctx, event, effects.retry_reason)
+        return "failed"
+    _finish(ctx, event.id, "processed")
     return "processed"
 
 
@@ -155,23 +175,27 @@ def _finish(ctx, event_id, status):
      .where(WebhookEvent.id == event_id).execute())
 
 
-def _fail(ctx, event, exc):
-    now = ctx.clock()
-    attempts = event.attempts + 1
-    error = f"{type(exc).__name__}: {exc}"[:2000]
-    delay = min(RETRY_CAP_SECONDS, RETRY_BASE_SECONDS * 2 ** (attempts - 1))
+def _fail(ctx, event, error):
     try:
         with database.atomic():
-            if attempts >= MAX_ATTEMPTS:
-                _give_up(ctx, event, attempts, error)
-            else:
-                (WebhookEvent.update(status="failed", attempts=attempts, updated_at=now,
-                                     last_error=error,
-                                     next_attempt_at=now + datetime.timedelta(seconds=delay))
-                 .where(WebhookEvent.id == event.id).execute())
+            _record_failure(ctx, event, error)
     except peewee.PeeweeException:
         log.exception("could not record the failure of event #%s; it stays %s",
                       event.id, event.status)
+
+
+def _record_failure(ctx, event, error):
+    """Failed with a backoff retry time; dead, with one admin e-mail, at MAX_ATTEMPTS."""
+    now = ctx.clock()
+    attempts = event.attempts + 1
+    error = error[:2000]
+    if attempts >= MAX_ATTEMPTS:
+        _give_up(ctx, event, attempts, error)
+        return
+    delay = min(RETRY_CAP_SECONDS, RETRY_BASE_SECONDS * 2 ** (attempts - 1))
+    (WebhookEvent.update(status="failed", attempts=attempts, updated_at=now, last_error=error,
+                         next_attempt_at=now + datetime.timedelta(seconds=delay))
+     .where(WebhookEvent.id == event.id).execute())
 
 
 def _give_up(ctx, event, attempts, error):

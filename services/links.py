@@ -1,8 +1,10 @@
-"""The signed "I already filed" links of the IFTA and UCR reminder e-mails.
+"""The signed "I already filed" links of the IFTA and UCR reminder e-mails, and the signed
+survey invitation.
 
 token = url-safe base64 (unpadded) of HMAC-SHA256(LINK_SECRET, "<kind>|<order>|<cycle>").
 The separator may not appear in an order number or a cycle, or "a|b" + "c" and "a" + "b|c"
-would sign the same message and a token could be moved to another cycle.
+would sign the same message and a token could be moved to another cycle. A survey token
+is signed over "survey|<order>|": its own kind, so no link token passes for it.
 """
 import base64
 import hashlib
@@ -13,6 +15,7 @@ from models import ComplianceOrder, SelfFiling
 from services.db import insert_once
 
 KINDS = ("ifta", "ucr")
+SURVEY = "survey"
 SEPARATOR = "|"
 # A cycle is a short label such as "2026-Q3" or "2027"; anything longer is not ours.
 MAX_PART_LENGTH = 100
@@ -25,27 +28,52 @@ class InvalidLinkPart(ValueError):
 def check_parts(kind, order_number, cycle):
     if kind not in KINDS:
         raise InvalidLinkPart(f"kind must be one of {', '.join(KINDS)}")
-    for name, value in (("order", order_number), ("cycle", cycle)):
-        if not value or len(value) > MAX_PART_LENGTH or SEPARATOR in value or "\x00" in value:
-            raise InvalidLinkPart(
-                f"{name} must be 1 to {MAX_PART_LENGTH} characters without {SEPARATOR!r} or NUL")
+    check_part("order", order_number)
+    check_part("cycle", cycle)
 
 
-def link_token(secret, kind, order_number, cycle):
-    check_parts(kind, order_number, cycle)
-    message = SEPARATOR.join((kind, order_number, cycle)).encode("utf-8")
+def check_part(name, value):
+    if not value or len(value) > MAX_PART_LENGTH or SEPARATOR in value or "\x00" in value:
+        raise InvalidLinkPart(
+            f"{name} must be 1 to {MAX_PART_LENGTH} characters without {SEPARATOR!r} or NUL")
+
+
+def sign(secret, *parts):
+    message = SEPARATOR.join(parts).encode("utf-8")
     digest = hmac.new(secret.encode("utf-8"), message, hashlib.sha256).digest()
     return base64.urlsafe_b64encode(digest).rstrip(b"=").decode("ascii")
 
 
-def token_valid(secret, kind, order_number, cycle, token):
+def link_token(secret, kind, order_number, cycle):
+    check_parts(kind, order_number, cycle)
+    return sign(secret, kind, order_number, cycle)
+
+
+def survey_token(secret, order_number):
+    """The token of an order's survey invitation: only the customer who was sent it can
+    answer, and nobody else learns from the survey endpoint which orders exist."""
+    check_part("order", order_number)
+    return sign(secret, SURVEY, order_number, "")
+
+
+def same_token(given, expected):
     """Constant-time check; a padded token is accepted as well as the unpadded one."""
+    given = (given or "").rstrip("=")
+    return hmac.compare_digest(given.encode("utf-8"), expected.encode("ascii"))
+
+
+def token_valid(secret, kind, order_number, cycle, token):
     try:
-        expected = link_token(secret, kind, order_number, cycle)
+        return same_token(token, link_token(secret, kind, order_number, cycle))
     except InvalidLinkPart:
         return False
-    given = (token or "").rstrip("=")
-    return hmac.compare_digest(given.encode("utf-8"), expected.encode("ascii"))
+
+
+def survey_token_valid(secret, order_number, token):
+    try:
+        return same_token(token, survey_token(secret, order_number))
+    except InvalidLinkPart:
+        return False
 
 
 def signed_link(settings, kind, order_number, cycle):

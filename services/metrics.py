@@ -7,7 +7,7 @@ import logging
 import os
 
 from peewee import fn
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from models import Outbox, WebhookEvent
@@ -18,6 +18,7 @@ log = logging.getLogger("receiver.metrics")
 # Handling runs from a few milliseconds (a plain plugin) to the outbound timeout (an
 # effect sent while the sender waits).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+JOB_RESULTS = ("ok", "failed", "skipped")
 
 
 class Metrics:
@@ -34,6 +35,27 @@ class Metrics:
         self.sends = Counter(
             "receiver_outbox_sends", "Attempts to send an outbox effect, by kind and "
             "result (sent, retry, dead).", ["kind", "result"], registry=self.registry)
+
+        self.job_runs = Counter(
+            "receiver_job_runs", "Runs of a scheduled job by result: ok, failed (an error "
+            "or the database went away; see the log), skipped (another process ran it).",
+            ["job", "result"], registry=self.registry)
+        self.job_last_success = Gauge(
+            "receiver_job_last_success_timestamp_seconds", "Unix time of the job's last "
+            "run that succeeded in this process (0: none yet).", ["job"],
+            registry=self.registry)
+
+    def jobs_scheduled(self, names):
+        """Every job's series from the start, so that `absent` or a rate sees them."""
+        for name in names:
+            for result in JOB_RESULTS:
+                self.job_runs.labels(name, result)
+            self.job_last_success.labels(name)
+
+    def job_ran(self, name, result, at):
+        self.job_runs.labels(name, result).inc()
+        if result == "ok":
+            self.job_last_success.labels(name).set(at.timestamp())
 
     def event_handled(self, event, outcome, seconds):
         self.events.labels(event.source, event.event_type, outcome).inc()

@@ -4,7 +4,7 @@ Each runs inside the caller's transaction and asks for its effects through `effe
 an event's changes and the mail, jobs and alerts they cause happen together, once."""
 import logging
 
-from models import ORDER_MODELS, ComplianceOrder
+from models import ORDER_MODELS, ComplianceOrder, SubscriptionCycle
 from services.db import locked
 
 log = logging.getLogger("receiver.orders")
@@ -56,10 +56,14 @@ def complete_payment(ctx, effects, order_id, order_type, reference, *, source,
         raise OrderNotFound(f"no {order_type} order {order_id}")
     now = ctx.clock()
     if order.payment_status == "paid":
+        if not _same_payment(order, reference, payment_intent_id):
+            _another_payment(ctx, effects, order, reference, source)
+            return order, False
         if _fill_in_missing(order, payment_intent_id, payment_method):
             order.updated_at = now
             order.save()
         log.info("%s order %s is already paid; nothing more to do", order_type, order_id)
+        _check_payment_method(ctx, effects, order)
         return order, False
 
     order.payment_status = "paid"
@@ -76,7 +80,45 @@ def complete_payment(ctx, effects, order_id, order_type, reference, *, source,
     effects.alert(order_alert_text(order, source), key=f"alert-paid-{order_type}-{order_id}",
                   order_number=order_id)
     log.info("%s order %s paid via %s (%s)", order_type, order_id, source, reference)
+    _check_payment_method(ctx, effects, order)
     return order, True
+
+
+def _same_payment(order, reference, payment_intent_id):
+    """Whether an event for an already-paid order is about the payment recorded. A checkout
+    session and its payment intent are one payment under two ids, and either event may
+    come first, so a match on either id counts."""
+    recorded = {order.stripe_session_id, order.stripe_payment_intent_id} - {None}
+    return reference in recorded or (payment_intent_id or None) in recorded
+
+
+def _another_payment(ctx, effects, order, reference, source):
+    """The order was paid, and now a different payment arrived for it (a second checkout,
+    or crypto after card): the customer may be owed a refund, so a person must look."""
+    log.warning("%s order %s is already paid (%s) and received another %s payment %s; "
+                "a refund may be due", order.kind, order.order_number,
+                order.stripe_session_id, source, reference)
+    email_admin(ctx, effects, f"Second payment for order {order.order_number}",
+                "second_payment", order.order_number,
+                key=f"email-second-payment-{order.kind}-{order.order_number}-{reference}",
+                kind=order.kind, source=source, reference=reference,
+                recorded=order.stripe_session_id,
+                customer_name=order.customer_name, customer_email=order.customer_email)
+
+
+def _check_payment_method(ctx, effects, order):
+    """Settlement selects CRTC orders by payment method; a paid one without a method would
+    never settle, silently. Stripe does not expand the charge in webhook events, so a
+    session that allowed several methods cannot tell us which was used."""
+    if order.kind != "canada_crtc" or order.payment_method:
+        return
+    log.warning("CRTC order %s is paid but its payment method is unknown; it will not "
+                "settle until payment_method is set", order.order_number)
+    email_admin(ctx, effects, f"Payment method unknown for CRTC order {order.order_number}",
+                "payment_method_unknown", order.order_number,
+                key=f"email-payment-method-unknown-{order.order_number}",
+                reference=order.stripe_session_id,
+                payment_intent=order.stripe_payment_intent_id)
 
 
 def _fill_in_missing(order, payment_intent_id, payment_method):
@@ -90,6 +132,16 @@ def _fill_in_missing(order, payment_intent_id, payment_method):
         order.payment_method = payment_method
         changed = True
     return changed
+
+
+def email_admin(ctx, effects, subject, template, order, key=None, **variables):
+    """An e-mail to ADMIN_EMAIL about order number `order` (templates see it as `order`);
+    logged instead when no administrator is configured."""
+    if not ctx.settings.admin_email:
+        log.warning("ADMIN_EMAIL unset; not e-mailed: %s", subject)
+        return None
+    return effects.email([ctx.settings.admin_email], subject, f"email/{template}", key=key,
+                         order_number=order, title=subject, order=order, **variables)
 
 
 def _redispatch_parent(effects, child):
@@ -163,3 +215,19 @@ def mark_disputed(ctx, order, reason, amount):
                       f"({now.isoformat(timespec='seconds')})")
     order.updated_at = now
     order.save()
+
+
+def record_cycle(ctx, order, subscription_id, invoice_id):
+    """The renewal number of a paid invoice: 1 + the renewals recorded before it. The same
+    invoice keeps its number; two invoices racing for one number cannot both have it (a
+    unique index), so the loser fails and is retried with the next number."""
+    known = SubscriptionCycle.get_or_none(SubscriptionCycle.invoice_id == invoice_id)
+    if known:
+        return known.cycle
+    cycle = 1 + (SubscriptionCycle.select()
+                 .where(SubscriptionCycle.subscription_id == subscription_id).count())
+    now = ctx.clock()
+    SubscriptionCycle.create(subscription_id=subscription_id, invoice_id=invoice_id,
+                             order_number=order.order_number, cycle=cycle,
+                             created_at=now, updated_at=now)
+    return cycle

@@ -3,6 +3,7 @@ sent after it commits. A send that fails stays pending with its error and is ret
 with backoff; a refusal that no retry can change, or too many attempts, makes it dead.
 """
 import asyncio
+import contextlib
 import datetime
 import hashlib
 import json
@@ -11,9 +12,10 @@ import random
 
 from peewee import fn
 
-from models import Outbox
+from clients.http import Result
+from models import Outbox, database
 from services.claims import claim, lease
-from services.db import insert_once
+from services.db import UNAVAILABLE, insert_once
 
 log = logging.getLogger("receiver.outbox")
 
@@ -52,6 +54,24 @@ class Effects:
         # Counts every effect asked for, new or already stored, so a replay derives the
         # same keys as the first run did.
         self.asked = 0
+        self.retry_reason = None
+
+    @contextlib.contextmanager
+    def savepoint(self):
+        """A part of the handling that may fail alone: its database changes and the
+        effects it asked for are undone together, and the exception propagates."""
+        asked_before = len(self.rows)
+        try:
+            with database.atomic():
+                yield
+        except Exception:
+            del self.rows[asked_before:]
+            raise
+
+    def retry_later(self, reason):
+        """Keep what the handling has done so far, and handle the event again later (it
+        ends `failed` with a retry time instead of `processed`)."""
+        self.retry_reason = reason
 
     def add(self, kind, payload, key=None, order_number=None):
         if key is None:
@@ -90,20 +110,27 @@ class Effects:
         return self.add("alert", {"text": text}, key, order_number)
 
 
-async def _send_job(ctx, payload, row):
+# Each sender calls `take()` right before its request goes out: it raises
+# _TakenElsewhere when another sender has claimed the row meanwhile.
+
+async def _send_job(ctx, payload, row, take):
+    take()
     return await ctx.worker.dispatch(payload["action"], payload["payload"], row.idempotency_key)
 
 
-async def _send_workflow_action(ctx, payload, row):
+async def _send_workflow_action(ctx, payload, row, take):
+    take()
     return await ctx.workflow.apply_action(payload["doctype"], payload["name"], payload["action"])
 
 
-async def _send_email(ctx, payload, row):
+async def _send_email(ctx, payload, row, take):
+    # Taken in the mail thread: a message may wait for a free thread longer than a lease.
     return await ctx.mailer.send(payload["to"], payload["subject"], payload["text"],
-                                 payload.get("html"))
+                                 payload.get("html"), before=take, key=row.idempotency_key)
 
 
-async def _send_alert(ctx, payload, row):
+async def _send_alert(ctx, payload, row, take):
+    take()
     return await ctx.telegram.send(payload["text"])
 
 
@@ -115,15 +142,57 @@ SENDERS = {
 }
 
 
+class _TakenElsewhere(Exception):
+    """Another sender claimed the row after this one was given it."""
+
+
 async def send(ctx, row):
-    """Send one outbox row and record the outcome; returns the Result."""
-    result = await SENDERS[row.kind](ctx, json.loads(row.payload), row)
+    """Send one outbox row and record the outcome; returns the Result, or None when
+    another sender took the row over before it went out (that one sends it)."""
+    def take():
+        if not _retake(ctx, row):
+            raise _TakenElsewhere
+    try:
+        result = await SENDERS[row.kind](ctx, json.loads(row.payload), row, take)
+    except _TakenElsewhere:
+        log.info("outbox %s %s not sent here: another sender has taken it", row.id, row.kind)
+        return None
+    except UNAVAILABLE:
+        raise  # the lease could not be re-taken, so nothing was sent
+    except Exception as exc:
+        # A row whose sender raises would otherwise stay pending for good and hold up
+        # its order's later effects. Only the type is kept: an exception's text may
+        # quote a URL with a token in it.
+        log.exception("outbox %s %s: its sender raised", row.id, row.kind)
+        result = Result.failed(f"{type(exc).__name__} raised while sending", retryable=False)
     record_outcome(ctx, row, result)
     return result
 
 
+def _retake(ctx, row):
+    """Push the row's lease one lease ahead, if it still holds the lease this sender was
+    given; False when another sender has claimed it since (a send that waited for a mail
+    thread or on a slow peer past its lease), so the row goes out once."""
+    now = ctx.clock()
+    held_until = now + lease(ctx)
+    taken = (Outbox.update(next_attempt_at=held_until, updated_at=now)
+             .where(Outbox.id == row.id, Outbox.status == "pending",
+                    Outbox.next_attempt_at == row.next_attempt_at).execute())
+    if taken:
+        row.next_attempt_at = held_until
+    return bool(taken)
+
+
 def record_outcome(ctx, row, result):
     now = ctx.clock()
+    if not result.configured:
+        # Nothing was tried: the effect waits for its peer to be configured, without
+        # using up its attempts, and is looked at again at the longest backoff.
+        (Outbox.update(last_error=result.error, updated_at=now,
+                       next_attempt_at=now + datetime.timedelta(seconds=BACKOFF_CAP_SECONDS))
+         .where(Outbox.id == row.id).execute())
+        log.warning("outbox %s %s waits: %s", row.id, row.kind, result.error)
+        return
     attempts = row.attempts + 1
     changes = {Outbox.attempts: attempts, Outbox.updated_at: now}
     if result.ok:
@@ -199,7 +268,7 @@ async def send_due(ctx):
         if not rows:
             break
         results = await asyncio.gather(*(send(ctx, row) for row in rows))
-        succeeded = sum(1 for result in results if result.ok)
+        succeeded = sum(1 for result in results if result is not None and result.ok)
         sent += succeeded
         if not succeeded:
             break

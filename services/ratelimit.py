@@ -51,3 +51,23 @@ class RateLimiter:
             return
         self.buckets = {client: state for client, state in self.buckets.items()
                         if self.tokens_at(client, now) < self.limit}
+
+
+class RateLimited:
+    """A RequestHandler mixin: refuses a client over its allowance with 429 and
+    Retry-After, before any work. The handler says how (`refuse_too_many`): a JSON error
+    or an HTML page.
+
+    The client is `request.remote_ip`: the server runs with xheaders=True behind a local
+    proxy, which sets X-Real-IP / X-Forwarded-For to the address that connected to it."""
+
+    def initialize(self, ctx, limiter):
+        super().initialize(ctx)
+        self.limiter = limiter
+
+    def prepare(self):
+        wait = self.limiter.acquire(self.request.remote_ip)
+        if wait:
+            self.set_header("Retry-After", str(wait))
+            self.refuse_too_many()
+        super().prepare()

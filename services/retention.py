@@ -20,9 +20,14 @@ def prune(ctx):
     with database.atomic():
         rows = (Outbox.delete()
                 .where(Outbox.status == "sent", Outbox.sent_at < cutoff).execute())
+        # An event stored already settled (ignored on arrival, say) was never handled,
+        # so it has no processed_at: its age is counted from its arrival.
+        settled_before_cutoff = (
+            (WebhookEvent.processed_at < cutoff)
+            | (WebhookEvent.processed_at.is_null() & (WebhookEvent.received_at < cutoff)))
         events = (WebhookEvent.delete()
                   .where(WebhookEvent.status.in_(PRUNED_EVENT_STATUSES),
-                         WebhookEvent.processed_at < cutoff).execute())
+                         settled_before_cutoff).execute())
     if events or rows:
         log.info("pruned %d event(s) and %d sent effect(s) older than %s",
                  events, rows, cutoff.isoformat())

@@ -4,7 +4,9 @@ payment has had time to settle, the order advances to Client Selection in Frappe
 Called by the balance.available plugin and, as a fallback, by the scheduler. Two runs at
 once are safe: funds_available is set under a re-check, so it is set once. Both runs may
 then have asked Frappe to apply the action; Frappe refuses the second with 417 (invalid
-transition), which is logged and changes nothing.
+transition). A 417 is not taken as final: Frappe is asked where the document stands, and
+one that has left Awaiting Funds had the action applied already (by the other run, or by
+a run that crashed before it could record it), so the order is marked settled.
 """
 import datetime
 import logging
@@ -15,6 +17,8 @@ from services.db import locked
 log = logging.getLogger("receiver.settlement")
 
 BATCH_SIZE = 20
+# The workflow state a CRTC order waits in until the funds action moves it on.
+AWAITING_FUNDS = "Awaiting Funds"
 # Business days (Mon-Fri, holidays not considered) a payment needs before it counts.
 BUSINESS_DAYS_TO_SETTLE = {"card": 2, "bnpl": 2, "ach": 4}
 
@@ -66,9 +70,26 @@ async def advance(ctx, order):
     settings = ctx.settings
     result = await ctx.workflow.apply_action(
         settings.crtc_doctype, order.order_number, settings.crtc_funds_action)
-    if not result.ok:
+    if not result.ok and not (result.status == 417 and await already_applied(ctx, order)):
         raise RuntimeError(f"{settings.crtc_funds_action!r} not applied: {result.error}")
     return mark_funds_available(ctx, order.id)
+
+
+async def already_applied(ctx, order):
+    """After a 417: has the document left Awaiting Funds? Then the action was applied
+    before and only its recording was lost; otherwise the order would hold a batch slot
+    for good. A document Frappe cannot show us counts as not applied (retried next run)."""
+    document = await ctx.workflow.document(ctx.settings.crtc_doctype, order.order_number)
+    if not document.ok:
+        log.warning("CRTC order %s: Frappe refused %r and its state could not be read: %s",
+                    order.order_number, ctx.settings.crtc_funds_action, document.error)
+        return False
+    state = document.body.get("workflow_state")
+    if not state or state == AWAITING_FUNDS:
+        return False
+    log.warning("CRTC order %s: %r was already applied in Frappe (now %s); marked settled",
+                order.order_number, ctx.settings.crtc_funds_action, state)
+    return True
 
 
 async def settle_crtc_orders(ctx):

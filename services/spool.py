@@ -5,7 +5,8 @@ event_type, dedup_key, also_known_as, external_id, order_number, status, last_er
 payload as text, received_at in ISO 8601), appended and fsynced before the sender is
 acknowledged. Several processes may share the directory: a writer holds an
 exclusive flock while it appends and checks that the path still names the file it
-opened (a drain may have renamed it meanwhile).
+opened (a drain may have renamed it meanwhile). A last line without its newline was torn
+by a writer that died mid-append (never acknowledged): the next append cuts it off first.
 
 Draining renames the live file to `inbox-<ns>-<pid>.draining` first, so new calls go to
 a fresh file, then stores every line in the inbox under its dedup key and deletes the
@@ -36,14 +37,21 @@ def append(spool_dir, entry, name=LIVE_NAME):
     line = (json.dumps(entry, separators=(",", ":")) + "\n").encode()
     path = os.path.join(spool_dir, name)
     while True:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             if not _still_named(fd, path):
                 continue  # renamed by a drain between our open and our lock
-            created = os.fstat(fd).st_size == 0
-            _write_all(fd, line)
-            os.fsync(fd)
+            size = _cut_torn_tail(fd)
+            created = size == 0
+            try:
+                _write_all(fd, line)
+                os.fsync(fd)
+            except OSError:
+                # A part written (disk full, say) would be glued to the next line; the
+                # call is not acknowledged, so none of it may stay.
+                os.ftruncate(fd, size)
+                raise
             if created:
                 _fsync_directory(spool_dir)
             return
@@ -151,6 +159,26 @@ def _still_named(fd, path):
         return os.stat(path).st_ino == os.fstat(fd).st_ino
     except FileNotFoundError:
         return False
+
+
+def _cut_torn_tail(fd):
+    """Truncate a last line left without its newline (a writer died mid-append; its call
+    was never acknowledged), so the next line is not glued onto it and lost with it.
+    Returns the size of the file that remains."""
+    size = os.fstat(fd).st_size
+    if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
+        return size
+    end = size
+    while end > 0:
+        start = max(0, end - 4096)
+        newline = os.pread(fd, end - start, start).rfind(b"\n")
+        if newline >= 0:
+            end = start + newline + 1
+            break
+        end = start
+    log.error("spool %d byte(s) torn by an interrupted append, cut off", size - end)
+    os.ftruncate(fd, end)
+    return end
 
 
 def _write_all(fd, data):

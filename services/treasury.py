@@ -16,7 +16,7 @@ import peewee
 from models import LedgerEntry, TreasuryJob, database
 from plugins.registry import exact_json
 from services.db import insert_once
-from services.orders import complete_payment
+from services.orders import OrderNotFound, complete_payment
 
 log = logging.getLogger("receiver.crypto")
 
@@ -93,7 +93,11 @@ def amount(body, field):
 
 
 def cents(amount_fiat):
-    return int((amount_fiat * 100).quantize(decimal.Decimal(1), rounding=decimal.ROUND_HALF_UP))
+    # Wide enough for every digit an accepted amount may have: in the default 28-digit
+    # context `* 100` would round once before the half-up rounding to cents.
+    with decimal.localcontext(prec=100):
+        return int((amount_fiat * 100).quantize(decimal.Decimal(1),
+                                                rounding=decimal.ROUND_HALF_UP))
 
 
 def _text(body, field):
@@ -201,8 +205,14 @@ def receive_payment(ctx, payload, effects):
                     callback.external_id, callback.fiat)
     txid = callback.txid(arrived_at(ctx, effects))
     record_receipt(ctx, callback, txid)
-    complete_payment(ctx, effects, callback.external_id, callback.order_type,
-                     f"crypto-{txid}", source="crypto", payment_method="crypto")
+    try:
+        with effects.savepoint():
+            complete_payment(ctx, effects, callback.external_id, callback.order_type,
+                             f"crypto-{txid}", source="crypto", payment_method="crypto")
+    except (OrderNotFound, peewee.DatabaseError) as failure:
+        # The coins arrived: their treasury job and ledger entry stay recorded, and only
+        # the completion is tried again.
+        effects.retry_later(f"payment not completed: {type(failure).__name__}: {failure}")
 
 
 def log_notice(ctx, payload, effects):

@@ -8,6 +8,7 @@ import urllib.parse
 import uuid
 
 import peewee
+import psycopg2
 import pytest
 from tornado.httpclient import AsyncHTTPClient
 
@@ -50,6 +51,16 @@ def database_url():
     else:
         with tempfile.TemporaryDirectory() as folder:
             yield f"sqlite:///{folder}/test.sqlite3"
+
+
+@pytest.fixture
+def other_connection(database_url):
+    """A second PostgreSQL session, as another service process would have."""
+    parts = urllib.parse.urlsplit(database_url)
+    connection = psycopg2.connect(host=parts.hostname, port=parts.port or 5432,
+                                  user=parts.username, dbname=parts.path.lstrip("/"))
+    yield connection
+    connection.close()
 
 
 @pytest.fixture(scope="session")

@@ -2,14 +2,69 @@
 payment_intent.payment_failed and charge.dispute.created, end to end through the signed
 webhook, with the mail read back from a real SMTP server."""
 import dataclasses
+import json
+import urllib.parse
 
 import pytest
+import tornado.httpserver
+import tornado.testing
+import tornado.web
 
-from models import (
-    ORDER_MODELS, BundleOrder, ComplianceOrder, CrtcOrder, FormationOrder, Outbox,
-    WebhookEvent)
+from models import ORDER_MODELS, BundleOrder, ComplianceOrder, CrtcOrder, FormationOrder, Outbox
 from tests import stripe_events as se
-from tests.stripe_events import RECEIVED, deliver, send, settings  # noqa: F401 (fixtures)
+from tests.stripe_events import (  # noqa: F401 (fixtures)
+    RECEIVED, SECRET_KEY, deliver, send, settings)
+
+
+class _PaymentIntents(tornado.web.RequestHandler):
+    """GET /v1/payment_intents/<id> as Stripe answers it, the charge expanded when asked."""
+
+    def initialize(self, stripe):
+        self.stripe = stripe
+
+    def get(self, intent_id):
+        self.stripe.requests.append(self.request)
+        self.set_header("Content-Type", "application/json")
+        if self.request.headers.get("Authorization") != f"Bearer {SECRET_KEY}":
+            self.set_status(401)
+            self.finish({"error": {"type": "invalid_request_error", "message": "bad key"}})
+            return
+        if intent_id not in self.stripe.intents:
+            self.set_status(404)
+            self.finish({"error": {"type": "invalid_request_error",
+                                   "message": f"No such payment_intent: '{intent_id}'"}})
+            return
+        intent = dict(self.stripe.intents[intent_id])
+        if self.get_query_argument("expand[0]", None) == "latest_charge":
+            intent["latest_charge"] = self.stripe.charges[intent["latest_charge"]]
+        self.finish(json.dumps(intent))
+
+
+class StripeApi:
+    """A local stand-in for Stripe's API (STRIPE_API_BASE points the stripe library here)."""
+
+    def __init__(self):
+        self.intents, self.charges, self.requests = {}, {}, []
+        sock, port = tornado.testing.bind_unused_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.server = tornado.httpserver.HTTPServer(tornado.web.Application(
+            [(r"/v1/payment_intents/([^/]+)", _PaymentIntents, {"stripe": self})]))
+        self.server.add_sockets([sock])
+
+    def charged(self, intent, method_type):
+        """Stripe knows `intent`, paid by a charge with that payment method type."""
+        self.intents[intent["id"]] = intent
+        self.charges[intent["latest_charge"]] = {
+            "id": intent["latest_charge"], "object": "charge", "status": "succeeded",
+            "payment_method_details": {"type": method_type, method_type: {}}}
+
+
+@pytest.fixture
+def stripe_api(io_loop, ctx):
+    api = StripeApi()
+    ctx.settings = dataclasses.replace(ctx.settings, stripe_api_base=api.url)
+    yield api
+    api.server.stop()
 
 
 def parts(message):
@@ -111,20 +166,82 @@ async def test_a_trial_subscription_for_an_order_not_yet_written_is_retried(send
     assert stored.status == "failed" and "CO-404" in stored.last_error
 
 
+def several_methods_paid(order_number):
+    """A CRTC checkout that allowed several methods, and its intent as the event has it: the
+    charge only named ("ch_..."), since Stripe never expands objects in events."""
+    allowed = ["card", "klarna", "us_bank_account"]
+    session = se.checkout_session(order_number, "canada_crtc", payment_intent="pi_test_multi",
+                                  payment_method_types=allowed)
+    intent = se.payment_intent(order_number, "canada_crtc", intent_id="pi_test_multi",
+                               payment_method_types=allowed)
+    assert intent["latest_charge"].startswith("ch_")
+    return session, intent
+
+
+@pytest.mark.parametrize("first", ["checkout.session.completed", "payment_intent.succeeded"])
 @pytest.mark.gen_test
-async def test_the_intent_fills_in_a_payment_method_the_session_could_not_tell(send):
+async def test_the_method_one_of_several_allowed_is_asked_of_stripe(
+        send, smtp, stripe_api, first):
     CrtcOrder.create(order_number="CA-3")
-    session = se.checkout_session("CA-3", "canada_crtc", payment_intent="pi_test_multi",
-                                  payment_method_types=["card", "klarna", "us_bank_account"])
-    await send("checkout.session.completed", session)
-    assert CrtcOrder.get().payment_method is None
-    charge = {"id": "ch_test_1", "object": "charge",
-              "payment_method_details": {"type": "klarna", "klarna": {}}}
-    intent = se.payment_intent("CA-3", "canada_crtc", intent_id="pi_test_multi",
-                               payment_method_types=["card", "klarna"], latest_charge=charge)
-    await send("payment_intent.succeeded", intent)
+    session, intent = several_methods_paid("CA-3")
+    stripe_api.charged(intent, "klarna")
+    events = {"checkout.session.completed": session, "payment_intent.succeeded": intent}
+    await send(first, events.pop(first))
     order = CrtcOrder.get()
-    assert (order.payment_method, order.stripe_session_id) == ("bnpl", session["id"])
+    assert (order.payment_status, order.payment_method) == ("paid", "bnpl")
+    [asked] = stripe_api.requests
+    assert asked.path == "/v1/payment_intents/pi_test_multi"
+    assert "expand[0]=latest_charge" in urllib.parse.unquote(asked.query)
+    [(later_type, later)] = events.items()
+    assert (await send(later_type, later)).status == "processed"
+    order = CrtcOrder.get()
+    assert (order.payment_method, order.stripe_payment_intent_id) == ("bnpl", "pi_test_multi")
+    assert smtp.messages == []
+
+
+@pytest.mark.gen_test
+async def test_an_intent_stripe_cannot_tell_about_leaves_the_method_unknown_and_mails_once(
+        send, smtp, stripe_api, caplog):
+    CrtcOrder.create(order_number="CA-3")
+    session, intent = several_methods_paid("CA-3")  # unknown to the stand-in: 404
+    await send("checkout.session.completed", session)
+    assert (await send("payment_intent.succeeded", intent)).status == "processed"
+    assert len(stripe_api.requests) == 2, "each event asked, as the method was still unknown"
+    order = CrtcOrder.get()
+    assert (order.payment_status, order.payment_method) == ("paid", None)
+    [(recipients, message)] = smtp.messages
+    assert message["Subject"] == "Payment method unknown for CRTC order CA-3"
+    for body in parts(message):
+        assert "payment_method" in body and "pi_test_multi" in body
+    assert any(r.levelname == "WARNING" and "CA-3" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.gen_test
+async def test_a_crtc_order_with_a_known_method_is_not_flagged(send, smtp):
+    CrtcOrder.create(order_number="CA-4")
+    await send("checkout.session.completed", se.checkout_session("CA-4", "canada_crtc"))
+    assert CrtcOrder.get().payment_method == "card" and smtp.messages == []
+
+
+@pytest.mark.gen_test
+async def test_a_second_checkout_for_a_paid_order_mails_the_admin_about_a_refund(send, smtp):
+    FormationOrder.create(order_number="FO-1")
+    first = se.checkout_session("FO-1", "formation", payment_intent="pi_test_first")
+    await send("checkout.session.completed", first)
+    await send("payment_intent.succeeded",
+               se.payment_intent("FO-1", "formation", intent_id="pi_test_first"))
+    assert smtp.messages == [], "one payment told twice is not a second payment"
+
+    second = se.checkout_session("FO-1", "formation", payment_intent="pi_test_second")
+    await send("checkout.session.completed", second)
+    await send("payment_intent.succeeded",
+               se.payment_intent("FO-1", "formation", intent_id="pi_test_second",
+                                 checkout_session_id=second["id"]))
+    [(_, message)] = smtp.messages
+    assert message["Subject"] == "Second payment for order FO-1"
+    text = parts(message)[0]
+    assert first["id"] in text and second["id"] in text
+    assert FormationOrder.get().stripe_session_id == first["id"]
 
 
 # --- payment_intent.succeeded -----------------------------------------------------------------

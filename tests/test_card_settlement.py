@@ -22,7 +22,15 @@ def paid_crtc(number, method="card", paid_at=FRIDAY, **fields):
 
 
 def advanced(frappe):
-    return [json.loads(r.json["doc"])["name"] for r in frappe.requests]
+    return [json.loads(r.json["doc"])["name"] for r in frappe.requests if r.method == "POST"]
+
+
+def document(name, state):
+    """Frappe's answer to GET /api/resource/<doctype>/<name>."""
+    return (200, {"data": {"name": name, "doctype": "CRTC Order", "workflow_state": state}})
+
+
+REFUSED = (417, {"exc_type": "WorkflowTransitionError"})
 
 
 @pytest.mark.parametrize("start,end,days", [
@@ -151,11 +159,12 @@ async def test_two_runs_at_once_settle_an_order_once(ctx, clock, frappe):
     paid_crtc("CA-1")
     clock.set(2026, 11, 30, 9, 0)
     frappe.delay = 0.2
-    frappe.responses = [(200, {"message": {"name": "CA-1"}}),
-                        (417, {"exc_type": "WorkflowTransitionError"})]
+    frappe.responses = [(200, {"message": {"name": "CA-1"}}), REFUSED,
+                        document("CA-1", "Client Selection")]
     first, second = await asyncio.gather(settle_crtc_orders(ctx), settle_crtc_orders(ctx))
-    assert len(frappe.requests) == 2, "both runs asked before either had an answer"
+    assert len(advanced(frappe)) == 2, "both runs asked before either had an answer"
     assert first["settled"] + second["settled"] == 1
+    assert first["failed"] + second["failed"] == 0
     order = CrtcOrder.get()
     assert order.funds_available is True and order.funds_available_at == clock()
 
@@ -180,3 +189,34 @@ async def test_balance_available_settles_in_the_background(post, ctx, clock, fra
     await ctx.drain_background()
     assert advanced(frappe) == ["CA-1"]
     assert WebhookEvent.get().status == "processed"
+
+
+@pytest.mark.gen_test
+async def test_an_action_applied_but_not_recorded_is_marked_settled_on_the_next_run(
+        ctx, clock, frappe):
+    # An earlier run had Frappe apply the action, then lost the write of funds_available:
+    # every later run is refused with 417, and the order would hold a batch slot for good.
+    paid_crtc("CA-1")
+    clock.set(2026, 11, 30, 9, 0)
+    frappe.responses = [REFUSED, document("CA-1", "Client Selection")]
+    counts = await settle_crtc_orders(ctx)
+    assert (counts["settled"], counts["failed"]) == (1, 0)
+    order = CrtcOrder.get()
+    assert order.funds_available is True and order.funds_available_at == clock()
+    read = frappe.requests[1]
+    assert (read.method, read.path) == ("GET", "/api/resource/CRTC%20Order/CA-1")
+    assert read.headers["Authorization"] == "token wf-key:wf-secret"
+    assert read.headers["X-Frappe-Site-Name"] == "erp.example.test"
+
+
+@pytest.mark.parametrize("reply", [document("CA-1", "Awaiting Funds"), (404, {}),
+                                   (200, {"data": {"name": "CA-1"}})],
+                         ids=["still-awaiting", "not-found", "no-state"])
+@pytest.mark.gen_test
+async def test_a_refused_order_still_awaiting_funds_stays_unsettled(ctx, clock, frappe, reply):
+    paid_crtc("CA-1")
+    clock.set(2026, 11, 30, 9, 0)
+    frappe.responses = [REFUSED, reply]
+    counts = await settle_crtc_orders(ctx)
+    assert (counts["settled"], counts["failed"]) == (0, 1)
+    assert CrtcOrder.get().funds_available is False

@@ -1,13 +1,25 @@
 """SPEC.md 4.2: invoice.paid, invoice.payment_failed and customer.subscription.deleted
 (API 2026-03-25.dahlia: the subscription is under invoice.parent.subscription_details)."""
 import datetime
+import threading
 
 import pytest
 
 from models import UTC, ComplianceOrder, SubscriptionCycle, WebhookEvent
-from services import card_events, inbox
+from services import inbox, orders
 from tests import stripe_events as se
+from tests.service_process import postgres_only
 from tests.stripe_events import RECEIVED, deliver, send, settings  # noqa: F401 (fixtures)
+
+# How long the other process holds its uncommitted change while our handler runs.
+OTHER_COMMITS_AFTER = 0.5
+
+
+def commit_later(connection):
+    """Commit the other session's open transaction while our handler is at work."""
+    timer = threading.Timer(OTHER_COMMITS_AFTER, connection.commit)
+    timer.start()
+    return timer
 
 
 @pytest.fixture
@@ -54,9 +66,9 @@ async def test_the_same_invoice_twice_is_one_cycle_and_one_job(
 
 
 def test_an_invoice_keeps_its_cycle_number(ctx, subscribed):
-    first = card_events.record_cycle(ctx, subscribed, "sub_test_42", "in_test_x")
-    again = card_events.record_cycle(ctx, subscribed, "sub_test_42", "in_test_x")
-    other = card_events.record_cycle(ctx, subscribed, "sub_test_other", "in_test_y")
+    first = orders.record_cycle(ctx, subscribed, "sub_test_42", "in_test_x")
+    again = orders.record_cycle(ctx, subscribed, "sub_test_42", "in_test_x")
+    other = orders.record_cycle(ctx, subscribed, "sub_test_other", "in_test_y")
     assert (first, again, other) == (1, 1, 1)
 
 
@@ -80,6 +92,28 @@ async def test_a_renewal_before_its_subscription_is_linked_is_retried(
     subscribed.save()
     assert await inbox.process(ctx, WebhookEvent.get_by_id(stored.id)) == "processed"
     assert worker.requests[0].json["recurring_cycle"] == 1
+
+
+@postgres_only
+@pytest.mark.gen_test
+async def test_two_renewals_racing_for_one_cycle_number_end_with_the_next_number(
+        send, ctx, worker, subscribed, other_connection):
+    # Another process has counted no earlier renewal and is numbering its invoice 1.
+    other_connection.cursor().execute(
+        "INSERT INTO subscription_cycles (subscription_id, invoice_id, order_number, cycle, "
+        "created_at, updated_at) VALUES ('sub_test_42', 'in_test_other', 'CO-42', 1, "
+        "now(), now())")
+    timer = commit_later(other_connection)
+    stored = await send("invoice.paid", se.invoice("sub_test_42", invoice_id="in_test_mine"))
+    timer.join()
+    assert stored.status == "failed" and "IntegrityError" in stored.last_error
+    assert worker.requests == []
+
+    assert await inbox.process(ctx, WebhookEvent.get_by_id(stored.id)) == "processed"
+    assert [(r.json["invoice_id"], r.json["recurring_cycle"]) for r in worker.requests] == [
+        ("in_test_mine", 2)]
+    assert {c.invoice_id: c.cycle for c in SubscriptionCycle.select()} == {
+        "in_test_other": 1, "in_test_mine": 2}
 
 
 @pytest.mark.gen_test
@@ -190,3 +224,33 @@ async def test_a_deleted_subscription_of_no_order_changes_nothing(send, subscrib
     stored = await send("customer.subscription.deleted", se.subscription("sub_test_other"))
     assert stored.status == "processed"
     assert ComplianceOrder.get().subscription_status is None
+
+
+@postgres_only
+@pytest.mark.gen_test
+async def test_a_dispute_committed_meanwhile_by_another_process_is_not_written_over(
+        send, subscribed, other_connection):
+    other_connection.cursor().execute(
+        "UPDATE compliance_orders SET payment_status = 'disputed', notes = 'Dispute opened' "
+        "WHERE id = %s", (subscribed.id,))
+    timer = commit_later(other_connection)
+    await send("customer.subscription.deleted", se.subscription("sub_test_42"))
+    timer.join()
+    order = ComplianceOrder.get()
+    assert (order.payment_status, order.notes, order.subscription_status) == (
+        "disputed", "Dispute opened", "cancelled")
+
+
+@postgres_only
+@pytest.mark.gen_test
+async def test_a_cancellation_committed_meanwhile_by_another_process_keeps_its_date(
+        send, subscribed, other_connection):
+    # The handler must see the other process's cancellation (it reads under a lock), or it
+    # would write its own date over the one already recorded.
+    other_connection.cursor().execute(
+        "UPDATE compliance_orders SET subscription_status = 'cancelled', "
+        "cancelled_at = '2026-01-01T00:00:00+00:00' WHERE id = %s", (subscribed.id,))
+    timer = commit_later(other_connection)
+    await send("customer.subscription.deleted", se.subscription("sub_test_42"))
+    timer.join()
+    assert ComplianceOrder.get().cancelled_at == datetime.datetime(2026, 1, 1, tzinfo=UTC)

@@ -277,3 +277,12 @@ def test_an_unreachable_database_exits_1_without_its_password(database_url):
     assert result.returncode == 1
     assert result.stderr.startswith("receiver: database unavailable")
     assert "pg-password-zz" not in result.stderr + result.stdout
+
+
+def test_migrate_with_the_database_down_says_so_in_one_line_and_exits_1(database_url):
+    result = run(database_url, "migrate", env={
+        "DATABASE_URL": "postgresql://operator:pg-password-zz@127.0.0.1:1/receiver"})
+    assert result.returncode == 1
+    assert result.stderr.startswith("receiver: database unavailable: ")
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+    assert "pg-password-zz" not in result.stderr + result.stdout

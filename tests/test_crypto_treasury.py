@@ -227,6 +227,9 @@ def test_order_type_of(order_number, order_type):
 @pytest.mark.parametrize("fiat,expected", [
     ("7.80", 780), ("7.805", 781), ("7.8049", 780), ("0.004", 0), ("0.005", 1),
     ("1234567.895", 123456790), ("0", 0),
+    # 31 significant digits: multiplying by 100 in a 28-digit context would round to
+    # 100.5 first, and then half-up to 101.
+    ("1.004999999999999999999999999999", 100),
 ])
 def test_cents_round_half_up(fiat, expected):
     assert treasury.cents(Decimal(fiat)) == expected

@@ -442,12 +442,16 @@ async def test_without_admin_email_a_rejection_is_only_logged(post, ctx, smtp, c
 # --- failures ------------------------------------------------------------------------------
 
 @pytest.mark.gen_test
-async def test_an_unknown_order_answers_202_and_the_event_is_retried(post, ctx, telegram):
+async def test_an_unknown_order_keeps_the_receipt_answers_202_and_is_retried(
+        post, ctx, telegram):
     status, reply, _ = await post(URL, shkeeper.paid("CA-404"), key_headers())
     assert (status, reply) == (202, {"received": True, "error": "internal"})
     event = WebhookEvent.get()
-    assert event.status == "failed" and event.last_error.startswith("OrderNotFound")
-    assert TreasuryJob.select().count() == 0 and telegram.requests == []
+    assert event.status == "failed" and event.next_attempt_at is not None
+    assert event.last_error.startswith("payment not completed: OrderNotFound")
+    # The coins arrived: their record does not wait for the order to exist.
+    assert TreasuryJob.select().count() == 1 and LedgerEntry.select().count() == 1
+    assert telegram.requests == []
 
     CrtcOrder.create(order_number="CA-404")
     assert await inbox.process(ctx, WebhookEvent.get()) == "processed"
@@ -468,7 +472,8 @@ async def test_a_broken_order_table_is_an_internal_error_still_answered_202(
     assert (status, reply) == (202, {"received": True, "error": "internal"})
     event = WebhookEvent.get()
     assert event.status == "failed" and event.next_attempt_at is not None
-    assert TreasuryJob.select().count() == 0 and telegram.requests == []
+    assert TreasuryJob.select().count() == 1 and LedgerEntry.select().count() == 1
+    assert telegram.requests == []
 
 
 @pytest.mark.gen_test

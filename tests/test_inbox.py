@@ -1,4 +1,6 @@
 """The inbox stores what arrives, once, whatever text it carries."""
+import pytest
+
 from models import WebhookEvent
 from services import inbox
 
@@ -18,3 +20,12 @@ def test_a_second_record_of_the_same_key_returns_the_first(ctx):
     again, created_again = inbox.record(ctx, "card", "invoice.paid", "k-1", b'{"x": 1}')
     assert created and not created_again and again.id == first.id
     assert WebhookEvent.select().count() == 1
+
+
+@pytest.mark.gen_test
+async def test_a_rejected_event_keeps_its_status_and_reason_when_processed(ctx):
+    event, _ = inbox.record(ctx, "crypto", "malformed", "k-bad", b"not json",
+                            status="rejected", last_error="body is not JSON")
+    assert await inbox.process(ctx, event) == "rejected"
+    stored = WebhookEvent.get_by_id(event.id)
+    assert (stored.status, stored.last_error) == ("rejected", "body is not JSON")

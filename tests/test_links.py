@@ -11,7 +11,8 @@ from models import SelfFiling
 from receiver import make_app
 from services.context import Context
 from services.links import (
-    InvalidLinkPart, already_filed, link_token, record_self_filed, signed_link, token_valid,
+    InvalidLinkPart, already_filed, link_token, record_self_filed, signed_link,
+    survey_token, survey_token_valid, token_valid,
 )
 from tests.public_helpers import compliance_order, link_path, served, signed_path
 from tests.service_process import database_down
@@ -49,6 +50,20 @@ def test_the_token_is_url_safe_base64_of_the_hmac():
     expected = base64.urlsafe_b64encode(digest).decode()
     assert link_token(SECRET, "ifta", "CO-1", "2026-Q3") == expected.rstrip("=")
     assert token_valid(SECRET, "ifta", "CO-1", "2026-Q3", expected)
+
+
+def test_the_survey_token_signs_survey_and_the_order_alone():
+    import base64
+    import hashlib
+    import hmac
+    digest = hmac.new(SECRET.encode(), b"survey|CO-1|", hashlib.sha256).digest()
+    token = survey_token(SECRET, "CO-1")
+    assert token == base64.urlsafe_b64encode(digest).decode().rstrip("=")
+    assert survey_token_valid(SECRET, "CO-1", token)
+    assert not survey_token_valid(SECRET, "CO-2", token)
+    assert not survey_token_valid("another-secret", "CO-1", token)
+    assert not survey_token_valid(SECRET, "CO-1", link_token(SECRET, "ifta", "CO-1", "2026"))
+    assert not survey_token_valid(SECRET, "CO|1", "anything")
 
 
 @pytest.mark.parametrize("order,cycle", [("CO|1", "2026"), ("CO-1", "2026|Q3"), ("", "2026"),
@@ -214,6 +229,28 @@ async def test_html_in_a_customer_name_or_cycle_is_shown_escaped(get, ctx):
     assert "<script>" not in page and "<img" not in page
     assert "&lt;script&gt;alert(&#39;name&#39;)&lt;/script&gt;" in page
     assert "&lt;img src=x onerror=&#34;alert(1)&#34;&gt;Q3" in page
+
+
+@pytest.mark.parametrize("kind", ["ifta", "ucr"])
+def test_openapi_yaml_documents_every_method_the_link_serves(kind):
+    import yaml
+    from handlers.links import FiledLinkHandler
+    from handlers.openapi import OPENAPI_PATH
+    with open(OPENAPI_PATH, encoding="utf-8") as document:
+        described = set(yaml.safe_load(document)["paths"][f"/api/v1/{kind}/filed"])
+    served_methods = {method.lower() for method in FiledLinkHandler.SUPPORTED_METHODS
+                      if method.lower() in vars(FiledLinkHandler)}
+    assert served_methods == {"get", "head"}
+    assert described == served_methods
+
+
+def test_the_rate_limit_mixin_lives_with_the_limiter_not_in_another_handler_module():
+    import handlers.links
+    import handlers.public
+    from services.ratelimit import RateLimited
+    assert handlers.links.FiledLinkHandler.__mro__[1] is RateLimited
+    assert handlers.public.PublicApiHandler.__mro__[1] is RateLimited
+    assert RateLimited.__module__ == "services.ratelimit"
 
 
 @pytest.mark.gen_test

@@ -1,5 +1,6 @@
 """deploy/: the systemd unit passes systemd's own checks, and the example environment file
 and README name every setting the service reads."""
+import json
 import os
 import re
 import shutil
@@ -58,6 +59,8 @@ def test_the_unit_is_notify_restarting_and_hardened():
     settings = dict(unit_settings())
     assert settings["Type"] == "notify" and settings["NotifyAccess"] == "main"
     assert settings["Restart"] == "on-failure"
+    # Exit 2 is a settings error (see receiver.py): restarting cannot mend it.
+    assert settings["RestartPreventExitStatus"] == "2"
     assert settings["EnvironmentFile"] == "/etc/receiver/receiver.env"
     assert settings["User"] == "receiver" and settings["ExecStart"].endswith("receiver.py serve")
     assert settings["ProtectSystem"] == "strict"
@@ -75,21 +78,59 @@ def test_the_example_environment_lists_every_setting_and_nothing_else():
     assert listed == setting_names()
 
 
-def test_the_example_environment_reads_alike_in_a_shell(tmp_path):
-    """deploy/rcv sources the file with sh, systemd parses it itself: every line, once
-    uncommented and with the secrets filled in, must mean the same to both."""
+ENVEXEC = os.path.join(DEPLOY, "envexec.py")
+
+
+def run_with_env_file(path, code):
+    """deploy/envexec.py reading `path`, then a Python child printing what it was given."""
+    return subprocess.run([sys.executable, ENVEXEC, str(path), sys.executable, "-c", code],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+def test_the_example_environment_reads_as_systemd_reads_it(tmp_path):
+    """deploy/rcv runs envexec.py on the file: every line of the example, once uncommented
+    and with the secrets filled in, gives the settings the service gets."""
     example = read(DEPLOY, "receiver.env.example")
     filled = re.sub(r"^#([A-Z])", r"\1", example, flags=re.MULTILINE)
     filled = re.sub(r"^([A-Z_]+(SECRET|_KEY))=$", r"\1=s3cret", filled, flags=re.MULTILINE)
     filled = filled.replace("=sqlite:///var/", f"=sqlite:///{tmp_path}/")
     (tmp_path / "receiver.env").write_text(filled)
-    script = (f"set -a; . {tmp_path}/receiver.env; set +a; exec {sys.executable} -c "
-              "'from settings import Settings; s = Settings.from_env(); "
-              "print(s.env, s.workflow_doctype, s.crtc_funds_action, sep=\"|\")'")
-    result = subprocess.run(["sh", "-c", script], cwd=ROOT, capture_output=True, text=True,
-                            timeout=60)
+    result = run_with_env_file(
+        tmp_path / "receiver.env", "from settings import Settings; s = Settings.from_env(); "
+        "print(s.env, s.workflow_doctype, s.crtc_funds_action, sep='|')")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "production|Formation Order|Confirm Funds"
+
+
+def test_rcv_takes_dollar_backquote_and_backslash_as_systemd_does(tmp_path):
+    """What systemd's EnvironmentFile= makes of each line (env-file.c); `sh` would expand
+    $HOME and `id`, and eat the backslashes."""
+    (tmp_path / "receiver.env").write_text(
+        "# a comment\n"
+        "; another\n"
+        "SMTP_PASS='p\"ss\\w0rd$HOME`id`'\n"
+        'DOUBLE="a \\"b\\" \\$x \\\\ \\q"\n'
+        "BARE=x\\$y\\ z$HOME  \n"
+        "  SPACED = keep inner  spaces\n"
+        "CONTINUED=one\\\ntwo\n"
+        "EMPTY=\n"
+        "NO_EQUALS\n"
+        "9BAD=ignored\n")
+    names = ["SMTP_PASS", "DOUBLE", "BARE", "SPACED", "CONTINUED", "EMPTY", "NO_EQUALS",
+             "9BAD"]
+    result = run_with_env_file(
+        tmp_path / "receiver.env",
+        f"import json, os; print(json.dumps({{n: os.environ.get(n) for n in {names!r}}}))")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {
+        "SMTP_PASS": 'p"ss\\w0rd$HOME`id`', "DOUBLE": 'a "b" $x \\ \\q',
+        "BARE": "x$y z$HOME", "SPACED": "keep inner  spaces", "CONTINUED": "onetwo",
+        "EMPTY": "", "NO_EQUALS": None, "9BAD": None}
+
+
+def test_rcv_reads_the_file_with_envexec_not_a_shell():
+    rcv = read(DEPLOY, "rcv")
+    assert "envexec.py /etc/receiver/receiver.env" in rcv and ". /etc/" not in rcv
 
 
 def test_the_example_environment_sets_no_secret():

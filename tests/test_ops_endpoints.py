@@ -9,6 +9,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from models import Outbox, WebhookEvent, database
+from receiver import prepare_spool
 from scheduler import Scheduler
 from services.context import Context
 from tests.conftest import WEBHOOK_SECRET
@@ -73,20 +74,48 @@ async def test_healthz_answers_ok(get):
     assert code == 200 and json.loads(response.body) == {"status": "ok"}
 
 
+@pytest.fixture
+def spool(settings):
+    """SPOOL_DIR as `serve` leaves it at start-up."""
+    prepare_spool(settings.spool_dir)
+    return settings.spool_dir
+
+
 @pytest.mark.gen_test
-async def test_readyz_is_ready_with_database_and_scheduler(get, ctx, scheduled):
+async def test_readyz_is_ready_with_database_scheduler_and_spool(get, ctx, scheduled, spool):
     await start_scheduler(ctx)
     code, response = await get("/readyz")
     assert code == 200
     assert json.loads(response.body) == {
-        "status": "ready", "checks": {"database": "ok", "scheduler": "ok"}}
+        "status": "ready", "checks": {"database": "ok", "scheduler": "ok", "spool": "ok"}}
 
 
 @pytest.mark.gen_test
-async def test_readyz_without_a_scheduler_is_not_ready(get):
+async def test_readyz_without_a_scheduler_is_not_ready(get, spool):
     code, response = await get("/readyz")
     assert code == 503
-    assert json.loads(response.body)["checks"] == {"database": "ok", "scheduler": "not started"}
+    assert json.loads(response.body)["checks"] == {
+        "database": "ok", "scheduler": "not started", "spool": "ok"}
+
+
+@pytest.mark.gen_test
+async def test_readyz_says_what_is_wrong_with_the_spool(get, ctx, scheduled, settings):
+    await start_scheduler(ctx)
+    code, response = await get("/readyz")  # nobody created SPOOL_DIR
+    assert code == 503 and json.loads(response.body)["checks"]["spool"] == "missing"
+    with open(settings.spool_dir, "w"):  # a file where the directory should be
+        pass
+    code, response = await get("/readyz")
+    assert code == 503 and json.loads(response.body)["checks"]["spool"] == "not a directory"
+    os.remove(settings.spool_dir)
+    prepare_spool(settings.spool_dir)
+    os.chmod(settings.spool_dir, 0o500)
+    code, response = await get("/readyz")
+    if os.geteuid() != 0:  # root may write whatever the mode says
+        assert code == 503 and json.loads(response.body)["checks"]["spool"] == "not writable"
+    os.chmod(settings.spool_dir, 0o700)
+    code, response = await get("/readyz")
+    assert code == 200 and json.loads(response.body)["checks"]["spool"] == "ok"
 
 
 @pytest.mark.gen_test
@@ -97,13 +126,14 @@ async def test_readyz_with_a_stopped_scheduler_is_not_ready(get, ctx, scheduled)
 
 
 @pytest.mark.gen_test
-async def test_readyz_names_an_unreachable_database_without_its_secrets(get, ctx, scheduled):
+async def test_readyz_names_an_unreachable_database_without_its_secrets(get, ctx, scheduled,
+                                                                        spool):
     await start_scheduler(ctx)
     with unreachable_database():
         code, response = await get("/readyz")
     assert code == 503
-    assert json.loads(response.body) == {
-        "status": "not ready", "checks": {"database": "unreachable", "scheduler": "ok"}}
+    assert json.loads(response.body) == {"status": "not ready", "checks": {
+        "database": "unreachable", "scheduler": "ok", "spool": "ok"}}
     assert b"db-password-x" not in response.body and b"nobody" not in response.body
 
 

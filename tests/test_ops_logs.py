@@ -9,6 +9,7 @@ import logging
 import signal
 import sys
 import time
+import urllib.parse
 
 import pytest
 
@@ -17,6 +18,7 @@ from receiver import JsonLogFormatter, RedactingFormatter, secrets_of
 from settings import Settings
 from services.links import link_token
 from tests import stripe_events as stripe_shaped
+from tests.conftest import WEBHOOK_SECRET
 from tests.ops_helpers import Service
 
 SECRETS = {
@@ -161,3 +163,43 @@ def test_whatever_a_library_logs_a_secret_comes_out_redacted(formatter):
     assert " ok" in text  # a value too short to be a real secret is not blanked out
     if isinstance(formatter, JsonLogFormatter):
         assert json.loads(text)["logger"] == "tornado.application"
+
+
+@pytest.mark.parametrize("formatter", [JsonLogFormatter(), logging.Formatter()],
+                         ids=["json", "text"])
+def test_a_secret_json_would_escape_is_redacted_before_it_is_escaped(formatter):
+    password = 'p"ss\\w0rd-é€'  # a quote, a backslash and non-ASCII: JSON escapes each
+    settings = Settings(smtp_url="smtp://mailer:"
+                        f"{urllib.parse.quote(password, safe='')}@127.0.0.1:25",
+                        link_secret="ok")
+    redacting = RedactingFormatter(formatter, secrets_of(settings))
+    try:
+        raise OSError(f"SMTP login refused for {password}")
+    except OSError:
+        record = logging.LogRecord("receiver.outbox", logging.ERROR, __file__, 1,
+                                   "email failed with %s", (password,), sys.exc_info())
+    text = redacting.format(record)
+    shown = json.loads(text) if isinstance(formatter, JsonLogFormatter) else {
+        "message": text, "exception": text}
+    for field in ("message", "exception"):
+        assert password not in shown[field] and "[redacted]" in shown[field], field
+    for escaped in (password, json.dumps(password)[1:-1], "w0rd-\\u00e9"):
+        assert escaped not in text
+    # The record other handlers see is left as it was.
+    assert record.getMessage() == f"email failed with {password}"
+
+
+@pytest.mark.gen_test
+async def test_the_access_log_names_the_referral_route_not_the_email(http_server, base_url,
+                                                                    client, caplog):
+    caplog.set_level(logging.INFO, logger="receiver.access")
+    for path in ("/api/v1/referral/jane.doe%40example.com",
+                 "/api/v1/referral/jane.doe@example.com/extra",
+                 "/api/v1/referral/check?code=ABC"):
+        await client.fetch(base_url + path, headers={"X-Webhook-Secret": WEBHOOK_SECRET})
+    access = [r.getMessage() for r in caplog.records if r.name == "receiver.access"]
+    assert len(access) == 3, access
+    assert "jane" not in " ".join(access) and "example.com" not in " ".join(access)
+    assert access[0].startswith("200 GET /api/v1/referral/<email> ")
+    assert access[1].startswith("404 GET /api/v1/referral/<email> ")
+    assert " GET /api/v1/referral/check " in access[2]

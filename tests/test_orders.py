@@ -34,12 +34,46 @@ async def test_first_completion_marks_paid_and_alerts_once(ctx, clock, telegram)
     assert request.json["chat_id"] == "-1001"
     assert "FO-1" in text and "card" in text and "SPRING25" in text
 
-    (order, newly_paid), effects = complete(ctx, "FO-1", "formation", "cs_other",
-                                            source="card")
-    await outbox.deliver(ctx, effects.rows)
-    assert not newly_paid and effects.rows == []
+    # The same payment told again, by either of its ids: nothing more.
+    for reference in ("cs_test_1", "pi_1"):
+        (order, newly_paid), effects = complete(ctx, "FO-1", "formation", reference,
+                                                source="card")
+        await outbox.deliver(ctx, effects.rows)
+        assert not newly_paid and effects.rows == []
     assert FormationOrder.get().stripe_session_id == "cs_test_1"
     assert len(telegram.requests) == 1
+
+
+@pytest.mark.gen_test
+async def test_another_payment_for_a_paid_order_warns_and_mails_the_admin_once(
+        ctx, smtp, telegram, caplog):
+    FormationOrder.create(order_number="FO-1", payment_status="paid",
+                          stripe_session_id="cs_first", stripe_payment_intent_id="pi_first",
+                          customer_email="c@example.test")
+    for _ in range(2):  # a redelivery, or a retry of the event, is not a second mail
+        (_, newly_paid), effects = complete(ctx, "FO-1", "formation", "crypto-tx9",
+                                            source="crypto", payment_method="crypto")
+        await outbox.deliver(ctx, effects.rows)
+        assert not newly_paid
+    [(recipients, message)] = smtp.messages
+    assert recipients == ["admin@example.test"]
+    assert message["Subject"] == "Second payment for order FO-1"
+    text = message.get_body(("plain",)).get_content()
+    assert "cs_first" in text and "crypto-tx9" in text and "refund" in text
+    assert "c@example.test" in message.get_body(("html",)).get_content()
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings and "FO-1" in warnings[0].getMessage()
+    order = FormationOrder.get()
+    assert (order.stripe_session_id, order.stripe_payment_intent_id) == ("cs_first", "pi_first")
+    assert telegram.requests == []
+
+
+def test_a_paid_crtc_order_gets_a_missing_payment_method_filled_in(ctx):
+    CrtcOrder.create(order_number="CA-2", payment_status="paid", stripe_session_id="cs_2",
+                     stripe_payment_intent_id="pi_2")
+    complete(ctx, "CA-2", "canada_crtc", "pi_2", source="card", payment_intent_id="pi_2",
+             payment_method="bnpl")
+    assert CrtcOrder.get().payment_method == "bnpl"
 
 
 def test_a_paid_order_gets_a_missing_payment_intent_filled_in(ctx):
@@ -75,6 +109,22 @@ async def test_a_child_order_redispatches_its_parent_with_the_fee_paid(ctx, work
     assert request.json == {"action": "process_compliance_service", "order_name": "CO-PARENT",
                             "order_number": "CO-PARENT", "service_slug": "ca-annual-report",
                             "gov_fee_paid": True}
+
+
+@pytest.mark.parametrize("parent", [None, "formation"], ids=["missing", "not-compliance"])
+@pytest.mark.gen_test
+async def test_a_child_whose_parent_is_no_compliance_order_is_paid_without_a_redispatch(
+        ctx, worker, telegram, caplog, parent):
+    if parent:
+        FormationOrder.create(order_number="FO-PARENT")
+    ComplianceOrder.create(order_number="CO-FEE", parent_order_number="FO-PARENT")
+    (order, newly_paid), effects = complete(ctx, "CO-FEE", "compliance", "cs_fee",
+                                            source="card")
+    await outbox.deliver(ctx, effects.rows)
+    assert newly_paid and ComplianceOrder.get().payment_status == "paid"
+    assert worker.requests == [] and len(telegram.requests) == 1
+    assert any(r.levelname == "ERROR" and "FO-PARENT" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_an_unknown_order_is_an_error_so_the_event_is_retried(ctx):

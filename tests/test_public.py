@@ -11,6 +11,7 @@ from models import (
 )
 from receiver import make_app
 from services.context import Context
+from services.links import link_token, survey_token
 from services.ratelimit import RateLimiter
 from settings import ConfigurationError, Settings
 from tests.conftest import WEBHOOK_SECRET
@@ -22,28 +23,35 @@ JSON = {"Content-Type": "application/json"}
 
 # --- survey ---------------------------------------------------------------------------------
 
+def survey(ctx, order_number, **fields):
+    """A survey body carrying the order's token, as the customer's invitation gives it."""
+    return {"order_number": order_number,
+            "token": survey_token(ctx.settings.link_secret, order_number), **fields}
+
+
 @pytest.mark.parametrize("model", [FormationOrder, ComplianceOrder, BundleOrder, CrtcOrder])
 @pytest.mark.gen_test
-async def test_a_survey_response_is_recorded_for_any_kind_of_order(post, model):
+async def test_a_survey_response_is_recorded_for_any_kind_of_order(post, ctx, model):
     model.create(order_number="ORD-1")
-    status, reply, _ = await post("/api/v1/survey", {"order_number": "ORD-1", "rating": 5,
-                                                     "comment": "Fast and clear."}, JSON)
+    status, reply, _ = await post("/api/v1/survey",
+                                  survey(ctx, "ORD-1", rating=5, comment="Fast and clear."),
+                                  JSON)
     assert (status, reply) == (201, {"recorded": True, "order_number": "ORD-1"})
     row = SurveyResponse.get()
     assert (row.order_number, row.rating, row.comment) == ("ORD-1", 5, "Fast and clear.")
 
 
 @pytest.mark.gen_test
-async def test_the_comment_is_optional(post):
+async def test_the_comment_is_optional(post, ctx):
     FormationOrder.create(order_number="FO-1")
-    status, _, _ = await post("/api/v1/survey", {"order_number": "FO-1", "rating": 1}, JSON)
+    status, _, _ = await post("/api/v1/survey", survey(ctx, "FO-1", rating=1), JSON)
     assert status == 201 and SurveyResponse.get().comment == ""
 
 
 @pytest.mark.gen_test
-async def test_a_second_response_for_the_same_order_is_refused(post):
+async def test_a_second_response_for_the_same_order_is_refused(post, ctx):
     FormationOrder.create(order_number="FO-1")
-    first = {"order_number": "FO-1", "rating": 4}
+    first = survey(ctx, "FO-1", rating=4)
     assert (await post("/api/v1/survey", first, JSON))[0] == 201
     status, reply, _ = await post("/api/v1/survey", {**first, "rating": 1}, JSON)
     assert status == 409
@@ -53,11 +61,35 @@ async def test_a_second_response_for_the_same_order_is_refused(post):
 
 
 @pytest.mark.gen_test
-async def test_a_survey_for_an_unknown_order_is_404(post):
-    status, reply, _ = await post("/api/v1/survey", {"order_number": "FO-404", "rating": 3},
-                                  JSON)
+async def test_a_survey_for_an_unknown_order_is_404(post, ctx):
+    status, reply, _ = await post("/api/v1/survey", survey(ctx, "FO-404", rating=3), JSON)
     assert (status, reply) == (404, {"error": "unknown order", "field": "order_number"})
     assert SurveyResponse.select().count() == 0
+
+
+@pytest.mark.parametrize("order_number", ["FO-1", "FO-404"])
+@pytest.mark.parametrize("token", [
+    "x" * 43, "signed-for-another-order", "ifta-link-token", "tok|en"])
+@pytest.mark.gen_test
+async def test_without_the_orders_token_the_survey_is_403_whether_or_not_it_exists(
+        post, ctx, order_number, token):
+    FormationOrder.create(order_number="FO-1")
+    forged = {"signed-for-another-order": survey_token(ctx.settings.link_secret, "FO-2"),
+              "ifta-link-token": link_token(ctx.settings.link_secret, "ifta", order_number,
+                                            "2026-Q3")}.get(token, token)
+    status, reply, _ = await post("/api/v1/survey", {"order_number": order_number,
+                                                     "token": forged, "rating": 1}, JSON)
+    assert (status, reply) == (403, {"error": "invalid token for this order",
+                                     "field": "token"})
+    assert SurveyResponse.select().count() == 0
+
+
+@pytest.mark.gen_test
+async def test_a_padded_survey_token_is_accepted(post, ctx):
+    FormationOrder.create(order_number="FO-1")
+    body = survey(ctx, "FO-1", rating=5)
+    status, _, _ = await post("/api/v1/survey", {**body, "token": body["token"] + "="}, JSON)
+    assert status == 201
 
 
 @pytest.mark.parametrize("body,field", [
@@ -76,10 +108,15 @@ async def test_a_survey_for_an_unknown_order_is_404(post):
     ({"order_number": "FO-1", "rating": 5, "email": "a@b.c"}, "email"),
     ({"order_number": "FO-1\u0000", "rating": 5}, "order_number"),
     ({"order_number": "FO-1", "rating": 5, "comment": "a\u0000b"}, "comment"),
+    ({"order_number": "FO-1", "rating": 5, "token": ""}, "token"),
+    ({"order_number": "FO-1", "rating": 5, "token": 17}, "token"),
+    ({"order_number": "FO-1", "rating": 5, "token": "t" * 65}, "token"),
 ])
 @pytest.mark.gen_test
-async def test_bad_survey_input_is_a_400_naming_the_field(post, body, field):
+async def test_bad_survey_input_is_a_400_naming_the_field(post, ctx, body, field):
     FormationOrder.create(order_number="FO-1")
+    if isinstance(body.get("order_number"), str) and "token" not in body:
+        body = {**body, "token": survey_token(ctx.settings.link_secret, "FO-1")}
     status, reply, _ = await post("/api/v1/survey", body, JSON)
     assert status == 400 and reply["field"] == field and reply["error"]
     assert SurveyResponse.select().count() == 0
@@ -93,10 +130,10 @@ async def test_a_body_that_is_not_a_json_object_is_400(post, raw):
 
 
 @pytest.mark.gen_test
-async def test_database_down_is_503_with_retry_after(post, db):
+async def test_database_down_is_503_with_retry_after(post, ctx, db):
     with database_down(db):
-        status, reply, response = await post("/api/v1/survey",
-                                             {"order_number": "FO-1", "rating": 5}, JSON)
+        status, reply, response = await post("/api/v1/survey", survey(ctx, "FO-1", rating=5),
+                                             JSON)
     assert (status, reply) == (503, {"error": "temporarily unavailable"})
     assert response.headers["Retry-After"] == "30"
 
@@ -340,6 +377,20 @@ async def test_the_service_serves_openapi_yaml_as_it_is_in_the_repository(
     with open(OPENAPI_PATH, "rb") as document:
         assert response.body == document.read()
     assert yaml.safe_load(response.body)["openapi"].startswith("3.")
+
+
+def test_openapi_yaml_says_a_webhook_is_spooled_not_refused_while_the_database_is_down():
+    import yaml
+    from handlers.openapi import OPENAPI_PATH
+    with open(OPENAPI_PATH, encoding="utf-8") as document:
+        spec = yaml.safe_load(document)
+    responses = spec["components"]["responses"]
+    for path, operations in spec["paths"].items():
+        unavailable = operations.get("post", {}).get("responses", {}).get("503", {})
+        if path.startswith("/api/v1/webhooks/"):
+            assert unavailable == {"$ref": "#/components/responses/SpoolUnavailable"}, path
+    assert "spool" in responses["SpoolUnavailable"]["description"]
+    assert "to the spool and acknowledged" in " ".join(spec["info"]["description"].split())
 
 
 def test_openapi_yaml_describes_every_route_and_only_routes(ctx):

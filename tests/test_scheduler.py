@@ -4,9 +4,7 @@ import asyncio
 import dataclasses
 import datetime
 import json
-import urllib.parse
 
-import psycopg2
 import pytest
 
 import migrations
@@ -39,16 +37,6 @@ async def run_sender_until_quiet(ctx, clock, rounds=40):
         await outbox.send_due(ctx)
         if not Outbox.select().where(Outbox.status == "pending").exists():
             return
-
-
-@pytest.fixture
-def other_connection(database_url):
-    """A second PostgreSQL session, as another service process would have."""
-    parts = urllib.parse.urlsplit(database_url)
-    connection = psycopg2.connect(host=parts.hostname, port=parts.port or 5432,
-                                  user=parts.username, dbname=parts.path.lstrip("/"))
-    yield connection
-    connection.close()
 
 
 # --- outbox sender ---------------------------------------------------------------------
@@ -310,6 +298,21 @@ def test_pruning_deletes_only_handled_events_and_sent_effects_past_retention(ctx
     assert retention.prune(ctx) == (0, 0)
 
 
+def test_events_stored_already_ignored_are_pruned_after_retention_from_their_arrival(
+        ctx, clock):
+    clock.set(2026, 11, 20, 9, 0)
+    for key in ("old", "recent"):
+        if key == "recent":
+            clock.advance(days=ctx.settings.retention_days - 1)
+        event, created = inbox.record(ctx, "crypto", "callback", f"no-external-id:{key}",
+                                      "{}", status="ignored")
+        assert created and event.processed_at is None
+    clock.advance(days=1, minutes=1)
+
+    assert retention.prune(ctx) == (1, 0)
+    assert [e.dedup_key for e in WebhookEvent.select()] == ["no-external-id:recent"]
+
+
 def test_migration_0005_adds_the_reminder_columns_to_an_older_database(db):
     db.execute_sql("ALTER TABLE compliance_orders DROP COLUMN intake_reminders_sent")
     db.execute_sql("ALTER TABLE compliance_orders DROP COLUMN intake_reminded_at")
@@ -334,8 +337,8 @@ def test_the_scheduler_settings_come_from_the_environment():
 @pytest.mark.parametrize("environment,complaint", [
     ({"CLAIM_LEASE_SECONDS": "10", "OUTBOUND_TIMEOUT_SECONDS": "10"},
      "CLAIM_LEASE_SECONDS must be longer than OUTBOUND_TIMEOUT_SECONDS"),
-    ({"SCHEDULER_TICK_SECONDS": "0"}, "must be positive"),
-    ({"RETENTION_DAYS": "-1"}, "must be positive"),
+    ({"SCHEDULER_TICK_SECONDS": "0"}, "must be a whole number above zero"),
+    ({"RETENTION_DAYS": "-1"}, "must be a whole number above zero"),
 ])
 def test_scheduler_settings_that_cannot_work_are_refused(environment, complaint):
     with pytest.raises(ConfigurationError, match=complaint):

@@ -11,7 +11,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PRODUCTION = {
     "RECEIVER_ENV": "production", "WEBHOOK_SECRET": "s1", "LINK_SECRET": "s2",
-    "STRIPE_WEBHOOK_SECRET": "whsec_a", "CRYPTO_PROCESSOR_API_KEY": "k",
+    "STRIPE_SECRET_KEY": "sk_live_a", "STRIPE_WEBHOOK_SECRET": "whsec_a",
+    "CRYPTO_PROCESSOR_API_KEY": "k",
 }
 
 
@@ -40,12 +41,51 @@ def test_production_starts_with_real_secrets():
     assert Settings.from_env(PRODUCTION).production
 
 
-@pytest.mark.parametrize("name", ["WEBHOOK_SECRET", "LINK_SECRET", "STRIPE_WEBHOOK_SECRET",
-                                  "CRYPTO_PROCESSOR_API_KEY"])
+@pytest.mark.parametrize("name", ["WEBHOOK_SECRET", "LINK_SECRET", "STRIPE_SECRET_KEY",
+                                  "STRIPE_WEBHOOK_SECRET", "CRYPTO_PROCESSOR_API_KEY"])
 def test_production_refuses_a_missing_or_placeholder_secret(name):
     env = {k: v for k, v in PRODUCTION.items() if k != name}
     with pytest.raises(ConfigurationError, match=name):
         Settings.from_env(env)
+
+
+@pytest.mark.parametrize("env,named", [
+    ({"BUSINESS_TZ": "Mars/Olympus"}, "BUSINESS_TZ"),
+    ({"DATABASE_URL": "mysql://root@localhost/db"}, "DATABASE_URL"),
+    ({"SMTP_URL": "mail.example.test:25"}, "SMTP_URL"),
+    ({"WORKER_URL": "worker.internal:9000"}, "WORKER_URL"),
+    ({"TELEGRAM_API_URL": "api.telegram.org"}, "TELEGRAM_API_URL"),
+    ({"WORKFLOW_URL": "https://"}, "WORKFLOW_URL"),
+    ({"SETTLEMENT_INTERVAL_MINUTES": "0"}, "SETTLEMENT_INTERVAL_MINUTES"),
+    ({"OUTBOUND_TIMEOUT_SECONDS": "-1"}, "OUTBOUND_TIMEOUT_SECONDS"),
+    ({"PUBLIC_RATE_LIMIT": "-5"}, "PUBLIC_RATE_LIMIT"),
+    ({"RECEIVER_LOG_FORMAT": "jsno"}, "RECEIVER_LOG_FORMAT"),
+])
+def test_a_setting_that_could_only_fail_later_is_refused_at_start_up(env, named):
+    with pytest.raises(ConfigurationError, match=named):
+        Settings.from_env(env)
+
+
+def test_a_refused_url_is_named_without_its_password():
+    with pytest.raises(ConfigurationError) as refused:
+        Settings.from_env({"DATABASE_URL": "mysql://root:hunter2@db/x"})
+    assert "hunter2" not in str(refused.value)
+
+
+def test_the_settings_repr_shows_no_secret():
+    settings = Settings.from_env({**PRODUCTION, "SMTP_URL": "smtp://u:mailpass@mx:25",
+                                  "DATABASE_URL": "postgresql://u:dbpass@h/d",
+                                  "TELEGRAM_BOT_TOKEN": "123:bot", "WORKFLOW_API_SECRET": "wfs"})
+    shown = repr(settings)
+    for secret in ("s1", "s2", "sk_live_a", "whsec_a", "mailpass", "dbpass", "123:bot", "wfs"):
+        assert f"'{secret}" not in shown and f"{secret}'" not in shown, secret
+
+
+def test_a_bad_setting_exits_2_with_one_line(tmp_path):
+    result = run("serve", env={"BUSINESS_TZ": "Nowhere/Atall",
+                               "DATABASE_URL": f"sqlite:///{tmp_path}/x.sqlite3"})
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("receiver: BUSINESS_TZ")
 
 
 def run(*args, env=None):
@@ -72,3 +112,19 @@ def test_production_without_secrets_refuses_to_start_and_says_why(tmp_path):
                                "DATABASE_URL": f"sqlite:///{tmp_path}/x.sqlite3"})
     assert result.returncode == 2
     assert "WEBHOOK_SECRET" in result.stderr
+
+
+def test_the_scheduler_library_does_not_log_every_tick():
+    import logging
+
+    from receiver import configure_logging
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    configure_logging(Settings())
+    try:
+        assert not logging.getLogger("apscheduler").isEnabledFor(logging.INFO)
+        assert logging.getLogger("receiver.scheduler").isEnabledFor(logging.INFO)
+    finally:
+        logging.getLogger("apscheduler").setLevel(logging.NOTSET)
+        root.handlers[:] = handlers
+        root.setLevel(level)

@@ -101,3 +101,28 @@ def test_watchdog_interval_is_half_of_watchdog_sec():
     assert systemd.watchdog_interval({}) is None
     assert systemd.watchdog_interval({"WATCHDOG_USEC": "30000000",
                                       "WATCHDOG_PID": "1"}) is None
+
+
+@pytest.mark.gen_test(timeout=60)
+async def test_an_upload_abandoned_mid_body_does_not_hold_up_the_stop(service, client,
+                                                                     notify_socket, tmp_path):
+    await service.start()
+    await notify_socket.wait_for("READY=1")
+    # SPOOL_DIR is made at start-up, before any call needs it, and /readyz checks it.
+    assert (tmp_path / "spool").is_dir()
+    ready = await client.fetch(service.url + "/readyz")
+    assert ready.code == 200 and json.loads(ready.body)["checks"]["spool"] == "ok"
+    for path in ("/api/v1/webhooks/formation/submitted", "/api/v1/survey"):
+        upload = socket.create_connection(("127.0.0.1", service.port), timeout=10)
+        upload.sendall(f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: "
+                       "application/json\r\nContent-Length: 1000\r\n\r\n{\"order".encode())
+        await asyncio.sleep(0.3)  # the service has chosen a handler and reads the body
+        upload.close()  # the client gives up mid-body
+    # The service saw both connections go; a later request still works.
+    assert (await client.fetch(service.url + "/healthz")).code == 200
+
+    service.process.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    assert await service.wait_exit() == 0
+    assert time.monotonic() - signalled < 5, service.log()
+    assert "still running" not in service.log()

@@ -117,6 +117,64 @@ async def test_a_line_torn_by_a_crash_mid_append_is_skipped(post, ctx, db, worke
 
 
 @pytest.mark.gen_test
+async def test_a_call_appended_after_a_torn_line_is_stored(post, ctx, db, worker):
+    with database_down(db):
+        await post(SUBMITTED, submitted(1), AUTH)
+    [live] = spool_files(ctx)
+    with open(live, "a", encoding="utf-8") as handle:
+        handle.write('{"source": "workflow", "event_ty')  # never fsynced, never answered
+    with database_down(db):
+        status, _, _ = await post(SUBMITTED, submitted(2), AUTH)
+    assert status == 200
+
+    assert await spool.drain(ctx) == 2
+    assert sorted(e.order_number for e in WebhookEvent.select()) == ["FO-1", "FO-2"]
+    assert sorted(r.json["order_number"] for r in worker.requests) == ["FO-1", "FO-2"]
+
+
+def test_an_append_that_fails_midway_leaves_nothing_of_itself(ctx):
+    folder = ctx.settings.spool_dir
+    spool.append(folder, unhandled_call("first"))
+    path = os.path.join(folder, spool.LIVE_NAME)
+    with open(path, "rb") as handle:
+        before = handle.read()
+
+    # The file may grow by 10 bytes only: the append writes those, then fails (EFBIG),
+    # as it would on a full disk.
+    writer = subprocess.run([sys.executable, "-c", FILE_SIZE_LIMITED_APPENDER, folder,
+                             str(len(before) + 10)], cwd=ROOT, capture_output=True, text=True)
+    assert writer.returncode == 0, writer.stderr
+
+    with open(path, "rb") as handle:
+        assert handle.read() == before
+
+
+@pytest.mark.gen_test
+async def test_a_call_drained_after_a_long_outage_is_left_to_the_drain_for_a_lease(
+        ctx, clock):
+    clock.set(2026, 11, 20, 12, 0)  # three hours after the call was accepted
+    event, created = inbox.store_spooled(ctx, spool._decode(unhandled_call("late")))
+    assert created
+
+    assert await inbox.retry_due(ctx) == 0  # the drain that stored it handles it
+    clock.advance(seconds=ctx.settings.claim_lease_seconds + 1)
+    assert await inbox.retry_due(ctx) == 1  # that drain died: the retry takes it
+
+
+@pytest.mark.gen_test
+async def test_a_spooled_rejected_call_keeps_its_status_and_reason(ctx):
+    reason = "amount is not a number"
+    spool.append(ctx.settings.spool_dir, {
+        **unhandled_call("rejected:abc"), "source": "crypto", "event_type": "malformed",
+        "external_id": "CR-1", "order_number": "CR-1", "status": "rejected",
+        "last_error": reason})
+
+    assert await spool.drain(ctx) == 1
+    [event] = WebhookEvent.select()
+    assert (event.status, event.last_error, event.attempts) == ("rejected", reason, 0)
+
+
+@pytest.mark.gen_test
 async def test_a_call_the_inbox_cannot_store_is_set_aside_and_does_not_block_the_rest(
         post, ctx, db, worker):
     with database_down(db):
@@ -174,6 +232,31 @@ async def test_appends_from_several_processes_during_drains_are_stored_once_each
     assert WebhookEvent.select().count() == 400
     assert spool_files(ctx) == []
 
+
+def unhandled_call(dedup_key):
+    """A spooled call nobody handles (no plugin: it ends `ignored`), accepted at 09:00."""
+    return {"source": "workflow", "event_type": "test/unhandled", "dedup_key": dedup_key,
+            "also_known_as": [], "external_id": None, "order_number": None,
+            "status": "received", "last_error": None, "payload": "{}",
+            "received_at": "2026-11-20T09:00:00+00:00"}
+
+
+# Appends one call to a spool whose file may not grow past argv[2] bytes; the append
+# must fail (EFBIG, like a full disk) after writing part of its line.
+FILE_SIZE_LIMITED_APPENDER = """
+import errno, resource, signal, sys
+from services import spool
+folder, limit = sys.argv[1], int(sys.argv[2])
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+try:
+    spool.append(folder, {"source": "workflow", "event_type": "test/unhandled",
+                          "dedup_key": "too-big", "payload": "x" * 10000})
+except OSError as exc:
+    assert exc.errno == errno.EFBIG, exc
+else:
+    sys.exit("the append should have failed")
+"""
 
 # Appends 100 calls nobody handles (no plugin: they end `ignored`), as fast as it can.
 APPENDER = """

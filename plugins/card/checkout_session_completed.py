@@ -3,32 +3,43 @@
 Paid now (card): the order is paid. Unpaid (a bank debit still clearing): wait for
 payment_intent.succeeded. A subscription-mode session links its subscription to the
 compliance order, paid or not, so renewals and cancellation find the order.
+
+Async, because a CRTC session that allowed several methods needs Stripe asked which one
+was used (settlement depends on it), and that call must not hold a transaction open. The
+steps are idempotent, so running this again is safe.
 """
 import logging
 
+from models import database
 from plugins.registry import card_event
-from services.card_events import object_of, order_of_metadata, payment_method_used
+from services.card_events import (
+    charged_method, object_of, order_of_metadata, payment_method_used)
 from services.orders import OrderNotFound, complete_payment, find_order
 
 log = logging.getLogger("receiver.card")
 
 
 @card_event("checkout.session.completed")
-def handle(ctx, event, effects):
+async def handle(ctx, event, effects):
     session = object_of(event)
     order = order_of_metadata(session)
     if order is None:
         return
     order_id, order_type = order
-    if session.get("payment_status") == "paid":
-        complete_payment(ctx, effects, order_id, order_type, session["id"], source="card",
-                         payment_intent_id=session.get("payment_intent"),
-                         payment_method=payment_method_used(session))
-    else:
-        log.info("session %s for %s is %s; waiting for the payment to clear",
-                 session["id"], order_id, session.get("payment_status"))
-    if session.get("mode") == "subscription" and session.get("subscription"):
-        link_subscription(ctx, order_id, order_type, session["subscription"])
+    paid = session.get("payment_status") == "paid"
+    method = payment_method_used(session)
+    if paid and method is None and order_type == "canada_crtc":
+        method = await charged_method(ctx, session.get("payment_intent"))
+    with database.atomic():
+        if paid:
+            complete_payment(ctx, effects, order_id, order_type, session["id"],
+                             source="card", payment_intent_id=session.get("payment_intent"),
+                             payment_method=method)
+        else:
+            log.info("session %s for %s is %s; waiting for the payment to clear",
+                     session["id"], order_id, session.get("payment_status"))
+        if session.get("mode") == "subscription" and session.get("subscription"):
+            link_subscription(ctx, order_id, order_type, session["subscription"])
 
 
 def link_subscription(ctx, order_id, order_type, subscription_id):

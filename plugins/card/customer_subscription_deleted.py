@@ -13,7 +13,8 @@ log = logging.getLogger("receiver.card")
 @card_event("customer.subscription.deleted")
 def handle(ctx, event, effects):
     subscription = object_of(event)
-    order = order_with_subscription(subscription["id"])
+    # Locked: a dispute committed meanwhile by another process must not be written over.
+    order = order_with_subscription(subscription["id"], for_update=True)
     if order is None:
         log.warning("subscription %s ended; no compliance order has it", subscription["id"])
         return

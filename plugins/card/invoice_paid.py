@@ -4,9 +4,8 @@ checkout itself."""
 import logging
 
 from plugins.registry import card_event
-from services.card_events import (
-    object_of, order_with_subscription, record_cycle, subscription_of_invoice)
-from services.orders import OrderNotFound
+from services.card_events import object_of, order_with_subscription, subscription_of_invoice
+from services.orders import OrderNotFound, record_cycle
 
 log = logging.getLogger("receiver.card")
 

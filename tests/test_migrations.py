@@ -1,0 +1,76 @@
+"""Migration 0006 gives an order table created before the database defaults were declared
+the same defaults a fresh database gets from 0001, and is a no-op where they are present."""
+import importlib
+import os
+
+import pytest
+from peewee import IntegrityError, PostgresqlDatabase, SqliteDatabase
+from playhouse.db_url import parse
+from playhouse.migrate import PostgresqlMigrator, SqliteMigrator
+from playhouse.migrate import migrate as run
+
+import migrations
+from models import (
+    ORDER_MODELS, POSTGRES_FIELD_TYPES, SQLITE_FIELD_TYPES, ComplianceOrder, is_postgres, utcnow,
+)
+from tests.conftest import _postgres_scratch_database
+from tests.test_models import assert_documented_defaults, insert_order_number_only
+
+ORDER_DEFAULTS = importlib.import_module("migrations.0006_order_database_defaults")
+
+
+@pytest.fixture
+def scratch_db(tmp_path):
+    """A database of its own (not bound to the models), migrated to the current shape."""
+    url = os.environ.get("TEST_DATABASE_URL", "")
+    if url.startswith("postgres"):
+        scratch_url, drop = _postgres_scratch_database(url)
+        db = PostgresqlDatabase(field_types=POSTGRES_FIELD_TYPES, **parse(scratch_url))
+    else:
+        drop = None
+        db = SqliteDatabase(str(tmp_path / "old.sqlite3"), field_types=SQLITE_FIELD_TYPES)
+    migrations.migrate(db)
+    yield db
+    db.close()
+    if drop:
+        drop()
+
+
+def migrator_for(db):
+    return PostgresqlMigrator(db) if is_postgres(db) else SqliteMigrator(db)
+
+
+def strip_database_defaults(db):
+    """The shape 0001 and 0005 gave the order tables before the defaults were declared."""
+    migrator = migrator_for(db)
+    for table, defaults in ORDER_DEFAULTS.DEFAULTS.items():
+        for column in defaults:
+            run(migrator.drop_column_default(table, column))
+
+
+def test_0006_gives_old_order_tables_the_database_defaults(scratch_db):
+    strip_database_defaults(scratch_db)
+    with scratch_db.bind_ctx(list(ORDER_MODELS.values())):
+        ComplianceOrder.create(order_number="CO-OLD", customer_name="Kept Through The Rebuild")
+        with pytest.raises(IntegrityError):
+            insert_order_number_only(scratch_db, ComplianceOrder, "CA-0000")
+
+        ORDER_DEFAULTS.apply(scratch_db, migrator_for(scratch_db))
+
+        before = utcnow()
+        for model in ORDER_MODELS.values():
+            insert_order_number_only(scratch_db, model, "CA-0001")
+            assert_documented_defaults(model.get(model.order_number == "CA-0001"), before)
+        kept = ComplianceOrder.get(ComplianceOrder.order_number == "CO-OLD")
+        assert kept.customer_name == "Kept Through The Rebuild"
+        with pytest.raises(IntegrityError):
+            insert_order_number_only(scratch_db, ComplianceOrder, "CO-OLD")
+
+
+def test_0006_changes_nothing_where_the_defaults_are_present(scratch_db):
+    def shape():
+        return {table: (scratch_db.get_columns(table), scratch_db.get_indexes(table))
+                for table in ORDER_DEFAULTS.DEFAULTS}
+    fresh = shape()
+    ORDER_DEFAULTS.apply(scratch_db, migrator_for(scratch_db))
+    assert shape() == fresh

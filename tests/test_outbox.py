@@ -1,0 +1,160 @@
+"""The outbox sender against a real SMTP server, real HTTP peers and the real database:
+a row goes out once however slow its sending, a sender that raises cannot leave a row
+stuck, and an effect whose peer is not configured waits without using up attempts."""
+import asyncio
+import concurrent.futures
+import dataclasses
+import datetime
+import threading
+
+import pytest
+
+from models import Outbox
+from services import outbox
+from services.outbox import Effects
+
+
+def mail(to="customer@example.test", subject="Your order", text="Hello"):
+    return {"to": [to], "subject": subject, "text": text}
+
+
+def admin_mail(smtp):
+    return [message for rcpt, message in smtp.messages if rcpt == ["admin@example.test"]]
+
+
+@pytest.fixture
+def one_mail_thread(ctx):
+    """The mailer with a single thread, kept busy until the test opens the gate: sends
+    queue behind it as they do when every thread is held by a slow mail server."""
+    gate = threading.Event()
+    executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="smtp-test")
+    executor.submit(gate.wait)
+    ctx.mailer.executor = executor
+    yield gate
+    gate.set()
+    executor.shutdown(wait=True)
+
+
+@pytest.mark.gen_test
+async def test_a_mail_waiting_for_a_thread_past_its_lease_is_sent_once(
+        ctx, clock, smtp, one_mail_thread):
+    clock.set(2026, 11, 20, 9, 0)
+    row_id = Effects(ctx).add("email", mail(), order_number="FO-1")
+    request = asyncio.ensure_future(outbox.deliver(ctx, [row_id]))  # its request sends it
+    await asyncio.sleep(0.2)
+
+    # The lease the request holds runs out while its mail waits for a thread, so the
+    # scheduled sender claims the row too.
+    clock.advance(seconds=ctx.settings.claim_lease_seconds + 1)
+    scheduled = asyncio.ensure_future(outbox.send_due(ctx))
+    await asyncio.sleep(0.2)
+    one_mail_thread.set()
+
+    assert await request == [None]
+    assert await scheduled == 1
+    assert len(smtp.messages) == 1
+    row = Outbox.get_by_id(row_id)
+    assert (row.status, row.attempts) == ("sent", 1)
+
+
+@pytest.mark.gen_test
+async def test_a_job_claimed_by_another_sender_meanwhile_is_not_sent_again(
+        ctx, clock, worker):
+    clock.set(2026, 11, 20, 9, 0)
+    effects = Effects(ctx)
+    row_id = effects.job("deliver", {"order_number": "FO-1"})
+    [held] = Outbox.select().where(Outbox.id == row_id)  # what the request's sender read
+    clock.advance(seconds=ctx.settings.claim_lease_seconds + 1)
+    assert await outbox.send_due(ctx) == 1
+
+    assert await outbox.send(ctx, held) is None
+    assert len(worker.requests) == 1
+
+
+@pytest.mark.gen_test
+async def test_a_sender_that_raises_makes_its_row_dead_not_stuck(ctx, clock, smtp, caplog):
+    clock.set(2026, 11, 20, 9, 0)
+    effects = Effects(ctx)
+    # A line break in an address cannot go into a header: composing the mail raises.
+    poison = effects.add("email", mail(to="a@example.test\nBcc: b@example.test"),
+                         order_number="FO-1")
+    later = effects.add("email", mail(subject="Next step"), order_number="FO-1")
+    clock.advance(seconds=ctx.settings.claim_lease_seconds + 1)
+
+    assert await outbox.send_due(ctx) == 0
+    assert await outbox.send_due(ctx) == 2  # the order's later mail and the admin's
+    row = Outbox.get_by_id(poison)
+    assert (row.status, row.attempts) == ("dead", 1)
+    assert row.last_error == "ValueError raised while sending"
+    assert "b@example.test" not in row.last_error
+    assert "Traceback" in caplog.text
+    assert Outbox.get_by_id(later).status == "sent"
+    [notice] = admin_mail(smtp)
+    assert notice["Subject"] == f"Outbox effect #{poison} given up"
+
+
+@pytest.mark.gen_test
+async def test_a_subject_with_a_line_break_is_sent_on_one_line_without_injected_headers(
+        ctx, smtp):
+    row_id = Effects(ctx).add(
+        "email", mail(subject="Your order\r\nBcc: intruder@example.test"))
+    [result] = await outbox.deliver(ctx, [row_id])
+
+    assert result.ok
+    [(recipients, message)] = smtp.messages
+    assert recipients == ["customer@example.test"]
+    assert message["Subject"] == "Your order Bcc: intruder@example.test"
+    assert message["Bcc"] is None
+
+
+@pytest.mark.gen_test
+@pytest.mark.parametrize("kind,setting", [("job", "worker_url"),
+                                          ("workflow_action", "workflow_url")])
+async def test_an_effect_whose_peer_is_not_configured_waits_without_using_attempts(
+        ctx, clock, smtp, worker, frappe, kind, setting):
+    clock.set(2026, 11, 20, 9, 0)
+    client = ctx.worker if kind == "job" else ctx.workflow
+    configured = client.settings
+    client.settings = dataclasses.replace(configured, **{setting: ""})
+    effects = Effects(ctx)
+    if kind == "job":
+        row_id = effects.job("deliver", {"order_number": "FO-1"})
+    else:
+        row_id = effects.workflow_action("Formation Order", "ORD-1", "Approve", "FO-1")
+
+    await outbox.deliver(ctx, [row_id])
+    row = Outbox.get_by_id(row_id)
+    assert (row.status, row.attempts) == ("pending", 0)
+    assert row.last_error == f"{setting.upper()} is not set"
+    assert row.next_attempt_at == clock() + datetime.timedelta(
+        seconds=outbox.BACKOFF_CAP_SECONDS)
+    for _ in range(outbox.MAX_ATTEMPTS + 3):
+        clock.advance(hours=7)
+        assert await outbox.send_due(ctx) == 0
+    row = Outbox.get_by_id(row_id)
+    assert (row.status, row.attempts) == ("pending", 0)
+    assert smtp.messages == []
+
+    client.settings = configured
+    clock.advance(hours=7)
+    assert await outbox.send_due(ctx) == 1
+    row = Outbox.get_by_id(row_id)
+    assert (row.status, row.attempts) == ("sent", 1)
+    assert len(worker.requests) + len(frappe.requests) == 1
+
+
+@pytest.mark.gen_test
+async def test_a_mail_sent_again_after_its_outcome_was_lost_keeps_its_message_id(
+        ctx, clock, smtp):
+    clock.set(2026, 11, 20, 9, 0)
+    effects = Effects(ctx)
+    first = effects.add("email", mail())
+    other = effects.add("email", mail())
+    await outbox.deliver(ctx, [first, other])
+    # The process died before it recorded the first one as sent: it goes out again.
+    Outbox.update(status="pending").where(Outbox.id == first).execute()
+    clock.advance(seconds=ctx.settings.claim_lease_seconds + 1)
+    assert await outbox.send_due(ctx) == 1
+
+    ids = [message["Message-ID"] for _, message in smtp.messages]
+    assert len(ids) == 3 and ids.count(ids[-1]) == 2 and len(set(ids)) == 2

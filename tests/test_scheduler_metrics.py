@@ -1,0 +1,118 @@
+"""A scheduled job's runs and its last success show on /metrics of the real app, so a
+job that keeps failing is seen without reading the log; a stop does not wait for a job
+beyond its grace."""
+import asyncio
+import os
+import re
+import time
+import urllib.parse
+
+import psycopg2
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from scheduler import JOBS_BY_NAME, STOP_GRACE_SECONDS, Job, Scheduler
+from tests.ops_helpers import ROOT
+from tests.service_process import postgres_only
+
+
+async def broken(ctx):
+    raise RuntimeError("the job broke")
+
+
+BROKEN = Job("broken", broken, lambda s: 3600)
+
+
+def samples(body):
+    return {(sample.name, frozenset(sample.labels.items())): sample.value
+            for family in text_string_to_metric_families(body.decode())
+            for sample in family.samples}
+
+
+def runs(found, job, result):
+    return found.get(("receiver_job_runs_total", frozenset({"job": job, "result": result}.items())))
+
+
+def last_success(found, job):
+    return found.get(("receiver_job_last_success_timestamp_seconds",
+                      frozenset({"job": job}.items())))
+
+
+@pytest.mark.gen_test
+async def test_job_runs_and_last_success_show_on_metrics(http_server, base_url, client, ctx,
+                                                         clock):
+    spool = JOBS_BY_NAME["spool"]
+    scheduler = Scheduler(ctx, jobs=(spool, BROKEN))  # not started: runs are called here
+    found = samples((await client.fetch(base_url + "/metrics")).body)
+    assert runs(found, "broken", "failed") == 0 and last_success(found, "broken") == 0
+
+    clock.set(2026, 11, 20, 9, 0, 0)
+    await scheduler.run(spool)
+    await scheduler.run(BROKEN)
+    await scheduler.run(BROKEN)
+    found = samples((await client.fetch(base_url + "/metrics")).body)
+    assert runs(found, "spool", "ok") == 1 and runs(found, "spool", "failed") == 0
+    assert last_success(found, "spool") == clock().timestamp()
+    assert runs(found, "broken", "failed") == 2 and runs(found, "broken", "ok") == 0
+    assert last_success(found, "broken") == 0
+
+
+@postgres_only
+@pytest.mark.gen_test
+async def test_a_run_another_process_holds_counts_as_skipped(ctx, database_url):
+    spool = JOBS_BY_NAME["spool"]
+    parts = urllib.parse.urlsplit(database_url)
+    other = psycopg2.connect(host=parts.hostname, port=parts.port or 5432,
+                             user=parts.username, dbname=parts.path.lstrip("/"))
+    try:
+        other.cursor().execute("SELECT pg_advisory_lock(%s)", (spool.lock_id,))
+        other.commit()
+        await Scheduler(ctx, jobs=(spool,)).run(spool)
+    finally:
+        other.close()
+    found = samples(generate_latest(ctx.metrics.registry))
+    assert runs(found, "spool", "skipped") == 1 and runs(found, "spool", "ok") == 0
+
+
+@pytest.mark.gen_test(timeout=30)
+async def test_stop_cancels_a_run_still_busy_after_its_grace(ctx, caplog):
+    started, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def endless(ctx):
+        started.set()
+        try:
+            await asyncio.sleep(3600)  # a pass through a long backlog, say
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    scheduler = Scheduler(ctx, jobs=())
+    run = asyncio.ensure_future(scheduler.run(Job("endless", endless, lambda s: 3600)))
+    await started.wait()
+    began = time.monotonic()
+    await scheduler.stop(grace=0.5)
+    assert 0.4 < time.monotonic() - began < 3
+    assert cancelled.is_set() and run.cancelled()
+    assert "1 job run(s) still busy after 0.5 s; cancelling them" in caplog.text
+    assert not scheduler.in_progress
+
+
+@pytest.mark.gen_test(timeout=30)
+async def test_stop_waits_for_a_run_that_ends_within_its_grace(ctx):
+    async def short(ctx):
+        await asyncio.sleep(0.3)
+        return "done"
+
+    scheduler = Scheduler(ctx, jobs=())
+    run = asyncio.ensure_future(scheduler.run(Job("short", short, lambda s: 3600)))
+    await asyncio.sleep(0.05)
+    await scheduler.stop(grace=5)
+    assert run.done() and run.result() == "done"
+
+
+def test_the_stop_ends_before_systemd_kills_the_service():
+    from receiver import SHUTDOWN_GRACE_SECONDS
+    unit = open(os.path.join(ROOT, "deploy", "receiver.service"), encoding="utf-8").read()
+    timeout_stop = int(re.search(r"^TimeoutStopSec=(\d+)$", unit, re.MULTILINE).group(1))
+    assert SHUTDOWN_GRACE_SECONDS + STOP_GRACE_SECONDS < timeout_stop
