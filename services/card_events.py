@@ -112,6 +112,15 @@ def payment_method_used(obj):
     return payment_method_of(types[0]) if len(types) == 1 else None
 
 
+async def method_of_payment(ctx, obj, order_type, intent_id):
+    """The payment method of a session or intent. A CRTC order's settlement depends on it,
+    so when the event leaves it open (several methods allowed) Stripe is asked."""
+    method = payment_method_used(obj)
+    if method is None and order_type == "canada_crtc":
+        method = await charged_method(ctx, intent_id)
+    return method
+
+
 async def charged_method(ctx, intent_id):
     """The method of the intent's charge, asked of Stripe with the charge expanded (an
     event only names it, "ch_..."). None when Stripe cannot be asked or does not say: the

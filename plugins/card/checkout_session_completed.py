@@ -12,8 +12,7 @@ import logging
 
 from models import database
 from plugins.registry import card_event
-from services.card_events import (
-    charged_method, object_of, order_of_metadata, payment_method_used)
+from services.card_events import method_of_payment, object_of, order_of_metadata
 from services.orders import OrderNotFound, complete_payment, find_order
 
 log = logging.getLogger("receiver.card")
@@ -27,9 +26,8 @@ async def handle(ctx, event, effects):
         return
     order_id, order_type = order
     paid = session.get("payment_status") == "paid"
-    method = payment_method_used(session)
-    if paid and method is None and order_type == "canada_crtc":
-        method = await charged_method(ctx, session.get("payment_intent"))
+    if paid:
+        method = await method_of_payment(ctx, session, order_type, session.get("payment_intent"))
     with database.atomic():
         if paid:
             complete_payment(ctx, effects, order_id, order_type, session["id"],

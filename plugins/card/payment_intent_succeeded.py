@@ -7,7 +7,7 @@ transaction open. Completing a payment is idempotent, so running this again is s
 from models import database
 from plugins.registry import card_event
 from services.card_events import (
-    charged_method, metadata_of, object_of, order_of_metadata, payment_method_used)
+    metadata_of, method_of_payment, object_of, order_of_metadata)
 from services.orders import complete_payment
 
 
@@ -18,9 +18,7 @@ async def handle(ctx, event, effects):
     if order is None:
         return
     order_id, order_type = order
-    method = payment_method_used(intent)
-    if method is None and order_type == "canada_crtc":
-        method = await charged_method(ctx, intent["id"])
+    method = await method_of_payment(ctx, intent, order_type, intent["id"])
     reference = metadata_of(intent).get("checkout_session_id") or intent["id"]
     with database.atomic():
         complete_payment(ctx, effects, order_id, order_type, reference, source="card",
