@@ -20,7 +20,7 @@ from apscheduler.triggers.interval import IntervalTrigger
 
 from models import UTC, database, is_postgres
 from services import inbox, outbox, reminders, retention, spool
-from services.db import UNAVAILABLE
+from services.db import UNAVAILABLE, why_unavailable
 
 log = logging.getLogger("receiver.scheduler")
 
@@ -147,7 +147,7 @@ class Scheduler:
                 return None
         except UNAVAILABLE as exc:
             log.warning("job %s skipped, the database is unavailable: %s", job.name,
-                        " ".join(str(exc).split()))
+                        why_unavailable(exc))
             # Not done, and not done elsewhere either: a failure to the operator.
             self.ctx.metrics.job_ran(job.name, "failed", self.ctx.clock())
             return None
@@ -157,7 +157,7 @@ class Scheduler:
             return result
         except UNAVAILABLE as exc:
             log.warning("job %s stopped, the database is unavailable: %s", job.name,
-                        " ".join(str(exc).split()))
+                        why_unavailable(exc))
         except Exception:
             log.exception("job %s failed", job.name)
         finally:

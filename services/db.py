@@ -7,6 +7,11 @@ from models import database, is_postgres
 UNAVAILABLE = (peewee.OperationalError, peewee.InterfaceError)
 
 
+def why_unavailable(exc):
+    """The driver's message on one log line (psycopg2's runs over several)."""
+    return " ".join(str(exc).split())
+
+
 def locked(query):
     """`query` with FOR UPDATE on PostgreSQL; SQLite serialises writers by itself."""
     return query.for_update() if is_postgres() else query

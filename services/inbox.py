@@ -15,7 +15,7 @@ import peewee
 from models import WebhookEvent, database
 from services import outbox, spool
 from services.claims import claim, lease
-from services.db import UNAVAILABLE, insert_once, locked
+from services.db import UNAVAILABLE, insert_once, locked, why_unavailable
 
 log = logging.getLogger("receiver.events")
 
@@ -95,7 +95,7 @@ def _spool(ctx, call, unavailable):
                       unavailable)
         raise unavailable from None
     log.warning("database unavailable (%s): %s event %s spooled",
-                " ".join(str(unavailable).split()), call["source"], call["event_type"])
+                why_unavailable(unavailable), call["source"], call["event_type"])
 
 
 def find(ctx, source, dedup_key):

@@ -22,7 +22,7 @@ import os
 import time
 
 from models import UTC
-from services.db import UNAVAILABLE
+from services.db import UNAVAILABLE, why_unavailable
 
 log = logging.getLogger("receiver.spool")
 
@@ -113,7 +113,7 @@ def _store_file(ctx, path, created):
         return len(entries)
     except UNAVAILABLE as exc:
         log.warning("spool not drained, the database is still unavailable: %s",
-                    " ".join(str(exc).split()))
+                    why_unavailable(exc))
         return None
     finally:
         os.close(fd)
