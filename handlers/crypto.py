@@ -67,7 +67,7 @@ class CryptoProcessorWebhookHandler(ApiHandler):
         raw = self.raw_body
         self.authenticate(raw)
         try:
-            event, created, rows = self.store(raw)
+            event, created, rows = await self.store(raw)
         except UNAVAILABLE:
             raise
         except Exception:
@@ -104,7 +104,7 @@ class CryptoProcessorWebhookHandler(ApiHandler):
         log.warning("crypto callback refused from %s: %s", self.request.remote_ip, why)
         self.fail(401, "invalid api key")
 
-    def store(self, raw):
+    async def store(self, raw):
         """Keep the call in the inbox; returns (event, created, outbox rows to send)."""
         body = None
         try:
@@ -115,7 +115,7 @@ class CryptoProcessorWebhookHandler(ApiHandler):
             callback = treasury.Callback.parse(body)
         except treasury.MalformedCallback as malformed:
             return self.reject(raw, body, str(malformed))
-        event, created = inbox.record(
+        event, created = await inbox.receive(
             self.ctx, SOURCE, callback.status or "unknown", callback.dedup_key(), raw,
             external_id=callback.external_id, order_number=callback.external_id)
         return event, created, []

@@ -23,7 +23,7 @@ class WorkflowWebhookHandler(ApiHandler):
         error = webhook.field_error(body)
         if error:
             self.fail(400, error)
-        event, created = self.record(path, body)
+        event, created = await self.record(path, body)
         if created:
             await inbox.process(self.ctx, event)
         self.answer(200, {"received": True, "action": webhook.answer})
@@ -41,7 +41,7 @@ class WorkflowWebhookHandler(ApiHandler):
             hmac.new(secret.encode(), self.raw_body, hashlib.sha256).digest()).decode()
         return same_secret(self.request.headers.get("X-Frappe-Webhook-Signature"), expected)
 
-    def record(self, path, body):
+    async def record(self, path, body):
         explicit = self.request.headers.get("Idempotency-Key", "").strip()
         previous = ()
         if explicit:
@@ -53,5 +53,5 @@ class WorkflowWebhookHandler(ApiHandler):
             previous = (f"{path}:{digest}:{window - 1}",)
         # The previous window is looked up by the inbox, or by the spool drain when the
         # database is down now.
-        return inbox.record(self.ctx, "workflow", path, dedup_key, self.raw_body,
+        return await inbox.receive(self.ctx, "workflow", path, dedup_key, self.raw_body,
                             order_number=body["order_number"], also_known_as=previous)

@@ -58,7 +58,7 @@ async def accept(ctx, event, raw):
     """Store a verified event in the inbox and handle it: in the background for the types
     SPEC.md handles so, before returning for the others. A handling error is logged and
     left on the inbox row for retry; it never raises."""
-    stored, created = inbox.record(
+    stored, created = await inbox.receive(
         ctx, SOURCE, event["type"], dedup_key(event), raw, external_id=event["id"],
         order_number=metadata_of(object_of(event)).get("order_id"))
     if stored is None or not created:

@@ -18,6 +18,7 @@ from clients.telegram import TelegramClient
 from clients.workflow import WorkflowClient
 from clients.worker import WorkerClient
 from models import utcnow
+from services.commits import GroupCommit
 from services.metrics import Metrics
 from settings import Settings
 
@@ -45,6 +46,7 @@ class Context:
     clock: typing.Callable = utcnow
     background_tasks: set = dataclasses.field(default_factory=set)
     metrics: Metrics = dataclasses.field(default_factory=Metrics)
+    commits: GroupCommit = dataclasses.field(default_factory=GroupCommit)
     # Set by `serve` once the scheduler runs (anything with `.running`); /readyz asks it.
     scheduler: typing.Any = None
 

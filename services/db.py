@@ -17,13 +17,14 @@ def locked(query):
     return query.for_update() if is_postgres() else query
 
 
-def insert_once(model, **fields):
-    """Insert a row unless a unique key already holds it; return the new id or None.
+def insert_once(insert, **values):
+    """Run `insert` (a services.prepared.PreparedInsert) unless a unique key already holds
+    the row; return the new id or None.
 
     The insert runs in a savepoint, so a duplicate leaves an enclosing transaction
     usable; two racing inserts of the same key end with exactly one row."""
     try:
         with database.atomic():
-            return model.insert(**fields).execute()
+            return insert.inserted_id(**values)
     except peewee.IntegrityError:
         return None

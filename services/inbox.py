@@ -6,6 +6,7 @@ async plugin (one that must wait on another system between steps) runs outside i
 is written to be safe to run again. Outbox rows are sent after the commit.
 """
 import datetime
+import functools
 import inspect
 import logging
 import time
@@ -16,6 +17,7 @@ from models import WebhookEvent, database
 from services import outbox, spool
 from services.claims import claim, lease
 from services.db import UNAVAILABLE, insert_once, locked, why_unavailable
+from services.prepared import Prepared, PreparedInsert, slot
 
 log = logging.getLogger("receiver.events")
 
@@ -26,27 +28,56 @@ MAX_ATTEMPTS = 10
 FINAL_STATUSES = ("processed", "ignored", "rejected", "dead")
 AWAITING_HANDLING = ("received", "failed")
 
+NEW_EVENT = PreparedInsert(WebhookEvent)
+EVENT_BY_ID = Prepared(lambda: WebhookEvent.select().where(
+    WebhookEvent.id == slot(WebhookEvent.id)))
+EVENT_BY_KEY = Prepared(lambda: WebhookEvent.select().where(
+    WebhookEvent.source == slot(WebhookEvent.source),
+    WebhookEvent.dedup_key == slot(WebhookEvent.dedup_key)))
+STATUS_FOR_UPDATE = Prepared(lambda: locked(
+    WebhookEvent.select(WebhookEvent.status).where(WebhookEvent.id == slot(WebhookEvent.id))))
+FINISH = Prepared(lambda: WebhookEvent.update(
+    status=slot(WebhookEvent.status), processed_at=slot(WebhookEvent.processed_at),
+    updated_at=slot(WebhookEvent.updated_at), last_error=None,
+    attempts=WebhookEvent.attempts + 1, next_attempt_at=None,
+).where(WebhookEvent.id == slot(WebhookEvent.id)))
 
-def record(ctx, source, event_type, dedup_key, payload, external_id=None,
-           order_number=None, status="received", last_error=None, also_known_as=()):
+
+def record(ctx, *args, **kwargs):
     """Store the call; return (event, created). A known dedup key, or one of
     `also_known_as` (earlier keys of the same call), returns the first copy.
 
     While the database is unavailable the call is appended to the spool instead and
     (None, False) is returned: it is durable, and the spool drain will store and handle
     it. If even the spool cannot be written, the database error propagates (503)."""
-    if isinstance(payload, bytes):
-        payload = payload.decode("utf-8", "replace")
-    call = {"source": source, "event_type": event_type, "dedup_key": dedup_key,
-            "also_known_as": list(also_known_as), "external_id": _storable(external_id),
-            "order_number": _storable(order_number), "status": status,
-            "last_error": last_error, "payload": _storable(payload),
-            "received_at": ctx.clock()}
+    call = _call(ctx, *args, **kwargs)
     try:
         return _store(ctx, call)
     except UNAVAILABLE as unavailable:
         _spool(ctx, call, unavailable)
         return None, False
+
+
+async def receive(ctx, *args, **kwargs):
+    """`record`, in a transaction shared with concurrent requests (services.commits):
+    the request path's way to store a call."""
+    call = _call(ctx, *args, **kwargs)
+    try:
+        return await ctx.commits.run(functools.partial(_store, ctx, call))
+    except UNAVAILABLE as unavailable:
+        _spool(ctx, call, unavailable)
+        return None, False
+
+
+def _call(ctx, source, event_type, dedup_key, payload, external_id=None,
+          order_number=None, status="received", last_error=None, also_known_as=()):
+    if isinstance(payload, bytes):
+        payload = payload.decode("utf-8", "replace")
+    return {"source": source, "event_type": event_type, "dedup_key": dedup_key,
+            "also_known_as": list(also_known_as), "external_id": _storable(external_id),
+            "order_number": _storable(order_number), "status": status,
+            "last_error": last_error, "payload": _storable(payload),
+            "received_at": ctx.clock()}
 
 
 def _storable(text):
@@ -71,14 +102,14 @@ def _store(ctx, call, next_attempt_at=None):
     if existing is None:
         now = ctx.clock()
         event_id = insert_once(
-            WebhookEvent, source=source, event_type=event_type,
+            NEW_EVENT, source=source, event_type=event_type,
             dedup_key=call["dedup_key"], external_id=call["external_id"],
             order_number=call["order_number"], payload=call["payload"],
             status=call["status"], last_error=call["last_error"],
             received_at=call["received_at"], next_attempt_at=next_attempt_at,
             created_at=now, updated_at=now)
         if event_id:
-            return WebhookEvent.get_by_id(event_id), True
+            return EVENT_BY_ID.first(id=event_id), True
         existing = find(ctx, source, call["dedup_key"])
     ctx.metrics.event_duplicate(source, event_type)
     log.info("duplicate %s event %s (%s) ignored; first stored as #%s",
@@ -99,8 +130,7 @@ def _spool(ctx, call, unavailable):
 
 
 def find(ctx, source, dedup_key):
-    return WebhookEvent.get_or_none(WebhookEvent.source == source,
-                                    WebhookEvent.dedup_key == dedup_key)
+    return EVENT_BY_KEY.first(source=source, dedup_key=dedup_key)
 
 
 def _registry(source):
@@ -139,21 +169,27 @@ async def _handle(ctx, event):
         if inspect.iscoroutinefunction(plugin) or inspect.iscoroutinefunction(
                 getattr(plugin, "__call__", None)):
             await plugin(ctx, payload, effects)
-            outcome = _conclude(ctx, event, effects)
+            outcome = await ctx.commits.run(functools.partial(_conclude, ctx, event, effects))
         else:
-            with database.atomic():
-                current = locked(WebhookEvent.select(WebhookEvent.status)
-                                 .where(WebhookEvent.id == event.id)).get()
-                if current.status in FINAL_STATUSES:
-                    return current.status
-                plugin(ctx, payload, effects)
-                outcome = _conclude(ctx, event, effects)
+            outcome, settled_before = await ctx.commits.run(
+                functools.partial(_handle_in_transaction, ctx, event, plugin, payload, effects))
+            if settled_before:
+                return outcome
     except Exception as exc:
         log.exception("%s event #%s (%s) failed", event.source, event.id, event.event_type)
         _fail(ctx, event, f"{type(exc).__name__}: {exc}")
         return "failed"
     await outbox.deliver(ctx, effects.rows)
     return outcome
+
+
+def _handle_in_transaction(ctx, event, plugin, payload, effects):
+    """(outcome, whether another handling had already settled the event)."""
+    current = STATUS_FOR_UPDATE.first(id=event.id)
+    if current.status in FINAL_STATUSES:
+        return current.status, True
+    plugin(ctx, payload, effects)
+    return _conclude(ctx, event, effects), False
 
 
 def _conclude(ctx, event, effects):
@@ -170,9 +206,7 @@ def _conclude(ctx, event, effects):
 
 def _finish(ctx, event_id, status):
     now = ctx.clock()
-    (WebhookEvent.update(status=status, processed_at=now, updated_at=now, last_error=None,
-                         attempts=WebhookEvent.attempts + 1, next_attempt_at=None)
-     .where(WebhookEvent.id == event_id).execute())
+    FINISH.execute(id=event_id, status=status, processed_at=now, updated_at=now)
 
 
 def _fail(ctx, event, error):

@@ -13,7 +13,9 @@ import urllib.parse
 
 from models import ComplianceOrder, SelfFiling
 from services.db import insert_once
+from services.prepared import PreparedInsert
 
+NEW_FILING = PreparedInsert(SelfFiling)
 KINDS = ("ifta", "ucr")
 SURVEY = "survey"
 SEPARATOR = "|"
@@ -92,7 +94,7 @@ def record_self_filed(kind, order_number, cycle, now):
     """Record the self-filing once; return (first recorded time, recorded by this call).
 
     Link scanners prefetch and people click twice: every later call finds the first row."""
-    created = insert_once(SelfFiling, kind=kind, order_number=order_number, cycle=cycle,
+    created = insert_once(NEW_FILING, kind=kind, order_number=order_number, cycle=cycle,
                           self_filed_at=now, created_at=now, updated_at=now)
     row = SelfFiling.get(filing_key(kind, order_number, cycle))
     return row.self_filed_at, created is not None

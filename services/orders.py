@@ -6,6 +6,7 @@ import logging
 
 from models import ORDER_MODELS, ComplianceOrder, SubscriptionCycle
 from services.db import locked
+from services.prepared import Prepared, save_changes, slot
 
 log = logging.getLogger("receiver.orders")
 
@@ -33,10 +34,19 @@ def payment_method_of(processor_type):
     return PAYMENT_METHODS.get(processor_type or "")
 
 
+def _order_by_number(model, for_update):
+    def build():
+        query = model.select().where(model.order_number == slot(model.order_number))
+        return locked(query) if for_update else query
+    return Prepared(build)
+
+
+ORDER_BY_NUMBER = {(order_type, for_update): _order_by_number(model, for_update)
+                   for order_type, model in ORDER_MODELS.items() for for_update in (False, True)}
+
+
 def find_order(order_type, order_number, for_update=False):
-    model = ORDER_MODELS[order_type]
-    query = model.select().where(model.order_number == order_number)
-    return (locked(query) if for_update else query).first()
+    return ORDER_BY_NUMBER[order_type, for_update].first(order_number=order_number)
 
 
 def complete_payment(ctx, effects, order_id, order_type, reference, *, source,
@@ -61,7 +71,7 @@ def complete_payment(ctx, effects, order_id, order_type, reference, *, source,
             return order, False
         if _fill_in_missing(order, payment_intent_id, payment_method):
             order.updated_at = now
-            order.save()
+            save_changes(order)
         log.info("%s order %s is already paid; nothing more to do", order_type, order_id)
         _check_payment_method(ctx, effects, order)
         return order, False
@@ -73,7 +83,7 @@ def complete_payment(ctx, effects, order_id, order_type, reference, *, source,
     if order_type == "canada_crtc" and payment_method:
         order.payment_method = payment_method
     order.updated_at = now
-    order.save()
+    save_changes(order)
 
     if order.parent_order_number:
         _redispatch_parent(effects, order)
@@ -182,7 +192,7 @@ def mark_payment_failed(ctx, order_number, reason):
             order.payment_status = "failed"
             order.append_note(f"Payment failed: {reason} ({now.isoformat(timespec='seconds')})")
             order.updated_at = now
-            order.save()
+            save_changes(order)
             marked.append(order)
     return marked
 
@@ -214,7 +224,7 @@ def mark_disputed(ctx, order, reason, amount):
     order.append_note(f"Dispute opened: {reason}, amount {amount} "
                       f"({now.isoformat(timespec='seconds')})")
     order.updated_at = now
-    order.save()
+    save_changes(order)
 
 
 def record_cycle(ctx, order, subscription_id, invoice_id):

@@ -5,6 +5,7 @@ with backoff; a refusal that no retry can change, or too many attempts, makes it
 import asyncio
 import contextlib
 import datetime
+import functools
 import hashlib
 import json
 import logging
@@ -16,6 +17,7 @@ from clients.http import Result
 from models import Outbox, database
 from services.claims import claim, lease
 from services.db import UNAVAILABLE, insert_once
+from services.prepared import Prepared, PreparedInsert, slot
 
 log = logging.getLogger("receiver.outbox")
 
@@ -28,6 +30,44 @@ ADMIN_NOTICE_PREFIX = "admin-notice-"
 MAX_PASSES = 50
 BACKOFF_BASE_SECONDS = 30
 BACKOFF_CAP_SECONDS = 6 * 3600
+# A sender holding at least this much less than a whole lease does not re-take the row
+# (a write and a commit) before sending: the re-take would add too little to matter.
+RETAKE_SLACK = datetime.timedelta(seconds=1)
+
+NEW_EFFECT = PreparedInsert(Outbox)
+PENDING_BY_ID = Prepared(lambda: Outbox.select().where(
+    Outbox.id == slot(Outbox.id), Outbox.status == "pending"))
+
+
+def _earlier_pending(of_other_events):
+    """A pending row of the same order created before the given one (from another event,
+    or without one, when `of_other_events`)."""
+    def build():
+        query = Outbox.select(Outbox.id).where(
+            Outbox.order_number == slot(Outbox.order_number), Outbox.status == "pending",
+            Outbox.id < slot(Outbox.id)).limit(1)
+        if of_other_events:
+            query = query.where(Outbox.event.is_null() | (Outbox.event != slot(Outbox.event)))
+        return query
+    return Prepared(build)
+
+
+EARLIER_PENDING = _earlier_pending(of_other_events=False)
+EARLIER_PENDING_OF_OTHER_EVENTS = _earlier_pending(of_other_events=True)
+
+
+def _update_of(*fields):
+    return Prepared(lambda: Outbox.update({field: slot(field) for field in fields})
+                    .where(Outbox.id == slot(Outbox.id)))
+
+
+# What each outcome of a send writes.
+WAITING = _update_of(Outbox.last_error, Outbox.next_attempt_at, Outbox.updated_at)
+SENT = _update_of(Outbox.status, Outbox.sent_at, Outbox.last_error, Outbox.attempts,
+                  Outbox.updated_at)
+GIVEN_UP = _update_of(Outbox.status, Outbox.last_error, Outbox.attempts, Outbox.updated_at)
+RETRY = _update_of(Outbox.last_error, Outbox.next_attempt_at, Outbox.attempts,
+                   Outbox.updated_at)
 
 
 def backoff(attempts):
@@ -81,7 +121,7 @@ class Effects:
         now = self.ctx.clock()
         # While the cause's own request sends the row, the scheduler leaves it alone.
         row_id = insert_once(
-            Outbox, event=self.event.id if self.event else None, kind=kind,
+            NEW_EFFECT, event=self.event.id if self.event else None, kind=kind,
             order_number=order_number, payload=json.dumps(payload),
             idempotency_key=key, next_attempt_at=now + lease(self.ctx),
             created_at=now, updated_at=now)
@@ -150,7 +190,7 @@ async def send(ctx, row):
     """Send one outbox row and record the outcome; returns the Result, or None when
     another sender took the row over before it went out (that one sends it)."""
     def take():
-        if not _retake(ctx, row):
+        if not (_lease_ample(ctx, row) or _retake(ctx, row)):
             raise _TakenElsewhere
     try:
         result = await SENDERS[row.kind](ctx, json.loads(row.payload), row, take)
@@ -165,8 +205,14 @@ async def send(ctx, row):
         # quote a URL with a token in it.
         log.exception("outbox %s %s: its sender raised", row.id, row.kind)
         result = Result.failed(f"{type(exc).__name__} raised while sending", retryable=False)
-    record_outcome(ctx, row, result)
+    await ctx.commits.run(functools.partial(record_outcome, ctx, row, result))
     return result
+
+
+def _lease_ample(ctx, row):
+    """The row's lease has about a whole lease left (it was created or claimed a moment
+    ago): no other sender can claim it before a re-take's lease would run out."""
+    return row.next_attempt_at - ctx.clock() >= lease(ctx) - RETAKE_SLACK
 
 
 def _retake(ctx, row):
@@ -188,18 +234,18 @@ def record_outcome(ctx, row, result):
     if not result.configured:
         # Nothing was tried: the effect waits for its peer to be configured, without
         # using up its attempts, and is looked at again at the longest backoff.
-        (Outbox.update(last_error=result.error, updated_at=now,
-                       next_attempt_at=now + datetime.timedelta(seconds=BACKOFF_CAP_SECONDS))
-         .where(Outbox.id == row.id).execute())
+        WAITING.execute(id=row.id, last_error=result.error, updated_at=now,
+                        next_attempt_at=now + datetime.timedelta(seconds=BACKOFF_CAP_SECONDS))
         log.warning("outbox %s %s waits: %s", row.id, row.kind, result.error)
         return
     attempts = row.attempts + 1
-    changes = {Outbox.attempts: attempts, Outbox.updated_at: now}
     if result.ok:
-        changes.update({Outbox.status: "sent", Outbox.sent_at: now, Outbox.last_error: None})
+        SENT.execute(id=row.id, status="sent", sent_at=now, last_error=None,
+                     attempts=attempts, updated_at=now)
         ctx.metrics.effect_sent(row.kind, "sent")
     elif not result.retryable or attempts >= MAX_ATTEMPTS:
-        changes.update({Outbox.status: "dead", Outbox.last_error: result.error})
+        GIVEN_UP.execute(id=row.id, status="dead", last_error=result.error,
+                         attempts=attempts, updated_at=now)
         ctx.metrics.effect_sent(row.kind, "dead")
         log.error("outbox %s %s dead after %d attempt(s): %s",
                   row.id, row.kind, attempts, result.error)
@@ -207,12 +253,11 @@ def record_outcome(ctx, row, result):
             tell_admin(ctx, f"outbox-{row.id}", f"Outbox effect #{row.id} given up",
                        "outbox_dead", row=row, attempts=attempts, error=result.error)
     else:
-        changes.update({Outbox.last_error: result.error,
-                        Outbox.next_attempt_at: now + backoff(attempts)})
+        RETRY.execute(id=row.id, last_error=result.error, next_attempt_at=now + backoff(attempts),
+                      attempts=attempts, updated_at=now)
         ctx.metrics.effect_sent(row.kind, "retry")
         log.warning("outbox %s %s failed (attempt %d), will retry: %s",
                     row.id, row.kind, attempts, result.error)
-    Outbox.update(changes).where(Outbox.id == row.id).execute()
 
 
 async def deliver(ctx, row_ids):
@@ -223,8 +268,8 @@ async def deliver(ctx, row_ids):
     the order they were caused."""
     if not row_ids:
         return []
-    rows = list(Outbox.select().where(Outbox.id.in_(row_ids), Outbox.status == "pending")
-                .order_by(Outbox.id))
+    rows = [row for row in (PENDING_BY_ID.first(id=row_id) for row_id in sorted(row_ids))
+            if row is not None]
     queued = [row for row in rows if _behind_an_earlier_effect(row)]
     if queued:
         _hand_to_scheduler(ctx, [row.id for row in queued])
@@ -234,12 +279,12 @@ async def deliver(ctx, row_ids):
 def _behind_an_earlier_effect(row):
     if row.order_number is None:
         return False
-    earlier = Outbox.select().where(
-        Outbox.order_number == row.order_number, Outbox.status == "pending",
-        Outbox.id < row.id)
-    if row.event_id is not None:
-        earlier = earlier.where(Outbox.event.is_null() | (Outbox.event != row.event_id))
-    return earlier.exists()
+    if row.event_id is None:
+        earlier = EARLIER_PENDING.first(order_number=row.order_number, id=row.id)
+    else:
+        earlier = EARLIER_PENDING_OF_OTHER_EVENTS.first(
+            order_number=row.order_number, id=row.id, event=row.event_id)
+    return earlier is not None
 
 
 def _hand_to_scheduler(ctx, row_ids):

@@ -17,10 +17,13 @@ from models import LedgerEntry, TreasuryJob, database
 from plugins.registry import exact_json
 from services.db import insert_once
 from services.orders import OrderNotFound, complete_payment
+from services.prepared import PreparedInsert
 
 log = logging.getLogger("receiver.crypto")
 
 PROVIDER = "crypto-processor"
+NEW_TREASURY_JOB = PreparedInsert(TreasuryJob)
+NEW_LEDGER_ENTRY = PreparedInsert(LedgerEntry)
 PAID_STATUSES = ("PAID", "OVERPAID")
 ORDER_TYPE_PREFIXES = (
     ("CA-", "canada_crtc"), ("FO-", "formation"), ("BU-", "bundle"), ("CO-", "compliance"))
@@ -249,7 +252,7 @@ def _save_treasury_job(ctx, callback, txid):
     callback; once the settlement worker has taken it further it is left as it is."""
     now = ctx.clock()
     created = insert_once(
-        TreasuryJob, order_id=callback.external_id, order_type=callback.order_type,
+        NEW_TREASURY_JOB, order_id=callback.external_id, order_type=callback.order_type,
         state="received", coin=callback.coin, amount_coin=callback.amount_coin,
         amount_usd_cents=callback.amount_usd_cents,
         idempotency_key=f"crypto-settle:{callback.external_id}:{txid}",
@@ -269,7 +272,7 @@ def _save_treasury_job(ctx, callback, txid):
 def _add_ledger_entry(ctx, callback, txid):
     now = ctx.clock()
     added = insert_once(
-        LedgerEntry, order_id=callback.external_id, order_type=callback.order_type,
+        NEW_LEDGER_ENTRY, order_id=callback.external_id, order_type=callback.order_type,
         coin=callback.coin, movement_type="receive", amount_coin=callback.amount_coin,
         amount_usd_cents=callback.amount_usd_cents, provider=PROVIDER, provider_ref=txid,
         provider_status=callback.status, state="confirmed",
