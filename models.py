@@ -42,7 +42,7 @@ class UTCDateTimeField(DateTimeField):
             value = datetime.datetime.fromisoformat(value)
         if value.tzinfo is None:
             raise ValueError(f"{self.name}: refusing a naive datetime {value!r}")
-        return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f+00:00")
+        return value.astimezone(UTC).isoformat(sep=" ", timespec="microseconds")
 
     def python_value(self, value):
         if value is None:

@@ -12,12 +12,11 @@ from peewee import fn
 
 from handlers.base import ApiHandler, same_secret
 from models import ORDER_MODELS, ReferralCode, SurveyResponse
-from services.db import insert_once
 from services.links import survey_token_valid
-from services.prepared import PreparedInsert
+from services.prepared import InsertOnce
 from services.ratelimit import RateLimited
 
-NEW_RESPONSE = PreparedInsert(SurveyResponse)
+NEW_RESPONSE = InsertOnce(SurveyResponse)
 DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data")
 MAX_COMMENT_LENGTH = 2000
 MAX_ORDER_NUMBER_LENGTH = 100
@@ -81,8 +80,8 @@ class SurveyHandler(PublicApiHandler):
         if not order_exists(order_number):
             self.fail_field(404, "unknown order", "order_number")
         now = self.ctx.clock()
-        recorded = insert_once(NEW_RESPONSE, order_number=order_number, rating=rating,
-                               comment=comment, created_at=now, updated_at=now)
+        recorded = NEW_RESPONSE.run(order_number=order_number, rating=rating,
+                                    comment=comment, created_at=now, updated_at=now)
         if recorded is None:
             self.fail_field(409, "a survey response for this order was already recorded",
                             "order_number")

@@ -16,8 +16,8 @@ import peewee
 from models import WebhookEvent, database
 from services import outbox, spool
 from services.claims import claim, lease
-from services.db import UNAVAILABLE, insert_once, locked, why_unavailable
-from services.prepared import Prepared, PreparedInsert, slot
+from services.db import UNAVAILABLE, locked, why_unavailable
+from services.prepared import Prepared, InsertOnce, slot
 
 log = logging.getLogger("receiver.events")
 
@@ -28,9 +28,7 @@ MAX_ATTEMPTS = 10
 FINAL_STATUSES = ("processed", "ignored", "rejected", "dead")
 AWAITING_HANDLING = ("received", "failed")
 
-NEW_EVENT = PreparedInsert(WebhookEvent)
-EVENT_BY_ID = Prepared(lambda: WebhookEvent.select().where(
-    WebhookEvent.id == slot(WebhookEvent.id)))
+NEW_EVENT = InsertOnce(WebhookEvent)
 EVENT_BY_KEY = Prepared(lambda: WebhookEvent.select().where(
     WebhookEvent.source == slot(WebhookEvent.source),
     WebhookEvent.dedup_key == slot(WebhookEvent.dedup_key)))
@@ -101,15 +99,15 @@ def _store(ctx, call, next_attempt_at=None):
         existing = existing or find(ctx, source, earlier_key)
     if existing is None:
         now = ctx.clock()
-        event_id = insert_once(
-            NEW_EVENT, source=source, event_type=event_type,
-            dedup_key=call["dedup_key"], external_id=call["external_id"],
+        event = NEW_EVENT.row(
+            source=source, event_type=event_type, dedup_key=call["dedup_key"],
+            external_id=call["external_id"],
             order_number=call["order_number"], payload=call["payload"],
             status=call["status"], last_error=call["last_error"],
             received_at=call["received_at"], next_attempt_at=next_attempt_at,
             created_at=now, updated_at=now)
-        if event_id:
-            return EVENT_BY_ID.first(id=event_id), True
+        if event is not None:
+            return event, True
         existing = find(ctx, source, call["dedup_key"])
     ctx.metrics.event_duplicate(source, event_type)
     log.info("duplicate %s event %s (%s) ignored; first stored as #%s",

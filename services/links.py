@@ -12,10 +12,9 @@ import hmac
 import urllib.parse
 
 from models import ComplianceOrder, SelfFiling
-from services.db import insert_once
-from services.prepared import PreparedInsert
+from services.prepared import InsertOnce
 
-NEW_FILING = PreparedInsert(SelfFiling)
+NEW_FILING = InsertOnce(SelfFiling)
 KINDS = ("ifta", "ucr")
 SURVEY = "survey"
 SEPARATOR = "|"
@@ -94,8 +93,8 @@ def record_self_filed(kind, order_number, cycle, now):
     """Record the self-filing once; return (first recorded time, recorded by this call).
 
     Link scanners prefetch and people click twice: every later call finds the first row."""
-    created = insert_once(NEW_FILING, kind=kind, order_number=order_number, cycle=cycle,
-                          self_filed_at=now, created_at=now, updated_at=now)
+    created = NEW_FILING.run(kind=kind, order_number=order_number, cycle=cycle,
+                             self_filed_at=now, created_at=now, updated_at=now)
     row = SelfFiling.get(filing_key(kind, order_number, cycle))
     return row.self_filed_at, created is not None
 

@@ -16,8 +16,8 @@ from peewee import fn
 from clients.http import Result
 from models import Outbox, database
 from services.claims import claim, lease
-from services.db import UNAVAILABLE, insert_once
-from services.prepared import Prepared, PreparedInsert, slot
+from services.db import UNAVAILABLE
+from services.prepared import Prepared, InsertOnce, slot
 
 log = logging.getLogger("receiver.outbox")
 
@@ -34,7 +34,7 @@ BACKOFF_CAP_SECONDS = 6 * 3600
 # (a write and a commit) before sending: the re-take would add too little to matter.
 RETAKE_SLACK = datetime.timedelta(seconds=1)
 
-NEW_EFFECT = PreparedInsert(Outbox)
+NEW_EFFECT = InsertOnce(Outbox)
 PENDING_BY_ID = Prepared(lambda: Outbox.select().where(
     Outbox.id == slot(Outbox.id), Outbox.status == "pending"))
 
@@ -108,6 +108,17 @@ class Effects:
             del self.rows[asked_before:]
             raise
 
+    async def transaction(self, work):
+        """Run `work()` in a transaction shared with concurrent requests (services.commits)
+        and return what it returns once committed; if it raises, the effects it asked for
+        are undone with its changes."""
+        asked_before = len(self.rows)
+        try:
+            return await self.ctx.commits.run(work)
+        except Exception:
+            del self.rows[asked_before:]
+            raise
+
     def retry_later(self, reason):
         """Keep what the handling has done so far, and handle the event again later (it
         ends `failed` with a retry time instead of `processed`)."""
@@ -120,8 +131,8 @@ class Effects:
         self.asked += 1
         now = self.ctx.clock()
         # While the cause's own request sends the row, the scheduler leaves it alone.
-        row_id = insert_once(
-            NEW_EFFECT, event=self.event.id if self.event else None, kind=kind,
+        row_id = NEW_EFFECT.run(
+            event=self.event.id if self.event else None, kind=kind,
             order_number=order_number, payload=json.dumps(payload),
             idempotency_key=key, next_attempt_at=now + lease(self.ctx),
             created_at=now, updated_at=now)

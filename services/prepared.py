@@ -45,7 +45,8 @@ class Prepared:
         if self._compiled is None or self._compiled[0] is not db:
             query = self._build()
             sql, params = query.sql()
-            if isinstance(query, peewee.Insert) and not all(isinstance(p, Slot) for p in params):
+            if isinstance(query, peewee.Insert) and not all(
+                    isinstance(param, Slot) for param in params):
                 # Peewee fills a column left out with its default, computed now: a
                 # creation time would be frozen into the statement.
                 raise ValueError(f"every column of a prepared insert needs a slot: {sql}")
@@ -56,13 +57,6 @@ class Prepared:
         db, sql, params, _ = self._statement()
         return db.execute_sql(sql, [param.bind(values) if isinstance(param, Slot) else param
                                     for param in params])
-
-    def inserted_id(self, **values):
-        """Run an insert; the new row's id."""
-        cursor = self.execute(**values)
-        if cursor.description:  # PostgreSQL: RETURNING the key
-            return cursor.fetchone()[0]
-        return cursor.lastrowid
 
     def affected(self, **values):
         """Run an update or delete; how many rows it changed."""
@@ -84,21 +78,42 @@ class Prepared:
         return instance
 
 
-class PreparedInsert(Prepared):
-    """An insert of every column of `model` but its id; a value left out is the field's
-    default, computed at each run."""
+class InsertOnce(Prepared):
+    """An insert of a row of `model` unless a unique key already holds one (ON CONFLICT DO
+    NOTHING: two racing inserts of the same key end with one row, and a duplicate raises
+    nothing, so an enclosing transaction goes on). Every column but the id is written; a
+    value left out is the field's default, computed at each run."""
 
     def __init__(self, model):
         self.fields = [field for field in model._meta.sorted_fields
                        if not isinstance(field, peewee.AutoField)]
-        super().__init__(lambda: model.insert({field: slot(field) for field in self.fields}))
+        super().__init__(lambda: model.insert({field: slot(field) for field in self.fields})
+                         .on_conflict("nothing"))
 
-    def execute(self, **values):
+    def run(self, **values):
+        """The new row's id (True for a table without one), or None when it was there."""
+        return self._insert(values)
+
+    def row(self, **values):
+        """The new row as a model instance, or None when it was there. Every column was
+        written from `values`, so the row is not read back."""
+        new_id = self._insert(values)
+        if new_id is None:
+            return None
+        instance = self._statement()[3](__no_default__=1, id=new_id, **values)
+        instance._dirty.clear()
+        return instance
+
+    def _insert(self, values):
         for field in self.fields:
             if field.name not in values:
                 default = field.default
                 values[field.name] = default() if callable(default) else default
-        return super().execute(**values)
+        cursor = self.execute(**values)
+        if cursor.description:  # PostgreSQL's RETURNING
+            row = cursor.fetchone()
+            return row[0] if row else None
+        return (cursor.lastrowid or True) if cursor.rowcount == 1 else None
 
 
 _SAVES = {}

@@ -15,15 +15,14 @@ import peewee
 
 from models import LedgerEntry, TreasuryJob, database
 from plugins.registry import exact_json
-from services.db import insert_once
 from services.orders import OrderNotFound, complete_payment
-from services.prepared import PreparedInsert
+from services.prepared import InsertOnce
 
 log = logging.getLogger("receiver.crypto")
 
 PROVIDER = "crypto-processor"
-NEW_TREASURY_JOB = PreparedInsert(TreasuryJob)
-NEW_LEDGER_ENTRY = PreparedInsert(LedgerEntry)
+NEW_TREASURY_JOB = InsertOnce(TreasuryJob)
+NEW_LEDGER_ENTRY = InsertOnce(LedgerEntry)
 PAID_STATUSES = ("PAID", "OVERPAID")
 ORDER_TYPE_PREFIXES = (
     ("CA-", "canada_crtc"), ("FO-", "formation"), ("BU-", "bundle"), ("CO-", "compliance"))
@@ -251,9 +250,9 @@ def _save_treasury_job(ctx, callback, txid):
     """One job per order. While it is still `received` its amounts follow the latest
     callback; once the settlement worker has taken it further it is left as it is."""
     now = ctx.clock()
-    created = insert_once(
-        NEW_TREASURY_JOB, order_id=callback.external_id, order_type=callback.order_type,
-        state="received", coin=callback.coin, amount_coin=callback.amount_coin,
+    created = NEW_TREASURY_JOB.run(
+        order_id=callback.external_id, order_type=callback.order_type, state="received",
+        coin=callback.coin, amount_coin=callback.amount_coin,
         amount_usd_cents=callback.amount_usd_cents,
         idempotency_key=f"crypto-settle:{callback.external_id}:{txid}",
         received_at=now, created_at=now, updated_at=now)
@@ -271,9 +270,9 @@ def _save_treasury_job(ctx, callback, txid):
 
 def _add_ledger_entry(ctx, callback, txid):
     now = ctx.clock()
-    added = insert_once(
-        NEW_LEDGER_ENTRY, order_id=callback.external_id, order_type=callback.order_type,
-        coin=callback.coin, movement_type="receive", amount_coin=callback.amount_coin,
+    added = NEW_LEDGER_ENTRY.run(
+        order_id=callback.external_id, order_type=callback.order_type, coin=callback.coin,
+        movement_type="receive", amount_coin=callback.amount_coin,
         amount_usd_cents=callback.amount_usd_cents, provider=PROVIDER, provider_ref=txid,
         provider_status=callback.status, state="confirmed",
         idempotency_key=f"{PROVIDER}:{txid}", acquired_at=now, notes=callback.notes(),

@@ -10,7 +10,6 @@ steps are idempotent, so running this again is safe.
 """
 import logging
 
-from models import database
 from plugins.registry import card_event
 from services.card_events import method_of_payment, object_of, order_of_metadata
 from services.orders import OrderNotFound, complete_payment, find_order
@@ -28,7 +27,8 @@ async def handle(ctx, event, effects):
     paid = session.get("payment_status") == "paid"
     if paid:
         method = await method_of_payment(ctx, session, order_type, session.get("payment_intent"))
-    with database.atomic():
+
+    def record():
         if paid:
             complete_payment(ctx, effects, order_id, order_type, session["id"],
                              source="card", payment_intent_id=session.get("payment_intent"),
@@ -38,6 +38,7 @@ async def handle(ctx, event, effects):
                      session["id"], order_id, session.get("payment_status"))
         if session.get("mode") == "subscription" and session.get("subscription"):
             link_subscription(ctx, order_id, order_type, session["subscription"])
+    await effects.transaction(record)
 
 
 def link_subscription(ctx, order_id, order_type, subscription_id):

@@ -4,7 +4,8 @@ order is paid (its checkout session completed unpaid days ago).
 Async, because a CRTC order paid through a session that allowed several methods needs
 Stripe asked which one was used (settlement depends on it), and that call must not hold a
 transaction open. Completing a payment is idempotent, so running this again is safe."""
-from models import database
+import functools
+
 from plugins.registry import card_event
 from services.card_events import (
     metadata_of, method_of_payment, object_of, order_of_metadata)
@@ -20,6 +21,6 @@ async def handle(ctx, event, effects):
     order_id, order_type = order
     method = await method_of_payment(ctx, intent, order_type, intent["id"])
     reference = metadata_of(intent).get("checkout_session_id") or intent["id"]
-    with database.atomic():
-        complete_payment(ctx, effects, order_id, order_type, reference, source="card",
-                         payment_intent_id=intent["id"], payment_method=method)
+    await effects.transaction(functools.partial(
+        complete_payment, ctx, effects, order_id, order_type, reference, source="card",
+        payment_intent_id=intent["id"], payment_method=method))
