@@ -1,9 +1,11 @@
 """The one place where an outbound HTTP call is made and its outcome classified."""
 import dataclasses
 import json
+import socket
 
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 from tornado.iostream import StreamClosedError
+from tornado.netutil import DefaultLoopResolver, is_valid_ip
 
 # Statuses worth asking again; any other 4xx is the peer refusing for good.
 RETRYABLE_STATUSES = {408, 425, 429}
@@ -29,10 +31,23 @@ class Result:
                    configured=configured)
 
 
+class AddressResolver(DefaultLoopResolver):
+    """Resolves an IP address to itself on the spot; Tornado's own resolver hands every
+    host, addresses too (a worker at 127.0.0.1, say), to a thread for getaddrinfo."""
+
+    async def resolve(self, host, port, family=socket.AF_UNSPEC):
+        if is_valid_ip(host):
+            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            if family in (socket.AF_UNSPEC, address_family):
+                return [(address_family, (host, port))]
+        return await super().resolve(host, port, family)
+
+
 def new_http_client(max_clients=200):
     """A client of our own: a slow peer may hold many requests open at once without
     queueing anybody else's behind it (Tornado's shared default allows only 10)."""
-    return AsyncHTTPClient(force_instance=True, max_clients=max_clients)
+    return AsyncHTTPClient(force_instance=True, max_clients=max_clients,
+                           resolver=AddressResolver())
 
 
 async def post_json(http, url, body, headers=None, timeout=10.0):

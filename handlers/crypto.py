@@ -67,7 +67,7 @@ class CryptoProcessorWebhookHandler(ApiHandler):
         raw = self.raw_body
         self.authenticate(raw)
         try:
-            event, created, rows = await self.store(raw)
+            outcome, rows = await self.store(raw)
         except UNAVAILABLE:
             raise
         except Exception:
@@ -77,9 +77,6 @@ class CryptoProcessorWebhookHandler(ApiHandler):
             self.answer(202, INTERNAL_ERROR)
             return
         await outbox.deliver(self.ctx, rows)
-        outcome = None
-        if created and event.status == "received":
-            outcome = await inbox.process(self.ctx, event)
         self.answer(202, INTERNAL_ERROR if outcome == "failed" else RECEIVED)
 
     def authenticate(self, raw):
@@ -105,20 +102,21 @@ class CryptoProcessorWebhookHandler(ApiHandler):
         self.fail(401, "invalid api key")
 
     async def store(self, raw):
-        """Keep the call in the inbox; returns (event, created, outbox rows to send)."""
+        """Keep the call in the inbox and handle it; returns (the handling's outcome or
+        None, outbox rows still to send)."""
         body = None
         try:
             body = treasury.read(raw)
             if treasury.external_id_of(body) is None:
-                event, created = self.ignore(raw, body)
-                return event, created, []
+                self.ignore(raw, body)
+                return None, []
             callback = treasury.Callback.parse(body)
         except treasury.MalformedCallback as malformed:
-            return self.reject(raw, body, str(malformed))
-        event, created = await inbox.receive(
+            return None, self.reject(raw, body, str(malformed))
+        _, _, outcome = await inbox.accept(
             self.ctx, SOURCE, callback.status or "unknown", callback.dedup_key(), raw,
             external_id=callback.external_id, order_number=callback.external_id)
-        return event, created, []
+        return outcome, []
 
     def ignore(self, raw, body):
         """No external_id: nothing to act on (SPEC.md 4.3 rule 2). Kept as `ignored`, so
@@ -126,13 +124,13 @@ class CryptoProcessorWebhookHandler(ApiHandler):
         status = body.get("status")
         status = status if isinstance(status, str) and status.isprintable() else "unknown"
         log.info("crypto callback without external_id (status %r) ignored", status)
-        return inbox.record(self.ctx, SOURCE, status or "unknown",
+        inbox.record(self.ctx, SOURCE, status or "unknown",
                             f"no-external-id:{_digest(raw)}", raw, status="ignored",
                             last_error="no external_id")
 
     def reject(self, raw, body, reason):
         """Kept as `rejected` with the reason; the admin hears of it when it claimed to be
-        paid, since an order may be waiting on this money."""
+        paid, since an order may be waiting on this money. Returns the outbox rows to send."""
         external_id = _external_id_or_none(body)
         log.warning("crypto callback for %s rejected: %s", external_id or "unknown order",
                     reason)
@@ -148,9 +146,9 @@ class CryptoProcessorWebhookHandler(ApiHandler):
                     self.tell_admin(effects, event, external_id, reason, raw)
         except UNAVAILABLE:
             # No transaction to be had: the inbox alone can still keep it (in the spool).
-            event, created = record()
-            return event, created, []
-        return event, created, effects.rows
+            record()
+            return []
+        return effects.rows
 
     def tell_admin(self, effects, event, external_id, reason, raw):
         admin = self.ctx.settings.admin_email

@@ -23,9 +23,7 @@ class WorkflowWebhookHandler(ApiHandler):
         error = webhook.field_error(body)
         if error:
             self.fail(400, error)
-        event, created = await self.record(path, body)
-        if created:
-            await inbox.process(self.ctx, event)
+        await self.accept(path, body)
         self.answer(200, {"received": True, "action": webhook.answer})
 
     def authenticate(self):
@@ -41,7 +39,7 @@ class WorkflowWebhookHandler(ApiHandler):
             hmac.new(secret.encode(), self.raw_body, hashlib.sha256).digest()).decode()
         return same_secret(self.request.headers.get("X-Frappe-Webhook-Signature"), expected)
 
-    async def record(self, path, body):
+    async def accept(self, path, body):
         explicit = self.request.headers.get("Idempotency-Key", "").strip()
         previous = ()
         if explicit:
@@ -53,5 +51,5 @@ class WorkflowWebhookHandler(ApiHandler):
             previous = (f"{path}:{digest}:{window - 1}",)
         # The previous window is looked up by the inbox, or by the spool drain when the
         # database is down now.
-        return await inbox.receive(self.ctx, "workflow", path, dedup_key, self.raw_body,
+        await inbox.accept(self.ctx, "workflow", path, dedup_key, self.raw_body,
                             order_number=body["order_number"], also_known_as=previous)

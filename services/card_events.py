@@ -58,15 +58,10 @@ async def accept(ctx, event, raw):
     """Store a verified event in the inbox and handle it: in the background for the types
     SPEC.md handles so, before returning for the others. A handling error is logged and
     left on the inbox row for retry; it never raises."""
-    stored, created = await inbox.receive(
+    await inbox.accept(
         ctx, SOURCE, event["type"], dedup_key(event), raw, external_id=event["id"],
-        order_number=metadata_of(object_of(event)).get("order_id"))
-    if stored is None or not created:
-        return
-    if event["type"] in BACKGROUND_TYPES:
-        ctx.background(inbox.process(ctx, stored))
-    else:
-        await inbox.process(ctx, stored)
+        order_number=metadata_of(object_of(event)).get("order_id"),
+        in_background=event["type"] in BACKGROUND_TYPES)
 
 
 def reject(ctx, raw, reason):

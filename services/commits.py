@@ -5,10 +5,19 @@ PostgreSQL), and the IOLoop waits with it. Units of work asked for while the loo
 run together at its next turn, each in its own savepoint (one that raises is rolled back
 alone), under one commit. Each caller resumes only after that commit: nothing is
 acknowledged before it is durable.
+
+On PostgreSQL two processes' turns can deadlock (each inserted a key the other is now
+inserting); the server rolls one statement back, and its unit is run again at the next
+turn, after this turn's commit has released what the other process waits for. A unit
+must therefore be safe to run again from its start.
 """
 import asyncio
 
 from models import database
+
+# SQLSTATE class 40, transaction rollback: a deadlock or a serialization failure.
+CONFLICT_CLASS = "40"
+MAX_CONFLICTS = 5
 
 
 class GroupCommit:
@@ -18,25 +27,29 @@ class GroupCommit:
     async def run(self, unit):
         """Run `unit()` in a transaction shared with the other units of this turn; return
         what it returns, or raise what it raised, once the transaction is committed."""
-        loop = asyncio.get_running_loop()
-        if not self._waiting:
-            loop.call_soon(self._commit)
-        future = loop.create_future()
-        self._waiting.append((unit, future))
+        future = asyncio.get_running_loop().create_future()
+        self._enqueue(unit, future, conflicts=0)
         return await future
+
+    def _enqueue(self, unit, future, conflicts):
+        if not self._waiting:
+            asyncio.get_running_loop().call_soon(self._commit)
+        self._waiting.append((unit, future, conflicts))
 
     def _commit(self):
         batch, self._waiting = self._waiting, []
         try:
             with database.atomic():
-                outcomes = [_attempt(unit) for unit, _ in batch]
+                outcomes = [_attempt(unit) for unit, _, _ in batch]
         except Exception as failure:  # the commit itself, or the connection, failed
             outcomes = [(None, failure)] * len(batch)
-        for (_, future), (result, failure) in zip(batch, outcomes):
+        for (unit, future, conflicts), (result, failure) in zip(batch, outcomes):
             if future.cancelled():
                 continue
             if failure is None:
                 future.set_result(result)
+            elif _is_conflict(failure) and conflicts < MAX_CONFLICTS:
+                self._enqueue(unit, future, conflicts + 1)
             else:
                 future.set_exception(failure)
 
@@ -47,3 +60,9 @@ def _attempt(unit):
             return unit(), None
     except Exception as failure:
         return None, failure
+
+
+def _is_conflict(failure):
+    """peewee keeps the driver's error as `orig`; psycopg2's carries the SQLSTATE."""
+    driver_error = getattr(failure, "orig", None)
+    return str(getattr(driver_error, "pgcode", "") or "").startswith(CONFLICT_CLASS)

@@ -56,15 +56,53 @@ def record(ctx, *args, **kwargs):
         return None, False
 
 
-async def receive(ctx, *args, **kwargs):
-    """`record`, in a transaction shared with concurrent requests (services.commits):
-    the request path's way to store a call."""
+async def accept(ctx, *args, in_background=False, **kwargs):
+    """The request path's way in: store the call as `record` does and, when it is new,
+    handle it (after the answer, when `in_background`). Returns (event, created,
+    outcome); the outcome is None when the call was not handled here.
+
+    A plain plugin runs in the same unit of the group commit (services.commits) as the
+    storing: one transaction, one turn of the loop. Should the plugin raise, the event
+    stays stored and is recorded as failed, in that transaction too."""
     call = _call(ctx, *args, **kwargs)
     try:
-        return await ctx.commits.run(functools.partial(_store, ctx, call))
+        event, created, handled = await ctx.commits.run(
+            functools.partial(_store_and_handle, ctx, call, not in_background))
     except UNAVAILABLE as unavailable:
         _spool(ctx, call, unavailable)
-        return None, False
+        return None, False, None
+    if handled is not None:
+        outcome, effects, started = handled
+        if effects is not None:
+            await outbox.deliver(ctx, effects.rows)
+        _report(ctx, event, outcome, started)
+        return event, created, outcome
+    if not created or event.status not in AWAITING_HANDLING:
+        return event, created, None
+    if in_background:
+        ctx.background(process(ctx, event))
+        return event, created, None
+    return event, created, await process(ctx, event)
+
+
+def _store_and_handle(ctx, call, handle_now):
+    """(event, created, (outcome, effects, started) or None when not handled)."""
+    event, created = _store(ctx, call)
+    if not (handle_now and created and event.status == "received"):
+        return event, created, None
+    registry = _registry(event.source)
+    plugin = registry.get(event.event_type)
+    if plugin is None or _is_async(plugin):
+        return event, created, None
+    started = time.monotonic()
+    try:
+        with database.atomic():
+            outcome, effects = _run_plain(ctx, event, plugin, registry.decode(event.payload))
+    except Exception as exc:
+        log.exception("%s event #%s (%s) failed", event.source, event.id, event.event_type)
+        _record_failure(ctx, event, f"{type(exc).__name__}: {exc}")
+        return event, created, ("failed", None, started)
+    return event, created, (outcome, effects, started)
 
 
 def _call(ctx, source, event_type, dedup_key, payload, external_id=None,
@@ -142,6 +180,11 @@ async def process(ctx, event):
     went, keyed by the event's id."""
     started = time.monotonic()
     outcome = await _handle(ctx, event)
+    _report(ctx, event, outcome, started)
+    return outcome
+
+
+def _report(ctx, event, outcome, started):
     seconds = time.monotonic() - started
     ctx.metrics.event_handled(event, outcome, seconds)
     log.info("event #%s %s %s %s %.1fms", event.id, event.source, event.event_type, outcome,
@@ -149,7 +192,6 @@ async def process(ctx, event):
                                     "event_type": event.event_type,
                                     "external_id": event.external_id,
                                     "outcome": outcome, "ms": round(1000 * seconds, 1)})
-    return outcome
 
 
 async def _handle(ctx, event):
@@ -158,20 +200,19 @@ async def _handle(ctx, event):
         return event.status
     registry = _registry(event.source)
     plugin = registry.get(event.event_type)
-    effects = outbox.Effects(ctx, event)
     try:
         payload = registry.decode(event.payload)
         if plugin is None:
             _finish(ctx, event.id, "ignored")
             return "ignored"
-        if inspect.iscoroutinefunction(plugin) or inspect.iscoroutinefunction(
-                getattr(plugin, "__call__", None)):
+        if _is_async(plugin):
+            effects = outbox.Effects(ctx, event)
             await plugin(ctx, payload, effects)
             outcome = await ctx.commits.run(functools.partial(_conclude, ctx, event, effects))
         else:
-            outcome, settled_before = await ctx.commits.run(
-                functools.partial(_handle_in_transaction, ctx, event, plugin, payload, effects))
-            if settled_before:
+            outcome, effects = await ctx.commits.run(
+                functools.partial(_handle_in_transaction, ctx, event, plugin, payload))
+            if effects is None:
                 return outcome
     except Exception as exc:
         log.exception("%s event #%s (%s) failed", event.source, event.id, event.event_type)
@@ -181,13 +222,25 @@ async def _handle(ctx, event):
     return outcome
 
 
-def _handle_in_transaction(ctx, event, plugin, payload, effects):
-    """(outcome, whether another handling had already settled the event)."""
+def _handle_in_transaction(ctx, event, plugin, payload):
+    """(outcome, the effects asked for); (status, None) when another handling had
+    already settled the event."""
     current = STATUS_FOR_UPDATE.first(id=event.id)
     if current.status in FINAL_STATUSES:
-        return current.status, True
+        return current.status, None
+    return _run_plain(ctx, event, plugin, payload)
+
+
+def _run_plain(ctx, event, plugin, payload):
+    effects = outbox.Effects(ctx, event)
     plugin(ctx, payload, effects)
-    return _conclude(ctx, event, effects), False
+    return _conclude(ctx, event, effects), effects
+
+
+def _is_async(plugin):
+    """An async plugin waits on other systems between its steps, outside a transaction."""
+    return inspect.iscoroutinefunction(plugin) or inspect.iscoroutinefunction(
+        getattr(plugin, "__call__", None))
 
 
 def _conclude(ctx, event, effects):

@@ -112,11 +112,16 @@ class Effects:
         """Run `work()` in a transaction shared with concurrent requests (services.commits)
         and return what it returns once committed; if it raises, the effects it asked for
         are undone with its changes."""
-        asked_before = len(self.rows)
+        rows_before, asked_before = len(self.rows), self.asked
+
+        def from_the_start():  # a unit may be run again (services.commits)
+            del self.rows[rows_before:]
+            self.asked = asked_before
+            return work()
         try:
-            return await self.ctx.commits.run(work)
+            return await self.ctx.commits.run(from_the_start)
         except Exception:
-            del self.rows[asked_before:]
+            del self.rows[rows_before:]
             raise
 
     def retry_later(self, reason):

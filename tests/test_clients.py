@@ -1,7 +1,9 @@
 """The outbound HTTP client's classification of outcomes, and what its errors may say."""
+import socket
+
 import pytest
 
-from clients.http import new_http_client, post_json
+from clients.http import AddressResolver, new_http_client, post_json
 from clients.telegram import TelegramClient
 from settings import Settings
 
@@ -31,3 +33,12 @@ async def test_statuses_are_classified(telegram, status, retryable):
     telegram.fail_with(status)
     result = await post_json(new_http_client(), telegram.url + "/x", {}, timeout=2)
     assert (result.ok, result.retryable, result.status) == (False, retryable, status)
+
+
+@pytest.mark.gen_test
+async def test_an_ip_address_resolves_to_itself_without_a_lookup_and_a_name_is_looked_up():
+    resolver = AddressResolver()
+    assert await resolver.resolve("127.0.0.1", 8080) == [(socket.AF_INET, ("127.0.0.1", 8080))]
+    assert await resolver.resolve("::1", 80) == [(socket.AF_INET6, ("::1", 80))]
+    assert (socket.AF_INET, ("127.0.0.1", 80)) in [
+        (family, address[:2]) for family, address in await resolver.resolve("localhost", 80)]

@@ -1,0 +1,181 @@
+"""Statements built once (services.prepared) and the group commit (services.commits)."""
+import asyncio
+import datetime
+import sqlite3
+import threading
+import time
+import urllib.parse
+
+import peewee
+import psycopg2
+import pytest
+
+from models import FormationOrder, Outbox, WebhookEvent, database
+from services.commits import GroupCommit
+from services.prepared import InsertOnce, Prepared, save_changes, slot
+
+NEW_EVENT = InsertOnce(WebhookEvent)
+
+
+@pytest.fixture
+def second_connection(database_url):
+    """Another connection to the same database, committing each statement."""
+    if database_url.startswith("postgres"):
+        parts = urllib.parse.urlsplit(database_url)
+        connection = psycopg2.connect(host=parts.hostname, port=parts.port or 5432,
+                                      user=parts.username, dbname=parts.path.lstrip("/"))
+        connection.autocommit = True
+    else:
+        connection = sqlite3.connect(database_url.removeprefix("sqlite:///"),
+                                     isolation_level=None)
+    yield connection
+    connection.close()
+
+
+def run_sql(connection, sql):
+    cursor = connection.cursor()
+    cursor.execute(sql)
+    return cursor.fetchall() if cursor.description else None
+
+
+def new_event(key, **values):
+    return NEW_EVENT.run(source="test", event_type="t", dedup_key=key, payload="{}",
+                         **values)
+
+
+def test_an_insert_once_returns_the_new_id_then_none_and_the_transaction_goes_on():
+    with database.atomic():
+        first = new_event("k")
+        assert new_event("k") is None
+        other = new_event("other")
+    assert first and other and other != first
+    assert WebhookEvent.select().count() == 2
+
+
+def test_defaults_are_computed_at_each_insert_not_frozen_into_the_statement():
+    first = WebhookEvent.get_by_id(new_event("a"))
+    time.sleep(0.01)
+    second = WebhookEvent.get_by_id(new_event("b"))
+    assert (first.status, first.attempts) == ("received", 0)
+    assert second.received_at > first.received_at
+
+
+def test_a_prepared_insert_with_a_column_left_to_peewee_is_refused():
+    now = datetime.datetime.now(datetime.timezone.utc)
+    frozen = Prepared(lambda: WebhookEvent.insert(
+        source=slot(WebhookEvent.source), event_type="t", dedup_key=slot(WebhookEvent.dedup_key),
+        payload="{}", created_at=now, updated_at=now))
+    with pytest.raises(ValueError, match="needs a slot"):
+        frozen.execute(source="s", dedup_key="k")
+
+
+def test_a_row_built_without_reading_back_equals_the_stored_row():
+    event = NEW_EVENT.row(source="test", event_type="t", dedup_key="k", payload="{\"a\": 1}",
+                          order_number="FO-1")
+    stored = WebhookEvent.get_by_id(event.id)
+    assert event.__data__ == stored.__data__
+    assert NEW_EVENT.row(source="test", event_type="t", dedup_key="k", payload="{}") is None
+
+
+def test_a_prepared_select_converts_values_both_ways():
+    when = datetime.datetime(2026, 11, 22, 3, 4, 5, 678901, tzinfo=datetime.timezone.utc)
+    new_event("k", received_at=when)
+    by_time = Prepared(lambda: WebhookEvent.select().where(
+        WebhookEvent.received_at == slot(WebhookEvent.received_at)))
+    found = by_time.first(received_at=when.astimezone(datetime.timezone(
+        datetime.timedelta(hours=-5))))
+    assert found.received_at == when and found.received_at.tzinfo is not None
+    assert by_time.first(received_at=when + datetime.timedelta(seconds=1)) is None
+
+
+def test_save_changes_writes_only_the_changed_columns(second_connection):
+    FormationOrder.create(order_number="FO-9", customer_name="Ann")
+    order = FormationOrder.get(FormationOrder.order_number == "FO-9")
+    # Another system changes a column meanwhile; our save must not write it back.
+    run_sql(second_connection,
+            "UPDATE formation_orders SET customer_name = 'Bea' WHERE order_number = 'FO-9'")
+    order.payment_status = "paid"
+    save_changes(order)
+    stored = FormationOrder.get(FormationOrder.order_number == "FO-9")
+    assert (stored.payment_status, stored.customer_name) == ("paid", "Bea")
+    assert not order.dirty_fields
+
+
+@pytest.mark.gen_test
+async def test_units_of_one_turn_share_a_commit_and_a_failing_unit_is_undone_alone():
+    commits = GroupCommit()
+    turns = []
+
+    def unit(key, fail=False):
+        def run():
+            turns.append(database.in_transaction())
+            new_event(key)
+            if fail:
+                raise RuntimeError("this unit fails")
+            return key
+        return run
+
+    results = await asyncio.gather(commits.run(unit("a")), commits.run(unit("b", fail=True)),
+                                   commits.run(unit("c")), return_exceptions=True)
+    assert results[0] == "a" and results[2] == "c"
+    assert isinstance(results[1], RuntimeError)
+    assert turns == [True, True, True]
+    assert sorted(e.dedup_key for e in WebhookEvent.select()) == ["a", "c"]
+
+
+@pytest.mark.gen_test
+async def test_a_caller_resumes_only_after_the_commit(second_connection):
+    commits = GroupCommit()
+    await commits.run(lambda: new_event("durable"))
+    # Another connection sees it: the transaction was committed before run() returned.
+    assert run_sql(second_connection,
+                   "SELECT COUNT(*) FROM webhook_events WHERE dedup_key = 'durable'") == [(1,)]
+
+
+@pytest.mark.gen_test
+async def test_when_the_commit_fails_every_unit_of_the_turn_fails(monkeypatch):
+    commits = GroupCommit()
+
+    def failing_commit(*args, **kwargs):  # the disk refusing the write, as SQLite says it
+        raise peewee.OperationalError("disk I/O error")
+    monkeypatch.setattr(database.obj, "commit", failing_commit)
+    results = await asyncio.gather(commits.run(lambda: new_event("x")),
+                                   commits.run(lambda: new_event("y")),
+                                   return_exceptions=True)
+    monkeypatch.undo()
+    assert all(isinstance(result, peewee.OperationalError) for result in results)
+    assert not Outbox.select().exists()
+    assert not WebhookEvent.select().exists()
+
+
+INSERT_BY_HAND = (
+    "INSERT INTO webhook_events (source, event_type, dedup_key, payload, status, attempts, "
+    "received_at, created_at, updated_at) VALUES ('test', 't', '{key}', '{{}}', 'received', 0, "
+    "now(), now(), now())")
+
+
+@pytest.mark.gen_test(timeout=30)
+async def test_a_unit_that_loses_a_deadlock_to_another_process_runs_again(
+        database_url, second_connection):
+    if not database_url.startswith("postgres"):
+        pytest.skip("SQLite has one writer at a time: no deadlock between processes")
+    second_connection.autocommit = False
+    run_sql(second_connection, "SET deadlock_timeout = '5s'")  # so this unit detects it
+    run_sql(second_connection, INSERT_BY_HAND.format(key="y"))
+
+    def other_process():  # inserts x, which the unit holds, while holding y
+        time.sleep(0.3)
+        run_sql(second_connection, INSERT_BY_HAND.format(key="x") + " ON CONFLICT DO NOTHING")
+        second_connection.commit()
+    other = threading.Thread(target=other_process)
+    other.start()
+    attempts = []
+
+    def unit():
+        attempts.append(1)
+        return new_event("x"), new_event("y")
+    first_x, first_y = await GroupCommit().run(unit)
+    other.join()
+    assert len(attempts) == 2  # the first ended in the deadlock, the second went through
+    assert first_y is None  # the other process's y was committed first
+    assert sorted(e.dedup_key for e in WebhookEvent.select()) == ["x", "y"]
