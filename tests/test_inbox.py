@@ -1,7 +1,8 @@
 """The inbox stores what arrives, once, whatever text it carries."""
 import pytest
 
-from models import WebhookEvent
+from models import Outbox, WebhookEvent
+from plugins import registries
 from services import inbox
 
 
@@ -29,3 +30,54 @@ async def test_a_rejected_event_keeps_its_status_and_reason_when_processed(ctx):
     assert await inbox.process(ctx, event) == "rejected"
     stored = WebhookEvent.get_by_id(event.id)
     assert (stored.status, stored.last_error) == ("rejected", "body is not JSON")
+
+
+@pytest.fixture
+def card_plugin():
+    """A plain card plugin of the test's own, under an event type no real one uses."""
+    registry = registries()["card"]
+    added = []
+
+    def register(event_type, plugin):
+        registry.register(event_type)(plugin)
+        added.append(event_type)
+    yield register
+    for event_type in added:
+        del registry._plugins[event_type]
+
+
+@pytest.mark.gen_test
+async def test_a_plain_plugin_that_raises_leaves_its_event_stored_as_failed(ctx, card_plugin):
+    def handle(ctx, event, effects):
+        effects.alert("never sent")
+        raise RuntimeError("cannot handle this")
+    card_plugin("test.raises", handle)
+    event, created, outcome = await inbox.accept(ctx, "card", "test.raises", "k-raise", b"{}")
+    stored = WebhookEvent.get_by_id(event.id)
+    assert (created, outcome) == (True, "failed")
+    assert (stored.status, stored.attempts) == ("failed", 1)
+    assert stored.last_error == "RuntimeError: cannot handle this"
+    assert stored.next_attempt_at is not None
+    assert not Outbox.select().exists()  # the plugin's effects went with its changes
+
+
+@pytest.mark.gen_test
+async def test_a_call_is_handled_once_however_often_it_is_accepted(ctx, card_plugin):
+    runs = []
+    card_plugin("test.counted", lambda ctx, event, effects: runs.append(event))
+    first = await inbox.accept(ctx, "card", "test.counted", "k-once", b'{"n": 1}')
+    again = await inbox.accept(ctx, "card", "test.counted", "k-once", b'{"n": 1}')
+    assert first[1:] == (True, "processed") and again[1:] == (False, None)
+    assert again[0].id == first[0].id and runs == [{"n": 1}]
+
+
+@pytest.mark.gen_test
+async def test_a_call_accepted_in_the_background_is_handled_after_the_answer(
+        ctx, card_plugin):
+    card_plugin("test.later", lambda ctx, event, effects: None)
+    event, created, outcome = await inbox.accept(ctx, "card", "test.later", "k-later", b"{}",
+                                                 in_background=True)
+    assert (created, outcome) == (True, None)
+    assert WebhookEvent.get_by_id(event.id).status == "received"
+    await ctx.drain_background()
+    assert WebhookEvent.get_by_id(event.id).status == "processed"

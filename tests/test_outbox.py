@@ -158,3 +158,28 @@ async def test_a_mail_sent_again_after_its_outcome_was_lost_keeps_its_message_id
 
     ids = [message["Message-ID"] for _, message in smtp.messages]
     assert len(ids) == 3 and ids.count(ids[-1]) == 2 and len(set(ids)) == 2
+
+
+@pytest.mark.gen_test
+async def test_a_row_sent_right_after_its_creation_is_not_re_taken_first(ctx, clock, worker):
+    clock.set(2026, 11, 20, 9, 0)
+    row_id = Effects(ctx).job("deliver", {"order_number": "FO-1"})
+    leased_until = Outbox.get_by_id(row_id).next_attempt_at
+    clock.advance(seconds=0.5)  # a re-take now would move the lease by half a second
+    await outbox.deliver(ctx, [row_id])
+    row = Outbox.get_by_id(row_id)
+    assert row.status == "sent" and len(worker.requests) == 1
+    assert row.next_attempt_at == leased_until  # no write before the send
+
+
+@pytest.mark.gen_test
+async def test_a_row_whose_lease_has_run_down_is_re_taken_before_it_is_sent(
+        ctx, clock, worker):
+    clock.set(2026, 11, 20, 9, 0)
+    row_id = Effects(ctx).job("deliver", {"order_number": "FO-1"})
+    clock.advance(seconds=2)  # more than RETAKE_SLACK of the lease is gone
+    await outbox.deliver(ctx, [row_id])
+    row = Outbox.get_by_id(row_id)
+    assert row.status == "sent" and len(worker.requests) == 1
+    assert row.next_attempt_at == clock() + datetime.timedelta(
+        seconds=ctx.settings.claim_lease_seconds)
