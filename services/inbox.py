@@ -16,6 +16,7 @@ import peewee
 from models import WebhookEvent, database
 from services import outbox, spool
 from services.claims import claim, lease
+from services.commits import raise_if_conflict
 from services.db import UNAVAILABLE, locked, why_unavailable
 from services.prepared import Prepared, InsertOnce, slot
 
@@ -66,8 +67,18 @@ async def accept(ctx, *args, in_background=False, **kwargs):
     stays stored and is recorded as failed, in that transaction too."""
     call = _call(ctx, *args, **kwargs)
     try:
-        event, created, handled = await ctx.commits.run(
-            functools.partial(_store_and_handle, ctx, call, not in_background))
+        try:
+            event, created, handled = await ctx.commits.run(
+                functools.partial(_store_and_handle, ctx, call, not in_background))
+        except UNAVAILABLE:
+            raise
+        except Exception:
+            # The handling went wrong beyond recording its own failure, and took the
+            # storing with it: the call is stored alone, and handled as a stored event.
+            log.exception("%s %s: storing and handling it together failed; storing it alone",
+                          call["source"], call["event_type"])
+            event, created = await ctx.commits.run(functools.partial(_store, ctx, call))
+            handled = None
     except UNAVAILABLE as unavailable:
         _spool(ctx, call, unavailable)
         return None, False, None
@@ -99,6 +110,7 @@ def _store_and_handle(ctx, call, handle_now):
         with database.atomic():
             outcome, effects = _run_plain(ctx, event, plugin, registry.decode(event.payload))
     except Exception as exc:
+        raise_if_conflict(exc)
         log.exception("%s event #%s (%s) failed", event.source, event.id, event.event_type)
         _record_failure(ctx, event, f"{type(exc).__name__}: {exc}")
         return event, created, ("failed", None, started)

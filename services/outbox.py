@@ -112,11 +112,11 @@ class Effects:
         """Run `work()` in a transaction shared with concurrent requests (services.commits)
         and return what it returns once committed; if it raises, the effects it asked for
         are undone with its changes."""
-        rows_before, asked_before = len(self.rows), self.asked
+        rows_before, asked_before, retry_before = len(self.rows), self.asked, self.retry_reason
 
         def from_the_start():  # a unit may be run again (services.commits)
             del self.rows[rows_before:]
-            self.asked = asked_before
+            self.asked, self.retry_reason = asked_before, retry_before
             return work()
         try:
             return await self.ctx.commits.run(from_the_start)
@@ -227,8 +227,11 @@ async def send(ctx, row):
 
 def _lease_ample(ctx, row):
     """The row's lease has about a whole lease left (it was created or claimed a moment
-    ago): no other sender can claim it before a re-take's lease would run out."""
-    return row.next_attempt_at - ctx.clock() >= lease(ctx) - RETAKE_SLACK
+    ago), and that is more than a send may take: a request that waits for a free
+    connection and then for its answer (one outbound timeout each)."""
+    left = row.next_attempt_at - ctx.clock()
+    send_at_most = datetime.timedelta(seconds=2 * ctx.settings.outbound_timeout_seconds)
+    return left >= lease(ctx) - RETAKE_SLACK and left > send_at_most + RETAKE_SLACK
 
 
 def _retake(ctx, row):

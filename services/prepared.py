@@ -58,11 +58,6 @@ class Prepared:
         return db.execute_sql(sql, [param.bind(values) if isinstance(param, Slot) else param
                                     for param in params])
 
-    def affected(self, **values):
-        """Run an update or delete; how many rows it changed."""
-        cursor = self.execute(**values)
-        return cursor.rowcount
-
     def first(self, **values):
         """Run a select; its first row as a model instance, or None."""
         model = self._statement()[3]
@@ -100,7 +95,8 @@ class InsertOnce(Prepared):
         new_id = self._insert(values)
         if new_id is None:
             return None
-        instance = self._statement()[3](__no_default__=1, id=new_id, **values)
+        model = self._statement()[3]
+        instance = model(__no_default__=1, **{model._meta.primary_key.name: new_id}, **values)
         instance._dirty.clear()
         return instance
 

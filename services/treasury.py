@@ -15,6 +15,7 @@ import peewee
 
 from models import LedgerEntry, TreasuryJob, database
 from plugins.registry import exact_json
+from services.commits import raise_if_conflict
 from services.orders import OrderNotFound, complete_payment
 from services.prepared import InsertOnce
 
@@ -212,6 +213,7 @@ def receive_payment(ctx, payload, effects):
             complete_payment(ctx, effects, callback.external_id, callback.order_type,
                              f"crypto-{txid}", source="crypto", payment_method="crypto")
     except (OrderNotFound, peewee.DatabaseError) as failure:
+        raise_if_conflict(failure)
         # The coins arrived: their treasury job and ledger entry stay recorded, and only
         # the completion is tried again.
         effects.retry_later(f"payment not completed: {type(failure).__name__}: {failure}")
@@ -240,7 +242,8 @@ def record_receipt(ctx, callback, txid):
             _save_treasury_job(ctx, callback, txid)
             _add_ledger_entry(ctx, callback, txid)
         return True
-    except peewee.DatabaseError:
+    except peewee.DatabaseError as failure:
+        raise_if_conflict(failure)
         log.exception("crypto payment %s for %s: treasury job / ledger entry not written",
                       txid, callback.external_id)
         return False

@@ -81,3 +81,25 @@ async def test_a_call_accepted_in_the_background_is_handled_after_the_answer(
     assert WebhookEvent.get_by_id(event.id).status == "received"
     await ctx.drain_background()
     assert WebhookEvent.get_by_id(event.id).status == "processed"
+
+
+@pytest.mark.gen_test
+async def test_a_call_is_kept_when_recording_its_failed_handling_fails_too(
+        ctx, card_plugin, monkeypatch):
+    def handle(ctx, event, effects):
+        raise RuntimeError("cannot handle this")
+    card_plugin("test.worse", handle)
+    record_failure = inbox._record_failure
+    calls = []
+
+    def failing_once(*args):
+        calls.append(args)
+        if len(calls) == 1:
+            raise TypeError("a bug in recording the failure")
+        return record_failure(*args)
+    monkeypatch.setattr(inbox, "_record_failure", failing_once)
+    event, created, outcome = await inbox.accept(ctx, "card", "test.worse", "k-worse", b"{}")
+    # Stored alone after the combined unit failed, then handled as a stored event.
+    assert (created, outcome) == (True, "failed")
+    assert WebhookEvent.get_by_id(event.id).status == "failed"
+    assert len(calls) == 2

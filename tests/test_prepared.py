@@ -10,9 +10,11 @@ import peewee
 import psycopg2
 import pytest
 
-from models import FormationOrder, Outbox, WebhookEvent, database
+from models import FormationOrder, LedgerEntry, Outbox, TreasuryJob, WebhookEvent, database
+from services import treasury
 from services.commits import GroupCommit
 from services.prepared import InsertOnce, Prepared, save_changes, slot
+from tests import shkeeper
 
 NEW_EVENT = InsertOnce(WebhookEvent)
 
@@ -179,3 +181,42 @@ async def test_a_unit_that_loses_a_deadlock_to_another_process_runs_again(
     assert len(attempts) == 2  # the first ended in the deadlock, the second went through
     assert first_y is None  # the other process's y was committed first
     assert sorted(e.dedup_key for e in WebhookEvent.select()) == ["x", "y"]
+
+
+LEDGER_BY_HAND = (
+    "INSERT INTO ledger_entries (order_id, order_type, coin, movement_type, amount_coin, "
+    "amount_usd_cents, provider, provider_ref, provider_status, state, idempotency_key, "
+    "acquired_at, notes, created_at, updated_at) VALUES ('CO-7', 'compliance', 'BTC', "
+    "'receive', 0.00012345, 780, 'crypto-processor', '0xdead', 'PAID', 'confirmed', "
+    "'crypto-processor:0xdead', now(), '', now(), now())")
+TREASURY_JOB_BY_HAND = (
+    "INSERT INTO treasury_jobs (order_id, order_type, state, coin, amount_coin, "
+    "amount_usd_cents, idempotency_key, received_at, created_at, updated_at) VALUES "
+    "('CO-7', 'compliance', 'received', 'BTC', 0.00012345, 780, "
+    "'crypto-settle:CO-7:0xdead', now(), now(), now()) ON CONFLICT DO NOTHING")
+
+
+@pytest.mark.gen_test(timeout=30)
+async def test_a_deadlock_while_recording_a_crypto_receipt_is_not_swallowed(
+        ctx, database_url, second_connection):
+    if not database_url.startswith("postgres"):
+        pytest.skip("SQLite has one writer at a time: no deadlock between processes")
+    callback = treasury.Callback.parse(shkeeper.paid("CO-7", txid="0xdead"))
+    second_connection.autocommit = False
+    run_sql(second_connection, "SET deadlock_timeout = '5s'")
+    run_sql(second_connection, LEDGER_BY_HAND)
+
+    def other_process():  # records the same receipt, job second, as a second process would
+        time.sleep(0.3)
+        run_sql(second_connection, TREASURY_JOB_BY_HAND)
+        second_connection.commit()
+    other = threading.Thread(target=other_process)
+    other.start()
+    recorded = []
+    await GroupCommit().run(lambda: recorded.append(
+        treasury.record_receipt(ctx, callback, "0xdead")))
+    other.join()
+    # The first try lost the deadlock and was run again; caught as an ordinary database
+    # error it would have returned False, with no receipt written by this process.
+    assert recorded == [True]
+    assert (TreasuryJob.select().count(), LedgerEntry.select().count()) == (1, 1)
