@@ -18,7 +18,7 @@ from services import outbox, spool
 from services.claims import claim, lease
 from services.commits import raise_if_conflict
 from services.db import UNAVAILABLE, locked, why_unavailable
-from services.prepared import Prepared, InsertOnce, slot
+from services.prepared import InsertOnce, Prepared, slot
 
 log = logging.getLogger("receiver.events")
 

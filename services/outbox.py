@@ -17,7 +17,7 @@ from clients.http import Result
 from models import Outbox, database
 from services.claims import claim, lease
 from services.db import UNAVAILABLE
-from services.prepared import Prepared, InsertOnce, slot
+from services.prepared import InsertOnce, Prepared, slot
 
 log = logging.getLogger("receiver.outbox")
 
