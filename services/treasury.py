@@ -236,7 +236,8 @@ def arrived_at(ctx, effects):
 
 def record_receipt(ctx, callback, txid):
     """Write the treasury job and the ledger entry together, in a savepoint. A failure
-    is logged and the enclosing transaction goes on (SPEC.md 4.3 rule 6)."""
+    is logged and the enclosing transaction goes on (SPEC.md 4.3 rule 6); a deadlock with
+    another process is no failure of ours: the whole unit is run again."""
     try:
         with database.atomic():
             _save_treasury_job(ctx, callback, txid)
