@@ -4,10 +4,8 @@ import datetime
 import sqlite3
 import threading
 import time
-import urllib.parse
 
 import peewee
-import psycopg2
 import pytest
 
 from models import FormationOrder, LedgerEntry, Outbox, TreasuryJob, WebhookEvent, database
@@ -20,18 +18,18 @@ NEW_EVENT = InsertOnce(WebhookEvent)
 
 
 @pytest.fixture
-def second_connection(database_url):
-    """Another connection to the same database, committing each statement."""
+def second_connection(request, database_url):
+    """Another connection to the same database, committing each statement: on
+    PostgreSQL the conftest's other session, on SQLite a connection of its own."""
     if database_url.startswith("postgres"):
-        parts = urllib.parse.urlsplit(database_url)
-        connection = psycopg2.connect(host=parts.hostname, port=parts.port or 5432,
-                                      user=parts.username, dbname=parts.path.lstrip("/"))
+        connection = request.getfixturevalue("other_connection")
         connection.autocommit = True
+        yield connection
     else:
         connection = sqlite3.connect(database_url.removeprefix("sqlite:///"),
                                      isolation_level=None)
-    yield connection
-    connection.close()
+        yield connection
+        connection.close()
 
 
 def run_sql(connection, sql):
