@@ -138,6 +138,8 @@ class JsonLogFormatter(logging.Formatter):
     """One JSON object per line; fields given as `extra=` (event_id, outcome, ms...) become
     keys of their own, so journald and log shippers can filter on them."""
 
+    escapes_text = True
+
     def format(self, record):
         entry = {"time": datetime.datetime.fromtimestamp(record.created, UTC).isoformat(),
                  "level": record.levelname, "logger": record.name,
@@ -166,6 +168,9 @@ class RedactingFormatter(logging.Formatter):
                               key=len, reverse=True)
 
     def format(self, record):
+        if not getattr(self.inner, "escapes_text", False):
+            # Every text is on the line as it was given: redacting the line is enough.
+            return self.redact(self.inner.format(record))
         # Redact the texts before the inner formatter runs: JSON escapes ", \ and non-ASCII,
         # after which a secret holding them no longer matches. A copy, so that other
         # handlers of the record still see it as it was.
@@ -242,7 +247,7 @@ async def serve(settings):
     # What is left are idle keep-alive connections (or the requests given up on above).
     await server.close_all_connections()
     await ctx.scheduler.stop()
-    await ctx.drain_background()
+    await ctx.close()
     if watchdog:
         watchdog.stop()
     db.close()
@@ -409,7 +414,7 @@ async def _with_context(command, settings, args):
     try:
         return await command(ctx, args)
     finally:
-        await ctx.drain_background()
+        await ctx.close()
 
 
 EVENT_COLUMNS = ("ID", "RECEIVED (UTC)", "SOURCE", "TYPE", "STATUS", "TRIES", "ORDER",

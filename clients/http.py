@@ -1,14 +1,16 @@
 """The one place where an outbound HTTP call is made and its outcome classified."""
+import asyncio
 import dataclasses
 import json
-import socket
 
-from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
-from tornado.iostream import StreamClosedError
-from tornado.netutil import DefaultLoopResolver, is_valid_ip
+import aiohttp
 
 # Statuses worth asking again; any other 4xx is the peer refusing for good.
 RETRYABLE_STATUSES = {408, 425, 429}
+# An idle connection is closed by us before any common server closes it (gunicorn's
+# default keep-alive is 2 s): a request is then never written into a connection the peer
+# is closing at that moment. Under load a connection is never idle that long.
+KEEPALIVE_SECONDS = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,63 +33,82 @@ class Result:
                    configured=configured)
 
 
-class AddressResolver(DefaultLoopResolver):
-    """Resolves an IP address to itself on the spot; Tornado's own resolver hands every
-    host, addresses too (a worker at 127.0.0.1, say), to a thread for getaddrinfo."""
-
-    async def resolve(self, host, port, family=socket.AF_UNSPEC):
-        if is_valid_ip(host):
-            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
-            if family in (socket.AF_UNSPEC, address_family):
-                return [(address_family, (host, port))]
-        return await super().resolve(host, port, family)
+@dataclasses.dataclass(frozen=True)
+class Reply:
+    status: int
+    body: bytes
 
 
-def new_http_client(max_clients=200):
-    """A client of our own: a slow peer may hold many requests open at once without
-    queueing anybody else's behind it (Tornado's shared default allows only 10)."""
-    return AsyncHTTPClient(force_instance=True, max_clients=max_clients,
-                           resolver=AddressResolver())
+class HttpClient:
+    """Keep-alive connections to the peers, up to `max_connections` at once: a slow peer
+    may hold many requests open without queueing anybody else's behind it. A new
+    connection per request cost twice the CPU of the request itself (docs/PERFORMANCE.md).
+
+    The pool belongs to the event loop it was opened in, so it is opened on first use."""
+
+    def __init__(self, max_connections=200):
+        self.max_connections = max_connections
+        self._session = None
+        self._loop = None
+
+    def _current_session(self):
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._loop is not loop:
+            self._loop = loop
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self.max_connections,
+                                               keepalive_timeout=KEEPALIVE_SECONDS),
+                skip_auto_headers=("User-Agent",))
+        return self._session
+
+    async def call(self, method, url, body=None, headers=None, timeout=10.0):
+        """The peer's Reply; raises on a network error or when `timeout` (seconds, the
+        wait for a free connection included) runs out."""
+        limits = aiohttp.ClientTimeout(total=timeout, sock_connect=min(timeout, 5.0))
+        async with self._current_session().request(
+                method, url, data=body, headers=headers, timeout=limits) as response:
+            return Reply(response.status, await response.read())
+
+    async def close(self):
+        if self._session is not None and self._loop is asyncio.get_running_loop():
+            await self._session.close()
+        self._session = None
 
 
 async def post_json(http, url, body, headers=None, timeout=10.0):
     """POST `body` as JSON; a 2xx with a JSON reply is ok, anything else is a failed Result."""
-    request = HTTPRequest(
-        url, method="POST", body=json.dumps(body),
-        headers={"Content-Type": "application/json", "Accept": "application/json",
-                 **(headers or {})},
-        connect_timeout=min(timeout, 5.0), request_timeout=timeout)
     try:
-        response = await http.fetch(request, raise_error=False)
+        reply = await http.call(
+            "POST", url, json.dumps(body).encode(),
+            {"Content-Type": "application/json", "Accept": "application/json",
+             **(headers or {})},
+            timeout)
     except Exception as exc:  # network errors of every kind
         return Result.failed(describe(exc))
-    if response.code == 599:
-        return Result.failed(f"connection failed: {response.error}")
-    if not 200 <= response.code < 300:
-        retryable = response.code >= 500 or response.code in RETRYABLE_STATUSES
-        return Result.failed(f"HTTP {response.code}: {_excerpt(response.body)}",
-                             retryable=retryable, status=response.code)
+    if not 200 <= reply.status < 300:
+        retryable = reply.status >= 500 or reply.status in RETRYABLE_STATUSES
+        return Result.failed(f"HTTP {reply.status}: {_excerpt(reply.body)}",
+                             retryable=retryable, status=reply.status)
     try:
-        parsed = json.loads(response.body or b"null")
+        parsed = json.loads(reply.body or b"null")
     except ValueError:
-        return Result.failed(f"HTTP {response.code} with an unreadable reply: "
-                             f"{_excerpt(response.body)}", status=response.code)
-    return Result(ok=True, status=response.code, body=parsed)
-
-
-# Errors whose text says what went wrong on the network and nothing else. Any other
-# error's text may quote the request, and so a URL with a token in it (Telegram's).
-NETWORK_ERRORS = (OSError, StreamClosedError, HTTPClientError)
+        return Result.failed(f"HTTP {reply.status} with an unreadable reply: "
+                             f"{_excerpt(reply.body)}", status=reply.status)
+    return Result(ok=True, status=reply.status, body=parsed)
 
 
 def describe(exc):
-    if isinstance(exc, NETWORK_ERRORS):
-        return f"{type(exc).__name__}: {exc}"
-    return type(exc).__name__
+    """What went wrong on the network, and nothing else. Any other error's text may quote
+    the request, and so a URL with a token in it (Telegram's): aiohttp's connection
+    timeout does, so a timeout is named, not quoted."""
+    name = type(exc).__name__
+    if isinstance(exc, TimeoutError):
+        return f"{name}: no answer in time"
+    if isinstance(exc, (OSError, aiohttp.ServerDisconnectedError)):
+        return f"{name}: {exc}"
+    return name
 
 
 def _excerpt(body, limit=200):
     text = (body or b"").decode("utf-8", "replace")
     return text if len(text) <= limit else text[:limit] + "…"
-
-

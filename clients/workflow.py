@@ -3,8 +3,6 @@ document back."""
 import json
 import urllib.parse
 
-from tornado.httpclient import HTTPRequest
-
 from clients.http import Result, describe, post_json
 
 APPLY_WORKFLOW = "frappe.model.workflow.apply_workflow"
@@ -48,21 +46,18 @@ class WorkflowClient:
         if not s.workflow_url:
             return Result.failed("WORKFLOW_URL is not set", configured=False)
         path = "/".join(urllib.parse.quote(part, safe="") for part in (doctype, name))
-        request = HTTPRequest(
-            f"{s.workflow_url}/api/resource/{path}", method="GET",
-            headers={"Accept": "application/json", **self._headers()},
-            connect_timeout=min(s.outbound_timeout_seconds, 5.0),
-            request_timeout=s.outbound_timeout_seconds)
         try:
-            response = await self.http.fetch(request, raise_error=False)
+            reply = await self.http.call(
+                "GET", f"{s.workflow_url}/api/resource/{path}",
+                headers={"Accept": "application/json", **self._headers()},
+                timeout=s.outbound_timeout_seconds)
         except Exception as exc:  # network errors of every kind
             return Result.failed(describe(exc))
-        if response.code != 200:
-            return Result.failed(f"HTTP {response.code} reading {doctype} {name}",
-                                 retryable=response.code >= 500 or response.code == 599,
-                                 status=response.code)
+        if reply.status != 200:
+            return Result.failed(f"HTTP {reply.status} reading {doctype} {name}",
+                                 retryable=reply.status >= 500, status=reply.status)
         try:
-            data = json.loads(response.body)["data"]
+            data = json.loads(reply.body)["data"]
         except (ValueError, TypeError, KeyError):
             return Result.failed(f"unreadable reply reading {doctype} {name}", status=200)
         if not isinstance(data, dict):

@@ -12,7 +12,7 @@ import zoneinfo
 
 import jinja2
 
-from clients.http import new_http_client
+from clients.http import HttpClient
 from clients.mailer import Mailer
 from clients.telegram import TelegramClient
 from clients.workflow import WorkflowClient
@@ -43,6 +43,7 @@ class Context:
     mailer: Mailer
     telegram: TelegramClient
     templates: jinja2.Environment
+    http: HttpClient
     clock: typing.Callable = utcnow
     background_tasks: set = dataclasses.field(default_factory=set)
     metrics: Metrics = dataclasses.field(default_factory=Metrics)
@@ -52,7 +53,7 @@ class Context:
 
     @classmethod
     def create(cls, settings, clock=utcnow):
-        http = new_http_client()
+        http = HttpClient()
         mail_threads = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="smtp")
         return cls(
             settings=settings,
@@ -61,6 +62,7 @@ class Context:
             mailer=Mailer(settings, mail_threads),
             telegram=TelegramClient(http, settings),
             templates=template_environment(),
+            http=http,
             clock=clock)
 
     @property
@@ -77,3 +79,8 @@ class Context:
     async def drain_background(self):
         while self.background_tasks:
             await asyncio.gather(*list(self.background_tasks), return_exceptions=True)
+
+    async def close(self):
+        """After the background work: the peers' connections are closed."""
+        await self.drain_background()
+        await self.http.close()

@@ -157,8 +157,10 @@ def settings(worker, frappe, telegram, smtp, tmp_path):
 
 
 @pytest.fixture
-def ctx(settings, clock):
-    return Context.create(settings, clock=clock)
+def ctx(settings, clock, io_loop):
+    ctx = Context.create(settings, clock=clock)
+    yield ctx
+    io_loop.run_sync(ctx.http.close)
 
 
 @pytest.fixture

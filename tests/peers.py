@@ -7,6 +7,7 @@ import email
 import email.policy
 import json
 import threading
+import weakref
 
 import tornado.httpserver
 import tornado.testing
@@ -20,6 +21,7 @@ class Received:
     path: str
     headers: dict
     body: bytes
+    client_port: int = 0  # the sender's end of the connection: one port, one connection
 
     @property
     def json(self):
@@ -32,8 +34,9 @@ class _Record(tornado.web.RequestHandler):
 
     async def _respond(self):
         peer = self.peer
-        peer.requests.append(Received(self.request.method, self.request.path,
-                                      dict(self.request.headers), self.request.body))
+        peer.requests.append(Received(
+            self.request.method, self.request.path, dict(self.request.headers),
+            self.request.body, self.request.connection.stream.socket.getpeername()[1]))
         if peer.delay:
             await asyncio.sleep(peer.delay)
         status, body = peer.responses.pop(0) if peer.responses else (peer.status, peer.body)
@@ -42,6 +45,20 @@ class _Record(tornado.web.RequestHandler):
         self.finish(body if isinstance(body, (bytes, str)) else json.dumps(body))
 
     get = post = put = _respond
+
+
+class _ClosableServer(tornado.httpserver.HTTPServer):
+    def initialize(self, *args, **kwargs):
+        super().initialize(*args, **kwargs)
+        self.open_streams = weakref.WeakSet()
+
+    def handle_stream(self, stream, address):
+        self.open_streams.add(stream)
+        super().handle_stream(stream, address)
+
+    def close_open_streams(self):
+        for stream in list(self.open_streams):
+            stream.close()
 
 
 class HttpPeer:
@@ -56,16 +73,22 @@ class HttpPeer:
         self.body = {"ok": True} if body is None else body
         self.delay = 0
         sock, self.port = tornado.testing.bind_unused_port()
-        self.server = tornado.httpserver.HTTPServer(
+        self.listen([sock])
+
+    def listen(self, sockets):
+        self.server = _ClosableServer(
             tornado.web.Application([(r".*", _Record, {"peer": self})]))
-        self.server.add_sockets([sock])
+        self.server.add_sockets(sockets)
 
     @property
     def url(self):
         return f"http://127.0.0.1:{self.port}"
 
     def stop(self):
+        """Like a peer going down: nothing new connects, and the connections our clients
+        keep alive are closed."""
         self.server.stop()
+        self.server.close_open_streams()
 
     def fail_with(self, status, body=None):
         self.status, self.body = status, {"error": "peer told to fail"} if body is None else body

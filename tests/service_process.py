@@ -16,15 +16,13 @@ import time
 import urllib.parse
 
 import pytest
-import tornado.httpserver
 import tornado.netutil
 import tornado.testing
-import tornado.web
 from peewee import SqliteDatabase
 
 from models import database, is_postgres, open_database
 from tests.conftest import WEBHOOK_SECRET
-from tests.peers import HttpPeer, _Record
+from tests.peers import HttpPeer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 START_TIMEOUT_SECONDS = 20
@@ -195,12 +193,10 @@ class RestartablePeer(HttpPeer):
     the same port."""
 
     def down(self):
-        self.server.stop()
+        self.stop()
 
     def up(self):
-        self.server = tornado.httpserver.HTTPServer(
-            tornado.web.Application([(r".*", _Record, {"peer": self})]))
-        self.server.add_sockets(tornado.netutil.bind_sockets(self.port, "127.0.0.1"))
+        self.listen(tornado.netutil.bind_sockets(self.port, "127.0.0.1"))
 
 
 @contextlib.contextmanager
