@@ -2,11 +2,18 @@
 
 A commit waits for the disk (an fsync on SQLite with synchronous=full, a WAL flush on
 PostgreSQL), and the IOLoop waits with it. Units of work asked for while the loop is busy
-run together at its next turn, each in its own savepoint (one that raises is rolled back
-alone), under one commit. On SQLite the transaction takes the write lock at its start
+run together at its next turn under one commit; one that raises is undone alone (below),
+the others are committed. On SQLite the transaction takes the write lock at its start
 (BEGIN IMMEDIATE): a deferred one that read before another connection (a mail thread's)
 committed could not write at all. Each caller resumes only after that commit: nothing is
 acknowledged before it is durable.
+
+Undoing one unit alone takes a savepoint, which costs two statements and peewee's
+bookkeeping, about as much as a one-row insert. So a turn runs first without any, and
+should a unit raise (or a part of one that
+may fail alone, `savepoint()`), the whole turn is rolled back and run again with a
+savepoint around each unit and each such part. Failing is rare on the request path;
+running again from the start is needed anyway:
 
 On PostgreSQL two processes' turns can deadlock (each inserted a key the other is now
 inserting); the server rolls one statement back, and its unit is run again at the next
@@ -15,12 +22,42 @@ must therefore be safe to run again from its start, and code inside one that cat
 database errors lets a conflict through (`raise_if_conflict`).
 """
 import asyncio
+import contextlib
+import contextvars
 
 from models import database, is_postgres
 
 # SQLSTATE class 40, transaction rollback: a deadlock or a serialization failure.
 CONFLICT_CLASS = "40"
 MAX_CONFLICTS = 5
+
+# False while a turn runs without savepoints.
+_careful = contextvars.ContextVar("careful", default=True)
+
+
+class _PartFailed(BaseException):
+    """A part that may fail alone failed in a turn run without savepoints. Not an
+    Exception: the unit's own handler for the part's failure must not take it for that
+    failure, which it will see when the turn runs again with savepoints."""
+
+
+class _TurnUndone(Exception):
+    """A unit raised in a turn run without savepoints; the turn was rolled back."""
+
+
+@contextlib.contextmanager
+def savepoint():
+    """A part of a unit of work that may fail alone: if it raises, its changes are undone
+    and the exception propagates to the unit, which goes on. Outside a turn, or in a turn
+    run with savepoints, it takes one; otherwise its failure has the turn run again so."""
+    if _careful.get():
+        with database.atomic():
+            yield
+        return
+    try:
+        yield
+    except Exception as failure:
+        raise _PartFailed from failure
 
 
 class GroupCommit:
@@ -41,9 +78,12 @@ class GroupCommit:
 
     def _commit(self):
         batch, self._waiting = self._waiting, []
+        units = [unit for unit, _, _ in batch]
         try:
-            with database.atomic() if is_postgres() else database.atomic("IMMEDIATE"):
-                outcomes = [_attempt(unit) for unit, _, _ in batch]
+            try:
+                outcomes = _run_turn(units, careful=False)
+            except _TurnUndone:
+                outcomes = _run_turn(units, careful=True)
         except Exception as failure:  # the commit itself, or the connection, failed
             outcomes = [(None, failure)] * len(batch)
         for (unit, future, conflicts), (result, failure) in zip(batch, outcomes):
@@ -55,6 +95,22 @@ class GroupCommit:
                 self._enqueue(unit, future, conflicts + 1)
             else:
                 future.set_exception(failure)
+
+
+def _run_turn(units, careful):
+    """Each unit's (result, failure), all in one transaction. Without savepoints
+    (`careful` false) any unit's failure rolls back the turn and raises _TurnUndone."""
+    token = _careful.set(careful)
+    try:
+        with database.atomic() if is_postgres() else database.atomic("IMMEDIATE"):
+            if careful:
+                return [_attempt(unit) for unit in units]
+            try:
+                return [(unit(), None) for unit in units]
+            except (Exception, _PartFailed) as failure:
+                raise _TurnUndone from failure
+    finally:
+        _careful.reset(token)
 
 
 def _attempt(unit):

@@ -16,7 +16,7 @@ import peewee
 from models import WebhookEvent, database
 from services import outbox, spool
 from services.claims import claim, lease
-from services.commits import raise_if_conflict
+from services.commits import raise_if_conflict, savepoint
 from services.db import UNAVAILABLE, locked, why_unavailable
 from services.prepared import InsertOnce, Prepared, slot
 
@@ -107,7 +107,7 @@ def _store_and_handle(ctx, call, handle_now):
         return event, created, None
     started = time.monotonic()
     try:
-        with database.atomic():
+        with savepoint():
             outcome, effects = _run_plain(ctx, event, plugin, registry.decode(event.payload))
     except Exception as exc:
         raise_if_conflict(exc)

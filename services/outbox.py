@@ -14,7 +14,8 @@ import random
 from peewee import fn
 
 from clients.http import Result
-from models import Outbox, database
+from models import Outbox
+from services import commits
 from services.claims import claim, lease
 from services.db import UNAVAILABLE
 from services.prepared import InsertOnce, Prepared, slot
@@ -102,9 +103,9 @@ class Effects:
         effects it asked for are undone together, and the exception propagates."""
         asked_before = len(self.rows)
         try:
-            with database.atomic():
+            with commits.savepoint():
                 yield
-        except Exception:
+        except BaseException:
             del self.rows[asked_before:]
             raise
 

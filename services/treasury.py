@@ -13,9 +13,9 @@ import logging
 
 import peewee
 
-from models import LedgerEntry, TreasuryJob, database
+from models import LedgerEntry, TreasuryJob
 from plugins.registry import exact_json
-from services.commits import raise_if_conflict
+from services.commits import raise_if_conflict, savepoint
 from services.orders import OrderNotFound, complete_payment
 from services.prepared import InsertOnce
 
@@ -239,7 +239,7 @@ def record_receipt(ctx, callback, txid):
     is logged and the enclosing transaction goes on (SPEC.md 4.3 rule 6); a deadlock with
     another process is no failure of ours: the whole unit is run again."""
     try:
-        with database.atomic():
+        with savepoint():
             _save_treasury_job(ctx, callback, txid)
             _add_ledger_entry(ctx, callback, txid)
         return True

@@ -1,6 +1,7 @@
 """Statements built once (services.prepared) and the group commit (services.commits)."""
 import asyncio
 import datetime
+import logging
 import sqlite3
 import threading
 import time
@@ -10,7 +11,7 @@ import pytest
 
 from models import FormationOrder, LedgerEntry, Outbox, TreasuryJob, WebhookEvent, database
 from services import treasury
-from services.commits import GroupCommit
+from services.commits import GroupCommit, savepoint
 from services.prepared import InsertOnce, Prepared, save_changes, slot
 from tests import shkeeper
 
@@ -101,14 +102,31 @@ def test_save_changes_writes_only_the_changed_columns(second_connection):
     assert not order.dirty_fields
 
 
+@pytest.fixture
+def statements(caplog):
+    """The SQL statements run, as peewee logs them."""
+    caplog.set_level(logging.DEBUG, logger="peewee")
+    return lambda: [record.msg[0] for record in caplog.records
+                    if record.name == "peewee" and isinstance(record.msg, tuple)]
+
+
+@pytest.mark.gen_test
+async def test_a_turn_without_failures_takes_no_savepoint(statements):
+    commits = GroupCommit()
+    await asyncio.gather(*(commits.run(lambda key=key: new_event(key)) for key in "abc"))
+    run = statements()
+    assert sum("INSERT INTO" in sql for sql in run) == 3
+    assert not [sql for sql in run if "SAVEPOINT" in sql]
+
+
 @pytest.mark.gen_test
 async def test_units_of_one_turn_share_a_commit_and_a_failing_unit_is_undone_alone():
     commits = GroupCommit()
-    turns = []
+    runs = []
 
     def unit(key, fail=False):
         def run():
-            turns.append(database.in_transaction())
+            runs.append((key, database.in_transaction()))
             new_event(key)
             if fail:
                 raise RuntimeError("this unit fails")
@@ -119,8 +137,30 @@ async def test_units_of_one_turn_share_a_commit_and_a_failing_unit_is_undone_alo
                                    commits.run(unit("c")), return_exceptions=True)
     assert results[0] == "a" and results[2] == "c"
     assert isinstance(results[1], RuntimeError)
-    assert turns == [True, True, True]
+    # Without savepoints until "b" failed; then the whole turn again, with them.
+    assert runs == [("a", True), ("b", True), ("a", True), ("b", True), ("c", True)]
     assert sorted(e.dedup_key for e in WebhookEvent.select()) == ["a", "c"]
+
+
+@pytest.mark.gen_test
+async def test_a_part_that_fails_alone_is_undone_and_its_unit_goes_on(statements):
+    commits = GroupCommit()
+
+    def unit():
+        new_event("kept")
+        try:
+            with savepoint():
+                new_event("undone")
+                raise RuntimeError("this part fails")
+        except RuntimeError:
+            new_event("after the part")
+        return "done"
+
+    results = await asyncio.gather(commits.run(unit), commits.run(lambda: new_event("other")))
+    assert results[0] == "done"
+    assert sorted(e.dedup_key for e in WebhookEvent.select()) == [
+        "after the part", "kept", "other"]
+    assert [sql for sql in statements() if sql.startswith("SAVEPOINT")]
 
 
 @pytest.mark.gen_test
@@ -176,7 +216,9 @@ async def test_a_unit_that_loses_a_deadlock_to_another_process_runs_again(
         return new_event("x"), new_event("y")
     first_x, first_y = await GroupCommit().run(unit)
     other.join()
-    assert len(attempts) == 2  # the first ended in the deadlock, the second went through
+    # The first ended in the deadlock; it ran again (its turn with savepoints may meet the
+    # same deadlock before the other process commits) until it went through.
+    assert len(attempts) >= 2
     assert first_y is None  # the other process's y was committed first
     assert sorted(e.dedup_key for e in WebhookEvent.select()) == ["x", "y"]
 

@@ -6,15 +6,16 @@ import logging
 
 import peewee
 
-from models import ComplianceOrder, database
+from models import ComplianceOrder
 from plugins.workflow import WorkflowWebhook, workflow_webhook
+from services.commits import savepoint
 
 log = logging.getLogger("receiver.plugins")
 
 
 def service_slug_of(order_number):
     try:
-        with database.atomic():  # a savepoint: a failed lookup must not spoil the event
+        with savepoint():  # a failed lookup must not spoil the event
             order = (ComplianceOrder.select(ComplianceOrder.service_slug)
                      .where(ComplianceOrder.order_number == order_number).first())
     except peewee.PeeweeException:
