@@ -36,8 +36,6 @@ BACKOFF_CAP_SECONDS = 6 * 3600
 RETAKE_SLACK = datetime.timedelta(seconds=1)
 
 NEW_EFFECT = InsertOnce(Outbox)
-PENDING_BY_ID = Prepared(lambda: Outbox.select().where(
-    Outbox.id == slot(Outbox.id), Outbox.status == "pending"))
 
 
 def _earlier_pending(of_other_events):
@@ -91,6 +89,7 @@ class Effects:
     def __init__(self, ctx, event=None):
         self.ctx = ctx
         self.event = event
+        # The rows added (Outbox instances, as written): `deliver` sends them once committed.
         self.rows = []
         # Counts every effect asked for, new or already stored, so a replay derives the
         # same keys as the first run did.
@@ -137,14 +136,15 @@ class Effects:
         self.asked += 1
         now = self.ctx.clock()
         # While the cause's own request sends the row, the scheduler leaves it alone.
-        row_id = NEW_EFFECT.run(
+        row = NEW_EFFECT.row(
             event=self.event.id if self.event else None, kind=kind,
             order_number=order_number, payload=json.dumps(payload),
             idempotency_key=key, next_attempt_at=now + lease(self.ctx),
             created_at=now, updated_at=now)
-        if row_id:
-            self.rows.append(row_id)
-        return row_id
+        if row is None:
+            return None
+        self.rows.append(row)
+        return row.id
 
     def job(self, action, payload, key=None):
         return self.add("job", {"action": action, "payload": payload}, key,
@@ -280,16 +280,17 @@ def record_outcome(ctx, row, result):
                     row.id, row.kind, attempts, result.error)
 
 
-async def deliver(ctx, row_ids):
-    """Send the given rows concurrently; each outcome is recorded, none raises.
+async def deliver(ctx, rows):
+    """Send the rows an Effects has just added, once committed, concurrently; each outcome
+    is recorded, none raises. They are as written: nobody else sends a row during the
+    lease it was created with.
 
     A row whose order still has an earlier effect pending (from an earlier event) is not
     sent here: it is handed to the scheduled sender, which keeps each order's effects in
     the order they were caused."""
-    if not row_ids:
+    if not rows:
         return []
-    rows = [row for row in (PENDING_BY_ID.first(id=row_id) for row_id in sorted(row_ids))
-            if row is not None]
+    rows = sorted(rows, key=lambda row: row.id)
     queued = [row for row in rows if _behind_an_earlier_effect(row)]
     if queued:
         _hand_to_scheduler(ctx, [row.id for row in queued])

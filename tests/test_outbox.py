@@ -39,8 +39,9 @@ def one_mail_thread(ctx):
 async def test_a_mail_waiting_for_a_thread_past_its_lease_is_sent_once(
         ctx, clock, smtp, one_mail_thread):
     clock.set(2026, 11, 20, 9, 0)
-    row_id = Effects(ctx).add("email", mail(), order_number="FO-1")
-    request = asyncio.ensure_future(outbox.deliver(ctx, [row_id]))  # its request sends it
+    effects = Effects(ctx)
+    row_id = effects.add("email", mail(), order_number="FO-1")
+    request = asyncio.ensure_future(outbox.deliver(ctx, effects.rows))  # its request sends it
     await asyncio.sleep(0.2)
 
     # The lease the request holds runs out while its mail waits for a thread, so the
@@ -96,9 +97,10 @@ async def test_a_sender_that_raises_makes_its_row_dead_not_stuck(ctx, clock, smt
 @pytest.mark.gen_test
 async def test_a_subject_with_a_line_break_is_sent_on_one_line_without_injected_headers(
         ctx, smtp):
-    row_id = Effects(ctx).add(
+    effects = Effects(ctx)
+    effects.add(
         "email", mail(subject="Your order\r\nBcc: intruder@example.test"))
-    [result] = await outbox.deliver(ctx, [row_id])
+    [result] = await outbox.deliver(ctx, effects.rows)
 
     assert result.ok
     [(recipients, message)] = smtp.messages
@@ -122,7 +124,7 @@ async def test_an_effect_whose_peer_is_not_configured_waits_without_using_attemp
     else:
         row_id = effects.workflow_action("Formation Order", "ORD-1", "Approve", "FO-1")
 
-    await outbox.deliver(ctx, [row_id])
+    await outbox.deliver(ctx, effects.rows)
     row = Outbox.get_by_id(row_id)
     assert (row.status, row.attempts) == ("pending", 0)
     assert row.last_error == f"{setting.upper()} is not set"
@@ -149,8 +151,8 @@ async def test_a_mail_sent_again_after_its_outcome_was_lost_keeps_its_message_id
     clock.set(2026, 11, 20, 9, 0)
     effects = Effects(ctx)
     first = effects.add("email", mail())
-    other = effects.add("email", mail())
-    await outbox.deliver(ctx, [first, other])
+    effects.add("email", mail())
+    await outbox.deliver(ctx, effects.rows)
     # The process died before it recorded the first one as sent: it goes out again.
     Outbox.update(status="pending").where(Outbox.id == first).execute()
     clock.advance(seconds=ctx.settings.claim_lease_seconds + 1)
@@ -163,10 +165,11 @@ async def test_a_mail_sent_again_after_its_outcome_was_lost_keeps_its_message_id
 @pytest.mark.gen_test
 async def test_a_row_sent_right_after_its_creation_is_not_re_taken_first(ctx, clock, worker):
     clock.set(2026, 11, 20, 9, 0)
-    row_id = Effects(ctx).job("deliver", {"order_number": "FO-1"})
+    effects = Effects(ctx)
+    row_id = effects.job("deliver", {"order_number": "FO-1"})
     leased_until = Outbox.get_by_id(row_id).next_attempt_at
     clock.advance(seconds=0.5)  # a re-take now would move the lease by half a second
-    await outbox.deliver(ctx, [row_id])
+    await outbox.deliver(ctx, effects.rows)
     row = Outbox.get_by_id(row_id)
     assert row.status == "sent" and len(worker.requests) == 1
     assert row.next_attempt_at == leased_until  # no write before the send
@@ -176,9 +179,10 @@ async def test_a_row_sent_right_after_its_creation_is_not_re_taken_first(ctx, cl
 async def test_a_row_whose_lease_has_run_down_is_re_taken_before_it_is_sent(
         ctx, clock, worker):
     clock.set(2026, 11, 20, 9, 0)
-    row_id = Effects(ctx).job("deliver", {"order_number": "FO-1"})
+    effects = Effects(ctx)
+    row_id = effects.job("deliver", {"order_number": "FO-1"})
     clock.advance(seconds=2)  # more than RETAKE_SLACK of the lease is gone
-    await outbox.deliver(ctx, [row_id])
+    await outbox.deliver(ctx, effects.rows)
     row = Outbox.get_by_id(row_id)
     assert row.status == "sent" and len(worker.requests) == 1
     assert row.next_attempt_at == clock() + datetime.timedelta(
