@@ -10,10 +10,9 @@ acknowledged before it is durable.
 
 Undoing one unit alone takes a savepoint, which costs two statements and peewee's
 bookkeeping, about as much as a one-row insert. So a turn runs first without any, and
-should a unit raise (or a part of one that
-may fail alone, `savepoint()`), the whole turn is rolled back and run again with a
-savepoint around each unit and each such part. Failing is rare on the request path;
-running again from the start is needed anyway:
+should a unit raise (or a part of one that may fail alone, `savepoint()`), the whole turn
+is rolled back and run again with a savepoint around each unit and each such part.
+Failing is rare on the request path, and running again from the start is needed anyway:
 
 On PostgreSQL two processes' turns can deadlock (each inserted a key the other is now
 inserting); the server rolls one statement back, and its unit is run again at the next
