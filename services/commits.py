@@ -1,7 +1,7 @@
 """Group commit: the transactions of concurrent requests share one commit.
 
 A commit waits for the disk (an fsync on SQLite with synchronous=full, a WAL flush on
-PostgreSQL). Units of work asked for while the loop is busy
+PostgreSQL), and the IOLoop waits with it. Units of work asked for while the loop is busy
 run together at its next turn under one commit; one that raises is undone alone (below),
 the others are committed. On SQLite the transaction takes the write lock at its start
 (BEGIN IMMEDIATE): a deferred one that read before another connection (a mail thread's)
@@ -21,7 +21,6 @@ must therefore be safe to run again from its start, and code inside one that cat
 database errors lets a conflict through (`raise_if_conflict`).
 """
 import asyncio
-import concurrent.futures
 import contextlib
 import contextvars
 
@@ -30,14 +29,6 @@ from models import database, is_postgres
 # SQLSTATE class 40, transaction rollback: a deadlock or a serialization failure.
 CONFLICT_CLASS = "40"
 MAX_CONFLICTS = 5
-
-# On PostgreSQL a turn runs in a thread of its own, on a connection of its own: each
-# statement is a round trip to the server, and the IOLoop serves requests meanwhile. The
-# loop's own statements (claims, reads) meet the turn's as another process's would, which
-# PostgreSQL's row locks and SKIP LOCKED claims already provide for. SQLite's statements
-# are calls into a library, not round trips; there a second connection writing beside the
-# loop's would make the loop's own transactions fail as busy, so a turn runs on the loop.
-_TURN_THREAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="group-commit")
 
 # False while a turn runs without savepoints.
 _careful = contextvars.ContextVar("careful", default=True)
@@ -71,7 +62,6 @@ def savepoint():
 class GroupCommit:
     def __init__(self):
         self._waiting = []
-        self._turn_asked = False  # a turn is scheduled or running
 
     async def run(self, unit):
         """Run `unit()` in a transaction shared with the other units of this turn; return
@@ -81,22 +71,20 @@ class GroupCommit:
         return await future
 
     def _enqueue(self, unit, future, conflicts):
+        if not self._waiting:
+            asyncio.get_running_loop().call_soon(self._commit)
         self._waiting.append((unit, future, conflicts))
-        if not self._turn_asked:
-            self._turn_asked = True
-            asyncio.get_running_loop().call_soon(self._start_turn)
 
-    def _start_turn(self):
+    def _commit(self):
         batch, self._waiting = self._waiting, []
         units = [unit for unit, _, _ in batch]
-        if is_postgres():
-            running = asyncio.get_running_loop().run_in_executor(_TURN_THREAD, _outcomes, units)
-            running.add_done_callback(lambda done: self._end_turn(batch, done.result()))
-        else:
-            self._end_turn(batch, _outcomes(units))
-
-    def _end_turn(self, batch, outcomes):
-        self._turn_asked = False
+        try:
+            try:
+                outcomes = _run_turn(units, careful=False)
+            except _TurnUndone:
+                outcomes = _run_turn(units, careful=True)
+        except Exception as failure:  # the commit itself, or the connection, failed
+            outcomes = [(None, failure)] * len(batch)
         for (unit, future, conflicts), (result, failure) in zip(batch, outcomes):
             if future.cancelled():
                 continue
@@ -106,20 +94,6 @@ class GroupCommit:
                 self._enqueue(unit, future, conflicts + 1)
             else:
                 future.set_exception(failure)
-        if self._waiting and not self._turn_asked:  # asked for while this turn ran
-            self._turn_asked = True
-            asyncio.get_running_loop().call_soon(self._start_turn)
-
-
-def _outcomes(units):
-    """Each unit's (result, failure) once the turn is over."""
-    try:
-        try:
-            return _run_turn(units, careful=False)
-        except _TurnUndone:
-            return _run_turn(units, careful=True)
-    except Exception as failure:  # the commit itself, or the connection, failed
-        return [(None, failure)] * len(units)
 
 
 def _run_turn(units, careful):

@@ -223,29 +223,6 @@ async def test_a_unit_that_loses_a_deadlock_to_another_process_runs_again(
     assert sorted(e.dedup_key for e in WebhookEvent.select()) == ["x", "y"]
 
 
-@pytest.mark.gen_test(timeout=30)
-async def test_on_postgresql_the_loop_goes_on_while_a_turn_waits_for_the_server(
-        database_url, second_connection):
-    if not database_url.startswith("postgres"):
-        pytest.skip("on SQLite a turn runs on the loop: its statements are no round trips")
-    second_connection.autocommit = False
-    run_sql(second_connection, INSERT_BY_HAND.format(key="held"))  # uncommitted: ours waits
-
-    def other_process():
-        time.sleep(0.5)
-        second_connection.commit()
-    other = threading.Thread(target=other_process)
-    other.start()
-    turn = asyncio.ensure_future(GroupCommit().run(lambda: new_event("held")))
-    ticks = 0
-    while not turn.done():
-        ticks += 1
-        await asyncio.sleep(0.01)
-    other.join()
-    assert await turn is None  # the other process's row was committed first
-    assert ticks >= 20  # the loop ran on through the half second the turn waited
-
-
 LEDGER_BY_HAND = (
     "INSERT INTO ledger_entries (order_id, order_type, coin, movement_type, amount_coin, "
     "amount_usd_cents, provider, provider_ref, provider_status, state, idempotency_key, "
