@@ -64,7 +64,8 @@ class HttpClient:
     async def call(self, method, url, body=None, headers=None, timeout=10.0):
         """The peer's Reply; raises on a network error or when `timeout` (seconds, the
         wait for a free connection included) runs out."""
-        limits = aiohttp.ClientTimeout(total=timeout, sock_connect=min(timeout, 5.0))
+        # A connection that takes half the time leaves too little for the answer.
+        limits = aiohttp.ClientTimeout(total=timeout, sock_connect=min(timeout / 2, 5.0))
         async with self._current_session().request(
                 method, url, data=body, headers=headers, timeout=limits) as response:
             return Reply(response.status, await response.read())

@@ -1,4 +1,7 @@
 """The outbound HTTP client's classification of outcomes, and what its errors may say."""
+import contextlib
+import socket
+
 import pytest
 
 from clients.http import HttpClient, post_json
@@ -34,14 +37,40 @@ async def test_statuses_are_classified(telegram, status, retryable):
 
 
 @pytest.mark.gen_test
-async def test_a_timeout_is_retryable_and_never_quotes_the_url(telegram):
-    # aiohttp's own text for a timeout names the whole URL, bot token included.
+async def test_a_slow_answer_is_a_retryable_timeout(telegram):
     telegram.delay = 2
-    settings = Settings(telegram_api_url=telegram.url, telegram_bot_token="123:SECRET",
-                        telegram_chat_id="1", outbound_timeout_seconds=0.3)
+    result = await post_json(HttpClient(), telegram.url + "/x", {}, timeout=0.3)
+    assert not result.ok and result.retryable and "no answer in time" in result.error
+
+
+@pytest.fixture
+def unanswered_port():
+    """A port whose listener never accepts, with its queue full: a connection to it hangs."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    queued = []
+    for _ in range(4):
+        sock = socket.socket()
+        sock.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            sock.connect(("127.0.0.1", port))
+        queued.append(sock)
+    yield port
+    for sock in (*queued, listener):
+        sock.close()
+
+
+@pytest.mark.gen_test(timeout=10)
+async def test_a_connection_timeout_is_retryable_and_never_quotes_the_url(unanswered_port):
+    # aiohttp's text for a connection timeout is the whole URL, bot token included.
+    settings = Settings(telegram_api_url=f"http://127.0.0.1:{unanswered_port}",
+                        telegram_bot_token="123:SECRET", telegram_chat_id="1",
+                        outbound_timeout_seconds=1)
     result = await TelegramClient(HttpClient(), settings).send("hello")
     assert not result.ok and result.retryable
-    assert "SECRET" not in result.error and "no answer in time" in result.error
+    assert result.error == "ConnectionTimeoutError: no answer in time"
 
 
 @pytest.mark.gen_test
