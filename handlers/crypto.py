@@ -125,8 +125,8 @@ class CryptoProcessorWebhookHandler(ApiHandler):
         status = status if isinstance(status, str) and status.isprintable() else "unknown"
         log.info("crypto callback without external_id (status %r) ignored", status)
         inbox.record(self.ctx, SOURCE, status or "unknown",
-                            f"no-external-id:{_digest(raw)}", raw, status="ignored",
-                            last_error="no external_id")
+                     f"no-external-id:{_digest(raw)}", raw, status="ignored",
+                     last_error="no external_id")
 
     def reject(self, raw, body, reason):
         """Kept as `rejected` with the reason; the admin hears of it when it claimed to be

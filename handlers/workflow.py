@@ -52,4 +52,4 @@ class WorkflowWebhookHandler(ApiHandler):
         # The previous window is looked up by the inbox, or by the spool drain when the
         # database is down now.
         await inbox.accept(self.ctx, "workflow", path, dedup_key, self.raw_body,
-                            order_number=body["order_number"], also_known_as=previous)
+                           order_number=body["order_number"], also_known_as=previous)
