@@ -23,6 +23,14 @@ def admin_mail(smtp):
 
 
 @pytest.fixture
+def new_job(ctx, clock):
+    """A worker job for FO-1 just written at 2026-11-20 09:00: (its Effects, its row id)."""
+    clock.set(2026, 11, 20, 9, 0)
+    effects = Effects(ctx)
+    return effects, effects.job("deliver", {"order_number": "FO-1"})
+
+
+@pytest.fixture
 def one_mail_thread(ctx):
     """The mailer with a single thread, kept busy until the test opens the gate: sends
     queue behind it as they do when every thread is held by a slow mail server."""
@@ -60,10 +68,8 @@ async def test_a_mail_waiting_for_a_thread_past_its_lease_is_sent_once(
 
 @pytest.mark.gen_test
 async def test_a_job_claimed_by_another_sender_meanwhile_is_not_sent_again(
-        ctx, clock, worker):
-    clock.set(2026, 11, 20, 9, 0)
-    effects = Effects(ctx)
-    row_id = effects.job("deliver", {"order_number": "FO-1"})
+        ctx, clock, worker, new_job):
+    _, row_id = new_job
     [held] = Outbox.select().where(Outbox.id == row_id)  # what the request's sender read
     clock.advance(seconds=ctx.settings.claim_lease_seconds + 1)
     assert await outbox.send_due(ctx) == 1
@@ -163,10 +169,9 @@ async def test_a_mail_sent_again_after_its_outcome_was_lost_keeps_its_message_id
 
 
 @pytest.mark.gen_test
-async def test_a_row_sent_right_after_its_creation_is_not_re_taken_first(ctx, clock, worker):
-    clock.set(2026, 11, 20, 9, 0)
-    effects = Effects(ctx)
-    row_id = effects.job("deliver", {"order_number": "FO-1"})
+async def test_a_row_sent_right_after_its_creation_is_not_re_taken_first(
+        ctx, clock, worker, new_job):
+    effects, row_id = new_job
     leased_until = Outbox.get_by_id(row_id).next_attempt_at
     clock.advance(seconds=0.5)  # a re-take now would move the lease by half a second
     await outbox.deliver(ctx, effects.rows)
@@ -177,10 +182,8 @@ async def test_a_row_sent_right_after_its_creation_is_not_re_taken_first(ctx, cl
 
 @pytest.mark.gen_test
 async def test_a_row_whose_lease_has_run_down_is_re_taken_before_it_is_sent(
-        ctx, clock, worker):
-    clock.set(2026, 11, 20, 9, 0)
-    effects = Effects(ctx)
-    row_id = effects.job("deliver", {"order_number": "FO-1"})
+        ctx, clock, worker, new_job):
+    effects, row_id = new_job
     clock.advance(seconds=2)  # more than RETAKE_SLACK of the lease is gone
     await outbox.deliver(ctx, effects.rows)
     row = Outbox.get_by_id(row_id)
