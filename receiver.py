@@ -98,6 +98,8 @@ class _CountedDelegate(tornado.httputil.HTTPMessageDelegate):
     wraps every body read in a task of its own: that cost 5-9% of the CPU of a webhook
     (docs/PERFORMANCE.md)."""
 
+    cut_off = False
+
     def __init__(self, app, request, inner):
         self.app, self.request, self.inner = app, request, inner
         self.deadline = asyncio.get_running_loop().call_later(app.body_timeout,
@@ -111,6 +113,11 @@ class _CountedDelegate(tornado.httputil.HTTPMessageDelegate):
 
     def finish(self):
         self.deadline.cancel()
+        if self.cut_off:
+            # The body's last bytes were read in the same turn of the loop as the deadline
+            # ran out: the connection is closed, so nobody would get the answer.
+            self.on_connection_close()
+            return
         self.inner.finish()
 
     def on_connection_close(self):
@@ -119,6 +126,7 @@ class _CountedDelegate(tornado.httputil.HTTPMessageDelegate):
         self.inner.on_connection_close()
 
     def body_too_slow(self):
+        self.cut_off = True
         log.info("request body from %s not in after %s s; connection closed",
                  self.request.remote_ip, self.app.body_timeout)
         self.request.connection.close()

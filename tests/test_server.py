@@ -49,8 +49,29 @@ async def test_a_body_not_in_within_the_timeout_is_cut_off(app, http_server, htt
     assert time.monotonic() - sent >= BODY_TIMEOUT * 0.9
     writer.close()
     assert app.in_flight == 0
-    assert WebhookEvent.select().count() == 0
     assert "not in after 0.5 s; connection closed" in caplog.text
+
+
+@pytest.mark.gen_test(timeout=30)
+async def test_a_body_completed_as_the_deadline_runs_out_is_not_handled(
+        app, http_server, http_port, worker):
+    """The last bytes read in the same turn of the loop as the deadline runs out: the
+    connection is closed, so the request is not handled either; nobody would get the
+    answer."""
+    app.body_timeout = BODY_TIMEOUT
+    body = order(9)
+    reader, writer = await asyncio.open_connection("127.0.0.1", http_port)
+    writer.write(request_head(WEBHOOK, len(body)) + body[:5])
+    while app.in_flight == 0:  # the service has the headers: the deadline runs
+        await asyncio.sleep(0.01)
+    writer.write(body[5:])
+    time.sleep(BODY_TIMEOUT * 1.5)  # the loop busy until both are due at once
+
+    assert await asyncio.wait_for(reader.read(), 10) == b""
+    writer.close()
+    assert app.in_flight == 0
+    assert WebhookEvent.select().count() == 0
+    assert worker.requests == []
 
 
 @pytest.mark.gen_test(timeout=30)
