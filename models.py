@@ -1,4 +1,6 @@
-"""Peewee models: the tables other systems depend on (names fixed by DESIGN.md).
+"""Peewee models: every table, in one module as the design card fixes (it is longer than
+the others for that reason). The table and column names marked as other systems' are
+relied on by them: the workflow system and the worker read and write the order tables.
 
 One Database is chosen at start-up from DATABASE_URL by `open_database`; models are
 bound to it through a proxy. Times are stored as timezone-aware UTC, money as integer
@@ -153,6 +155,9 @@ class OrderBase(BaseModel):
     paid_at = UTCDateTimeField(null=True)
     parent_order_number = TextField(null=True)
     discount_code = TextField(null=True)
+    # The order's document name in the workflow system, as its webhooks last gave it;
+    # null until one arrives (calls about the order then name it by its order number).
+    order_name = TextField(null=True)
 
     kind = None
 
@@ -200,6 +205,13 @@ class CrtcOrder(OrderBase):
     funds_available_at = UTCDateTimeField(null=True)
     total_cents = BigIntegerField(null=True)
     amb_annual_price_cents = BigIntegerField(null=True)
+    # The commission holdback: set once by crtc/delivered; released (the worker job sent)
+    # or forfeited (a dispute before the release, with the reason), never both.
+    delivered_at = UTCDateTimeField(null=True)
+    holdback_ends_at = UTCDateTimeField(null=True)
+    commission_released_at = UTCDateTimeField(null=True)
+    commission_forfeited_at = UTCDateTimeField(null=True)
+    commission_forfeit_reason = TextField(null=True)
 
     class Meta:
         table_name = "crtc_orders"

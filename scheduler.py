@@ -19,8 +19,9 @@ from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 
 from models import UTC, database, is_postgres
-from services import inbox, outbox, reminders, retention, spool
-from services.db import UNAVAILABLE, why_unavailable
+from domain import reminders
+from engine import inbox, outbox, retention, spool
+from engine.db import UNAVAILABLE, why_unavailable
 
 log = logging.getLogger("receiver.scheduler")
 
@@ -32,7 +33,7 @@ STOP_GRACE_SECONDS = 5
 
 
 async def settle(ctx):
-    from services.settlement import settle_crtc_orders
+    from domain.settlement import settle_crtc_orders
     return await settle_crtc_orders(ctx)
 
 
@@ -55,7 +56,7 @@ class Job:
 JOBS = (
     Job("outbox", outbox.send_due, lambda s: s.scheduler_tick_seconds),
     Job("inbox", inbox.retry_due, lambda s: s.scheduler_tick_seconds),
-    Job("spool", spool.drain, lambda s: s.scheduler_tick_seconds),
+    Job("spool", inbox.drain_spool, lambda s: s.scheduler_tick_seconds),
     Job("settlement", settle, lambda s: 60 * s.settlement_interval_minutes),
     Job("reminders", reminders.send_intake_reminders, lambda s: HOURLY),
     Job("retention", prune, lambda s: HOURLY, at_start=False),

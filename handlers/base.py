@@ -6,7 +6,7 @@ import re
 
 import tornado.web
 
-from services.db import UNAVAILABLE
+from engine.db import UNAVAILABLE
 
 log = logging.getLogger("receiver.http")
 

@@ -5,7 +5,7 @@ import logging
 import stripe
 
 from handlers.base import ApiHandler
-from services import card_events
+from domain import card_events
 
 log = logging.getLogger("receiver.card")
 

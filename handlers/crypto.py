@@ -11,8 +11,9 @@ import re
 
 from handlers.base import ApiHandler, same_secret
 from models import database
-from services import inbox, outbox, treasury
-from services.db import UNAVAILABLE
+from domain import treasury
+from engine import inbox, outbox
+from engine.db import UNAVAILABLE
 
 log = logging.getLogger("receiver.crypto")
 

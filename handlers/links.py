@@ -6,9 +6,9 @@ first time. The token is checked before the order is looked up, so a caller with
 valid link learns nothing about which orders exist."""
 import tornado.web
 
-from services import links
-from services.db import UNAVAILABLE
-from services.ratelimit import RateLimited
+from domain import links
+from engine.db import UNAVAILABLE
+from handlers.ratelimit import RateLimited
 
 KIND_TITLES = {"ifta": "IFTA fuel-tax return", "ucr": "UCR annual registration"}
 ERROR_TEXTS = {

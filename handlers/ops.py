@@ -10,7 +10,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from handlers.base import ApiHandler
 from models import database
-from services.db import UNAVAILABLE
+from engine.db import UNAVAILABLE
 
 log = logging.getLogger("receiver.ops")
 

@@ -12,9 +12,9 @@ from peewee import fn
 
 from handlers.base import ApiHandler, same_secret
 from models import ORDER_MODELS, ReferralCode, SurveyResponse
-from services.links import survey_token_valid
-from services.prepared import InsertOnce
-from services.ratelimit import RateLimited
+from domain.links import survey_token_valid
+from engine.prepared import InsertOnce
+from handlers.ratelimit import RateLimited
 
 NEW_RESPONSE = InsertOnce(SurveyResponse)
 DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data")
@@ -61,7 +61,7 @@ def order_exists(order_number):
 
 class SurveyHandler(PublicApiHandler):
     """POST /api/v1/survey: one post-completion survey response per order, from the
-    customer's signed invitation (services.links.survey_token)."""
+    customer's signed invitation (domain.links.survey_token)."""
 
     def post(self):
         body = self.json_body()

@@ -8,7 +8,7 @@ from handlers.public import (
     DotRequirementsHandler, ReferralCheckHandler, ReferralInfoHandler, SurveyHandler,
 )
 from handlers.workflow import WorkflowWebhookHandler
-from services.ratelimit import RateLimiter
+from handlers.ratelimit import RateLimiter
 
 
 def routes(ctx):

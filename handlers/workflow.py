@@ -4,8 +4,7 @@ import hashlib
 import hmac
 
 from handlers.base import ApiHandler, same_secret
-from plugins import registries
-from services import inbox
+from engine import inbox
 
 # Frappe retries a failed webhook a few times within seconds, and may time out while we
 # wait on the worker. The same body to the same path within this window is that same
@@ -15,7 +14,7 @@ DEDUP_WINDOW_SECONDS = 600
 
 class WorkflowWebhookHandler(ApiHandler):
     async def post(self, path):
-        webhook = registries()["workflow"].get(path)
+        webhook = self.ctx.plugins["workflow"].get(path)
         if webhook is None:
             self.fail(404, "not found")
         self.authenticate()

@@ -1,7 +1,9 @@
 """Event plugins: one module per workflow path, per card event type, per crypto status.
 
 A module registers itself with a decorator from `plugins.registry` when it is imported;
-`registries()` imports them all once.
+`registries()` imports them all once. A plugin says what happens in the domain's words:
+the mechanics it needs live in domain/ and engine/, which it imports; nothing below
+imports a plugin (the engine finds them through the context).
 """
 import importlib
 import pkgutil

@@ -14,8 +14,8 @@ from tornado.httpclient import AsyncHTTPClient
 
 import migrations
 from models import UTC, open_database
-from receiver import make_app
-from services.context import Context
+from app.server import make_app
+from app.context import Context
 from settings import Settings
 from tests.peers import HttpPeer, SmtpPeer
 

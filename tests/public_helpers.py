@@ -6,8 +6,8 @@ import urllib.parse
 import tornado.netutil
 
 from models import ComplianceOrder
-from receiver import make_server
-from services.links import link_token
+from app.server import make_server
+from domain.links import link_token
 
 
 def compliance_order(order_number="CO-20001", customer_name="Dana Trucking LLC"):

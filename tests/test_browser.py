@@ -9,8 +9,8 @@ import struct
 import pytest
 import tornado.web
 
-from receiver import make_app
-from services.links import record_self_filed
+from app.server import make_app
+from domain.links import record_self_filed
 from tests.public_helpers import compliance_order, served, signed_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

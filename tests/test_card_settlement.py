@@ -9,7 +9,7 @@ import json
 import pytest
 
 from models import UTC, CrtcOrder, WebhookEvent
-from services.settlement import business_days_after, settle_crtc_orders
+from domain.settlement import business_days_after, settle_crtc_orders
 from tests import stripe_events as se
 from tests.stripe_events import RECEIVED, deliver, settings  # noqa: F401 (fixture)
 

@@ -6,7 +6,8 @@ import threading
 import pytest
 
 from models import UTC, ComplianceOrder, SubscriptionCycle, WebhookEvent
-from services import inbox, orders
+from domain import orders
+from engine import inbox
 from tests import stripe_events as se
 from tests.service_process import postgres_only
 from tests.stripe_events import RECEIVED, deliver, send, settings  # noqa: F401 (fixtures)
@@ -107,7 +108,7 @@ async def test_two_renewals_racing_for_one_cycle_number_end_with_the_next_number
     stored = await send("invoice.paid", se.invoice("sub_test_42", invoice_id="in_test_mine"))
     timer.join()
     # Our insert of cycle 1 waited for the other process and then failed on its row: the
-    # turn was run again (services.commits), and that run counted the other renewal.
+    # turn was run again (engine.commits), and that run counted the other renewal.
     assert stored.status == "processed" and stored.attempts == 1
     assert [(r.json["invoice_id"], r.json["recurring_cycle"]) for r in worker.requests] == [
         ("in_test_mine", 2)]

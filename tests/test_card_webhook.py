@@ -10,7 +10,8 @@ import time
 import pytest
 
 from models import CrtcOrder, FormationOrder, Outbox, WebhookEvent
-from services import card_events, spool
+from domain import card_events
+from engine import inbox, spool
 from tests import stripe_events as se
 from tests.service_process import database_down
 from tests.stripe_events import RECEIVED, deliver, settings  # noqa: F401 (fixture)
@@ -271,7 +272,7 @@ async def test_a_database_outage_is_acknowledged_from_the_spool_and_handled_once
         assert (await deliver(post, clock, evt))[:2] == RECEIVED
         assert (await deliver(post, clock, evt))[:2] == RECEIVED
     assert FormationOrder.get().payment_status == "pending_payment"
-    assert await spool.drain(ctx) == 2
+    assert await inbox.drain_spool(ctx) == 2
     stored = WebhookEvent.get()
     assert (stored.external_id, stored.status) == (evt["id"], "processed")
     assert FormationOrder.get().payment_status == "paid" and len(telegram.requests) == 1

@@ -10,7 +10,7 @@ import tornado.testing
 import tornado.web
 
 from models import UTC, FormationOrder, Outbox, WebhookEvent
-from services import card_events
+from domain import card_events
 from tests import stripe_events as stripe_shaped
 from tests.stripe_events import SECRET_KEY
 from tests.test_cli import cli_env, run_async

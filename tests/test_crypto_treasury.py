@@ -8,7 +8,7 @@ from decimal import Decimal
 import pytest
 
 from models import UTC, CrtcOrder, FormationOrder, LedgerEntry, TreasuryJob, WebhookEvent
-from services import treasury
+from domain import treasury
 from tests import shkeeper
 from tests.shkeeper import API_KEY, URL, key_headers
 

@@ -13,7 +13,7 @@ from models import (
     BundleOrder, ComplianceOrder, CrtcOrder, FormationOrder, LedgerEntry, Outbox,
     TreasuryJob, WebhookEvent,
 )
-from services import inbox
+from engine import inbox
 from tests import shkeeper
 from tests.shkeeper import API_KEY, URL, key_headers, signed_headers
 from tests.service_process import database_down

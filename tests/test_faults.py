@@ -10,8 +10,8 @@ import pytest
 from tornado.simple_httpclient import HTTPStreamClosedError
 
 from models import ComplianceOrder, Outbox, WebhookEvent
-from services import outbox
-from services.reminders import send_intake_reminders
+from engine import outbox
+from domain.reminders import send_intake_reminders
 from tests.conftest import WEBHOOK_SECRET
 from tests.service_process import (
     ON_POSTGRES, RestartablePeer, ServiceProcess, TcpProxy, postgres_only)

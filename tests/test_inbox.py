@@ -3,7 +3,7 @@ import pytest
 
 from models import Outbox, WebhookEvent
 from plugins import registries
-from services import inbox
+from engine import inbox
 
 
 def test_a_nul_in_stored_text_is_kept_as_a_replacement_character(ctx):

@@ -8,9 +8,9 @@ import sys
 import pytest
 
 from models import SelfFiling
-from receiver import make_app
-from services.context import Context
-from services.links import (
+from app.server import make_app
+from app.context import Context
+from domain.links import (
     InvalidLinkPart, already_filed, link_token, record_self_filed, signed_link,
     survey_token, survey_token_valid, token_valid,
 )
@@ -247,10 +247,10 @@ def test_openapi_yaml_documents_every_method_the_link_serves(kind):
 def test_the_rate_limit_mixin_lives_with_the_limiter_not_in_another_handler_module():
     import handlers.links
     import handlers.public
-    from services.ratelimit import RateLimited
+    from handlers.ratelimit import RateLimited
     assert handlers.links.FiledLinkHandler.__mro__[1] is RateLimited
     assert handlers.public.PublicApiHandler.__mro__[1] is RateLimited
-    assert RateLimited.__module__ == "services.ratelimit"
+    assert RateLimited.__module__ == "handlers.ratelimit"
 
 
 @pytest.mark.gen_test

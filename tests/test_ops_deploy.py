@@ -68,7 +68,7 @@ def test_the_unit_is_notify_restarting_and_hardened():
     for option in ("NoNewPrivileges", "PrivateTmp", "ProtectHome", "PrivateDevices"):
         assert settings[option] == "yes", option
     # Longer than the service's own grace for requests in flight, so it exits by itself.
-    from receiver import SHUTDOWN_GRACE_SECONDS
+    from app.server import SHUTDOWN_GRACE_SECONDS
     assert int(settings["TimeoutStopSec"]) > SHUTDOWN_GRACE_SECONDS
 
 

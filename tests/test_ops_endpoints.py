@@ -9,9 +9,9 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from models import Outbox, WebhookEvent, database
-from receiver import prepare_spool
+from app.server import prepare_spool
 from scheduler import Scheduler
-from services.context import Context
+from app.context import Context
 from tests.conftest import WEBHOOK_SECRET
 
 AUTH = {"X-Webhook-Secret": WEBHOOK_SECRET, "Content-Type": "application/json"}

@@ -14,9 +14,9 @@ import urllib.parse
 import pytest
 
 from models import FormationOrder
-from receiver import JsonLogFormatter, RedactingFormatter, secrets_of
+from app.logs import JsonLogFormatter, RedactingFormatter, secrets_of
 from settings import Settings
-from services.links import link_token
+from domain.links import link_token
 from tests import stripe_events as stripe_shaped
 from tests.conftest import WEBHOOK_SECRET
 from tests.ops_helpers import Service

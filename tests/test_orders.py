@@ -5,8 +5,8 @@ import json
 import pytest
 
 from models import ComplianceOrder, CrtcOrder, FormationOrder, Outbox, database
-from services import outbox
-from services.orders import OrderNotFound, complete_payment, payment_method_of
+from engine import outbox
+from domain.orders import OrderNotFound, complete_payment, payment_method_of
 
 
 def complete(ctx, *args, **kwargs):

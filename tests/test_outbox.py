@@ -10,8 +10,8 @@ import threading
 import pytest
 
 from models import Outbox
-from services import outbox
-from services.outbox import Effects
+from engine import outbox
+from engine.outbox import Effects
 
 
 def mail(to="customer@example.test", subject="Your order", text="Hello"):

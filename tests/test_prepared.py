@@ -1,4 +1,4 @@
-"""Statements built once (services.prepared) and the group commit (services.commits)."""
+"""Statements built once (engine.prepared) and the group commit (engine.commits)."""
 import asyncio
 import datetime
 import logging
@@ -10,9 +10,9 @@ import peewee
 import pytest
 
 from models import FormationOrder, LedgerEntry, Outbox, TreasuryJob, WebhookEvent, database
-from services import treasury
-from services.commits import GroupCommit, savepoint
-from services.prepared import InsertOnce, Prepared, save_changes, slot
+from domain import treasury
+from engine.commits import GroupCommit, savepoint
+from engine.prepared import InsertOnce, Prepared, save_changes, slot
 from tests import shkeeper
 
 NEW_EVENT = InsertOnce(WebhookEvent)

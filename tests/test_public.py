@@ -9,10 +9,10 @@ import pytest
 from models import (
     UTC, BundleOrder, ComplianceOrder, CrtcOrder, FormationOrder, ReferralCode, SurveyResponse,
 )
-from receiver import make_app
-from services.context import Context
-from services.links import link_token, survey_token
-from services.ratelimit import RateLimiter
+from app.server import make_app
+from app.context import Context
+from domain.links import link_token, survey_token
+from handlers.ratelimit import RateLimiter
 from settings import ConfigurationError, Settings
 from tests.conftest import WEBHOOK_SECRET
 from tests.public_helpers import parsed, served
@@ -297,8 +297,8 @@ def test_a_limit_of_zero_turns_the_limiter_off():
 
 
 def test_full_buckets_are_forgotten_when_many_addresses_were_seen(monkeypatch):
-    import services.ratelimit
-    monkeypatch.setattr(services.ratelimit, "PRUNE_ABOVE", 5)
+    import handlers.ratelimit
+    monkeypatch.setattr(handlers.ratelimit, "PRUNE_ABOVE", 5)
     clock = FakeClock()
     limiter = RateLimiter(2, 60, clock=clock)
     for n in range(6):

@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 
 from models import ComplianceOrder, Outbox
-from services import outbox
-from services.reminders import MAX_REMINDERS_PER_ORDER, send_intake_reminders
+from engine import outbox
+from domain.reminders import MAX_REMINDERS_PER_ORDER, send_intake_reminders
 
 
 def waiting(number, email, **fields):

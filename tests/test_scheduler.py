@@ -10,7 +10,7 @@ import pytest
 import migrations
 from models import ComplianceOrder, CrtcOrder, Outbox, WebhookEvent
 from scheduler import JOBS_BY_NAME, AdvisoryLock, Scheduler
-from services import inbox, outbox, retention
+from engine import inbox, outbox, retention
 from settings import ConfigurationError, Settings
 from tests.conftest import WEBHOOK_SECRET
 from tests.service_process import postgres_only

@@ -112,7 +112,7 @@ async def test_stop_waits_for_a_run_that_ends_within_its_grace(ctx):
 
 
 def test_the_stop_ends_before_systemd_kills_the_service():
-    from receiver import SHUTDOWN_GRACE_SECONDS
+    from app.server import SHUTDOWN_GRACE_SECONDS
     unit = open(os.path.join(ROOT, "deploy", "receiver.service"), encoding="utf-8").read()
     timeout_stop = int(re.search(r"^TimeoutStopSec=(\d+)$", unit, re.MULTILINE).group(1))
     assert SHUTDOWN_GRACE_SECONDS + STOP_GRACE_SECONDS < timeout_stop

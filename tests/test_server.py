@@ -96,7 +96,7 @@ async def test_a_handler_slower_than_the_body_timeout_still_answers(app, http_se
 REPORT_AT_READY = """
 import gc, os, sys
 import receiver
-from services import systemd
+from ops import systemd
 
 def notify(state):
     if state.startswith("READY=1"):

@@ -117,7 +117,7 @@ def test_production_without_secrets_refuses_to_start_and_says_why(tmp_path):
 def test_the_scheduler_library_does_not_log_every_tick():
     import logging
 
-    from receiver import configure_logging
+    from app.logs import configure_logging
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
     configure_logging(Settings())

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from services import systemd
+from ops import systemd
 from tests.conftest import WEBHOOK_SECRET
 from tests.ops_helpers import NotifySocket, Service
 

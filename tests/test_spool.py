@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from models import WebhookEvent
-from services import inbox, spool
+from engine import inbox, spool
 from tests.conftest import WEBHOOK_SECRET
 from tests.service_process import ROOT, database_down
 
@@ -50,7 +50,7 @@ async def test_a_call_taken_while_the_database_is_down_is_acknowledged_then_hand
         "workflow", "formation/submitted", "FO-1")
     assert json.loads(line["payload"]) == submitted(1)
 
-    assert await spool.drain(ctx) == 2
+    assert await inbox.drain_spool(ctx) == 2
     [event] = WebhookEvent.select()
     assert event.status == "processed"
     assert event.received_at.isoformat() == line["received_at"]
@@ -58,7 +58,7 @@ async def test_a_call_taken_while_the_database_is_down_is_acknowledged_then_hand
     assert len(frappe.requests) == 1
     assert spool_files(ctx) == []
 
-    assert await spool.drain(ctx) == 0
+    assert await inbox.drain_spool(ctx) == 0
     status, _, _ = await post(SUBMITTED, submitted(1), AUTH)
     assert status == 200 and len(worker.requests) == 1 and WebhookEvent.select().count() == 1
 
@@ -90,7 +90,7 @@ async def test_a_drain_that_died_midway_is_finished_by_the_next_without_duplicat
         first = spool._decode(json.loads(handle.readline()))
     inbox.store_spooled(ctx, first)
 
-    assert await spool.drain(ctx) == 3
+    assert await inbox.drain_spool(ctx) == 3
 
     assert sorted(e.order_number for e in WebhookEvent.select()) == ["FO-1", "FO-2", "FO-3"]
     assert sorted(r.json["order_number"] for r in worker.requests) == ["FO-2", "FO-3"]
@@ -111,7 +111,7 @@ async def test_a_line_torn_by_a_crash_mid_append_is_skipped(post, ctx, db, worke
     with open(live, "a", encoding="utf-8") as handle:
         handle.write('{"source": "workflow", "event_ty')  # never fsynced, never answered
 
-    assert await spool.drain(ctx) == 1
+    assert await inbox.drain_spool(ctx) == 1
     assert WebhookEvent.select().count() == 1 and len(worker.requests) == 1
     assert "line 2 unreadable" in caplog.text
 
@@ -127,7 +127,7 @@ async def test_a_call_appended_after_a_torn_line_is_stored(post, ctx, db, worker
         status, _, _ = await post(SUBMITTED, submitted(2), AUTH)
     assert status == 200
 
-    assert await spool.drain(ctx) == 2
+    assert await inbox.drain_spool(ctx) == 2
     assert sorted(e.order_number for e in WebhookEvent.select()) == ["FO-1", "FO-2"]
     assert sorted(r.json["order_number"] for r in worker.requests) == ["FO-1", "FO-2"]
 
@@ -169,7 +169,7 @@ async def test_a_spooled_rejected_call_keeps_its_status_and_reason(ctx):
         "external_id": "CR-1", "order_number": "CR-1", "status": "rejected",
         "last_error": reason})
 
-    assert await spool.drain(ctx) == 1
+    assert await inbox.drain_spool(ctx) == 1
     [event] = WebhookEvent.select()
     assert (event.status, event.last_error, event.attempts) == ("rejected", reason, 0)
 
@@ -185,13 +185,13 @@ async def test_a_call_the_inbox_cannot_store_is_set_aside_and_does_not_block_the
     with database_down(db):
         await post(SUBMITTED, submitted(2), AUTH)
 
-    assert await spool.drain(ctx) == 3
+    assert await inbox.drain_spool(ctx) == 3
     assert sorted(e.order_number for e in WebhookEvent.select()) == ["FO-1", "FO-2"]
     assert len(worker.requests) == 2
     [aside] = spool_files(ctx)
     assert os.path.basename(aside) == spool.UNSTORABLE_NAME
     assert spooled_lines(ctx) == [unknown_shape]
-    assert await spool.drain(ctx) == 0
+    assert await inbox.drain_spool(ctx) == 0
 
 
 @pytest.mark.gen_test
@@ -199,9 +199,9 @@ async def test_the_drain_leaves_the_spool_alone_while_the_database_is_still_down
         post, ctx, db, worker):
     with database_down(db):
         await post(SUBMITTED, submitted(1), AUTH)
-        assert await spool.drain(ctx) == 0
+        assert await inbox.drain_spool(ctx) == 0
     assert len(spooled_lines(ctx)) == 1
-    assert await spool.drain(ctx) == 1 and len(worker.requests) == 1
+    assert await inbox.drain_spool(ctx) == 1 and len(worker.requests) == 1
 
 
 @pytest.mark.gen_test
@@ -214,7 +214,7 @@ async def test_a_retry_across_the_dedup_window_while_the_database_is_down_is_one
         status, _, _ = await post(SUBMITTED, submitted(1), AUTH)
     assert status == 200
 
-    assert await spool.drain(ctx) == 1
+    assert await inbox.drain_spool(ctx) == 1
     assert WebhookEvent.select().count() == 1 and len(worker.requests) == 1
 
 
@@ -224,8 +224,8 @@ async def test_appends_from_several_processes_during_drains_are_stored_once_each
                                  str(writer)], cwd=ROOT) for writer in range(4)]
     drained = 0
     while any(writer.poll() is None for writer in writers):
-        drained += await spool.drain(ctx)
-    drained += await spool.drain(ctx)
+        drained += await inbox.drain_spool(ctx)
+    drained += await inbox.drain_spool(ctx)
 
     assert [writer.returncode for writer in writers] == [0, 0, 0, 0]
     assert drained == 400
@@ -245,7 +245,7 @@ def unhandled_call(dedup_key):
 # must fail (EFBIG, like a full disk) after writing part of its line.
 FILE_SIZE_LIMITED_APPENDER = """
 import errno, resource, signal, sys
-from services import spool
+from engine import spool
 folder, limit = sys.argv[1], int(sys.argv[2])
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
@@ -261,7 +261,7 @@ else:
 # Appends 100 calls nobody handles (no plugin: they end `ignored`), as fast as it can.
 APPENDER = """
 import sys
-from services import spool
+from engine import spool
 folder, writer = sys.argv[1], sys.argv[2]
 for n in range(100):
     spool.append(folder, {"source": "workflow", "event_type": "test/unhandled",

@@ -1,7 +1,7 @@
 """balance.available: money has settled at Stripe, so CRTC orders whose payment has had
 time to clear advance to Client Selection (the scheduler runs the same as a fallback)."""
 from plugins.registry import card_event
-from services.settlement import settle_crtc_orders
+from domain.settlement import settle_crtc_orders
 
 
 @card_event("balance.available")

@@ -3,8 +3,8 @@ disputed, and the administrator gets the amount, reason and payment-intent refer
 import logging
 
 from plugins.registry import card_event
-from services.card_events import dollars, email_admin, object_of
-from services.orders import find_by_payment_intent, mark_disputed
+from domain.card_events import dollars, email_admin, object_of
+from domain.orders import find_by_payment_intent, mark_disputed
 
 log = logging.getLogger("receiver.card")
 

@@ -11,8 +11,8 @@ steps are idempotent, so running this again is safe.
 import logging
 
 from plugins.registry import card_event
-from services.card_events import method_of_payment, object_of, order_of_metadata
-from services.orders import OrderNotFound, complete_payment, find_order
+from domain.card_events import method_of_payment, object_of, order_of_metadata
+from domain.orders import OrderNotFound, complete_payment, find_order
 
 log = logging.getLogger("receiver.card")
 

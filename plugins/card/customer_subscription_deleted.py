@@ -5,7 +5,7 @@ import logging
 
 from models import UTC
 from plugins.registry import card_event
-from services.card_events import object_of, order_with_subscription
+from domain.card_events import object_of, order_with_subscription
 
 log = logging.getLogger("receiver.card")
 

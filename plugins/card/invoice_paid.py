@@ -4,8 +4,8 @@ checkout itself."""
 import logging
 
 from plugins.registry import card_event
-from services.card_events import object_of, order_with_subscription, subscription_of_invoice
-from services.orders import OrderNotFound, record_cycle
+from domain.card_events import object_of, order_with_subscription, subscription_of_invoice
+from domain.orders import OrderNotFound, record_cycle
 
 log = logging.getLogger("receiver.card")
 

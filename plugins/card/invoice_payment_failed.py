@@ -1,7 +1,7 @@
 """invoice.payment_failed: a subscription payment failed. The administrator is told each
 time; on the first attempt the customer also gets a nudge to update the card."""
 from plugins.registry import card_event
-from services.card_events import (
+from domain.card_events import (
     dollars, email_admin, object_of, order_with_subscription, subscription_of_invoice)
 
 FIRST_ATTEMPT = 1

@@ -1,8 +1,8 @@
 """payment_intent.payment_failed: the order (of any kind) is marked failed and the
 administrator is told why."""
 from plugins.registry import card_event
-from services.card_events import email_admin, metadata_of, object_of
-from services.orders import mark_payment_failed
+from domain.card_events import email_admin, metadata_of, object_of
+from domain.orders import mark_payment_failed
 
 
 @card_event("payment_intent.payment_failed")

@@ -7,9 +7,9 @@ transaction open. Completing a payment is idempotent, so running this again is s
 import functools
 
 from plugins.registry import card_event
-from services.card_events import (
+from domain.card_events import (
     metadata_of, method_of_payment, object_of, order_of_metadata)
-from services.orders import complete_payment
+from domain.orders import complete_payment
 
 
 @card_event("payment_intent.succeeded")

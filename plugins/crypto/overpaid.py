@@ -1,6 +1,6 @@
 """OVERPAID: more than the invoice arrived; handled exactly like a full payment."""
 from plugins.registry import crypto_status
-from services import treasury
+from domain import treasury
 
 
 @crypto_status("OVERPAID")

@@ -1,6 +1,6 @@
 """PAID: the invoice is fully paid; record the receipt and complete the order's payment."""
 from plugins.registry import crypto_status
-from services import treasury
+from domain import treasury
 
 
 @crypto_status("PAID")

@@ -1,6 +1,6 @@
 """PARTIAL: part of the invoice arrived; kept and logged, the order waits for the rest."""
 from plugins.registry import crypto_status
-from services import treasury
+from domain import treasury
 
 
 @crypto_status("PARTIAL")

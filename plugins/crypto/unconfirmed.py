@@ -1,6 +1,6 @@
 """`unconfirmed`: SHKeeper saw a transaction that is not confirmed yet; kept and logged."""
 from plugins.registry import crypto_status
-from services import treasury
+from domain import treasury
 
 
 @crypto_status("unconfirmed")

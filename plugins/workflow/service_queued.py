@@ -8,7 +8,7 @@ import peewee
 
 from models import ComplianceOrder
 from plugins.workflow import WorkflowWebhook, workflow_webhook
-from services.commits import savepoint
+from engine.commits import savepoint
 
 log = logging.getLogger("receiver.plugins")
 

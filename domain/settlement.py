@@ -12,7 +12,7 @@ import datetime
 import logging
 
 from models import CrtcOrder, database
-from services.db import locked
+from engine.db import locked
 
 log = logging.getLogger("receiver.settlement")
 

@@ -5,8 +5,8 @@ an event's changes and the mail, jobs and alerts they cause happen together, onc
 import logging
 
 from models import ORDER_MODELS, ComplianceOrder, SubscriptionCycle
-from services.db import locked
-from services.prepared import Prepared, save_changes, slot
+from engine.db import locked
+from engine.prepared import Prepared, save_changes, slot
 
 log = logging.getLogger("receiver.orders")
 

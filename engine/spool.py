@@ -22,7 +22,7 @@ import os
 import time
 
 from models import UTC
-from services.db import UNAVAILABLE, why_unavailable
+from engine.db import UNAVAILABLE, why_unavailable
 
 log = logging.getLogger("receiver.spool")
 
@@ -59,23 +59,20 @@ def append(spool_dir, entry, name=LIVE_NAME):
             os.close(fd)
 
 
-async def drain(ctx):
-    """Move every spooled call into the inbox, then handle the ones new to it.
+def store_all(spool_dir, store):
+    """Hand every spooled call to `store(entry) -> (event, is_new)`, file by file, deleting
+    each file once all its lines are stored.
 
-    Returns the number of calls read from the spool. A database still down leaves the
-    spool as it is for the next run."""
-    from services import inbox  # here, because the inbox imports this module
-    spool_dir = ctx.settings.spool_dir
+    Returns (calls read, the events new to the inbox). A database still down leaves the
+    files as they are for the next run."""
     _rotate(spool_dir)
     read = 0
     created = []
     for path in sorted(glob.glob(os.path.join(spool_dir, "*" + DRAINING_SUFFIX))):
-        read += _store_file(ctx, path, created) or 0
-    for event in created:
-        await inbox.process(ctx, event)
+        read += _store_file(path, store, created) or 0
     if read:
         log.info("spool drained: %d call(s) read, %d new to the inbox", read, len(created))
-    return read
+    return read, created
 
 
 def _rotate(spool_dir):
@@ -88,7 +85,7 @@ def _rotate(spool_dir):
     _fsync_directory(spool_dir)
 
 
-def _store_file(ctx, path, created):
+def _store_file(path, store, created):
     """Store the lines of one draining file, then delete it; None if another process is
     draining it or it is gone. A database failure leaves the file in place."""
     try:
@@ -105,7 +102,7 @@ def _store_file(ctx, path, created):
         with os.fdopen(os.dup(fd), "rb") as handle:
             entries = _entries(handle, path)
         for entry in entries:
-            event, is_new = _store_entry(ctx, entry)
+            event, is_new = _store_entry(os.path.dirname(path), entry, store)
             if is_new:
                 created.append(event)
         os.unlink(path)
@@ -119,19 +116,18 @@ def _store_file(ctx, path, created):
         os.close(fd)
 
 
-def _store_entry(ctx, entry):
+def _store_entry(spool_dir, entry, store):
     """Store one spooled call. A call the inbox refuses for a reason other than the
     database being down would block the spool for good: it is set aside in
     UNSTORABLE_NAME for the operator instead (the spool size in /metrics shows it)."""
-    from services import inbox  # here, because the inbox imports this module
     try:
-        return inbox.store_spooled(ctx, entry)
+        return store(entry)
     except UNAVAILABLE:
         raise
     except Exception:
         log.exception("spooled %s call %s cannot be stored; set aside in %s",
                       entry.get("source"), entry.get("dedup_key"), UNSTORABLE_NAME)
-        append(ctx.settings.spool_dir,
+        append(spool_dir,
                {**entry, "received_at": entry["received_at"].isoformat()},
                name=UNSTORABLE_NAME)
         return None, False

@@ -8,15 +8,11 @@ import asyncio
 import dataclasses
 import json
 
-import stripe
-
-from services import card_events, inbox
+from clients.stripe_api import stripe_client
+from domain import card_events
+from engine import inbox
 
 PAGE_SIZE = 100
-
-
-class NotConfigured(Exception):
-    """A setting the backfill needs is missing; the message names it."""
 
 
 @dataclasses.dataclass
@@ -25,15 +21,6 @@ class Counts:
     stored: int = 0
     already: int = 0
     unreadable: int = 0
-
-
-def stripe_client(settings):
-    if not settings.stripe_secret_key:
-        raise NotConfigured("STRIPE_SECRET_KEY is not set")
-    base = {"api": settings.stripe_api_base} if settings.stripe_api_base else None
-    return stripe.StripeClient(
-        settings.stripe_secret_key, base_addresses=base, max_network_retries=2,
-        http_client=stripe.RequestsClient(timeout=settings.outbound_timeout_seconds))
 
 
 def undelivered_events(client, since):

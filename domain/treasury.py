@@ -14,10 +14,10 @@ import logging
 import peewee
 
 from models import LedgerEntry, TreasuryJob
-from plugins.registry import exact_json
-from services.commits import raise_if_conflict, savepoint
-from services.orders import OrderNotFound, complete_payment
-from services.prepared import InsertOnce
+from engine.payload import exact_json
+from engine.commits import raise_if_conflict, savepoint
+from domain.orders import OrderNotFound, complete_payment
+from engine.prepared import InsertOnce
 
 log = logging.getLogger("receiver.crypto")
 

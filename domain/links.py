@@ -12,7 +12,7 @@ import hmac
 import urllib.parse
 
 from models import ComplianceOrder, SelfFiling
-from services.prepared import InsertOnce
+from engine.prepared import InsertOnce
 
 NEW_FILING = InsertOnce(SelfFiling)
 KINDS = ("ifta", "ucr")

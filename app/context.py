@@ -18,8 +18,9 @@ from clients.telegram import TelegramClient
 from clients.workflow import WorkflowClient
 from clients.worker import WorkerClient
 from models import utcnow
-from services.commits import GroupCommit
-from services.metrics import Metrics
+from engine.commits import GroupCommit
+from ops.metrics import Metrics
+from plugins import registries
 from settings import Settings
 
 log = logging.getLogger("receiver")
@@ -48,6 +49,9 @@ class Context:
     background_tasks: set = dataclasses.field(default_factory=set)
     metrics: Metrics = dataclasses.field(default_factory=Metrics)
     commits: GroupCommit = dataclasses.field(default_factory=GroupCommit)
+    # Which plugin handles a stored event: {source: Registry}. The engine reads it from
+    # here, so it never imports the plugins above it.
+    plugins: dict = dataclasses.field(default_factory=registries)
     # Set by `serve` once the scheduler runs (anything with `.running`); /readyz asks it.
     scheduler: typing.Any = None
 

@@ -14,11 +14,11 @@ import time
 import peewee
 
 from models import WebhookEvent, database
-from services import outbox, spool
-from services.claims import claim, lease
-from services.commits import raise_if_conflict, savepoint
-from services.db import UNAVAILABLE, locked, why_unavailable
-from services.prepared import InsertOnce, Prepared, slot
+from engine import outbox, spool
+from engine.claims import claim, lease
+from engine.commits import raise_if_conflict, savepoint
+from engine.db import UNAVAILABLE, locked, why_unavailable
+from engine.prepared import InsertOnce, Prepared, slot
 
 log = logging.getLogger("receiver.events")
 
@@ -62,7 +62,7 @@ async def accept(ctx, *args, in_background=False, **kwargs):
     handle it (after the answer, when `in_background`). Returns (event, created,
     outcome); the outcome is None when the call was not handled here.
 
-    A plain plugin runs in the same unit of the group commit (services.commits) as the
+    A plain plugin runs in the same unit of the group commit (engine.commits) as the
     storing: one transaction, one turn of the loop. Should the plugin raise, the event
     stays stored and is recorded as failed, in that transaction too."""
     call = _call(ctx, *args, **kwargs)
@@ -101,7 +101,7 @@ def _store_and_handle(ctx, call, handle_now):
     event, created = _store(ctx, call)
     if not (handle_now and created and event.status == "received"):
         return event, created, None
-    registry = _registry(event.source)
+    registry = ctx.plugins[event.source]
     plugin = registry.get(event.event_type)
     if plugin is None or _is_async(plugin):
         return event, created, None
@@ -132,6 +132,17 @@ def _storable(text):
     """PostgreSQL text cannot hold NUL. A raw NUL is not valid JSON, and no order number
     has one, so it is kept as U+FFFD rather than failing the whole call."""
     return text.replace("\x00", "\ufffd") if isinstance(text, str) else text
+
+
+async def drain_spool(ctx):
+    """Move every spooled call into the inbox, then handle the ones new to it.
+
+    Returns the number of calls read from the spool."""
+    read, created = spool.store_all(ctx.settings.spool_dir,
+                                    lambda call: store_spooled(ctx, call))
+    for event in created:
+        await process(ctx, event)
+    return read
 
 
 def store_spooled(ctx, call):
@@ -181,11 +192,6 @@ def find(ctx, source, dedup_key):
     return EVENT_BY_KEY.first(source=source, dedup_key=dedup_key)
 
 
-def _registry(source):
-    from plugins import registries
-    return registries()[source]
-
-
 async def process(ctx, event):
     """Handle a stored event once. Never raises: a failure is logged and recorded on the
     event, which the scheduler retries with backoff. One log line per event says how it
@@ -210,7 +216,7 @@ async def _handle(ctx, event):
     if event.status not in AWAITING_HANDLING:
         # Stored as rejected (malformed) or already settled: kept as it is, reason included.
         return event.status
-    registry = _registry(event.source)
+    registry = ctx.plugins[event.source]
     plugin = registry.get(event.event_type)
     try:
         payload = registry.decode(event.payload)

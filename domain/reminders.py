@@ -10,8 +10,8 @@ import collections
 import logging
 
 from models import ComplianceOrder, database
-from services import outbox
-from services.outbox import Effects, stable_key
+from engine import outbox
+from engine.outbox import Effects, stable_key
 
 log = logging.getLogger("receiver.reminders")
 

@@ -15,10 +15,10 @@ from peewee import fn
 
 from clients.http import Result
 from models import Outbox
-from services import commits
-from services.claims import claim, lease
-from services.db import UNAVAILABLE
-from services.prepared import InsertOnce, Prepared, slot
+from engine import commits
+from engine.claims import claim, lease
+from engine.db import UNAVAILABLE
+from engine.prepared import InsertOnce, Prepared, slot
 
 log = logging.getLogger("receiver.outbox")
 
@@ -109,12 +109,12 @@ class Effects:
             raise
 
     async def transaction(self, work):
-        """Run `work()` in a transaction shared with concurrent requests (services.commits)
+        """Run `work()` in a transaction shared with concurrent requests (engine.commits)
         and return what it returns once committed; if it raises, the effects it asked for
         are undone with its changes."""
         rows_before, asked_before, retry_before = len(self.rows), self.asked, self.retry_reason
 
-        def from_the_start():  # a unit may be run again (services.commits)
+        def from_the_start():  # a unit may be run again (engine.commits)
             del self.rows[rows_before:]
             self.asked, self.retry_reason = asked_before, retry_before
             return work()

@@ -1,7 +1,7 @@
 """What the operator's command line does, apart from printing: find events and outbox
 rows, replay events, put dead effects back in line.
 
-Replay runs an event through `services.inbox.process` again, the same path a webhook
+Replay runs an event through `engine.inbox.process` again, the same path a webhook
 takes. What it can and cannot redo:
 - a `received` or `failed` event is handled as if it had just arrived, and so is a `dead`
   one (given up after too many failures) with its attempts counted afresh;
@@ -16,7 +16,7 @@ import dataclasses
 import datetime
 
 from models import Outbox, WebhookEvent
-from services import inbox
+from engine import inbox
 
 EVENT_STATUSES = ("received", "processed", "failed", "dead", "rejected", "ignored")
 OUTBOX_STATUSES = ("pending", "sent", "dead")

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 
 from models import Outbox, WebhookEvent
-from services.db import UNAVAILABLE
+from engine.db import UNAVAILABLE
 
 log = logging.getLogger("receiver.metrics")
 

@@ -11,11 +11,12 @@ import logging
 
 import stripe
 
+from clients.stripe_api import stripe_client
 from models import ORDER_MODELS, ComplianceOrder
-from services import inbox
-from services.db import locked
+from engine import inbox
+from engine.db import locked
 # The plugins' vocabulary includes the admin e-mail, which the shared order steps use too.
-from services.orders import email_admin, payment_method_of  # noqa: F401
+from domain.orders import email_admin, payment_method_of  # noqa: F401
 
 log = logging.getLogger("receiver.card")
 
@@ -122,8 +123,6 @@ async def charged_method(ctx, intent_id):
     order is then paid without a method, and the administrator told."""
     if not intent_id or not ctx.settings.stripe_secret_key:
         return None
-    # Imported here: the backfill feeds events through this module, which imports it.
-    from services.backfill import stripe_client
     retrieve = functools.partial(stripe_client(ctx.settings).v1.payment_intents.retrieve,
                                  intent_id, params={"expand": ["latest_charge"]})
     try:

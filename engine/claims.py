@@ -31,7 +31,7 @@ def claim(ctx, model, due, limit=CLAIM_BATCH):
             (model.update(next_attempt_at=held_until, updated_at=now)
              .where(model.id.in_([row.id for row in rows])).execute())
             # The rows say which lease they hold: a sender re-takes the row only if its
-            # lease is still this one (services.outbox.send).
+            # lease is still this one (engine.outbox.send).
             for row in rows:
                 row.next_attempt_at = held_until
     return rows

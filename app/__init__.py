@@ -1,0 +1,3 @@
+"""The composition root: the context every plugin receives, the Tornado application and
+its serve lifecycle, logging, and the command line. It wires every layer together and is
+imported by none of them; receiver.py is its entry point."""

@@ -1,0 +1,241 @@
+"""The command line: `serve`, `migrate`, `link` and the operator's commands.
+
+Plain text on stdout, problems on stderr, an exit code: 0 done, 1 not done (not found,
+refused, failed, database unavailable), 2 bad usage or settings."""
+import argparse
+import asyncio
+import json
+import sys
+
+import stripe
+
+import migrations
+from app.context import Context
+from app.logs import configure_logging
+from app.server import serve
+from clients.stripe_api import NotConfigured
+from domain import backfill, settlement
+from domain.links import KINDS, print_signed_link
+from engine.db import UNAVAILABLE
+from models import open_database
+from ops import operator
+from settings import ConfigurationError, Settings
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="receiver.py",
+        description="Order-fulfilment webhook receiver. Settings come from the environment.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.add_parser("serve", help="apply migrations, then serve (the default)")
+    commands.add_parser("migrate", help="apply pending database migrations and exit")
+    link = commands.add_parser("link", help="print a signed 'I already filed' link")
+    link.add_argument("kind", choices=KINDS)
+    link.add_argument("order", help="order number (a compliance order)")
+    link.add_argument("cycle", help="filing period, e.g. 2026-Q3 or 2027")
+    add_operator_commands(commands)
+    parser.set_defaults(run=None)
+    args = parser.parse_args(argv)
+
+    try:
+        settings = Settings.from_env()
+    except ConfigurationError as exc:
+        print(f"receiver: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(settings)
+
+    if args.command == "link":
+        return print_signed_link(settings, args.kind, args.order, args.cycle,
+                                 sys.stdout, sys.stderr)
+    if args.command == "migrate":
+        try:
+            applied = migrations.migrate(open_database(settings.database_url))
+        except UNAVAILABLE as exc:
+            return database_unavailable(exc)
+        print("applied: " + ", ".join(applied) if applied else "schema is up to date")
+        return 0
+    if args.run:
+        return run_operator_command(args.run, settings, args)
+    asyncio.run(serve(settings))
+    return 0
+
+
+def add_operator_commands(commands):
+    events = commands.add_parser(
+        "events", help="list, show and replay stored webhook events").add_subparsers(
+            dest="action", metavar="ACTION", required=True)
+    listing = events.add_parser("list", help="the newest events first, filtered")
+    listing.add_argument("--source", help="workflow, card or crypto")
+    listing.add_argument("--status", choices=operator.EVENT_STATUSES)
+    listing.add_argument("--since", type=time_argument,
+                         help="received at or after (ISO 8601; UTC when no offset)")
+    listing.add_argument("--until", type=time_argument, help="received before (ISO 8601)")
+    listing.add_argument("--limit", type=int, default=50, help="at most this many (50)")
+    listing.set_defaults(run=events_list)
+    show = events.add_parser("show", help="one event: its payload and its outbox rows")
+    show.add_argument("id", type=int)
+    show.set_defaults(run=events_show)
+    replay = events.add_parser(
+        "replay", help="handle an event again (see README: what replay can redo)")
+    which = replay.add_mutually_exclusive_group(required=True)
+    which.add_argument("id", type=int, nargs="?", help="the event's id")
+    which.add_argument("--failed", action="store_true",
+                       help="every failed event, and every dead one (given up on)")
+    replay.add_argument("--force", action="store_true",
+                        help="also an event already processed (its effects are not "
+                             "sent twice)")
+    replay.set_defaults(run=events_replay)
+
+    outbox = commands.add_parser(
+        "outbox", help="list effects on other systems; put dead ones back in line"
+    ).add_subparsers(dest="action", metavar="ACTION", required=True)
+    listing = outbox.add_parser("list", help="the newest rows first")
+    listing.add_argument("--status", choices=operator.OUTBOX_STATUSES)
+    listing.add_argument("--limit", type=int, default=50, help="at most this many (50)")
+    listing.set_defaults(run=outbox_list)
+    retry = outbox.add_parser(
+        "retry", help="back to pending, due now, attempts reset; the scheduler sends it")
+    which = retry.add_mutually_exclusive_group(required=True)
+    which.add_argument("id", type=int, nargs="?", help="the outbox row's id")
+    which.add_argument("--dead", action="store_true", help="every dead row")
+    retry.set_defaults(run=outbox_retry)
+
+    commands.add_parser(
+        "settle", help="run the CRTC settlement (balance.available routine) once now"
+    ).set_defaults(run=settle)
+    fill = commands.add_parser(
+        "backfill", help="fetch card events whose webhook delivery failed from Stripe's "
+                         "Events API and handle them (idempotent)")
+    fill.add_argument("--since", type=time_argument, required=True,
+                      help="events created at or after (ISO 8601; Stripe keeps 30 days)")
+    fill.set_defaults(run=backfill_events)
+
+
+def time_argument(text):
+    try:
+        return operator.parse_time(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not an ISO 8601 time: {text!r} (e.g. 2026-11-20T08:00Z)") from None
+
+
+def run_operator_command(command, settings, args):
+    db = open_database(settings.database_url)
+    try:
+        return asyncio.run(_with_context(command, settings, args))
+    except (operator.NotFound, operator.Refused, NotConfigured) as exc:
+        print(f"receiver: {exc}", file=sys.stderr)
+        return 1
+    except UNAVAILABLE as exc:
+        return database_unavailable(exc)
+    finally:
+        db.close()
+
+
+def database_unavailable(exc):
+    """One line an operator can act on, not a traceback; exit 1 (not done)."""
+    print(f"receiver: database unavailable: {str(exc).strip().splitlines()[0]}",
+          file=sys.stderr)
+    return 1
+
+
+async def _with_context(command, settings, args):
+    ctx = Context.create(settings)
+    try:
+        return await command(ctx, args)
+    finally:
+        await ctx.close()
+
+
+EVENT_COLUMNS = ("ID", "RECEIVED (UTC)", "SOURCE", "TYPE", "STATUS", "TRIES", "ORDER",
+                 "EXTERNAL ID", "LAST ERROR")
+OUTBOX_COLUMNS = ("ID", "EVENT", "KIND", "ORDER", "STATUS", "TRIES", "NEXT TRY (UTC)",
+                  "LAST ERROR")
+
+
+def event_row(event):
+    return (event.id, operator.format_time(event.received_at), event.source,
+            event.event_type, event.status, event.attempts, event.order_number,
+            event.external_id, operator.clip(event.last_error))
+
+
+def outbox_row(row):
+    next_try = operator.format_time(row.next_attempt_at) if row.status == "pending" else ""
+    return (row.id, row.event_id, row.kind, row.order_number, row.status, row.attempts,
+            next_try, operator.clip(row.last_error))
+
+
+async def events_list(ctx, args):
+    events = operator.list_events(args.source, args.status, args.since, args.until,
+                                  args.limit)
+    print(operator.table(EVENT_COLUMNS, [event_row(event) for event in events]))
+    return 0
+
+
+async def events_show(ctx, args):
+    event = operator.get_event(args.id)
+    for label, value in (
+            ("event", f"#{event.id}"), ("source", event.source), ("type", event.event_type),
+            ("status", event.status), ("order", event.order_number or "-"),
+            ("external id", event.external_id or "-"), ("attempts", event.attempts),
+            ("received", operator.format_time(event.received_at)),
+            ("processed", operator.format_time(event.processed_at)),
+            ("next attempt", operator.format_time(event.next_attempt_at)),
+            ("last error", event.last_error or "-")):
+        print(f"{label + ':':<14}{value}")
+    print("payload:")
+    try:
+        print(json.dumps(json.loads(event.payload), indent=2, sort_keys=True))
+    except ValueError:
+        print(event.payload)
+    print("outbox:")
+    print(operator.table(OUTBOX_COLUMNS, [outbox_row(row) for row in operator.effects_of(event)]))
+    return 0
+
+
+async def events_replay(ctx, args):
+    if args.failed:
+        replayed = await operator.replay_failed(ctx)
+        for item in replayed:
+            print(f"event #{item.event.id} {item.event.source} {item.event.event_type}: "
+                  f"{item.outcome}")
+        still_failing = sum(item.outcome == "failed" for item in replayed)
+        print(f"replayed {len(replayed)} failed event(s); {still_failing} still failing")
+        return 1 if still_failing else 0
+    outcome = await operator.replay(ctx, args.id, force=args.force)
+    print(f"event #{args.id}: {outcome}")
+    return 1 if outcome == "failed" else 0
+
+
+async def outbox_list(ctx, args):
+    rows = operator.list_outbox(args.status, args.limit)
+    print(operator.table(OUTBOX_COLUMNS, [outbox_row(row) for row in rows]))
+    return 0
+
+
+async def outbox_retry(ctx, args):
+    if args.dead:
+        print(f"{operator.retry_dead(ctx)} dead row(s) back to pending, due now")
+        return 0
+    row = operator.retry_outbox(ctx, args.id)
+    print(f"outbox row #{row.id} ({row.kind}) back to pending, due now")
+    return 0
+
+
+async def settle(ctx, args):
+    counts = await settlement.settle_crtc_orders(ctx)
+    print(", ".join(f"{name.replace('_', ' ')}: {count}" for name, count in counts.items()))
+    return 1 if counts["failed"] else 0
+
+
+async def backfill_events(ctx, args):
+    try:
+        counts = await backfill.backfill(ctx, args.since)
+    except stripe.StripeError as exc:
+        reason = exc.user_message or type(exc).__name__
+        print(f"receiver: Stripe refused or could not be reached: {reason}", file=sys.stderr)
+        return 1
+    print(f"listed {counts.listed} undelivered event(s) since "
+          f"{operator.format_time(args.since)} UTC: {counts.stored} stored and handled, "
+          f"{counts.already} already in the inbox, {counts.unreadable} unreadable")
+    return 1 if counts.unreadable else 0

@@ -1,0 +1,98 @@
+"""Log lines: plain text or one JSON object per line, with every secret redacted."""
+import datetime
+import json
+import logging
+import re
+import sys
+import urllib.parse
+
+from models import UTC
+
+# Attributes every LogRecord has; anything else on a record was passed as `extra=`.
+_STANDARD_RECORD_FIELDS = frozenset(
+    vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+
+
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object per line; fields given as `extra=` (event_id, outcome, ms...) become
+    keys of their own, so journald and log shippers can filter on them."""
+
+    escapes_text = True
+
+    def format(self, record):
+        entry = {"time": datetime.datetime.fromtimestamp(record.created, UTC).isoformat(),
+                 "level": record.levelname, "logger": record.name,
+                 "message": record.getMessage()}
+        entry.update({key: value for key, value in vars(record).items()
+                      if key not in _STANDARD_RECORD_FIELDS})
+        if record.exc_info or record.exc_text:
+            # exc_text when set: RedactingFormatter has formatted and redacted it already.
+            entry["exception"] = record.exc_text or self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+class RedactingFormatter(logging.Formatter):
+    """The last line of defence: whatever any library logs (an exception text, a URL), a
+    configured secret or a credential in a query string comes out as [redacted]."""
+
+    QUERY_CREDENTIAL = re.compile(
+        r"([?&](?:token|key|api_key|secret|signature|sig)=)[^&\s\"'\\]+", re.IGNORECASE)
+    # Shorter values would blank out ordinary words; real secrets are long.
+    MIN_SECRET_LENGTH = 6
+
+    def __init__(self, inner, secrets):
+        super().__init__()
+        self.inner = inner
+        self.secrets = sorted({s for s in secrets if len(s) >= self.MIN_SECRET_LENGTH},
+                              key=len, reverse=True)
+
+    def format(self, record):
+        if not getattr(self.inner, "escapes_text", False):
+            # Every text is on the line as it was given: redacting the line is enough.
+            return self.redact(self.inner.format(record))
+        # Redact the texts before the inner formatter runs: JSON escapes ", \ and non-ASCII,
+        # after which a secret holding them no longer matches. A copy, so that other
+        # handlers of the record still see it as it was.
+        clean = logging.makeLogRecord(vars(record))
+        clean.msg, clean.args = self.redact(record.getMessage()), None
+        if record.exc_info:
+            clean.exc_text = self.redact(
+                record.exc_text or self.inner.formatException(record.exc_info))
+        if record.stack_info:
+            clean.stack_info = self.redact(record.stack_info)
+        for key, value in vars(record).items():
+            if key not in _STANDARD_RECORD_FIELDS and isinstance(value, str):
+                setattr(clean, key, self.redact(value))
+        # Again on the whole line: what the inner formatter adds is redacted as well.
+        return self.redact(self.inner.format(clean))
+
+    def redact(self, text):
+        for secret in self.secrets:
+            text = text.replace(secret, "[redacted]")
+        return self.QUERY_CREDENTIAL.sub(r"\1[redacted]", text)
+
+
+def secrets_of(settings):
+    """Every secret value the settings hold, as it may appear in text (raw and %-quoted)."""
+    values = [settings.webhook_secret, settings.workflow_webhook_signing_secret,
+              settings.stripe_secret_key, *settings.stripe_webhook_secrets,
+              settings.crypto_processor_api_key, settings.workflow_api_key,
+              settings.workflow_api_secret, settings.telegram_bot_token, settings.link_secret]
+    for url in (settings.smtp_url, settings.database_url):
+        password = urllib.parse.urlsplit(url).password
+        if password:
+            values += [password, urllib.parse.unquote(password)]
+    return values
+
+
+def configure_logging(settings):
+    handler = logging.StreamHandler(sys.stderr)
+    if settings.log_format == "json":
+        formatter = JsonLogFormatter()
+    else:
+        formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s")
+    handler.setFormatter(RedactingFormatter(formatter, secrets_of(settings)))
+    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+    # APScheduler says "Running job ..." at INFO on every tick of every job; our jobs log
+    # what they did, and /metrics counts their runs.
+    logging.getLogger("apscheduler").setLevel(logging.WARNING)

@@ -1,1 +1,0 @@
-"""Shared mechanics: the context plugins receive, the inbox, the outbox, order operations."""
