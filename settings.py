@@ -1,6 +1,6 @@
 """Settings, read once from the environment (a systemd EnvironmentFile sets them).
 
-The names are fixed by DESIGN.md: other systems and operators depend on them.
+The names are fixed: other systems and operators depend on them.
 """
 import dataclasses
 import logging

@@ -22,7 +22,7 @@ log = logging.getLogger("receiver.card")
 
 SOURCE = "card"
 
-# SPEC.md 4.2 handles these "in the background": after the answer is sent.
+# BEHAVIOUR.md 4.2 handles these "in the background": after the answer is sent.
 BACKGROUND_TYPES = frozenset({
     "payment_intent.payment_failed", "charge.dispute.created", "balance.available"})
 
@@ -57,7 +57,7 @@ def problem_with(event):
 
 async def accept(ctx, event, raw):
     """Store a verified event in the inbox and handle it: in the background for the types
-    SPEC.md handles so, before returning for the others. A handling error is logged and
+    BEHAVIOUR.md handles so, before returning for the others. A handling error is logged and
     left on the inbox row for retry; it never raises."""
     await inbox.accept(
         ctx, SOURCE, event["type"], dedup_key(event), raw, external_id=event["id"],

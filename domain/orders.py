@@ -51,7 +51,7 @@ def find_order(order_type, order_number, for_update=False):
 
 def complete_payment(ctx, effects, order_id, order_type, reference, *, source,
                      payment_intent_id=None, payment_method=None):
-    """Mark an order paid, once (DESIGN.md "Completing a payment").
+    """Mark an order paid, once (BEHAVIOUR.md 4.2, "Completing a payment").
 
     A first completion sets payment_status `paid`, paid_at, the reference
     (stripe_session_id), the payment intent and, on CRTC orders, the payment method;
@@ -181,7 +181,7 @@ def order_alert_text(order, source):
 
 
 def mark_payment_failed(ctx, order_number, reason):
-    """SPEC.md 4.2 payment_intent.payment_failed: every order of any kind with that number
+    """BEHAVIOUR.md 4.2 payment_intent.payment_failed: every order of any kind with that number
     that is `paid` or `pending_payment` becomes `failed`, with a note line. Returns them."""
     now = ctx.clock()
     marked = []
@@ -199,7 +199,7 @@ def mark_payment_failed(ctx, order_number, reason):
 
 def find_by_payment_intent(payment_intent_id):
     """The order a payment intent paid: exact match on stripe_payment_intent_id first, then
-    (SPEC.md) a substring match on the reference, across the four kinds; or None."""
+    (BEHAVIOUR.md) a substring match on the reference, across the four kinds; or None."""
     if not payment_intent_id:
         return None
     for model in ORDER_MODELS.values():
@@ -217,7 +217,7 @@ def find_by_payment_intent(payment_intent_id):
 
 
 def mark_disputed(ctx, order, reason, amount):
-    """SPEC.md 4.2 charge.dispute.created: `disputed` whatever the status was, with a note
+    """BEHAVIOUR.md 4.2 charge.dispute.created: `disputed` whatever the status was, with a note
     line naming the reason and the disputed amount."""
     now = ctx.clock()
     order.payment_status = "disputed"

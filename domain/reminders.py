@@ -1,4 +1,4 @@
-"""Intake reminders (SPEC.md 8): compliance orders waiting in fulfillment_status
+"""Intake reminders (BEHAVIOUR.md 8): compliance orders waiting in fulfillment_status
 `awaiting_intake` remind their customer, at most 10 times per order and at most one
 consolidated e-mail per customer per day (a calendar day in BUSINESS_TZ), listing all of
 that customer's orders that still wait and have reminders left.

@@ -1,4 +1,4 @@
-"""Settlement of CRTC orders (SPEC.md 4.2 balance.available): once a card, ACH or BNPL
+"""Settlement of CRTC orders (BEHAVIOUR.md 4.2 balance.available): once a card, ACH or BNPL
 payment has had time to settle, the order advances to Client Selection in Frappe.
 
 Called by the balance.available plugin and, as a fallback, by the scheduler. Two runs at

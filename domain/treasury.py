@@ -1,4 +1,4 @@
-"""Crypto payments (SHKeeper invoice callbacks, SPEC.md 4.3, 2.4, 2.5).
+"""Crypto payments (SHKeeper invoice callbacks, BEHAVIOUR.md 4.3, 2.4, 2.5).
 
 Reading a callback: amounts are Decimal end to end (strings or JSON numbers, every digit
 kept), fiat cents are rounded half-up, the order type comes from the order number's
@@ -52,7 +52,7 @@ def read(raw):
 
 
 def external_id_of(body):
-    """The order number, or None when the callback names none (SPEC.md 4.3 rule 2)."""
+    """The order number, or None when the callback names none (BEHAVIOUR.md 4.3 rule 2)."""
     value = body.get("external_id")
     if value is None or value == "":
         return None
@@ -197,7 +197,7 @@ class Callback:
 
 def receive_payment(ctx, payload, effects):
     """PAID and OVERPAID: record the treasury job and ledger entry, then complete the
-    payment. Anything else, or paid not true, is only logged (SPEC.md 4.3 rule 3)."""
+    payment. Anything else, or paid not true, is only logged (BEHAVIOUR.md 4.3 rule 3)."""
     callback = Callback.parse(payload)
     if not callback.to_be_processed:
         log.info("crypto %s callback for %s with paid=%s: logged only",
@@ -236,7 +236,7 @@ def arrived_at(ctx, effects):
 
 def record_receipt(ctx, callback, txid):
     """Write the treasury job and the ledger entry together, in a savepoint. A failure
-    is logged and the enclosing transaction goes on (SPEC.md 4.3 rule 6); a deadlock with
+    is logged and the enclosing transaction goes on (BEHAVIOUR.md 4.3 rule 6); a deadlock with
     another process is no failure of ours: the whole unit is run again."""
     try:
         with savepoint():

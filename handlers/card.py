@@ -1,4 +1,4 @@
-"""POST /api/v1/webhooks/card-processor: signed Stripe events (SPEC.md 4.2)."""
+"""POST /api/v1/webhooks/card-processor: signed Stripe events (BEHAVIOUR.md 4.2)."""
 import json
 import logging
 

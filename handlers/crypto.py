@@ -1,4 +1,4 @@
-"""POST /api/v1/webhooks/crypto-processor: SHKeeper's invoice callbacks (SPEC.md 4.3).
+"""POST /api/v1/webhooks/crypto-processor: SHKeeper's invoice callbacks (BEHAVIOUR.md 4.3).
 
 SHKeeper re-sends a callback every 60 s, forever, until it gets exactly 202; so every
 outcome but a refused key is 202, and the inbox, not the sender, retries our failures.
@@ -120,7 +120,7 @@ class CryptoProcessorWebhookHandler(ApiHandler):
         return outcome, []
 
     def ignore(self, raw, body):
-        """No external_id: nothing to act on (SPEC.md 4.3 rule 2). Kept as `ignored`, so
+        """No external_id: nothing to act on (BEHAVIOUR.md 4.3 rule 2). Kept as `ignored`, so
         an operator can see what arrived."""
         status = body.get("status")
         status = status if isinstance(status, str) and status.isprintable() else "unknown"

@@ -1,4 +1,4 @@
-"""The tables DESIGN.md names: four order kinds, treasury, ledger, inbox and outbox."""
+"""The tables other systems rely on: four order kinds, treasury, ledger, inbox and outbox."""
 from models import ALL_MODELS
 
 

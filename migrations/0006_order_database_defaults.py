@@ -1,6 +1,6 @@
 """Database-level defaults on the NOT NULL columns of the four order tables.
 
-Other systems insert orders with plain SQL naming only some columns (DESIGN.md); peewee's
+Other systems insert orders with plain SQL naming only some columns; peewee's
 defaults exist only in Python, so such an insert failed on created_at (and on
 intake_reminders_sent, which 0005 added without one). models.py now declares the defaults,
 so 0001 gives them to a fresh database; this adds them where a table predates that. A

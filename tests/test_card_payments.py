@@ -1,4 +1,4 @@
-"""SPEC.md 4.2: checkout.session.completed, payment_intent.succeeded,
+"""BEHAVIOUR.md 4.2: checkout.session.completed, payment_intent.succeeded,
 payment_intent.payment_failed and charge.dispute.created, end to end through the signed
 webhook, with the mail read back from a real SMTP server."""
 import dataclasses

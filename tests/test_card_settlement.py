@@ -1,4 +1,4 @@
-"""SPEC.md 4.2 balance.available: CRTC orders advance to Client Selection once their
+"""BEHAVIOUR.md 4.2 balance.available: CRTC orders advance to Client Selection once their
 payment has had 2 (card, bnpl) or 4 (ach) business days to settle. Fixed clock; Frappe is a
 real HTTP peer on loopback."""
 import asyncio

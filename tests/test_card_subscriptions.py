@@ -1,4 +1,4 @@
-"""SPEC.md 4.2: invoice.paid, invoice.payment_failed and customer.subscription.deleted
+"""BEHAVIOUR.md 4.2: invoice.paid, invoice.payment_failed and customer.subscription.deleted
 (API 2026-03-25.dahlia: the subscription is under invoice.parent.subscription_details)."""
 import datetime
 import threading

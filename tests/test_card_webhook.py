@@ -1,4 +1,4 @@
-"""SPEC.md 4.2 processing order for POST /api/v1/webhooks/card-processor: configuration,
+"""BEHAVIOUR.md 4.2 processing order for POST /api/v1/webhooks/card-processor: configuration,
 signatures, the inbox, duplicates and handling errors. Events are signed in the test the
 way Stripe signs them."""
 import asyncio

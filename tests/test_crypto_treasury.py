@@ -1,4 +1,4 @@
-"""SPEC.md 2.4 and 2.5: the treasury job and ledger entry a paid crypto invoice leaves, and
+"""BEHAVIOUR.md 2.4 and 2.5: the treasury job and ledger entry a paid crypto invoice leaves, and
 the payment it completes, through SHKeeper's real sequence of callbacks."""
 import asyncio
 import dataclasses
@@ -100,7 +100,7 @@ async def test_partial_then_paid_then_overpaid(post, clock, telegram):
     assert job.updated_at == clock() and job.received_at == paid_at
     assert job.idempotency_key == "crypto-settle:FO-3001:tx-step-1"
 
-    # The ledger key is transactions[0].txid (SPEC.md 4.3 rule 5), the same in both.
+    # The ledger key is transactions[0].txid (BEHAVIOUR.md 4.3 rule 5), the same in both.
     [entry] = LedgerEntry.select()
     assert (entry.provider_ref, entry.provider_status, entry.amount_usd_cents) == (
         "tx-step-1", "PAID", 780)

@@ -1,4 +1,4 @@
-"""SPEC.md 4.3 at the HTTP boundary: SHKeeper's callbacks, authenticated the way SHKeeper
+"""BEHAVIOUR.md 4.3 at the HTTP boundary: SHKeeper's callbacks, authenticated the way SHKeeper
 authenticates them, against a real database and real peers."""
 import dataclasses
 import json
@@ -151,7 +151,7 @@ async def test_the_key_never_appears_in_the_logs(post, telegram, caplog):
     assert "wrong-key-guess" not in caplog.text and API_KEY not in caplog.text
 
 
-# --- SPEC.md 4.3 rules ---------------------------------------------------------------------
+# --- BEHAVIOUR.md 4.3 rules ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("external_id", [None, "", "absent"])
 @pytest.mark.gen_test

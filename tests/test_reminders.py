@@ -1,4 +1,4 @@
-"""Intake reminders (SPEC.md 8): at most 10 per order, at most one consolidated e-mail per
+"""Intake reminders (BEHAVIOUR.md 8): at most 10 per order, at most one consolidated e-mail per
 customer per day, across many days with a fixed clock and a real SMTP server."""
 import collections
 import dataclasses

@@ -1,5 +1,5 @@
 """The spool: calls accepted while the database is down are kept in an fsynced file and
-stored and handled once when it is back (DESIGN.md "Flow of one inbound call")."""
+stored and handled once when it is back (docs/ARCHITECTURE.md, "One inbound call")."""
 import dataclasses
 import glob
 import json

@@ -1,4 +1,4 @@
-"""SPEC.md 4.1: the twenty workflow-system webhooks, against real peers on loopback."""
+"""BEHAVIOUR.md 4.1: the twenty workflow-system webhooks, against real peers on loopback."""
 import asyncio
 import base64
 import dataclasses
@@ -17,7 +17,7 @@ from tests.service_process import database_down
 ORDER = {"order_name": "ORD-2026-0042", "order_number": "FO-10042"}
 AUTH = {"X-Webhook-Secret": WEBHOOK_SECRET, "Content-Type": "application/json"}
 
-# SPEC.md 4.1, row by row: path, extra body fields, workflow action, job, extra job
+# BEHAVIOUR.md 4.1, row by row: path, extra body fields, workflow action, job, extra job
 # fields, answer.
 SPEC_TABLE = [
     ("formation/submitted", {"state_code": "WY", "entity_name": "Acme Holdings LLC"},
@@ -181,7 +181,7 @@ async def test_oversize_body_is_413_without_being_stored(post, ctx, worker):
     assert WebhookEvent.select().count() == 0 and worker.requests == []
 
 
-# --- service/queued: SPEC.md 4.1 rule 1 -------------------------------------------------
+# --- service/queued: BEHAVIOUR.md 4.1 rule 1 -------------------------------------------------
 
 async def queued(post, worker, body):
     status, reply, _ = await post(url("service/queued"), body, AUTH)

@@ -1,1 +1,1 @@
-"""One module per card-processor (Stripe) event type (SPEC.md 4.2)."""
+"""One module per card-processor (Stripe) event type (BEHAVIOUR.md 4.2)."""

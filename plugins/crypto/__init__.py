@@ -1,1 +1,1 @@
-"""One module per crypto-processor (SHKeeper) invoice status (SPEC.md 4.3)."""
+"""One module per crypto-processor (SHKeeper) invoice status (BEHAVIOUR.md 4.3)."""

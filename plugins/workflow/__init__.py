@@ -1,4 +1,4 @@
-"""One module per workflow-system webhook path (SPEC.md 4.1). Each declares the path, the
+"""One module per workflow-system webhook path (BEHAVIOUR.md 4.1). Each declares the path, the
 fields it requires, the workflow action it applies, the job it dispatches and the action
 it answers with; `WorkflowWebhook` does the rest."""
 from plugins.registry import workflow_webhook
