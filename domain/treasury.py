@@ -115,16 +115,35 @@ def _text(body, field):
     return value.strip()
 
 
-def _txids(body):
+@dataclasses.dataclass(frozen=True)
+class Transaction:
+    """One transaction of the invoice, as SHKeeper lists it in every callback: its own
+    coin and fiat amounts, the fiat split into what we keep and SHKeeper's fee."""
+
+    txid: str
+    coin: str
+    amount_coin: decimal.Decimal
+    amount_fiat: decimal.Decimal
+    fee_fiat: decimal.Decimal
+
+    @classmethod
+    def parse(cls, item, invoice_coin):
+        txid = _text(item, "txid")
+        if len(txid) > MAX_TXID_LENGTH:
+            raise MalformedCallback("a transaction's txid is too long")
+        return cls(txid=txid, coin=_text(item, "crypto").upper() or invoice_coin,
+                   amount_coin=amount(item, "amount_crypto"),
+                   amount_fiat=amount(item, "amount_fiat"),
+                   fee_fiat=amount(item, "fee_fiat"))
+
+
+def _transactions(body, invoice_coin):
     transactions = body.get("transactions")
     if transactions is None:
         return ()
     if not isinstance(transactions, list) or not all(isinstance(t, dict) for t in transactions):
         raise MalformedCallback("transactions is not a list of objects")
-    txids = tuple(_text(t, "txid") for t in transactions)
-    if any(len(txid) > MAX_TXID_LENGTH for txid in txids):
-        raise MalformedCallback("a transaction's txid is too long")
-    return txids
+    return tuple(Transaction.parse(item, invoice_coin) for item in transactions)
 
 
 def _shown(value):
@@ -144,7 +163,7 @@ class Callback:
     fiat: str
     amount_coin: decimal.Decimal
     amount_fiat: decimal.Decimal
-    txids: tuple
+    transactions: tuple
     notice_txid: str
 
     @classmethod
@@ -155,13 +174,18 @@ class Callback:
         paid = body.get("paid", False)
         if not isinstance(paid, bool):
             raise MalformedCallback(f"paid is not true or false: {_shown(paid)}")
+        coin = _text(body, "crypto").upper() or "UNKNOWN"
         return cls(
             external_id=external_id, status=_text(body, "status"), paid=paid,
-            coin=_text(body, "crypto").upper() or "UNKNOWN", fiat=_text(body, "fiat").upper(),
+            coin=coin, fiat=_text(body, "fiat").upper(),
             # An `unconfirmed` notice names its coin amount `amount`.
             amount_coin=amount(body, "balance_crypto" if "balance_crypto" in body else "amount"),
             amount_fiat=amount(body, "balance_fiat"),
-            txids=_txids(body), notice_txid=_text(body, "txid"))
+            transactions=_transactions(body, coin), notice_txid=_text(body, "txid"))
+
+    @property
+    def txids(self):
+        return tuple(transaction.txid for transaction in self.transactions)
 
     @property
     def to_be_processed(self):
@@ -190,9 +214,16 @@ class Callback:
         digest = hashlib.sha256(state.encode("utf-8")).hexdigest()[:32]
         return f"{self.external_id}:{self.status or '-'}:{digest}"
 
-    def notes(self):
-        return (f"{self.status}: received {self.amount_coin} {self.coin or 'coin'} "
-                f"({self.amount_fiat} {self.fiat or 'fiat'})")
+    def received(self, arrived_at):
+        """The transactions the ledger records: every one listed with a txid (SHKeeper
+        lists the invoice's whole history, oldest first). A callback that lists none is
+        recorded as one receipt of the invoice's balance under the fallback txid."""
+        listed = tuple(transaction for transaction in self.transactions if transaction.txid)
+        if listed:
+            return listed
+        return (Transaction(txid=self.txid(arrived_at), coin=self.coin,
+                            amount_coin=self.amount_coin, amount_fiat=self.amount_fiat,
+                            fee_fiat=decimal.Decimal(0)),)
 
 
 def receive_payment(ctx, payload, effects):
@@ -206,8 +237,9 @@ def receive_payment(ctx, payload, effects):
     if callback.fiat not in ("", "USD"):
         log.warning("crypto invoice %s is in %s; its amount is recorded as USD cents as given",
                     callback.external_id, callback.fiat)
-    txid = callback.txid(arrived_at(ctx, effects))
-    record_receipt(ctx, callback, txid)
+    arrival = arrived_at(ctx, effects)
+    txid = callback.txid(arrival)
+    record_receipt(ctx, callback, arrival)
     try:
         with effects.savepoint():
             complete_payment(ctx, effects, callback.external_id, callback.order_type,
@@ -234,14 +266,17 @@ def arrived_at(ctx, effects):
     return effects.event.received_at if effects.event else ctx.clock()
 
 
-def record_receipt(ctx, callback, txid):
-    """Write the treasury job and the ledger entry together, in a savepoint. A failure
-    is logged and the enclosing transaction goes on (BEHAVIOUR.md 4.3 rule 6); a deadlock with
-    another process is no failure of ours: the whole unit is run again."""
+def record_receipt(ctx, callback, arrival):
+    """Write the treasury job and a ledger entry per received transaction together, in a
+    savepoint. A failure is logged and the enclosing transaction goes on (BEHAVIOUR.md 4.3
+    rule 6); a deadlock with another process is no failure of ours: the whole unit is run
+    again."""
+    txid = callback.txid(arrival)
     try:
         with savepoint():
             _save_treasury_job(ctx, callback, txid)
-            _add_ledger_entry(ctx, callback, txid)
+            for transaction in callback.received(arrival):
+                _add_ledger_entry(ctx, callback, transaction)
         return True
     except peewee.DatabaseError as failure:
         raise_if_conflict(failure)
@@ -272,14 +307,20 @@ def _save_treasury_job(ctx, callback, txid):
         log.info("treasury job of %s is past `received`; left untouched", callback.external_id)
 
 
-def _add_ledger_entry(ctx, callback, txid):
+def _add_ledger_entry(ctx, callback, transaction):
+    """One entry per transaction, keyed by its txid: a later callback of the same invoice
+    lists it again and adds nothing, and the entries of an order sum to the invoice."""
     now = ctx.clock()
+    txid = transaction.txid
     added = NEW_LEDGER_ENTRY.run(
-        order_id=callback.external_id, order_type=callback.order_type, coin=callback.coin,
-        movement_type="receive", amount_coin=callback.amount_coin,
-        amount_usd_cents=callback.amount_usd_cents, provider=PROVIDER, provider_ref=txid,
+        order_id=callback.external_id, order_type=callback.order_type, coin=transaction.coin,
+        movement_type="receive", amount_coin=transaction.amount_coin,
+        amount_usd_cents=cents(transaction.amount_fiat), provider=PROVIDER, provider_ref=txid,
         provider_status=callback.status, state="confirmed",
-        idempotency_key=f"{PROVIDER}:{txid}", acquired_at=now, notes=callback.notes(),
+        idempotency_key=f"{PROVIDER}:{txid}", acquired_at=now,
+        notes=(f"{callback.status}: received {transaction.amount_coin} {transaction.coin} "
+               f"({transaction.amount_fiat} {callback.fiat or 'fiat'}, "
+               f"fee {transaction.fee_fiat})"),
         created_at=now, updated_at=now)
     if not added:
         log.info("ledger entry %s:%s already recorded; skipped", PROVIDER, txid)

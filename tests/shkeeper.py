@@ -1,6 +1,8 @@
 """Callbacks shaped like SHKeeper's real ones (shkeeper/callback.py): amounts as strings
-rounded as SHKeeper rounds them, the whole invoice in every callback with the triggering
-transaction marked, fee_percent and overpaid_fiat; and its signature headers."""
+written as SHKeeper writes them, the whole invoice in every callback with the triggering
+transaction marked, each transaction's fee split out, the fee policy and overpaid_fiat
+(two decimals); the body as it signs it, and its signature headers."""
+import decimal
 import hashlib
 import hmac
 import json
@@ -9,10 +11,24 @@ API_KEY = "shk-test-api-key-0123456789"
 URL = "/api/v1/webhooks/crypto-processor"
 
 
+def shown(amount):
+    """An amount as SHKeeper writes it (its `remove_exponent`): no exponent, no trailing
+    zeros, a whole number without a point; at most 10 decimals, as it stores them."""
+    number = decimal.Decimal(amount).quantize(decimal.Decimal("1e-10")).normalize()
+    return str(number.quantize(decimal.Decimal(1)) if number == number.to_integral()
+               else number)
+
+
 def transaction(txid, amount_crypto, amount_fiat, trigger=False, crypto="BTC",
-                date="2026-11-20 09:00:00"):
-    return {"txid": txid, "date": date, "amount_crypto": amount_crypto,
-            "amount_fiat": amount_fiat, "trigger": trigger, "crypto": crypto}
+                date="2026-11-20 09:00:00", fee_percent="2"):
+    """One transaction as every callback lists it: its fiat amount includes SHKeeper's
+    fee, split out as amount_fiat_without_fee and fee_fiat."""
+    fiat = decimal.Decimal(amount_fiat)
+    without_fee = (fiat / (1 + decimal.Decimal(fee_percent) / 100)).quantize(
+        decimal.Decimal("1e-10"))
+    return {"txid": txid, "date": date, "amount_crypto": shown(amount_crypto),
+            "amount_fiat": shown(fiat), "amount_fiat_without_fee": shown(without_fee),
+            "fee_fiat": shown(fiat - without_fee), "trigger": trigger, "crypto": crypto}
 
 
 def invoice(external_id, status, transactions, balance_crypto, balance_fiat, crypto="BTC",
@@ -23,12 +39,14 @@ def invoice(external_id, status, transactions, balance_crypto, balance_fiat, cry
         "crypto": crypto,
         "addr": "bc1qxy2kgdygjrsqtzq2n0yrf2493p83kkfjhx0wlh",
         "fiat": fiat,
-        "balance_fiat": balance_fiat,
-        "balance_crypto": balance_crypto,
+        "balance_fiat": shown(balance_fiat),
+        "balance_crypto": shown(balance_crypto),
         "paid": status in ("PAID", "OVERPAID"),
         "status": status,
         "transactions": transactions,
         "fee_percent": "2",
+        "fee_fixed": "0",
+        "fee_policy": "PERCENT_FEE",
         "overpaid_fiat": overpaid_fiat,
         **changes,
     }
@@ -37,22 +55,24 @@ def invoice(external_id, status, transactions, balance_crypto, balance_fiat, cry
 def paid(external_id, txid="tx-paid-1", balance_crypto="0.00012345", balance_fiat="7.80",
          **changes):
     """A one-transaction invoice, fully paid."""
-    tx = transaction(txid, balance_crypto, balance_fiat, trigger=True)
+    tx = transaction(txid, balance_crypto, balance_fiat, trigger=True,
+                     crypto=changes.get("crypto", "BTC"))
     return invoice(external_id, "PAID", [tx], balance_crypto, balance_fiat, **changes)
 
 
 def paid_in_steps(external_id):
-    """One invoice paid in three transactions: PARTIAL, then PAID, then OVERPAID; each
-    callback carries every transaction so far, the newest marked as the trigger."""
-    first = transaction("tx-step-1", "0.00005000", "3.16", date="2026-11-20 09:00:00")
-    second = transaction("tx-step-2", "0.00007345", "4.64", date="2026-11-20 09:20:00")
-    third = transaction("tx-step-3", "0.00001000", "0.63", date="2026-11-20 09:40:00")
+    """One invoice (320 USD at 96 000 USD/BTC, 2 % fee: 0.0034 BTC quoted) paid in three
+    transactions, as SHKeeper reports it: PARTIAL 0.001, then PAID +0.0024, then OVERPAID
+    +0.0005. Each callback lists every transaction so far, oldest first, the one that
+    caused it marked as trigger; overpaid_fiat is measured against 105 % of the invoice."""
+    first = transaction("tx-step-1", "0.001", "96", date="2026-11-20 09:00:12")
+    second = transaction("tx-step-2", "0.0024", "230.4", date="2026-11-20 09:41:37")
+    third = transaction("tx-step-3", "0.0005", "48", date="2026-11-20 10:15:04")
     return [
-        invoice(external_id, "PARTIAL", [{**first, "trigger": True}], "0.00005000", "3.16"),
-        invoice(external_id, "PAID", [first, {**second, "trigger": True}],
-                "0.00012345", "7.80"),
+        invoice(external_id, "PARTIAL", [{**first, "trigger": True}], "0.001", "96"),
+        invoice(external_id, "PAID", [first, {**second, "trigger": True}], "0.0034", "326.4"),
         invoice(external_id, "OVERPAID", [first, second, {**third, "trigger": True}],
-                "0.00013345", "8.43", overpaid_fiat="0.63"),
+                "0.0039", "374.4", overpaid_fiat="38.40"),
     ]
 
 

@@ -44,7 +44,7 @@ async def test_a_paid_invoice_leaves_a_job_an_entry_and_a_paid_order(post, clock
         "CA-1001", "canada_crtc", "ETH-USDT", "receive", Decimal("7.8"), 780,
         "crypto-processor", "0x518a10b1", "PAID", "confirmed",
         "crypto-processor:0x518a10b1", now)
-    assert entry.notes == "PAID: received 7.80000000 ETH-USDT (7.80 USD)"
+    assert entry.notes == "PAID: received 7.8 ETH-USDT (7.8 USD, fee 0.1529411765)"
 
     order = CrtcOrder.get()
     assert (order.payment_status, order.paid_at, order.stripe_session_id,
@@ -75,38 +75,69 @@ def _ledger(entry):
     return _LedgerRow(*(getattr(entry, f.name) for f in dataclasses.fields(_LedgerRow)))
 
 
+async def send_signed(post, clock, callback):
+    """As SHKeeper sends it: the body serialised as it signs it, the key and signature."""
+    raw = shkeeper.encode(callback)
+    headers = shkeeper.signed_headers(raw, int(clock().timestamp()))
+    status, reply, _ = await post(URL, raw, headers)
+    assert (status, reply) == (202, {"received": True})
+
+
+def ledger_of(order_number):
+    return [(entry.provider_ref, entry.amount_coin, entry.amount_usd_cents,
+             entry.idempotency_key)
+            for entry in LedgerEntry.select().where(LedgerEntry.order_id == order_number)
+            .order_by(LedgerEntry.id)]
+
+
 @pytest.mark.gen_test
 async def test_partial_then_paid_then_overpaid(post, clock, telegram):
+    """FO-1002 paid in three transactions. Every callback lists the invoice's whole
+    history; the ledger gets one entry per transaction, and sums to the invoice."""
     clock.set(2026, 11, 20, 9, 0)
-    FormationOrder.create(order_number="FO-3001")
-    partial, paid, overpaid = shkeeper.paid_in_steps("FO-3001")
+    FormationOrder.create(order_number="FO-1002")
+    partial, paid, overpaid = shkeeper.paid_in_steps("FO-1002")
 
-    await send(post, partial)
-    assert TreasuryJob.select().count() == 0 and telegram.requests == []
-    assert FormationOrder.get().payment_status == "pending_payment"
+    await send_signed(post, clock, partial)
+    assert TreasuryJob.select().count() == 0 and LedgerEntry.select().count() == 0
+    assert FormationOrder.get().payment_status == "pending_payment" and not telegram.requests
 
     clock.advance(minutes=20)
-    await send(post, paid)
+    await send_signed(post, clock, paid)
+    # The PARTIAL transaction's entry is written now: the PAID callback lists it.
+    assert ledger_of("FO-1002") == [
+        ("tx-step-1", Decimal("0.001"), 9600, "crypto-processor:tx-step-1"),
+        ("tx-step-2", Decimal("0.0024"), 23040, "crypto-processor:tx-step-2")]
     job = TreasuryJob.get()
     assert (job.amount_coin, job.amount_usd_cents, job.state) == (
-        Decimal("0.00012345"), 780, "received")
-    assert FormationOrder.get().payment_status == "paid"
+        Decimal("0.0034"), 32640, "received")
     paid_at = FormationOrder.get().paid_at
+    assert FormationOrder.get().payment_status == "paid"
 
     clock.advance(minutes=20)
-    await send(post, overpaid)
+    await send_signed(post, clock, overpaid)
+    entries = ledger_of("FO-1002")
+    assert [entry[0] for entry in entries] == ["tx-step-1", "tx-step-2", "tx-step-3"]
+    assert sum(entry[1] for entry in entries) == Decimal("0.0039")
+    assert sum(entry[2] for entry in entries) == 37440
+    assert entries[2][3] == "crypto-processor:tx-step-3"
     job = TreasuryJob.get()
-    assert (job.amount_coin, job.amount_usd_cents) == (Decimal("0.00013345"), 843)
+    assert (job.amount_coin, job.amount_usd_cents) == (Decimal("0.0039"), 37440)
+    assert job.idempotency_key == "crypto-settle:FO-1002:tx-step-1"
     assert job.updated_at == clock() and job.received_at == paid_at
-    assert job.idempotency_key == "crypto-settle:FO-3001:tx-step-1"
-
-    # The ledger key is transactions[0].txid (BEHAVIOUR.md 4.3 rule 5), the same in both.
-    [entry] = LedgerEntry.select()
-    assert (entry.provider_ref, entry.provider_status, entry.amount_usd_cents) == (
-        "tx-step-1", "PAID", 780)
     order = FormationOrder.get()
-    assert (order.payment_status, order.paid_at) == ("paid", paid_at)
+    assert (order.payment_status, order.paid_at, order.stripe_session_id) == (
+        "paid", paid_at, "crypto-tx-step-1")
+    assert [e.provider_status for e in LedgerEntry.select().order_by(LedgerEntry.id)] == [
+        "PAID", "PAID", "OVERPAID"]
     assert len(telegram.requests) == 1
+
+    # SHKeeper re-sends each callback every 60 s until it sees 202 (a lost answer, say).
+    for callback in (partial, paid, overpaid):
+        clock.advance(seconds=60)
+        await send_signed(post, clock, callback)
+    assert ledger_of("FO-1002") == entries and len(telegram.requests) == 1
+    assert TreasuryJob.get().amount_coin == Decimal("0.0039")
     assert [e.event_type for e in WebhookEvent.select().order_by(WebhookEvent.id)] == [
         "PARTIAL", "PAID", "OVERPAID"]
 
@@ -241,7 +272,10 @@ def test_a_callback_reads_as_shkeeper_means_it():
     assert (callback.external_id, callback.status, callback.paid, callback.coin) == (
         "BU-9", "OVERPAID", True, "BTC")
     assert callback.txids == ("tx-step-1", "tx-step-2", "tx-step-3")
-    assert (callback.amount_coin, callback.amount_usd_cents) == (Decimal("0.00013345"), 843)
+    assert (callback.amount_coin, callback.amount_usd_cents) == (Decimal("0.0039"), 37440)
+    third = callback.transactions[2]
+    assert (third.amount_coin, third.amount_fiat, third.fee_fiat) == (
+        Decimal("0.0005"), Decimal("48"), Decimal("0.9411764706"))
     assert callback.to_be_processed and callback.order_type == "bundle"
 
 

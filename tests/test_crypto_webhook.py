@@ -79,7 +79,7 @@ async def test_a_valid_shkeeper_signature_is_accepted(post, clock, telegram, wit
 
 
 def _tampered(raw, now):
-    return raw.replace(b"7.80", b"9.80"), signed_headers(raw, now)
+    return raw.replace(b"7.8", b"9.8"), signed_headers(raw, now)
 
 
 def _stale(raw, now):
@@ -196,7 +196,7 @@ async def test_partial_and_unconfirmed_notices_are_recorded_and_logged_only(
     events = list(WebhookEvent.select().order_by(WebhookEvent.id))
     assert [(e.event_type, e.status, e.order_number) for e in events] == [
         ("unconfirmed", "processed", "CA-1001"), ("PARTIAL", "processed", "CA-1001")]
-    assert "tx-step-1" in caplog.text and "0.00005000 BTC" in caplog.text
+    assert "tx-step-1" in caplog.text and "0.001 BTC" in caplog.text
     assert TreasuryJob.select().count() == 0 and LedgerEntry.select().count() == 0
     assert unpaid() and telegram.requests == []
 
@@ -355,7 +355,7 @@ MALFORMED = [
 async def test_an_amount_that_is_not_a_number_is_rejected_and_the_admin_told(
         post, telegram, smtp, value, reason):
     CrtcOrder.create(order_number="CA-1001")
-    raw = shkeeper.encode(shkeeper.paid("CA-1001")).replace(b'"balance_fiat":"7.80"',
+    raw = shkeeper.encode(shkeeper.paid("CA-1001")).replace(b'"balance_fiat":"7.8"',
                                                             b'"balance_fiat":' + value)
     status, reply, _ = await post(URL, raw, key_headers())
     assert (status, reply) == (202, {"received": True})

@@ -254,7 +254,7 @@ async def test_a_deadlock_while_recording_a_crypto_receipt_is_not_swallowed(
     other.start()
     recorded = []
     await GroupCommit().run(lambda: recorded.append(
-        treasury.record_receipt(ctx, callback, "0xdead")))
+        treasury.record_receipt(ctx, callback, ctx.clock())))
     other.join()
     # The first try lost the deadlock and was run again; caught as an ordinary database
     # error it would have returned False, with no receipt written by this process.
