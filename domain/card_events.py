@@ -11,7 +11,7 @@ import logging
 
 import stripe
 
-from clients.stripe_api import stripe_client
+from clients.stripe_api import API_VERSION, stripe_client
 from models import ORDER_MODELS, ComplianceOrder
 from engine import inbox
 from engine.db import locked
@@ -55,10 +55,32 @@ def problem_with(event):
     return None
 
 
+class VersionWatch:
+    """Warns once per process for each API version, other than ours, that events come in:
+    an endpoint (or `stripe listen`, which uses the account's default version) set to
+    another version renders objects in shapes that may have moved."""
+
+    def __init__(self):
+        self.seen = set()
+
+    def __call__(self, event):
+        version = event.get("api_version")
+        if version == API_VERSION or version in self.seen:
+            return
+        self.seen.add(version)
+        log.warning("card event %s is in API version %r, not %s: set the webhook endpoint "
+                    "to %s (the service reads the older invoice shape as well)",
+                    event.get("id"), version, API_VERSION, API_VERSION)
+
+
+check_version = VersionWatch()
+
+
 async def accept(ctx, event, raw):
     """Store a verified event in the inbox and handle it: in the background for the types
     BEHAVIOUR.md handles so, before returning for the others. A handling error is logged and
     left on the inbox row for retry; it never raises."""
+    check_version(event)
     await inbox.accept(
         ctx, SOURCE, event["type"], dedup_key(event), raw, external_id=event["id"],
         order_number=metadata_of(object_of(event)).get("order_id"),
@@ -138,9 +160,11 @@ async def charged_method(ctx, intent_id):
 
 
 def subscription_of_invoice(invoice):
-    """API 2026-03-25.dahlia keeps an invoice's subscription under its parent."""
+    """The invoice's subscription id. From API 2025-03-31.basil on (ours is
+    2026-03-25.dahlia) it is under the invoice's parent; an invoice rendered in an older
+    version (an endpoint or `stripe listen` on an older version) has it at the top."""
     details = (invoice.get("parent") or {}).get("subscription_details") or {}
-    return details.get("subscription")
+    return details.get("subscription") or invoice.get("subscription")
 
 
 def order_with_subscription(subscription_id, for_update=False):

@@ -27,11 +27,11 @@ def sign(raw, secret=SECRET, timestamp=0):
     return f"t={timestamp},v1={mac.hexdigest()}"
 
 
-def event(event_type, obj, event_id=None, created=1795683600):
+def event(event_type, obj, event_id=None, created=1795683600, api_version=API_VERSION):
     return {
         "id": event_id or _id("evt"),
         "object": "event",
-        "api_version": API_VERSION,
+        "api_version": api_version,
         "created": created,
         "data": {"object": obj},
         "livemode": False,
@@ -163,6 +163,18 @@ def invoice(subscription_id, billing_reason="subscription_cycle", invoice_id=Non
     }
 
 
+def invoice_before_basil(subscription_id, **fields):
+    """The same invoice rendered in an API version before 2025-03-31.basil (an endpoint or
+    `stripe listen` on an older account default): the subscription at the top level,
+    with subscription_details, paid, charge and payment_intent; no parent."""
+    rendered = invoice(subscription_id, **fields)
+    del rendered["parent"]
+    return {**rendered, "subscription": subscription_id,
+            "subscription_details": {"metadata": {}}, "paid": rendered["status"] == "paid",
+            "paid_out_of_band": False, "charge": _id("ch"), "payment_intent": _id("pi"),
+            "quote": None}
+
+
 def subscription(subscription_id, ended_at=1795683600):
     return {
         "id": subscription_id,
@@ -210,8 +222,8 @@ RECEIVED = (200, {"received": True})
 def send(post, ctx, clock):
     """Deliver a signed event and wait for any background handling to finish; returns
     the event's inbox row."""
-    async def send_event(event_type, obj):
-        evt = event(event_type, obj)
+    async def send_event(event_type, obj, api_version=API_VERSION):
+        evt = event(event_type, obj, api_version=api_version)
         assert (await deliver(post, clock, evt))[:2] == RECEIVED
         await ctx.drain_background()
         return WebhookEvent.get(WebhookEvent.external_id == evt["id"])

@@ -6,6 +6,7 @@ import json
 import urllib.parse
 
 import pytest
+import stripe
 import tornado.httpserver
 import tornado.testing
 import tornado.web
@@ -176,6 +177,20 @@ def several_methods_paid(order_number):
                                payment_method_types=allowed)
     assert intent["latest_charge"].startswith("ch_")
     return session, intent
+
+
+@pytest.mark.gen_test
+async def test_stripe_is_asked_in_our_api_version_whatever_the_package_default(
+        send, stripe_api, monkeypatch):
+    # A later stripe package defaults to a later version, whose shapes may have moved.
+    monkeypatch.setattr(stripe._api_version._ApiVersion, "CURRENT", "2099-01-01.later")
+    CrtcOrder.create(order_number="CA-3")
+    session, intent = several_methods_paid("CA-3")
+    stripe_api.charged(intent, "klarna")
+    await send("checkout.session.completed", session)
+    [asked] = stripe_api.requests
+    assert asked.headers["Stripe-Version"] == "2026-03-25.dahlia"
+    assert CrtcOrder.get().payment_method == "bnpl"
 
 
 @pytest.mark.parametrize("first", ["checkout.session.completed", "payment_intent.succeeded"])

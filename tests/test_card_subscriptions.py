@@ -1,6 +1,8 @@
 """BEHAVIOUR.md 4.2: invoice.paid, invoice.payment_failed and customer.subscription.deleted
-(API 2026-03-25.dahlia: the subscription is under invoice.parent.subscription_details)."""
+(API 2026-03-25.dahlia: the subscription is under invoice.parent.subscription_details; an
+invoice rendered before 2025-03-31.basil has it at the top)."""
 import datetime
+import logging
 import threading
 
 import pytest
@@ -121,6 +123,45 @@ async def test_an_invoice_without_a_parent_subscription_is_retried(send, worker)
     invoice = {**se.invoice(None), "parent": None}
     assert (await send("invoice.paid", invoice)).status == "failed"
     assert worker.requests == []
+
+
+# --- invoices rendered in an API version before 2025-03-31.basil ---------------------------------
+
+OLD_VERSION = "2024-06-20"
+
+
+@pytest.mark.gen_test
+async def test_a_renewal_in_the_pre_basil_shape_dispatches_for_its_order(
+        send, worker, subscribed):
+    invoice = se.invoice_before_basil("sub_test_42", invoice_id="in_test_old")
+    stored = await send("invoice.paid", invoice, api_version=OLD_VERSION)
+    assert stored.status == "processed"
+    [job] = worker.requests
+    assert (job.json["order_number"], job.json["invoice_id"], job.json["recurring_cycle"]) == (
+        "CO-42", "in_test_old", 1)
+
+
+@pytest.mark.gen_test
+async def test_a_failed_payment_in_the_pre_basil_shape_names_its_order(
+        send, smtp, subscribed):
+    invoice = se.invoice_before_basil("sub_test_42", attempt_count=1, status="open")
+    await send("invoice.payment_failed", invoice, api_version=OLD_VERSION)
+    subjects = {message["Subject"] for _, message in smtp.messages}
+    assert subjects == {"Subscription payment failed for order CO-42",
+                        "Your payment did not go through"}
+
+
+@pytest.mark.gen_test
+async def test_an_event_in_another_api_version_is_warned_about_once(
+        send, worker, subscribed, caplog):
+    caplog.set_level(logging.WARNING, logger="receiver.card")
+    for invoice_id in ("in_test_v1", "in_test_v2"):
+        await send("invoice.paid", se.invoice_before_basil("sub_test_42", invoice_id=invoice_id),
+                   api_version="2023-10-16")
+    await send("invoice.paid", se.invoice("sub_test_42", invoice_id="in_test_v3"))
+    warnings = [r.getMessage() for r in caplog.records if "API version" in r.getMessage()]
+    assert len(warnings) == 1 and "'2023-10-16'" in warnings[0]
+    assert "2026-03-25.dahlia" in warnings[0] and len(worker.requests) == 3
 
 
 # --- invoice.payment_failed ---------------------------------------------------------------------
