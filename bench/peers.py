@@ -1,5 +1,9 @@
 """Stand-ins for the worker, Frappe and Telegram (one HTTP port, answering at once or
-after --delay seconds) and an SMTP server (aiosmtpd) that accepts and drops mail."""
+after --delay seconds) and an SMTP server (aiosmtpd) that accepts and drops mail.
+
+The HTTP stand-in counts the Idempotency-Keys it is sent: GET /stats answers how many
+calls carried one and how many distinct keys there were, so a run can prove that every
+job arrived exactly once."""
 import argparse
 import asyncio
 
@@ -7,14 +11,29 @@ import tornado.web
 from aiosmtpd.controller import Controller
 
 
+class Keys:
+    def __init__(self):
+        self.calls = 0
+        self.distinct = set()
+
+    def count(self, key):
+        if key:
+            self.calls += 1
+            self.distinct.add(key)
+
+
 class Answer(tornado.web.RequestHandler):
-    def initialize(self, delay):
-        self.delay = delay
+    def initialize(self, delay, keys):
+        self.delay, self.keys = delay, keys
 
     async def post(self, *args):
         if self.delay:
             await asyncio.sleep(self.delay)
+        self.keys.count(self.request.headers.get("Idempotency-Key"))
         self.finish({"ok": True, "message": {"workflow_state": "ok"}, "result": {}})
+
+    def get(self, *args):
+        self.finish({"calls": self.keys.calls, "distinct": len(self.keys.distinct)})
 
 
 class DropMail:
@@ -23,7 +42,7 @@ class DropMail:
 
 
 async def main(http_port, smtp_port, delay):
-    app = tornado.web.Application([(r"/(.*)", Answer, {"delay": delay})],
+    app = tornado.web.Application([(r"/(.*)", Answer, {"delay": delay, "keys": Keys()})],
                                   log_function=lambda handler: None)
     app.listen(http_port, "127.0.0.1")
     if smtp_port:

@@ -4,10 +4,13 @@ Starts the peers (worker, Frappe, Telegram, SMTP), a bare Tornado app (the ceili
 the service (on SQLite, and on PostgreSQL when reachable), drives each scenario from the
 load generator in its own process, and writes bench/results/latest.json and .md.
 
-Measured: every receiver against the ceiling; isolation (the crypto callback while the
-worker answers workflow jobs after 2 s); with --scale, the per-event cost of a card
-payment and a dispute with 1k and with 1M rows (--scale-rows) in the order and ledger
-tables; with --memory N, the service's RSS over N events.
+Measured: every receiver against the ceiling and against the durable floor (a bare app
+that commits each body to SQLite before answering); isolation (the crypto callback while
+the worker answers workflow jobs after 2 s); drain (the worker down under steady workflow
+traffic, then back: how fast the backlog empties, the live p99 meanwhile, every job once);
+on PostgreSQL, 2 instances of the service on one database against 1; with --scale, the
+per-event cost of a card payment and a dispute with 1k and with 1M rows (--scale-rows) in
+the order and ledger tables; with --memory N, the service's RSS over N events.
 """
 import argparse
 import contextlib
@@ -23,6 +26,7 @@ import tempfile
 import threading
 import time
 import urllib.parse
+import urllib.request
 import uuid
 
 from bench import scenarios
@@ -116,6 +120,19 @@ def sqlite_scratch():
         yield f"sqlite:///{folder}/bench.sqlite3"
 
 
+def worker_stats(url):
+    """(calls carrying an Idempotency-Key, distinct keys) the worker stand-in has seen."""
+    with urllib.request.urlopen(f"{url}/stats", timeout=10) as answer:
+        stats = json.load(answer)
+    return stats["calls"], stats["distinct"]
+
+
+def jobs_not_sent(database_url):
+    from models import Outbox
+    return database_rows(database_url, lambda: Outbox.select().where(
+        Outbox.kind == "job", Outbox.status.not_in(["sent", "dead"])).count())
+
+
 def database_rows(database_url, query):
     from models import database, open_database
     open_database(database_url)
@@ -158,10 +175,11 @@ def rss_kib(pid):
 
 
 def format_row(row):
-    ratio = row.get("ratio_to_ceiling")
-    return (f"{row['scenario']:<10} {row['database']:<10} {row['rps']:>9.1f} req/s  "
+    ratio, floor = row.get("ratio_to_ceiling"), row.get("ratio_to_floor")
+    return (f"{row['scenario']:<11} {row['database']:<10} {row['rps']:>9.1f} req/s  "
             f"p50 {row['p50_ms']:>7.2f} ms  p99 {row['p99_ms']:>7.2f} ms  "
-            f"ratio {'' if ratio is None else f'{ratio:.2f}':>5}  "
+            f"ratio {'' if ratio is None else f'{ratio:.3f}':>5}  "
+            f"to floor {'' if floor is None else f'{floor:.3f}':>5}  "
             f"errors {sum(row['unexpected_statuses'].values())}"
             + (f"  inbox {row['inbox']}" if row.get("inbox") else ""))
 
@@ -173,7 +191,7 @@ class Bench:
         self.extra = {}
         self.processes = Processes()
         self.peer_port, self.slow_port, self.smtp_port = free_port(), free_port(), free_port()
-        self.ceiling = None
+        self.ceiling = self.floor = None
 
     def peer_url(self, slow=False):
         return f"http://127.0.0.1:{self.slow_port if slow else self.peer_port}"
@@ -184,24 +202,38 @@ class Bench:
         self.processes.start(["-m", "bench.peers", "--http-port", str(self.slow_port),
                               "--delay", str(SLOW_WORKER_SECONDS)], self.slow_port)
 
-    def measure_ceiling(self):
+    def measure_references(self):
+        self.ceiling = self.measure_reference("ceiling", "bench.ceiling")
+        with tempfile.TemporaryDirectory() as folder:
+            self.floor = self.measure_reference("floor", "bench.floor",
+                                                os.path.join(folder, "floor.sqlite3"))
+
+    def measure_reference(self, name, module, *arguments):
+        """A bare app serving the ceiling scenario's requests, measured alone."""
         port = free_port()
-        ceiling = Processes()
-        ceiling.start(["-m", "bench.ceiling", str(port)], port)
+        reference = Processes()
+        reference.start(["-m", module, str(port), *arguments], port)
         try:
             load("ceiling", port, self.args.connections, self.args.warmup)
-            self.ceiling = load("ceiling", port, self.args.connections, self.args.duration)
+            row = load("ceiling", port, self.args.connections, self.args.duration)
         finally:
-            ceiling.stop_all()
-        self.ceiling.update(scenario="ceiling", database="-", ratio_to_ceiling=1.0)
-        self.record(self.ceiling)
+            reference.stop_all()
+        row.update(scenario=name, database="-")
+        row.update(self.ratios(row))
+        self.record(row)
+        return row
+
+    def ratios(self, row):
+        return {"ratio_to_ceiling": round(row["rps"] / (self.ceiling or row)["rps"], 3),
+                "ratio_to_floor": round(row["rps"] / self.floor["rps"], 3)
+                if self.floor else None}
 
     def record(self, row):
         self.rows.append(row)
         print(format_row(row), flush=True)
 
     @contextlib.contextmanager
-    def service(self, database_url, slow_worker=False):
+    def service(self, database_url, slow_worker=False, worker_url=None):
         """The real service, as `make run` starts it, with the peers' addresses."""
         port = free_port()
         processes = Processes()
@@ -209,7 +241,8 @@ class Bench:
             peer = self.peer_url()
             env = {
                 "RECEIVER_PORT": str(port), "DATABASE_URL": database_url,
-                "WEBHOOK_SECRET": SECRET, "WORKER_URL": self.peer_url(slow_worker),
+                "WEBHOOK_SECRET": SECRET,
+                "WORKER_URL": worker_url or self.peer_url(slow_worker),
                 "WORKFLOW_URL": peer, "WORKFLOW_API_KEY": "k", "WORKFLOW_API_SECRET": "s",
                 "WORKFLOW_SITE_NAME": "bench", "TELEGRAM_API_URL": peer,
                 "TELEGRAM_BOT_TOKEN": "1:bench", "TELEGRAM_CHAT_ID": "1",
@@ -232,8 +265,7 @@ class Bench:
         load(scenario, port, self.args.connections, self.args.warmup, options(0))
         result = load(scenario, port, self.args.connections, self.args.duration,
                       options(third))
-        result.update(scenario=scenario, database=label,
-                      ratio_to_ceiling=round(result["rps"] / self.ceiling["rps"], 3),
+        result.update(scenario=scenario, database=label, **self.ratios(result),
                       inbox=outcomes(database_url, scenario))
         self.record(result)
         return result
@@ -262,14 +294,112 @@ class Bench:
             result = load("crypto", port, self.args.connections, self.args.duration,
                           {"start": 2 * (self.args.orders // 3)})
             workflow = json.loads(stream.communicate()[0])
-        result.update(scenario="isolation", database=label,
-                      ratio_to_ceiling=round(result["rps"] / self.ceiling["rps"], 3),
+        result.update(scenario="isolation", database=label, **self.ratios(result),
                       baseline_p99_ms=baseline["p99_ms"],
                       p99_vs_baseline=round(result["p99_ms"] / baseline["p99_ms"], 2),
                       slow_stream={k: workflow[k] for k in ("requests", "rps", "p50_ms")})
         self.record(result)
         print(f"           crypto p99 {result['p99_ms']} ms with the slow stream, "
               f"{baseline['p99_ms']} ms without: x{result['p99_vs_baseline']}", flush=True)
+
+    def measure_drain(self, label, database_url):
+        """The worker is down for --drain-outage seconds under steady workflow traffic,
+        then comes back while the traffic goes on: how fast the backlog empties, the live
+        p99 during the drain against the same traffic before the outage, and whether
+        every job reached the worker exactly once."""
+        args, worker_port = self.args, free_port()
+        worker_url = f"http://127.0.0.1:{worker_port}"
+        live_connections = max(1, args.connections // 4)
+        with self.service(database_url, worker_url=worker_url) as (port, _):
+            worker = Processes()
+            try:
+                worker.start(["-m", "bench.peers", "--http-port", str(worker_port)],
+                             worker_port)
+                before = load("workflow", port, live_connections, args.duration,
+                              {"prefix": f"DRB{os.getpid()}"})
+                self.wait_until_sent(database_url, args.drain_window)
+                worker.stop_all()
+                outage = load("workflow", port, args.connections, args.drain_outage,
+                              {"prefix": f"DRO{os.getpid()}"})
+                backlog = jobs_not_sent(database_url)
+                worker.start(["-m", "bench.peers", "--http-port", str(worker_port)],
+                             worker_port)
+                live = subprocess.Popen(
+                    loadgen_command("workflow", port, live_connections, args.drain_window,
+                                    {"prefix": f"DRL{os.getpid()}"}),
+                    cwd=ROOT, stdout=subprocess.PIPE, text=True)
+                drained_after = self.wait_until_sent(database_url, args.drain_window,
+                                                     still=lambda: live.poll() is None)
+                during = json.loads(live.communicate()[0])
+                left = self.wait_until_sent(database_url, args.drain_window)
+                calls, distinct = worker_stats(worker_url)
+            finally:
+                worker.stop_all()
+        # The worker that came back counts what reached it: the jobs of the outage and of
+        # the drain (those of before were all sent to the first one).
+        acknowledged = outage["requests"] + during["requests"]
+        drained = drained_after is not None
+        row = {**during, "scenario": "drain", "database": label, **self.ratios(during),
+               "backlog": backlog, "outage_s": args.drain_outage,
+               "drain_s": round(drained_after, 2) if drained else None,
+               "drain_jobs_per_s": round(backlog / drained_after, 1)
+               if drained and drained_after else None,
+               "live_p99_before_ms": before["p99_ms"],
+               "live_p99_vs_before": round(during["p99_ms"] / before["p99_ms"], 2),
+               "jobs_acknowledged": acknowledged, "jobs_arrived": distinct,
+               "jobs_duplicated": calls - distinct, "jobs_unsent": 0 if left is not None
+               else jobs_not_sent(database_url)}
+        self.record(row)
+        print(f"            backlog {backlog} jobs after {args.drain_outage} s down; "
+              f"drained in {row['drain_s']} s ({row['drain_jobs_per_s']} jobs/s); live p99 "
+              f"{during['p99_ms']} ms vs {before['p99_ms']} ms before (x"
+              f"{row['live_p99_vs_before']}); {distinct}/{acknowledged} jobs arrived, "
+              f"{row['jobs_duplicated']} twice", flush=True)
+
+    @staticmethod
+    def wait_until_sent(database_url, timeout, still=lambda: True):
+        """Seconds until no job is left unsent, or None after `timeout` (or once `still`
+        says the caller's window closed)."""
+        started = time.monotonic()
+        while time.monotonic() - started < timeout and still():
+            if jobs_not_sent(database_url) == 0:
+                return time.monotonic() - started
+            time.sleep(0.25)
+        return None
+
+    def measure_instances(self, label, database_url):
+        """Workflow webhooks against one instance, then against two instances of the
+        service on the same database (the load split between them, same connections in
+        all), with every job checked to have reached the worker exactly once."""
+        args = self.args
+        with self.service(database_url) as (port_a, _), self.service(database_url) as (port_b, _):
+            load("workflow", port_a, args.connections, args.warmup, {"prefix": f"IW{os.getpid()}"})
+            one = load("workflow", port_a, args.connections, args.duration,
+                       {"prefix": f"I1{os.getpid()}"})
+            self.record({**one, "scenario": "1 instance", "database": label,
+                         **self.ratios(one)})
+            calls_before, distinct_before = worker_stats(self.peer_url())
+            half = max(1, args.connections // 2)
+            streams = [subprocess.Popen(
+                loadgen_command("workflow", port, half, args.duration,
+                                {"prefix": f"I2{name}{os.getpid()}"}),
+                cwd=ROOT, stdout=subprocess.PIPE, text=True)
+                for name, port in (("a", port_a), ("b", port_b))]
+            results = [json.loads(stream.communicate()[0]) for stream in streams]
+            self.wait_until_sent(database_url, args.drain_window)
+            calls, distinct = worker_stats(self.peer_url())
+        requests = sum(r["requests"] for r in results)
+        seconds = max(r["seconds"] for r in results)
+        both = {"requests": requests, "seconds": seconds, "rps": round(requests / seconds, 1),
+                "p50_ms": max(r["p50_ms"] for r in results),
+                "p99_ms": max(r["p99_ms"] for r in results),
+                "unexpected_statuses": {k: v for r in results
+                                        for k, v in r["unexpected_statuses"].items()}}
+        self.record({**both, "scenario": "2 instances", "database": label, **self.ratios(both),
+                     "vs_1_instance": round(both["rps"] / one["rps"], 2),
+                     "jobs_acknowledged": requests,
+                     "jobs_arrived": distinct - distinct_before,
+                     "jobs_duplicated": (calls - calls_before) - (distinct - distinct_before)})
 
     def measure_scale(self, label, database_url_factory):
         """Per-event cost of a card payment and a dispute with 1k, then 1M, rows."""
@@ -336,11 +466,19 @@ class Bench:
         with open(os.path.join(args.results, "latest.json"), "w") as out:
             json.dump(report, out, indent=2)
         with open(os.path.join(args.results, "latest.md"), "w") as out:
-            out.write("| scenario | database | req/s | p50 ms | p99 ms | ratio to ceiling |\n")
-            out.write("|---|---|---|---|---|---|\n")
+            out.write("| scenario | database | req/s | p50 ms | p99 ms | ratio to ceiling "
+                      "| ratio to floor |\n")
+            out.write("|---|---|---|---|---|---|---|\n")
             for row in self.rows:
                 out.write(f"| {row['scenario']} | {row['database']} | {row['rps']} | "
-                          f"{row['p50_ms']} | {row['p99_ms']} | {row['ratio_to_ceiling']} |\n")
+                          f"{row['p50_ms']} | {row['p99_ms']} | {row['ratio_to_ceiling']} "
+                          f"| {row['ratio_to_floor']} |\n")
+            for row in self.rows:
+                if row["scenario"] in ("drain", "2 instances"):
+                    details = {k: v for k, v in row.items() if k.startswith(
+                        ("backlog", "drain", "live_", "jobs_", "outage", "vs_"))}
+                    out.write(f"\n{row['scenario']} ({row['database']}): "
+                              f"`{json.dumps(details)}`\n")
             for name in ("scale", "memory"):
                 if name in self.extra:
                     out.write(f"\n{name}: `{json.dumps(self.extra[name])}`\n")
@@ -352,7 +490,8 @@ def main(argv=None):
     parser.add_argument("--connections", type=int, default=32)
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--warmup", type=float, default=2.0)
-    parser.add_argument("--sqlite-only", action="store_true")
+    parser.add_argument("--databases", default="sqlite,postgres",
+                        help="comma-separated: sqlite, postgres (BENCH_POSTGRES_URL)")
     parser.add_argument("--orders", type=int, default=300_000,
                         help="orders seeded for each paying scenario (warm-up, run, isolation)")
     parser.add_argument("--scale", action="store_true",
@@ -363,22 +502,30 @@ def main(argv=None):
                         help="card payments and disputes sent at each size")
     parser.add_argument("--memory", type=int, metavar="EVENTS",
                         help="also measure RSS over this many events")
+    parser.add_argument("--drain-outage", type=float, default=30.0,
+                        help="seconds the worker is down under load in the drain scenario")
+    parser.add_argument("--drain-window", type=float, default=180.0,
+                        help="at most this long for a backlog to drain")
     parser.add_argument("--results", default=RESULTS, help="folder for latest.json/.md")
     args = parser.parse_args(argv)
 
     bench = Bench(args)
-    databases = [("sqlite", sqlite_scratch)]
-    if not args.sqlite_only:
-        databases.append(("postgres", postgres_scratch))
+    scratches = {"sqlite": sqlite_scratch, "postgres": postgres_scratch}
+    databases = [(name, scratches[name]) for name in args.databases.split(",")]
     try:
         bench.start_peers()
-        bench.measure_ceiling()
+        bench.measure_references()
         for label, scratch in databases:
             with scratch() as url:
                 if url is None:
                     print(f"{label}: not reachable (BENCH_POSTGRES_URL); skipped")
                     continue
                 bench.measure_receivers(label, url)
+            with scratch() as url:
+                bench.measure_drain(label, url)
+            if label == "postgres":
+                with scratch() as url:
+                    bench.measure_instances(label, url)
             if args.scale:
                 bench.measure_scale(label, scratch)
             if args.memory:

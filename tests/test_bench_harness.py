@@ -1,32 +1,51 @@
-"""The benchmark harness runs end to end on a tiny load. Speed is not asserted here:
-this machine is shared; figures belong in docs/PERFORMANCE.md, from `make bench`."""
+"""The benchmark harness runs end to end on a tiny load, on the database of the test run
+(so the PostgreSQL-only `2 instances` is run too). Speed is not asserted here: this
+machine is shared; figures belong in docs/PERFORMANCE.md, from `make bench`."""
 import json
 import os
 import subprocess
 import sys
 
+from tests.service_process import ON_POSTGRES
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+DATABASE = "postgres" if ON_POSTGRES else "sqlite"
+
+
 def test_make_bench_harness_runs_on_a_tiny_load(tmp_path):
+    env = {**os.environ, "BENCH_POSTGRES_URL": os.environ.get("TEST_DATABASE_URL", "")}
     result = subprocess.run(
-        [sys.executable, "-m", "bench.run", "--sqlite-only", "--duration", "0.5",
+        [sys.executable, "-m", "bench.run", "--databases", DATABASE, "--duration", "0.5",
          "--warmup", "0.2", "--connections", "2", "--orders", "3000",
          "--scale", "--scale-rows", "2000", "--scale-events", "20", "--memory", "100",
+         "--drain-outage", "1", "--drain-window", "60",
          "--results", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     with open(tmp_path / "latest.json") as results:
         report = json.load(results)
     rows = report["rows"]
     scenarios = {row["scenario"]: row for row in rows}
-    assert set(scenarios) == {"ceiling", "workflow", "card", "crypto", "isolation"}
+    instances = {"1 instance", "2 instances"} if ON_POSTGRES else set()
+    assert set(scenarios) == {"ceiling", "floor", "workflow", "card", "crypto", "isolation",
+                              "drain"} | instances
     assert scenarios["isolation"]["slow_stream"]["requests"] > 0
-    assert set(report["scale"]["sqlite"]["ratio"]) == {
+    assert set(report["scale"][DATABASE]["ratio"]) == {
         "card_request_p50_ms", "card_handling_ms", "dispute_handling_ms"}
-    assert report["memory"]["sqlite"]["events"] == 100
+    assert report["memory"][DATABASE]["events"] == 100
     for row in rows:
         assert row["requests"] > 0 and row["unexpected_statuses"] == {}, row
+    drain = scenarios["drain"]
+    assert drain["backlog"] > 0, "the worker was down: jobs must have waited"
+    assert drain["jobs_arrived"] == drain["jobs_acknowledged"]
+    assert drain["jobs_duplicated"] == 0 and drain["jobs_unsent"] == 0
+    assert scenarios["workflow"]["ratio_to_floor"] > 0
+    if ON_POSTGRES:
+        both = scenarios["2 instances"]
+        assert both["jobs_arrived"] == both["jobs_acknowledged"] > 0
+        assert both["jobs_duplicated"] == 0
     for receiver in ("workflow", "card", "crypto"):
         # Every event the load sent was handled for real, none failed.
         assert set(scenarios[receiver]["inbox"]) == {"processed"}, scenarios[receiver]

@@ -45,12 +45,14 @@ def unit_settings():
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None,
                     reason="systemd-analyze is not installed on this machine")
-def test_the_unit_passes_systemd_analyze_verify(tmp_path):
+@pytest.mark.parametrize("name,instance", [("receiver.service", "receiver.service"),
+                                           ("receiver@.service", "receiver@8001.service")])
+def test_the_unit_passes_systemd_analyze_verify(tmp_path, name, instance):
     # verify checks that ExecStart exists: point it at this checkout's interpreter.
-    unit = read(DEPLOY, "receiver.service").replace(
+    unit = read(DEPLOY, name).replace(
         "/opt/receiver/.venv/bin/python", sys.executable).replace("/opt/receiver", ROOT)
-    (tmp_path / "receiver.service").write_text(unit)
-    result = subprocess.run(["systemd-analyze", "verify", "--man=no", "receiver.service"],
+    (tmp_path / name).write_text(unit)
+    result = subprocess.run(["systemd-analyze", "verify", "--man=no", instance],
                             cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert (result.returncode, result.stderr) == (0, "")
 
@@ -70,6 +72,20 @@ def test_the_unit_is_notify_restarting_and_hardened():
     # Longer than the service's own grace for requests in flight, so it exits by itself.
     from app.server import SHUTDOWN_GRACE_SECONDS
     assert int(settings["TimeoutStopSec"]) > SHUTDOWN_GRACE_SECONDS
+
+
+def test_the_instance_template_is_the_unit_with_the_port_as_its_instance_name():
+    # One unit to keep hardened: the template may differ only in these lines.
+    template = read(DEPLOY, "receiver@.service").splitlines()
+    unit = read(DEPLOY, "receiver.service").splitlines()
+    only_in_template = [line for line in template if line not in unit]
+    only_in_unit = [line for line in unit if line not in template]
+    settings = [line for line in only_in_template if not line.startswith("#")]
+    assert settings == ["Description=Order-fulfilment webhook receiver on port %i",
+                        "EnvironmentFile=-/etc/receiver/receiver-%i.env",
+                        "Environment=RECEIVER_PORT=%i"]
+    assert [line for line in only_in_unit if not line.startswith("#")] == [
+        "Description=Order-fulfilment webhook receiver"]
 
 
 def test_the_example_environment_lists_every_setting_and_nothing_else():
