@@ -26,8 +26,10 @@ test: test-sqlite test-postgres
 test-sqlite: $(BIN)/.installed
 	TEST_DATABASE_URL= $(BIN)/pytest $(PYTEST_ARGS)
 
+# Not echoed: the URL may carry a password (.ci/run's role has one).
 test-postgres: $(BIN)/.installed
-	TEST_DATABASE_URL=$(TEST_POSTGRES_URL) $(BIN)/pytest $(PYTEST_ARGS)
+	@echo "TEST_DATABASE_URL=<TEST_POSTGRES_URL> $(BIN)/pytest $(PYTEST_ARGS)"
+	@TEST_DATABASE_URL=$(TEST_POSTGRES_URL) $(BIN)/pytest $(PYTEST_ARGS)
 
 bench: $(BIN)/.installed
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
