@@ -20,14 +20,22 @@ class ConfigurationError(Exception):
     """The settings cannot run the service; the message says which one and why."""
 
 
-def _int(environ, name, default):
+def _number(environ, name, default, parse, kind):
     raw = environ.get(name, "").strip()
     if not raw:
         return default
     try:
-        return int(raw)
+        return parse(raw)
     except ValueError:
-        raise ConfigurationError(f"{name} must be a whole number, got {raw!r}") from None
+        raise ConfigurationError(f"{name} must be {kind}, got {raw!r}") from None
+
+
+def _int(environ, name, default):
+    return _number(environ, name, default, int, "a whole number")
+
+
+def _seconds(environ, name, default):
+    return _number(environ, name, default, float, "a number of seconds")
 
 
 def _csv(raw):
@@ -55,6 +63,7 @@ POSITIVE_NUMBERS = {
     "CLAIM_LEASE_SECONDS": "claim_lease_seconds",
     "RETENTION_DAYS": "retention_days",
     "PUBLIC_RATE_WINDOW_SECONDS": "public_rate_window_seconds",
+    "WORKFLOW_DEDUP_HOURS": "workflow_dedup_hours",
 }
 
 # URL settings, when set, and the schemes each may use.
@@ -110,6 +119,10 @@ class Settings:
     retention_days: int = 30
     public_rate_limit: int = 30
     public_rate_window_seconds: int = 60
+    # Frappe gives up on a webhook after 5 s; we answer before that.
+    workflow_answer_budget_seconds: float = 4.0
+    # Frappe's retries of one delivery span about 27.5 h.
+    workflow_dedup_hours: int = 36
 
     @classmethod
     def from_env(cls, environ=None):
@@ -161,6 +174,9 @@ class Settings:
             public_rate_limit=_int(env, "PUBLIC_RATE_LIMIT", cls.public_rate_limit),
             public_rate_window_seconds=_int(
                 env, "PUBLIC_RATE_WINDOW_SECONDS", cls.public_rate_window_seconds),
+            workflow_answer_budget_seconds=_seconds(
+                env, "WORKFLOW_ANSWER_BUDGET_SECONDS", cls.workflow_answer_budget_seconds),
+            workflow_dedup_hours=_int(env, "WORKFLOW_DEDUP_HOURS", cls.workflow_dedup_hours),
         )
         settings.check()
         return settings
@@ -181,6 +197,8 @@ class Settings:
         for name, attribute in POSITIVE_NUMBERS.items():
             if getattr(self, attribute) <= 0:
                 raise ConfigurationError(f"{name} must be a whole number above zero")
+        if not 0 < self.workflow_answer_budget_seconds < float("inf"):
+            raise ConfigurationError("WORKFLOW_ANSWER_BUDGET_SECONDS must be above zero")
         if self.public_rate_limit < 0:
             raise ConfigurationError("PUBLIC_RATE_LIMIT must be zero (off) or more")
         if self.claim_lease_seconds <= self.outbound_timeout_seconds:

@@ -5,6 +5,7 @@ status change, so its database changes and outbox rows happen once or not at all
 async plugin (one that must wait on another system between steps) runs outside it and
 is written to be safe to run again. Outbox rows are sent after the commit.
 """
+import asyncio
 import datetime
 import functools
 import inspect
@@ -57,10 +58,14 @@ def record(ctx, *args, **kwargs):
         return None, False
 
 
-async def accept(ctx, *args, in_background=False, **kwargs):
+async def accept(ctx, *args, in_background=False, send_within=None, **kwargs):
     """The request path's way in: store the call as `record` does and, when it is new,
     handle it (after the answer, when `in_background`). Returns (event, created,
     outcome); the outcome is None when the call was not handled here.
+
+    With `send_within` (seconds), the effects of a call handled here are waited on for
+    that long at most once committed: sends still in flight go on after the return, and
+    record their outcomes as usual.
 
     A plain plugin runs in the same unit of the group commit (engine.commits) as the
     storing: one transaction, one turn of the loop. Should the plugin raise, the event
@@ -85,7 +90,7 @@ async def accept(ctx, *args, in_background=False, **kwargs):
     if handled is not None:
         outcome, effects, started = handled
         if effects is not None:
-            await outbox.deliver(ctx, effects.rows)
+            await _deliver(ctx, effects.rows, send_within)
         _report(ctx, event, outcome, started)
         return event, created, outcome
     if not created or event.status not in AWAITING_HANDLING:
@@ -94,6 +99,17 @@ async def accept(ctx, *args, in_background=False, **kwargs):
         ctx.background(process(ctx, event))
         return event, created, None
     return event, created, await process(ctx, event)
+
+
+async def _deliver(ctx, rows, within):
+    if within is None or not rows:
+        await outbox.deliver(ctx, rows)
+        return
+    # Kept by the context, so shutdown waits for the sends that outlive the request.
+    sending = ctx.background(outbox.deliver(ctx, rows))
+    done, _ = await asyncio.wait({sending}, timeout=within)
+    if done:
+        sending.result()  # a database outage while recording reaches the caller, as before
 
 
 def _store_and_handle(ctx, call, handle_now):
@@ -155,9 +171,7 @@ def store_spooled(ctx, call):
 
 def _store(ctx, call, next_attempt_at=None):
     source, event_type = call["source"], call["event_type"]
-    existing = None
-    for earlier_key in call["also_known_as"]:
-        existing = existing or find(ctx, source, earlier_key)
+    existing = find_any(source, call["also_known_as"])
     if existing is None:
         now = ctx.clock()
         event = NEW_EVENT.row(
@@ -190,6 +204,16 @@ def _spool(ctx, call, unavailable):
 
 def find(ctx, source, dedup_key):
     return EVENT_BY_KEY.first(source=source, dedup_key=dedup_key)
+
+
+def find_any(source, dedup_keys):
+    """The first event stored under any of `dedup_keys`, in one query (a workflow call
+    names one key per hour of its dedup window); None when there is none."""
+    if not dedup_keys:
+        return None
+    return (WebhookEvent.select()
+            .where(WebhookEvent.source == source, WebhookEvent.dedup_key.in_(dedup_keys))
+            .order_by(WebhookEvent.id).first())
 
 
 async def process(ctx, event):

@@ -6,10 +6,12 @@ import hmac
 from handlers.base import ApiHandler, same_secret
 from engine import inbox
 
-# Frappe retries a failed webhook a few times within seconds, and may time out while we
-# wait on the worker. The same body to the same path within this window is that same
-# delivery. A sender that re-fires an identical body on purpose sends an Idempotency-Key.
-DEDUP_WINDOW_SECONDS = 600
+# Frappe re-sends a failed delivery byte for byte (current versions after 5 min, 30 min,
+# 2 h, 5 h, 10 h and 10 h; older ones three times within seconds). The same body to the
+# same path within WORKFLOW_DEDUP_HOURS is that same delivery. The key names the hour the
+# body first came, and the hours of the window before it are looked up as well, so the
+# window is WORKFLOW_DEDUP_HOURS to one hour more, whatever the hour boundaries.
+DEDUP_BUCKET_SECONDS = 3600
 
 
 class WorkflowWebhookHandler(ApiHandler):
@@ -45,10 +47,15 @@ class WorkflowWebhookHandler(ApiHandler):
             dedup_key = f"{path}:key:{explicit}"
         else:
             digest = hashlib.sha256(self.raw_body).hexdigest()
-            window = int(self.ctx.clock().timestamp()) // DEDUP_WINDOW_SECONDS
-            dedup_key = f"{path}:{digest}:{window}"
-            previous = (f"{path}:{digest}:{window - 1}",)
-        # The previous window is looked up by the inbox, or by the spool drain when the
+            hour = int(self.ctx.clock().timestamp()) // DEDUP_BUCKET_SECONDS
+            dedup_key = f"{path}:{digest}:h{hour}"
+            previous = tuple(f"{path}:{digest}:h{earlier}" for earlier in range(
+                hour - self.ctx.settings.workflow_dedup_hours, hour))
+        # The earlier hours are looked up by the inbox, or by the spool drain when the
         # database is down now.
+        # Frappe gives up on an answer after 5 s (its webhook timeout) and re-sends later;
+        # the calls to Frappe and the worker may take up to OUTBOUND_TIMEOUT_SECONDS. So
+        # the answer waits for them only within the budget, once the call is stored.
         await inbox.accept(self.ctx, "workflow", path, dedup_key, self.raw_body,
-                           order_number=body["order_number"], also_known_as=previous)
+                           order_number=body["order_number"], also_known_as=previous,
+                           send_within=self.ctx.settings.workflow_answer_budget_seconds)

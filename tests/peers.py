@@ -37,6 +37,8 @@ class _Record(tornado.web.RequestHandler):
         peer.requests.append(Received(
             self.request.method, self.request.path, dict(self.request.headers),
             self.request.body, self.request.connection.stream.socket.getpeername()[1]))
+        if peer.hold is not None:
+            await peer.hold.wait()
         if peer.delay:
             await asyncio.sleep(peer.delay)
         status, body = peer.responses.pop(0) if peer.responses else (peer.status, peer.body)
@@ -63,7 +65,8 @@ class _ClosableServer(tornado.httpserver.HTTPServer):
 
 class HttpPeer:
     """A recording HTTP server. `status`/`body` answer every request; `responses` queues
-    one-off answers; `delay` makes every answer slow; `stop()` takes it off the network."""
+    one-off answers; `delay` makes every answer slow; `hold` (an asyncio.Event) keeps every
+    answer back until the test sets it; `stop()` takes it off the network."""
 
     def __init__(self, name, body=None):
         self.name = name
@@ -72,6 +75,7 @@ class HttpPeer:
         self.status = 200
         self.body = {"ok": True} if body is None else body
         self.delay = 0
+        self.hold = None
         sock, self.port = tornado.testing.bind_unused_port()
         self.listen([sock])
 

@@ -25,6 +25,12 @@ def test_defaults_are_those_documented():
     assert (s.settlement_interval_minutes, s.max_body_bytes) == (60, 1024 * 1024)
 
 
+def test_the_workflow_answer_budget_and_dedup_window_are_read():
+    assert (Settings().workflow_answer_budget_seconds, Settings().workflow_dedup_hours) == (4, 36)
+    s = Settings.from_env({"WORKFLOW_ANSWER_BUDGET_SECONDS": "2.5", "WORKFLOW_DEDUP_HOURS": "48"})
+    assert (s.workflow_answer_budget_seconds, s.workflow_dedup_hours) == (2.5, 48)
+
+
 def test_settings_are_read_and_trimmed():
     s = Settings.from_env({"RECEIVER_PORT": " 9001 ", "WORKER_URL": "http://w:1/",
                            "STRIPE_WEBHOOK_SECRET": "whsec_old, whsec_new ,"})
@@ -60,6 +66,11 @@ def test_production_refuses_a_missing_or_placeholder_secret(name):
     ({"OUTBOUND_TIMEOUT_SECONDS": "-1"}, "OUTBOUND_TIMEOUT_SECONDS"),
     ({"PUBLIC_RATE_LIMIT": "-5"}, "PUBLIC_RATE_LIMIT"),
     ({"RECEIVER_LOG_FORMAT": "jsno"}, "RECEIVER_LOG_FORMAT"),
+    ({"WORKFLOW_ANSWER_BUDGET_SECONDS": "0"}, "WORKFLOW_ANSWER_BUDGET_SECONDS"),
+    ({"WORKFLOW_ANSWER_BUDGET_SECONDS": "nan"}, "WORKFLOW_ANSWER_BUDGET_SECONDS"),
+    ({"WORKFLOW_ANSWER_BUDGET_SECONDS": "four"}, "WORKFLOW_ANSWER_BUDGET_SECONDS"),
+    ({"WORKFLOW_DEDUP_HOURS": "0"}, "WORKFLOW_DEDUP_HOURS"),
+    ({"WORKFLOW_DEDUP_HOURS": "1.5"}, "WORKFLOW_DEDUP_HOURS"),
 ])
 def test_a_setting_that_could_only_fail_later_is_refused_at_start_up(env, named):
     with pytest.raises(ConfigurationError, match=named):

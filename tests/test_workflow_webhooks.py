@@ -2,6 +2,7 @@
 import asyncio
 import base64
 import dataclasses
+import datetime
 import hashlib
 import hmac
 import json
@@ -227,6 +228,15 @@ async def test_service_slug_lookup_failure_is_empty_and_the_job_still_goes(post,
 SUBMITTED = {**ORDER, "state_code": "WY", "entity_name": "Acme Holdings LLC"}
 
 
+def frappe_body(body):
+    """The bytes current Frappe sends and stores for its retries (frappe.as_json)."""
+    return json.dumps(body, indent=1, sort_keys=True, separators=(",", ": ")).encode()
+
+
+# Frappe's own headers: the Webhook Headers table only, no Content-Type.
+FRAPPE_HEADERS = {"X-Webhook-Secret": WEBHOOK_SECRET}
+
+
 @pytest.mark.gen_test
 async def test_worker_down_still_answers_and_keeps_the_job_pending(post, worker, frappe):
     worker.stop()
@@ -307,6 +317,28 @@ async def test_a_slow_worker_does_not_delay_other_requests(post, worker):
 
 
 @pytest.mark.gen_test(timeout=20)
+async def test_the_answer_comes_within_the_budget_and_the_slow_job_is_sent_after(
+        post, worker, frappe, ctx):
+    """Frappe waits 5 s for an answer; a worker slower than the budget does not hold it."""
+    ctx.settings = dataclasses.replace(ctx.settings, workflow_answer_budget_seconds=0.2)
+    worker.hold = asyncio.Event()
+    raw = frappe_body(SUBMITTED)
+    status, reply, _ = await post(url("formation/submitted"), raw, FRAPPE_HEADERS)
+    assert (status, reply) == (200, {"received": True, "action": "name_search_dispatched"})
+    # Answered while the worker had the job and had not answered it yet.
+    assert len(worker.requests) == 1 and not worker.hold.is_set()
+    job = Outbox.get(Outbox.kind == "job")
+    assert (job.status, job.attempts, job.last_error) == ("pending", 0, None)
+    assert Outbox.get(Outbox.kind == "workflow_action").status == "sent"
+
+    worker.hold.set()
+    await ctx.drain_background()
+    job = Outbox.get(Outbox.kind == "job")
+    assert (job.status, job.attempts) == ("sent", 1)
+    assert WebhookEvent.get().status == "processed"
+
+
+@pytest.mark.gen_test(timeout=20)
 async def test_a_worker_slower_than_the_timeout_leaves_the_job_pending(post, worker, ctx):
     worker.delay = ctx.settings.outbound_timeout_seconds + 2
     status, reply, _ = await post(url("formation/ready"), ORDER, AUTH)
@@ -328,25 +360,54 @@ async def test_a_redelivery_of_the_same_call_is_acknowledged_once_and_acted_on_o
     assert WebhookEvent.select().count() == 1
 
 
+# When current Frappe re-sends a failed delivery, counted from the first attempt: after
+# 5 min, 30 min, 2 h, 5 h, 10 h and 10 h (each up to 5 min late: its scheduler's tick).
+FRAPPE_RETRIES_AFTER = [5, 35, 155, 455, 1055, 1655]
+
+
+@pytest.mark.parametrize("first_at", [(9, 0, 0), (9, 59, 59)], ids=["hour-start", "hour-end"])
 @pytest.mark.gen_test
-async def test_the_same_body_after_the_dedup_window_is_a_new_event(post, worker, clock):
-    clock.set(2026, 11, 23, 9, 0, 0)
+async def test_frappes_retries_within_the_window_dispatch_nothing_twice(
+        post, worker, frappe, clock, first_at):
+    clock.set(2026, 11, 23, *first_at)
+    first = clock()
+    raw = frappe_body({**SUBMITTED, "workflow_state": "Name Check"})
+    assert (await post(url("formation/submitted"), raw, FRAPPE_HEADERS))[0] == 200
+    for minutes in [*FRAPPE_RETRIES_AFTER, 1650, 36 * 60 - 1]:
+        clock.fixed = first + datetime.timedelta(minutes=minutes)
+        status, reply, _ = await post(url("formation/submitted"), raw, FRAPPE_HEADERS)
+        assert (status, reply) == (200, {"received": True, "action": "name_search_dispatched"})
+    assert len(worker.requests) == 1 and len(frappe.requests) == 1
+    assert WebhookEvent.select().count() == 1
+
+    clock.fixed = first + datetime.timedelta(hours=37)
+    await post(url("formation/submitted"), raw, FRAPPE_HEADERS)
+    assert len(worker.requests) == 2 and WebhookEvent.select().count() == 2
+    assert len({r.headers["Idempotency-Key"] for r in worker.requests}) == 2
+
+
+@pytest.mark.gen_test
+async def test_the_dedup_window_follows_its_setting(post, worker, ctx, clock):
+    ctx.settings = dataclasses.replace(ctx.settings, workflow_dedup_hours=2)
+    clock.set(2026, 11, 23, 9, 30, 0)
     await post(url("formation/ready"), ORDER, AUTH)
-    clock.advance(minutes=9)
+    clock.advance(hours=1, minutes=59)
     await post(url("formation/ready"), ORDER, AUTH)
     assert len(worker.requests) == 1
-    clock.advance(minutes=30)
+    clock.advance(hours=1, minutes=2)
     await post(url("formation/ready"), ORDER, AUTH)
     assert len(worker.requests) == 2
-    keys = {r.headers["Idempotency-Key"] for r in worker.requests}
-    assert len(keys) == 2
 
 
 @pytest.mark.gen_test
-async def test_an_idempotency_key_header_decides_what_is_a_duplicate(post, worker):
+async def test_an_idempotency_key_header_decides_what_is_a_duplicate(post, worker, clock):
     await post(url("formation/ready"), ORDER, {**AUTH, "Idempotency-Key": "fire-1"})
     await post(url("formation/ready"), ORDER, {**AUTH, "Idempotency-Key": "fire-1"})
     await post(url("formation/ready"), ORDER, {**AUTH, "Idempotency-Key": "fire-2"})
+    assert len(worker.requests) == 2
+    # The key alone decides: the same key long after the window is still the same call.
+    clock.advance(hours=48)
+    await post(url("formation/ready"), ORDER, {**AUTH, "Idempotency-Key": "fire-1"})
     assert len(worker.requests) == 2
 
 
