@@ -4,7 +4,10 @@ Each runs inside the caller's transaction and asks for its effects through `effe
 an event's changes and the mail, jobs and alerts they cause happen together, once."""
 import logging
 
-from models import ORDER_MODELS, ComplianceOrder, SubscriptionCycle
+import peewee
+
+from models import ORDER_MODELS, SubscriptionCycle
+from engine.commits import raise_if_conflict, savepoint
 from engine.db import locked
 from engine.prepared import Prepared, save_changes, slot
 
@@ -49,6 +52,51 @@ def find_order(order_type, order_number, for_update=False):
     return ORDER_BY_NUMBER[order_type, for_update].first(order_number=order_number)
 
 
+def find_any_kind(order_number):
+    """The order with that number, whatever its kind, or None."""
+    for order_type in ORDER_MODELS:
+        order = find_order(order_type, order_number)
+        if order is not None:
+            return order
+    return None
+
+
+def document_name(order):
+    """The name of the order's document in the workflow system: the order_name its
+    webhooks gave, or, while none has come, the order number."""
+    return order.order_name or order.order_number
+
+
+def _rename(model):
+    return Prepared(lambda: model.update(
+        order_name=slot(model.order_name), updated_at=slot(model.updated_at)).where(
+        model.order_number == slot(model.order_number),
+        model.order_name.is_null() | (model.order_name != slot(model.order_name))))
+
+
+RENAME = [_rename(model) for model in ORDER_MODELS.values()]
+
+
+def remember_order_name(ctx, order_number, order_name):
+    """Keep the workflow system's document name on the order with that number (of any
+    kind), for every later call and job about it. An order not known yet gets it from
+    its next webhook. Returns the number of orders changed.
+
+    A failure here is logged and does not spoil the webhook's own job and action (the
+    order keeps the name it had, or its number stands in)."""
+    now = ctx.clock()
+    try:
+        with savepoint():
+            return sum(rename.execute(order_name=order_name, updated_at=now,
+                                      order_number=order_number).rowcount
+                       for rename in RENAME)
+    except peewee.PeeweeException as failure:
+        raise_if_conflict(failure)
+        log.exception("order %s: its workflow document name %r not kept", order_number,
+                      order_name)
+        return 0
+
+
 def complete_payment(ctx, effects, order_id, order_type, reference, *, source,
                      payment_intent_id=None, payment_method=None):
     """Mark an order paid, once (BEHAVIOUR.md 4.2, "Completing a payment").
@@ -73,6 +121,9 @@ def complete_payment(ctx, effects, order_id, order_type, reference, *, source,
             order.updated_at = now
             save_changes(order)
         log.info("%s order %s is already paid; nothing more to do", order_type, order_id)
+        if order.parent_order_number:
+            # Once per parent and child (the job's key): a retry finds the parent now.
+            _redispatch_parent(effects, order)
         _check_payment_method(ctx, effects, order)
         return order, False
 
@@ -155,18 +206,20 @@ def email_admin(ctx, effects, subject, template, order, key=None, **variables):
 
 
 def _redispatch_parent(effects, child):
-    """The child collected the parent's government fee: the parent's compliance service
-    runs again, now with the fee paid."""
-    parent = (ComplianceOrder.select()
-              .where(ComplianceOrder.order_number == child.parent_order_number).first())
+    """The child collected the parent's government fee: the parent's service runs again,
+    now with the fee paid. A parent not known yet (the system that writes orders may be
+    behind) is looked for again when the event is retried; the child stays paid."""
+    parent = find_any_kind(child.parent_order_number)
     if parent is None:
-        log.error("order %s names parent %s, which is not a compliance order; not re-dispatched",
-                  child.order_number, child.parent_order_number)
+        log.warning("order %s names parent %s, which is not known yet; re-dispatch retried",
+                    child.order_number, child.parent_order_number)
+        effects.retry_later(f"parent order {child.parent_order_number} of "
+                            f"{child.order_number} not found")
         return
     effects.job("process_compliance_service", {
-        "order_name": parent.order_number,
+        "order_name": document_name(parent),
         "order_number": parent.order_number,
-        "service_slug": parent.service_slug or "",
+        "service_slug": getattr(parent, "service_slug", None) or "",
         "gov_fee_paid": True,
     }, key=f"job-gov-fee-paid-{parent.order_number}-{child.order_number}")
 

@@ -13,6 +13,7 @@ import logging
 
 from models import CrtcOrder, database
 from engine.db import locked
+from domain.orders import document_name
 
 log = logging.getLogger("receiver.settlement")
 
@@ -69,7 +70,7 @@ async def advance(ctx, order):
     so a refused or failed order is tried again on the next run."""
     settings = ctx.settings
     result = await ctx.workflow.apply_action(
-        settings.crtc_doctype, order.order_number, settings.crtc_funds_action)
+        settings.crtc_doctype, document_name(order), settings.crtc_funds_action)
     if not result.ok and not (result.status == 417 and await already_applied(ctx, order)):
         raise RuntimeError(f"{settings.crtc_funds_action!r} not applied: {result.error}")
     return mark_funds_available(ctx, order.id)
@@ -79,7 +80,7 @@ async def already_applied(ctx, order):
     """After a 417: has the document left Awaiting Funds? Then the action was applied
     before and only its recording was lost; otherwise the order would hold a batch slot
     for good. A document Frappe cannot show us counts as not applied (retried next run)."""
-    document = await ctx.workflow.document(ctx.settings.crtc_doctype, order.order_number)
+    document = await ctx.workflow.document(ctx.settings.crtc_doctype, document_name(order))
     if not document.ok:
         log.warning("CRTC order %s: Frappe refused %r and its state could not be read: %s",
                     order.order_number, ctx.settings.crtc_funds_action, document.error)

@@ -111,20 +111,36 @@ async def test_a_child_order_redispatches_its_parent_with_the_fee_paid(ctx, work
                             "gov_fee_paid": True}
 
 
-@pytest.mark.parametrize("parent", [None, "formation"], ids=["missing", "not-compliance"])
 @pytest.mark.gen_test
-async def test_a_child_whose_parent_is_no_compliance_order_is_paid_without_a_redispatch(
-        ctx, worker, telegram, caplog, parent):
-    if parent:
-        FormationOrder.create(order_number="FO-PARENT")
+async def test_a_parent_of_any_kind_is_redispatched_under_its_document_name(ctx, worker):
+    FormationOrder.create(order_number="FO-PARENT", order_name="FORM-2026-0007")
     ComplianceOrder.create(order_number="CO-FEE", parent_order_number="FO-PARENT")
+    _, effects = complete(ctx, "CO-FEE", "compliance", "cs_fee", source="card")
+    await outbox.deliver(ctx, effects.rows)
+    [request] = worker.requests
+    assert request.json == {"action": "process_compliance_service",
+                            "order_name": "FORM-2026-0007", "order_number": "FO-PARENT",
+                            "service_slug": "", "gov_fee_paid": True}
+
+
+@pytest.mark.gen_test
+async def test_a_child_whose_parent_is_not_known_yet_is_paid_and_the_redispatch_retried(
+        ctx, worker, telegram):
+    ComplianceOrder.create(order_number="CO-FEE", parent_order_number="CO-LATER")
     (order, newly_paid), effects = complete(ctx, "CO-FEE", "compliance", "cs_fee",
                                             source="card")
     await outbox.deliver(ctx, effects.rows)
     assert newly_paid and ComplianceOrder.get().payment_status == "paid"
+    assert effects.retry_reason == "parent order CO-LATER of CO-FEE not found"
     assert worker.requests == [] and len(telegram.requests) == 1
-    assert any(r.levelname == "ERROR" and "FO-PARENT" in r.getMessage()
-               for r in caplog.records)
+
+    ComplianceOrder.create(order_number="CO-LATER", service_slug="ca-annual-report")
+    (_, newly_paid), effects = complete(ctx, "CO-FEE", "compliance", "cs_fee", source="card")
+    await outbox.deliver(ctx, effects.rows)
+    assert not newly_paid and effects.retry_reason is None
+    [request] = worker.requests
+    assert request.json["order_number"] == "CO-LATER" and request.json["gov_fee_paid"]
+    assert len(telegram.requests) == 1
 
 
 def test_an_unknown_order_is_an_error_so_the_event_is_retried(ctx):

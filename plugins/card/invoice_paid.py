@@ -5,7 +5,7 @@ import logging
 
 from plugins.registry import card_event
 from domain.card_events import object_of, order_with_subscription, subscription_of_invoice
-from domain.orders import OrderNotFound, record_cycle
+from domain.orders import OrderNotFound, document_name, record_cycle
 
 log = logging.getLogger("receiver.card")
 
@@ -22,7 +22,7 @@ def handle(ctx, event, effects):
         raise OrderNotFound(f"no compliance order with subscription {subscription!r}")
     cycle = record_cycle(ctx, order, subscription, invoice["id"])
     effects.job("process_compliance_service", {
-        "order_name": order.order_number,
+        "order_name": document_name(order),
         "order_number": order.order_number,
         "service_slug": order.service_slug or "",
         "recurring_cycle": cycle,

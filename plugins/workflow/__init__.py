@@ -2,6 +2,7 @@
 fields it requires, the workflow action it applies, the job it dispatches and the action
 it answers with; `WorkflowWebhook` does the rest."""
 from plugins.registry import workflow_webhook
+from domain.orders import remember_order_name
 
 ORDER_FIELDS = ("order_name", "order_number")
 
@@ -29,6 +30,7 @@ class WorkflowWebhook:
         return {**{name: body[name] for name in self.fields}, **self.job_constants}
 
     def __call__(self, ctx, body, effects):
+        remember_order_name(ctx, body["order_number"], body["order_name"])
         if self.workflow_action:
             effects.workflow_action(ctx.settings.workflow_doctype, body["order_name"],
                                     self.workflow_action, order_number=body["order_number"])
