@@ -78,6 +78,13 @@ URL_SCHEMES = {
 }
 
 
+def local_base_url(host, port):
+    """Where this machine reaches the service: PUBLIC_BASE_URL's default, so that a link
+    printed on a machine without a public name points at the port really served."""
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     # Fields that hold a secret (or a URL with a password) stay out of repr(), so no
@@ -132,9 +139,11 @@ class Settings:
             value = env.get(name, "").strip()
             return value or default
 
+        host = text("RECEIVER_HOST", cls.host)
+        port = _int(env, "RECEIVER_PORT", cls.port)
         settings = cls(
-            host=text("RECEIVER_HOST", cls.host),
-            port=_int(env, "RECEIVER_PORT", cls.port),
+            host=host,
+            port=port,
             env=text("RECEIVER_ENV", cls.env),
             database_url=text("DATABASE_URL", cls.database_url),
             webhook_secret=text("WEBHOOK_SECRET", cls.webhook_secret),
@@ -158,7 +167,7 @@ class Settings:
             telegram_chat_id=text("TELEGRAM_CHAT_ID"),
             telegram_api_url=text("TELEGRAM_API_URL", cls.telegram_api_url).rstrip("/"),
             link_secret=text("LINK_SECRET", cls.link_secret),
-            public_base_url=text("PUBLIC_BASE_URL", cls.public_base_url).rstrip("/"),
+            public_base_url=text("PUBLIC_BASE_URL", local_base_url(host, port)).rstrip("/"),
             business_tz=text("BUSINESS_TZ", cls.business_tz),
             settlement_interval_minutes=_int(
                 env, "SETTLEMENT_INTERVAL_MINUTES", cls.settlement_interval_minutes),

@@ -12,7 +12,7 @@ import stripe
 import migrations
 from app.context import Context
 from app.logs import configure_logging
-from app.server import serve
+from app.server import CannotStart, serve
 from clients.stripe_api import NotConfigured
 from domain import backfill, settlement
 from domain.links import KINDS, print_signed_link
@@ -56,7 +56,13 @@ def main(argv=None):
         return 0
     if args.run:
         return run_operator_command(args.run, settings, args)
-    asyncio.run(serve(settings))
+    try:
+        asyncio.run(serve(settings))
+    except UNAVAILABLE as exc:
+        return database_unavailable(exc)
+    except CannotStart as exc:
+        print(f"receiver: {exc}", file=sys.stderr)
+        return exc.status
     return 0
 
 
@@ -65,7 +71,7 @@ def add_operator_commands(commands):
         "events", help="list, show and replay stored webhook events").add_subparsers(
             dest="action", metavar="ACTION", required=True)
     listing = events.add_parser("list", help="the newest events first, filtered")
-    listing.add_argument("--source", help="workflow, card or crypto")
+    listing.add_argument("--source", choices=operator.EVENT_SOURCES)
     listing.add_argument("--status", choices=operator.EVENT_STATUSES)
     listing.add_argument("--since", type=time_argument,
                          help="received at or after (ISO 8601; UTC when no offset)")
@@ -123,9 +129,12 @@ def run_operator_command(command, settings, args):
     db = open_database(settings.database_url)
     try:
         return asyncio.run(_with_context(command, settings, args))
-    except (operator.NotFound, operator.Refused, NotConfigured) as exc:
+    except (operator.NotFound, operator.Refused) as exc:
         print(f"receiver: {exc}", file=sys.stderr)
         return 1
+    except NotConfigured as exc:
+        print(f"receiver: {exc}", file=sys.stderr)
+        return 2
     except UNAVAILABLE as exc:
         return database_unavailable(exc)
     finally:
@@ -134,7 +143,8 @@ def run_operator_command(command, settings, args):
 
 def database_unavailable(exc):
     """One line an operator can act on, not a traceback; exit 1 (not done)."""
-    print(f"receiver: database unavailable: {str(exc).strip().splitlines()[0]}",
+    print(f"receiver: database unavailable: {str(exc).strip().splitlines()[0]}; check "
+          "DATABASE_URL and that the database server runs and accepts connections",
           file=sys.stderr)
     return 1
 

@@ -1,6 +1,7 @@
 """The application and its HTTP server, and the serve lifecycle: migrate, listen, start
 the scheduler, tell systemd, and on SIGTERM finish the requests in flight before stopping."""
 import asyncio
+import errno
 import gc
 import logging
 import os
@@ -11,6 +12,7 @@ import weakref
 import tornado.httpserver
 import tornado.httputil
 import tornado.ioloop
+import tornado.netutil
 import tornado.web
 
 import migrations
@@ -138,10 +140,11 @@ async def serve(settings):
         log.info("migrations applied: %s", ", ".join(applied))
     settings.warn_about_placeholders()
     prepare_spool(settings.spool_dir)
+    sockets = bind(settings)
     ctx = Context.create(settings)
     app = make_app(ctx)
     server = make_server(app, settings)
-    server.listen(settings.port, settings.host)
+    server.add_sockets(sockets)
     log.info("listening on http://%s:%d", settings.host, settings.port)
     ctx.scheduler = Scheduler(ctx)
     await ctx.scheduler.start()
@@ -165,6 +168,30 @@ async def serve(settings):
         watchdog.stop()
     db.close()
     log.info("stopped")
+
+
+class CannotStart(Exception):
+    """The service cannot start; the message says what and what to do, `status` is the
+    exit status (1: not done, try again once the cause is gone; 2: the settings)."""
+
+    def __init__(self, message, status):
+        super().__init__(message)
+        self.status = status
+
+
+def bind(settings):
+    """The listening sockets, bound before anything is started that would need stopping."""
+    address = f"{settings.host}:{settings.port}"
+    try:
+        return tornado.netutil.bind_sockets(settings.port, settings.host)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise CannotStart(
+                f"cannot listen on {address}: the port is in use (is the service already "
+                "running?); stop that process or set RECEIVER_PORT to a free port", 1
+            ) from None
+        raise CannotStart(f"cannot listen on {address}: {exc.strerror or exc}; check "
+                          "RECEIVER_HOST and RECEIVER_PORT", 2) from None
 
 
 def set_aside_from_the_collector():

@@ -30,6 +30,11 @@ MAX_ATTEMPTS = 10
 FINAL_STATUSES = ("processed", "ignored", "rejected", "dead")
 AWAITING_HANDLING = ("received", "failed")
 
+# A SPOOL_DIR that cannot be used stays so until fixed: said every 10 minutes, not at
+# every tick of the drain.
+SPOOL_UNUSABLE = spool.LastingProblem(logging.getLogger("receiver.spool"),
+                                      datetime.timedelta(minutes=10))
+
 NEW_EVENT = InsertOnce(WebhookEvent)
 EVENT_BY_KEY = Prepared(lambda: WebhookEvent.select().where(
     WebhookEvent.source == slot(WebhookEvent.source),
@@ -154,8 +159,12 @@ async def drain_spool(ctx):
     """Move every spooled call into the inbox, then handle the ones new to it.
 
     Returns the number of calls read from the spool."""
-    read, created = spool.store_all(ctx.settings.spool_dir,
-                                    lambda call: store_spooled(ctx, call))
+    try:
+        read, created = spool.store_all(ctx.settings.spool_dir,
+                                        lambda call: store_spooled(ctx, call))
+    except spool.Unusable as exc:
+        SPOOL_UNUSABLE.warn(ctx.clock(), str(exc))
+        return 0
     for event in created:
         await process(ctx, event)
     return read

@@ -59,6 +59,26 @@ def append(spool_dir, entry, name=LIVE_NAME):
             os.close(fd)
 
 
+class Unusable(Exception):
+    """SPOOL_DIR cannot be used (not a directory, no permission...); the message says
+    which and what to do. It stays so until the operator fixes it."""
+
+
+class LastingProblem:
+    """Logs a problem that lasts on one line: the first time, then again only when it
+    changes or `interval` has passed, instead of at every scheduler tick."""
+
+    def __init__(self, logger, interval):
+        self.logger, self.interval = logger, interval
+        self.said, self.said_at = None, None
+
+    def warn(self, now, message):
+        if message == self.said and now - self.said_at < self.interval:
+            return
+        self.said, self.said_at = message, now
+        self.logger.warning(message)
+
+
 def store_all(spool_dir, store):
     """Hand every spooled call to `store(entry) -> (event, is_new)`, file by file, deleting
     each file once all its lines are stored.
@@ -81,7 +101,10 @@ def _rotate(spool_dir):
     try:
         os.rename(live, target)
     except FileNotFoundError:
-        return
+        return  # nothing spooled (append creates the directory when it must)
+    except OSError as exc:
+        raise Unusable(f"spool directory {spool_dir} cannot be used: {exc.strerror}; fix "
+                       "SPOOL_DIR or its permissions (/readyz reports it too)") from None
     _fsync_directory(spool_dir)
 
 

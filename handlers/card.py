@@ -15,22 +15,29 @@ SIGNATURE_HEADERS = ("Processor-Signature", "Stripe-Signature")
 TOLERANCE_SECONDS = 300
 
 
-def signature_valid(raw, header, secrets, now):
-    """True when `header` (t=<unix>,v1=<hex>,...) signs `raw` with any of `secrets`
-    (several during a rotation) and its time is within TOLERANCE_SECONDS of `now`."""
+def signature_problem(raw, header, secrets, now):
+    """None when `header` (t=<unix>,v1=<hex>,...) signs `raw` with any of `secrets`
+    (several during a rotation) and its time is within TOLERANCE_SECONDS of `now`; else
+    what is wrong, for the log (the sender is only told that verification failed)."""
     try:
         payload = raw.decode("utf-8")
     except UnicodeDecodeError:
-        return False
+        return "the body is not UTF-8"
     if not any(_verifies(payload, header, secret) for secret in secrets):
-        return False
-    return abs(now.timestamp() - _signed_at(header)) <= TOLERANCE_SECONDS
+        return ("no secret in STRIPE_WEBHOOK_SECRET signs this body (another endpoint's "
+                "or `stripe listen`'s secret, or a changed body)")
+    age = now.timestamp() - _signed_at(header)
+    if abs(age) > TOLERANCE_SECONDS:
+        return (f"signed with the right secret, but {abs(age):.0f} s "
+                f"{'ago' if age > 0 else 'ahead of our clock'}, beyond {TOLERANCE_SECONDS} s "
+                "(a replayed event, or a clock that is off)")
+    return None
 
 
 def _verifies(payload, header, secret):
     try:
         # The library's own time check uses the system clock and only looks back; ours
-        # (in signature_valid) uses the service's clock and looks both ways.
+        # (in signature_problem) uses the service's clock and looks both ways.
         return stripe.WebhookSignature.verify_header(payload, header, secret, tolerance=None)
     except stripe.SignatureVerificationError:
         return False
@@ -53,8 +60,10 @@ class CardWebhookHandler(ApiHandler):
         if not header:
             self.fail(400, "Missing signature header")
         raw = self.raw_body
-        if not signature_valid(raw, header, settings.stripe_webhook_secrets, self.ctx.clock()):
-            log.warning("card webhook: signature verification failed")
+        problem = signature_problem(raw, header, settings.stripe_webhook_secrets,
+                                    self.ctx.clock())
+        if problem:
+            log.warning("card webhook: signature verification failed: %s", problem)
             self.fail(400, "Webhook signature verification failed")
         await self.accept(raw)
         self.answer(200, {"received": True})

@@ -2,9 +2,12 @@
 import base64
 import hashlib
 import hmac
+import logging
 
 from handlers.base import ApiHandler, same_secret
 from engine import inbox
+
+log = logging.getLogger("receiver.workflow")
 
 # Frappe re-sends a failed delivery byte for byte (current versions after 5 min, 30 min,
 # 2 h, 5 h, 10 h and 10 h; older ones three times within seconds). The same body to the
@@ -28,12 +31,27 @@ class WorkflowWebhookHandler(ApiHandler):
         self.answer(200, {"received": True, "action": webhook.answer})
 
     def authenticate(self):
+        """401 unless the shared secret (and, when one is set, Frappe's signature) is right;
+        the log says which check failed, never what was sent."""
         settings = self.ctx.settings
-        if not same_secret(self.request.headers.get("X-Webhook-Secret"), settings.webhook_secret):
-            self.fail(401, "Unauthorized")
+        headers = self.request.headers
+        if not same_secret(headers.get("X-Webhook-Secret"), settings.webhook_secret):
+            self.fail(401, "Unauthorized", "X-Webhook-Secret does not match WEBHOOK_SECRET"
+                      if headers.get("X-Webhook-Secret") else "no X-Webhook-Secret")
         if settings.workflow_webhook_signing_secret and not self.frappe_signature_valid(
                 settings.workflow_webhook_signing_secret):
-            self.fail(401, "Unauthorized")
+            self.fail(
+                401, "Unauthorized", "X-Frappe-Webhook-Signature does not sign the body with "
+                "WORKFLOW_WEBHOOK_SIGNING_SECRET" if headers.get("X-Frappe-Webhook-Signature")
+                else "no X-Frappe-Webhook-Signature (WORKFLOW_WEBHOOK_SIGNING_SECRET is set)")
+
+    def fail(self, status, message, why=None):
+        """As every handler fails, and a refused call (400, 401) is logged with its reason,
+        so that whoever set up the sender can tell what to fix."""
+        if status in (400, 401):
+            log.warning("workflow webhook %s refused from %s: %s", self.request.path,
+                        self.request.remote_ip, why or message)
+        super().fail(status, message)
 
     def frappe_signature_valid(self, secret):
         expected = base64.b64encode(

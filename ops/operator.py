@@ -18,6 +18,7 @@ import datetime
 from models import Outbox, WebhookEvent
 from engine import inbox
 
+EVENT_SOURCES = ("workflow", "card", "crypto")
 EVENT_STATUSES = ("received", "processed", "failed", "dead", "rejected", "ignored")
 OUTBOX_STATUSES = ("pending", "sent", "dead")
 # Handled without --force: the event never got through. A dead or forced one is reopened

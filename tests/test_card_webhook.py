@@ -129,6 +129,20 @@ async def test_signature_time_must_be_within_300_seconds_either_way(
 
 
 @pytest.mark.gen_test
+async def test_the_log_tells_a_stale_signature_from_a_wrong_secret(post, fixed_clock, caplog):
+    """Both are answered alike (the sender learns nothing); the operator reads which."""
+    stale = await deliver(post, fixed_clock, paid_session(), age=301)
+    wrong = await deliver(post, fixed_clock, paid_session(), secret="whsec_other")
+    assert stale[:2] == wrong[:2] == REFUSED
+    refusals = [r.getMessage() for r in caplog.records
+                if r.getMessage().startswith("card webhook: signature verification failed")]
+    assert len(refusals) == 2
+    assert "right secret, but 301 s ago" in refusals[0]
+    assert "no secret in STRIPE_WEBHOOK_SECRET signs this body" in refusals[1]
+    assert se.SECRET not in caplog.text and "whsec_other" not in caplog.text
+
+
+@pytest.mark.gen_test
 async def test_the_time_check_uses_real_time_when_the_clock_is_not_fixed(post, clock):
     FormationOrder.create(order_number="FO-1")
     raw = se.raw_of(paid_session())

@@ -93,6 +93,18 @@ def test_a_bad_time_is_a_usage_error(database_url):
     assert result.returncode == 2 and "not an ISO 8601 time" in result.stderr
 
 
+@pytest.mark.parametrize("option,value,choices", [
+    ("--source", "nonsense", "'workflow', 'card', 'crypto'"),
+    ("--status", "done", "'received', 'processed', 'failed'"),
+])
+def test_an_unknown_source_or_status_is_bad_usage_naming_the_choices(database_url, option,
+                                                                     value, choices):
+    result = run(database_url, "events", "list", option, value)
+    assert result.returncode == 2 and result.stdout == ""
+    assert f"argument {option}: invalid choice: '{value}'" in result.stderr
+    assert choices in result.stderr
+
+
 def test_replay_needs_an_id_or_failed(database_url):
     result = run(database_url, "events", "replay")
     assert result.returncode == 2 and "one of the arguments id --failed" in result.stderr

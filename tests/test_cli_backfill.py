@@ -171,10 +171,11 @@ async def test_a_refused_key_exits_1_without_showing_it(env, stripe_api):
 
 
 @pytest.mark.gen_test(timeout=90)
-async def test_without_a_secret_key_backfill_says_so(env):
+async def test_without_a_secret_key_backfill_says_so_and_exits_2_as_settings_errors_do(env):
     result = await run_async({**env, "STRIPE_SECRET_KEY": ""}, "backfill", "--since",
                              "2026-11-20")
-    assert result.returncode == 1 and "STRIPE_SECRET_KEY is not set" in result.stderr
+    assert result.returncode == 2
+    assert result.stderr == "receiver: STRIPE_SECRET_KEY is not set\n"
 
 
 @pytest.mark.gen_test(timeout=90)

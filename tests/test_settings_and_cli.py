@@ -1,5 +1,6 @@
 """Settings from the environment, the production guard, and the command line."""
 import os
+import socket
 import subprocess
 import sys
 
@@ -29,6 +30,27 @@ def test_the_workflow_answer_budget_and_dedup_window_are_read():
     assert (Settings().workflow_answer_budget_seconds, Settings().workflow_dedup_hours) == (4, 36)
     s = Settings.from_env({"WORKFLOW_ANSWER_BUDGET_SECONDS": "2.5", "WORKFLOW_DEDUP_HOURS": "48"})
     assert (s.workflow_answer_budget_seconds, s.workflow_dedup_hours) == (2.5, 48)
+
+
+@pytest.mark.parametrize("env,base", [
+    ({}, "http://127.0.0.1:8000"),
+    ({"RECEIVER_PORT": "8123"}, "http://127.0.0.1:8123"),
+    ({"RECEIVER_HOST": "0.0.0.0", "RECEIVER_PORT": "9000"}, "http://127.0.0.1:9000"),
+    ({"RECEIVER_HOST": "::", "RECEIVER_PORT": "9000"}, "http://[::1]:9000"),
+    ({"RECEIVER_HOST": "10.0.0.5"}, "http://10.0.0.5:8000"),
+    ({"RECEIVER_PORT": "8123", "PUBLIC_BASE_URL": "https://orders.example.com/"},
+     "https://orders.example.com"),
+], ids=["defaults", "port", "any-address", "any-ipv6", "host", "set"])
+def test_the_public_base_url_defaults_to_the_address_served(env, base):
+    assert Settings.from_env(env).public_base_url == base
+
+
+def test_a_printed_link_points_at_the_port_served(tmp_path):
+    result = run("link", "ifta", "CO-20001", "2026-Q3", env={
+        "RECEIVER_PORT": "8123", "PUBLIC_BASE_URL": "",
+        "DATABASE_URL": f"sqlite:///{tmp_path}/x.sqlite3"})
+    assert result.returncode == 0
+    assert result.stdout.startswith("http://127.0.0.1:8123/api/v1/ifta/filed?")
 
 
 def test_settings_are_read_and_trimmed():
@@ -139,3 +161,52 @@ def test_the_scheduler_library_does_not_log_every_tick():
         logging.getLogger("apscheduler").setLevel(logging.NOTSET)
         root.handlers[:] = handlers
         root.setLevel(level)
+
+
+# --- start-up failures: one line saying what and what to do, no traceback -------------------
+
+def serve_env(tmp_path, **env):
+    return {"DATABASE_URL": f"sqlite:///{tmp_path}/x.sqlite3",
+            "SPOOL_DIR": str(tmp_path / "spool"), **env}
+
+
+def test_serve_with_its_port_taken_says_so_in_one_line_and_exits_1(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run("serve", env=serve_env(tmp_path, RECEIVER_PORT=str(port)))
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert result.stderr.splitlines()[-1] == (
+        f"receiver: cannot listen on 127.0.0.1:{port}: the port is in use (is the service "
+        "already running?); stop that process or set RECEIVER_PORT to a free port")
+
+
+def test_serve_on_an_address_not_of_this_machine_is_a_settings_error(tmp_path):
+    # 192.0.2.0/24 is reserved for documentation: no machine has it.
+    result = run("serve", env=serve_env(tmp_path, RECEIVER_HOST="192.0.2.1"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.splitlines()[-1].startswith("receiver: cannot listen on 192.0.2.1:8000: ")
+    assert result.stderr.splitlines()[-1].endswith("; check RECEIVER_HOST and RECEIVER_PORT")
+
+
+def test_serve_with_the_database_unreachable_says_so_in_one_line_and_exits_1(tmp_path):
+    result = run("serve", env=serve_env(
+        tmp_path, DATABASE_URL="postgresql://operator:pg-password-zz@127.0.0.1:1/receiver"))
+    assert result.returncode == 1
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("receiver: database unavailable: ")
+    assert result.stderr.rstrip().endswith(
+        "; check DATABASE_URL and that the database server runs and accepts connections")
+    assert "pg-password-zz" not in result.stderr
+
+
+def test_run_without_the_venv_says_how_to_run_it():
+    # -S: no site-packages, as a Python without the service's packages installed.
+    result = subprocess.run([sys.executable, "-S", "receiver.py", "events", "list"], cwd=ROOT,
+                            text=True, capture_output=True, timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("receiver: No module named ")
+    assert "run `make run` once (it installs them into .venv), then `.venv/bin/python " \
+           "receiver.py ...`" in result.stderr

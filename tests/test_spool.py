@@ -270,3 +270,26 @@ for n in range(100):
                           "last_error": None, "payload": "{}",
                           "received_at": "2026-11-20T09:00:00+00:00"})
 """
+
+
+@pytest.mark.gen_test
+async def test_an_unusable_spool_directory_is_one_line_every_ten_minutes_not_a_traceback(
+        ctx, clock, tmp_path, caplog):
+    """SPOOL_DIR under a plain file: /readyz says so; the drain at every tick must not
+    fill the log with tracebacks."""
+    (tmp_path / "a-file").write_text("")
+    ctx.settings = dataclasses.replace(ctx.settings, spool_dir=str(tmp_path / "a-file/spool"))
+    inbox.SPOOL_UNUSABLE.said = None
+    clock.set(2026, 11, 23, 9, 0, 0)
+    for _ in range(5):
+        assert await inbox.drain_spool(ctx) == 0
+        clock.advance(seconds=10)
+    clock.advance(minutes=10)
+    assert await inbox.drain_spool(ctx) == 0
+
+    lines = [r for r in caplog.records if r.name == "receiver.spool"]
+    assert [r.getMessage() for r in lines] == 2 * [
+        f"spool directory {tmp_path}/a-file/spool cannot be used: Not a directory; fix "
+        "SPOOL_DIR or its permissions (/readyz reports it too)"]
+    assert all(r.levelname == "WARNING" and not r.exc_info for r in lines)
+    assert "Traceback" not in caplog.text

@@ -113,6 +113,28 @@ async def test_wrong_or_missing_secret_is_401_and_nothing_happens(post, worker, 
     assert WebhookEvent.select().count() == 0 and Outbox.select().count() == 0
 
 
+@pytest.mark.parametrize("headers,why", [
+    ({}, "no X-Webhook-Secret"),
+    ({"X-Webhook-Secret": "wrong-secret-value"}, "X-Webhook-Secret does not match WEBHOOK_SECRET"),
+], ids=["missing", "wrong"])
+@pytest.mark.gen_test
+async def test_a_refused_secret_is_logged_with_its_reason_not_its_value(
+        post, caplog, headers, why):
+    assert (await post(url("formation/ready"), ORDER, headers))[0] == 401
+    refusals = [r for r in caplog.records if r.name == "receiver.workflow"]
+    assert [r.getMessage() for r in refusals] == [
+        f"workflow webhook /api/v1/webhooks/formation/ready refused from 127.0.0.1: {why}"]
+    assert refusals[0].levelname == "WARNING"
+    assert "wrong-secret-value" not in caplog.text and WEBHOOK_SECRET not in caplog.text
+
+
+@pytest.mark.gen_test
+async def test_a_body_that_is_not_json_is_logged_as_the_reason_of_its_400(post, caplog):
+    assert (await post(url("formation/ready"), b"order_name=FO-1", AUTH))[0] == 400
+    assert ("workflow webhook /api/v1/webhooks/formation/ready refused from 127.0.0.1: "
+            "invalid JSON body") in caplog.text
+
+
 @pytest.mark.gen_test
 async def test_auth_is_checked_before_the_body(post):
     status, reply, _ = await post(url("formation/ready"), b"not json", {})
@@ -134,7 +156,6 @@ async def test_body_that_is_not_a_json_object_is_400(post, worker, raw):
     ("formation/ready", {"order_name": "FO-1"}, "order_number"),
     ("formation/ready", {"order_name": "", "order_number": "FO-1"}, "order_name"),
     ("formation/ready", {"order_name": "  ", "order_number": "FO-1"}, "order_name"),
-    ("formation/ready", {"order_name": 42, "order_number": "FO-1"}, "order_name"),
     ("formation/ready", {"order_name": "FO-1", "order_number": None}, "order_number"),
     ("formation/submitted", {**ORDER, "entity_name": "Acme"}, "state_code"),
     ("formation/submitted", {**ORDER, "state_code": "WY"}, "entity_name"),
@@ -146,6 +167,20 @@ async def test_missing_field_is_400_naming_the_first_one(post, worker, path, bod
     status, reply, _ = await post(url(path), body, AUTH)
     assert (status, reply) == (400, {"error": f"missing field: {field}"})
     assert worker.requests == [] and WebhookEvent.select().count() == 0
+
+
+@pytest.mark.parametrize("value", [10042, 10042.0, True, ["FO-1"], {"n": "FO-1"}],
+                         ids=["integer", "float", "boolean", "list", "object"])
+@pytest.mark.gen_test
+async def test_a_field_of_another_type_is_400_saying_it_must_be_a_string(
+        post, worker, caplog, value):
+    """A Frappe template that writes {{ doc.order_number }} unquoted sends a number."""
+    status, reply, _ = await post(url("formation/ready"), {**ORDER, "order_number": value},
+                                  AUTH)
+    assert (status, reply) == (400, {"error": "order_number must be a string"})
+    assert worker.requests == [] and WebhookEvent.select().count() == 0
+    assert ("workflow webhook /api/v1/webhooks/formation/ready refused from 127.0.0.1: "
+            "order_number must be a string") in caplog.text
 
 
 @pytest.mark.parametrize("raw,field", [
@@ -425,12 +460,16 @@ def signing_secret(ctx):
 
 
 @pytest.mark.gen_test
-async def test_frappe_signature_is_verified_when_configured(post, worker, signing_secret):
+async def test_frappe_signature_is_verified_when_configured(
+        post, worker, signing_secret, caplog):
     raw = json.dumps(ORDER).encode()
     good = {**AUTH, "X-Frappe-Webhook-Signature": frappe_signature(signing_secret, raw)}
     bad = {**AUTH, "X-Frappe-Webhook-Signature": frappe_signature("other", raw)}
     assert (await post(url("formation/ready"), raw, bad))[:2] == (401, {"error": "Unauthorized"})
     assert (await post(url("formation/ready"), raw, AUTH))[:2] == (401, {"error": "Unauthorized"})
+    assert "X-Frappe-Webhook-Signature does not sign the body with " in caplog.text
+    assert "no X-Frappe-Webhook-Signature (WORKFLOW_WEBHOOK_SIGNING_SECRET is set)" in caplog.text
+    assert signing_secret not in caplog.text
     status, reply, _ = await post(url("formation/ready"), raw, good)
     assert (status, reply) == (200, {"received": True, "action": "delivery_dispatched"})
     assert len(worker.requests) == 1

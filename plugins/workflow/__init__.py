@@ -20,7 +20,10 @@ class WorkflowWebhook:
         characters (a NUL, say) are no part of an order's name or number."""
         for name in self.fields:
             value = body.get(name)
-            if not isinstance(value, str) or not value.strip():
+            if value is not None and not isinstance(value, str):
+                # A number where a name is expected is a template mistake, not a gap.
+                return f"{name} must be a string"
+            if value is None or not value.strip():
                 return f"missing field: {name}"
             if not value.isprintable():
                 return f"invalid field: {name}"
