@@ -9,7 +9,7 @@ import pytest
 
 import migrations
 from models import ComplianceOrder, CrtcOrder, Outbox, WebhookEvent
-from scheduler import JOBS_BY_NAME, AdvisoryLock, Scheduler
+from scheduler import JOBS_BY_NAME, AdvisoryLock, Job, Scheduler
 from engine import inbox, outbox, retention
 from settings import ConfigurationError, Settings
 from tests.conftest import WEBHOOK_SECRET
@@ -266,12 +266,21 @@ async def test_the_scheduler_runs_its_jobs_until_stopped(ctx, worker, db):
 
 
 @pytest.mark.gen_test
-async def test_a_run_that_fails_is_logged_not_raised(ctx, caplog, tmp_path):
+async def test_a_run_that_fails_is_logged_not_raised(ctx, caplog):
+    async def broken(ctx):
+        raise RuntimeError("the disk is on fire")
+    assert await Scheduler(ctx).run(Job("broken", broken, lambda s: 10)) is None
+    assert "job broken failed" in caplog.text and "the disk is on fire" in caplog.text
+
+
+@pytest.mark.gen_test
+async def test_an_unusable_spool_directory_does_not_fail_the_drain_at_every_tick(
+        ctx, caplog, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     ctx.settings = dataclasses.replace(ctx.settings, spool_dir=str(blocker / "spool"))
-    assert await Scheduler(ctx).run(JOBS_BY_NAME["spool"]) is None
-    assert "job spool failed" in caplog.text
+    assert await Scheduler(ctx).run(JOBS_BY_NAME["spool"]) == 0
+    assert "job spool failed" not in caplog.text and "Traceback" not in caplog.text
 
 
 # --- pruning -----------------------------------------------------------------------------
