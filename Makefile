@@ -1,4 +1,5 @@
 # make run   - serve on 127.0.0.1:8000 with an embedded SQLite database under ./var/
+# make demo  - serve sample orders with local stand-ins (database in ./var/demo/), print what to try
 # make test  - the whole suite on SQLite, then on PostgreSQL (TEST_POSTGRES_URL)
 # make bench - the receivers against a bare Tornado app, results in bench/results/
 PYTHON ?= python3
@@ -7,7 +8,7 @@ BIN := $(VENV)/bin
 TEST_POSTGRES_URL ?= postgresql://postgres@127.0.0.1:5432/test
 PYTEST_ARGS ?=
 
-.PHONY: run migrate test test-sqlite test-postgres bench clean
+.PHONY: run demo migrate test test-sqlite test-postgres bench clean
 
 $(BIN)/.installed: requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +18,9 @@ $(BIN)/.installed: requirements.txt requirements-dev.txt
 
 run: $(BIN)/.installed
 	$(BIN)/python receiver.py serve
+
+demo: $(BIN)/.installed
+	$(BIN)/python receiver.py demo
 
 migrate: $(BIN)/.installed
 	$(BIN)/python receiver.py migrate

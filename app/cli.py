@@ -5,6 +5,7 @@ refused, failed, database unavailable), 2 bad usage or settings."""
 import argparse
 import asyncio
 import json
+import os
 import sys
 
 import stripe
@@ -33,9 +34,19 @@ def main(argv=None):
     link.add_argument("kind", choices=KINDS)
     link.add_argument("order", help="order number (a compliance order)")
     link.add_argument("cycle", help="filing period, e.g. 2026-Q3 or 2027")
+    demo = commands.add_parser(
+        "demo", help="serve sample orders with stand-ins for the worker, Frappe, Telegram and "
+                     "SMTP, in a database of its own, and print commands to try")
+    demo.add_argument("--folder", default="var/demo",
+                      help="where the demo keeps its database, made afresh (var/demo)")
     add_operator_commands(commands)
     parser.set_defaults(run=None)
     args = parser.parse_args(argv)
+    if args.command == "demo":
+        # Imported only here: its stand-ins need aiosmtpd, a development requirement. It
+        # reads no setting but where to listen, so a bad one elsewhere does not stop it.
+        from app import demo
+        return run_until_stopped(demo.run(os.environ, args.folder))
 
     try:
         settings = Settings.from_env()
@@ -56,8 +67,14 @@ def main(argv=None):
         return 0
     if args.run:
         return run_operator_command(args.run, settings, args)
+    return run_until_stopped(serve(settings))
+
+
+def run_until_stopped(serving):
+    """Run `serve` (or the demo) to its end; a start that fails is one line, not a
+    traceback, and exit 1 or 2."""
     try:
-        asyncio.run(serve(settings))
+        asyncio.run(serving)
     except UNAVAILABLE as exc:
         return database_unavailable(exc)
     except CannotStart as exc:

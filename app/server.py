@@ -133,7 +133,8 @@ def make_server(app, settings):
     )
 
 
-async def serve(settings):
+async def serve(settings, ready=None):
+    """Serve until SIGTERM or SIGINT; `ready()`, when given, is called once it listens."""
     db = open_database(settings.database_url)
     applied = migrations.migrate(db)
     if applied:
@@ -151,6 +152,8 @@ async def serve(settings):
     set_aside_from_the_collector()
     systemd.notify(f"READY=1\nSTATUS=listening on {settings.host}:{settings.port}")
     watchdog = start_watchdog()
+    if ready:
+        ready()
 
     await stop_requested()
     systemd.notify("STOPPING=1")

@@ -484,3 +484,17 @@ async def test_database_and_spool_down_is_not_acknowledged_as_received(post, wor
         status, reply, _ = await post(url("formation/ready"), ORDER, AUTH)
     assert status == 503 and reply == {"error": "temporarily unavailable"}
     assert worker.requests == []
+
+
+@pytest.mark.gen_test
+async def test_a_form_url_encoded_frappe_webhook_is_read_as_the_json_it_is(post, worker):
+    """Frappe's "Form URL-Encoded" structure sends a JSON object built from the Data
+    table, serialised as frappe.as_json does (indent 1, sorted keys), with no Content-Type
+    of its own; a client that adds one sends the form type."""
+    raw = json.dumps({"modified": "2026-11-20 09:00:12.123456", **ORDER}, indent=1,
+                     sort_keys=True, separators=(",", ": ")).encode()
+    headers = {"X-Webhook-Secret": WEBHOOK_SECRET,
+               "Content-Type": "application/x-www-form-urlencoded"}
+    status, reply, _ = await post(url("formation/ready"), raw, headers)
+    assert (status, reply) == (200, {"received": True, "action": "delivery_dispatched"})
+    assert worker.requests[0].json["order_number"] == ORDER["order_number"]

@@ -1,0 +1,131 @@
+"""`receiver.py demo`: the service with sample orders and local stand-ins for the worker,
+Frappe, Telegram and SMTP, and the commands to try printed once it listens.
+
+Orders are written by other systems, so a fresh install has none a webhook could act on.
+The demo keeps a database and a spool of its own (in --folder, var/demo by default, made
+afresh at every start) and uses nothing of the environment but where to listen: whatever
+DATABASE_URL names is never opened."""
+import contextlib
+import json
+import os
+import shlex
+import shutil
+import sys
+
+import migrations
+from app.logs import configure_logging
+from app.server import serve
+from app.standins import StandIns
+from domain.links import signed_link
+from models import ComplianceOrder, CrtcOrder, FormationOrder, BundleOrder, database, open_database
+from settings import Settings
+
+DATABASE_FILES = ("receiver.sqlite3", "receiver.sqlite3-wal", "receiver.sqlite3-shm")
+WEBHOOK_SECRET = "demo-webhook-secret"
+CRYPTO_API_KEY = "demo-shkeeper-api-key"
+# Only the address is taken from the environment; everything else is the demo's own.
+FROM_ENVIRONMENT = ("RECEIVER_HOST", "RECEIVER_PORT", "RECEIVER_LOG_FORMAT")
+
+ORDERS = (
+    (FormationOrder, {"order_number": "FO-0001", "order_name": "ORD-0001",
+                      "customer_email": "ana@example.com", "service_name": "Wyoming LLC"}),
+    (FormationOrder, {"order_number": "FO-0002", "order_name": "ORD-0002",
+                      "customer_email": "ben@example.com", "service_name": "Delaware LLC",
+                      "payment_status": "paid"}),
+    (ComplianceOrder, {"order_number": "CO-20001", "service_slug": "ifta",
+                       "service_name": "IFTA quarterly filing",
+                       "customer_email": "carla@example.com"}),
+    (ComplianceOrder, {"order_number": "CO-20002", "service_slug": "ucr",
+                       "service_name": "UCR registration", "customer_email": "dev@example.com"}),
+    (BundleOrder, {"order_number": "BU-0001", "customer_email": "eve@example.com",
+                   "service_name": "Formation and compliance bundle"}),
+    (CrtcOrder, {"order_number": "CA-0001", "customer_email": "fay@example.com",
+                 "service_name": "CRTC registration", "total_cents": 780}),
+    (CrtcOrder, {"order_number": "CA-0002", "customer_email": "gus@example.com",
+                 "service_name": "CRTC registration", "total_cents": 12900}),
+)
+
+# As SHKeeper (2.5.16 and later) sends it: every amount a string with its trailing zeros
+# stripped, keys sorted, no spaces.
+PAID_CALLBACK = json.dumps({
+    "external_id": "CA-0001", "crypto": "BTC", "addr": "bc1qdemo0address", "fiat": "USD",
+    "balance_fiat": "7.8", "balance_crypto": "0.00012345", "paid": True, "status": "PAID",
+    "transactions": [{
+        "txid": "demo-tx-1", "date": "2026-11-20 09:00:12", "amount_crypto": "0.00012345",
+        "amount_fiat": "7.8", "amount_fiat_without_fee": "7.6470588235",
+        "fee_fiat": "0.1529411765", "trigger": True, "crypto": "BTC"}],
+    "fee_percent": "2", "fee_fixed": "0", "fee_policy": "PERCENT_FEE", "overpaid_fiat": "0.00",
+}, sort_keys=True, separators=(",", ":"))
+SUBMITTED = ('{"order_name": "ORD-0001", "order_number": "FO-0001", "state_code": "WY", '
+             '"entity_name": "Acme Demo LLC"}')
+
+
+def demo_settings(environ, folder, standins):
+    env = {name: environ[name] for name in FROM_ENVIRONMENT if name in environ}
+    env.update(standins.settings, DATABASE_URL=f"sqlite:///{folder}/receiver.sqlite3",
+               SPOOL_DIR=f"{folder}/spool", WEBHOOK_SECRET=WEBHOOK_SECRET,
+               LINK_SECRET="demo-link-secret", CRYPTO_PROCESSOR_API_KEY=CRYPTO_API_KEY,
+               ADMIN_EMAIL="admin@example.com", MAIL_FROM="receiver@example.com",
+               # Short, so that what the stand-ins receive shows up at once.
+               SCHEDULER_TICK_SECONDS="2")
+    return Settings.from_env(env)
+
+
+def fresh_database(settings, folder):
+    """The demo's database made afresh, with the schema and the sample orders; its
+    previous database and spool go (only those: the folder may hold other things)."""
+    for name in DATABASE_FILES:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(folder, name))
+    shutil.rmtree(os.path.join(folder, "spool"), ignore_errors=True)
+    db = open_database(settings.database_url)
+    migrations.migrate(db)
+    with database.atomic():
+        for model, fields in ORDERS:
+            model.create(**fields)
+    db.close()
+
+
+def instructions(settings, folder, standins):
+    base = settings.public_base_url
+    cli = f"DATABASE_URL={shlex.quote(settings.database_url)} .venv/bin/python receiver.py"
+    sign = ("python3 -c 'import hashlib, hmac, sys; print(hmac.new(sys.argv[1].encode(), "
+            "sys.stdin.buffer.read(), hashlib.sha256).hexdigest())' " + CRYPTO_API_KEY)
+    return f"""
+The demo listens on {base}.
+Its sample orders (FO-0001, FO-0002, CO-20001 for IFTA, CO-20002 for UCR, BU-0001, CA-0001,
+CA-0002) are in {folder}/receiver.sqlite3, made afresh at every start; DATABASE_URL is
+never opened. The worker, Frappe and Telegram are stand-ins on 127.0.0.1:{standins.http_port},
+the mail server one on 127.0.0.1:{standins.smtp_port}; what they receive is logged below as
+"stand-in ...". Try these in another terminal, in this folder:
+
+# 1. Frappe says formation order FO-0001 was submitted: the name-search job goes to the worker
+curl -s -X POST {base}/api/v1/webhooks/formation/submitted -H 'X-Webhook-Secret: {WEBHOOK_SECRET}' -H 'Content-Type: application/json' -d '{SUBMITTED}'
+
+# 2. SHKeeper says CRTC order CA-0001's invoice is paid, signed as SHKeeper signs (HMAC-SHA256 of "<timestamp>.<body>" with the API key): the order becomes paid, a treasury job and a ledger entry are written, Telegram gets the alert
+body='{PAID_CALLBACK}'
+ts=$(date +%s); sig=$(printf '%s.%s' "$ts" "$body" | {sign})
+curl -s -X POST {base}/api/v1/webhooks/crypto-processor -H 'Content-Type: application/json' -H 'X-Shkeeper-Api-Key: {CRYPTO_API_KEY}' -H "X-Shkeeper-Timestamp: $ts" -H "X-Shkeeper-Signature: $sig" -d "$body"
+
+# 3. What was stored and sent (the ID of `events show` is the first column of `events list`)
+{cli} events list
+{cli} outbox list
+{cli} events show 1
+
+# 4. The "I already filed" link of an IFTA reminder for compliance order CO-20001 (open it in a browser)
+{signed_link(settings, "ifta", "CO-20001", "2026-Q3")}
+
+Stop the demo with Ctrl-C; the next `make demo` starts from the sample orders again.
+"""
+
+
+async def run(environ, folder, out=sys.stdout):
+    standins = StandIns()
+    try:
+        settings = demo_settings(environ, folder, standins)
+        configure_logging(settings)
+        fresh_database(settings, folder)
+        await serve(settings, ready=lambda: print(instructions(settings, folder, standins),
+                                                  file=out, flush=True))
+    finally:
+        standins.stop()

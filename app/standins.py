@@ -1,0 +1,91 @@
+"""Stand-ins for the systems the service talks to, for `receiver.py demo`: the worker,
+Frappe and Telegram on one loopback HTTP port (under /worker, /frappe and /telegram), and
+a mail server (aiosmtpd). Each accepts whatever it is sent and logs it on one line, so the
+effects of a webhook can be watched in the demo's log."""
+import email
+import email.policy
+import json
+import logging
+import socket
+
+import tornado.httpserver
+import tornado.netutil
+import tornado.web
+
+log = logging.getLogger("receiver.demo")
+
+
+class _Worker(tornado.web.RequestHandler):
+    def post(self):
+        job = json.loads(self.request.body)
+        log.info("stand-in worker: job %s for %s", job.get("action"),
+                 job.get("order_number") or job.get("order_id") or "-")
+        self.finish({"ok": True})
+
+
+class _Frappe(tornado.web.RequestHandler):
+    def post(self):
+        call = json.loads(self.request.body)
+        doc, action = json.loads(call.get("doc") or "{}"), call.get("action")
+        log.info("stand-in Frappe: workflow action %r on %s %s", action, doc.get("doctype"),
+                 doc.get("name"))
+        self.finish({"message": {"name": doc.get("name"), "workflow_state": action}})
+
+    def get(self, doctype, name):
+        log.info("stand-in Frappe: read %s %s", doctype, name)
+        self.finish({"data": {"name": name, "workflow_state": "Demo"}})
+
+
+class _Telegram(tornado.web.RequestHandler):
+    def post(self):
+        message = json.loads(self.request.body)
+        log.info("stand-in Telegram: %s", " ".join(str(message.get("text", "")).split()))
+        self.finish({"ok": True, "result": {"message_id": 1}})
+
+
+class _Mailbox:
+    async def handle_DATA(self, server, session, envelope):
+        message = email.message_from_bytes(envelope.content, policy=email.policy.default)
+        log.info("stand-in SMTP: mail to %s: %s", ", ".join(envelope.rcpt_tos),
+                 message["Subject"])
+        return "250 OK"
+
+
+class StandIns:
+    """Started on free loopback ports; `urls` are the settings that point the service at
+    them."""
+
+    def __init__(self):
+        sockets = tornado.netutil.bind_sockets(0, "127.0.0.1")
+        self.http_port = sockets[0].getsockname()[1]
+        self.server = tornado.httpserver.HTTPServer(tornado.web.Application([
+            (r"/worker/jobs", _Worker),
+            (r"/frappe/api/method/[^/]+", _Frappe),
+            (r"/frappe/api/resource/([^/]+)/([^/]+)", _Frappe),
+            (r"/telegram/bot[^/]+/sendMessage", _Telegram),
+        ], log_function=lambda handler: None))
+        self.server.add_sockets(sockets)
+        # aiosmtpd is a development requirement: imported only when a demo runs.
+        from aiosmtpd.controller import Controller
+        self.smtp_port = _free_port()
+        self.smtp = Controller(_Mailbox(), hostname="127.0.0.1", port=self.smtp_port)
+        self.smtp.start()
+        # aiosmtpd logs every connection at INFO; the mail itself is what the demo shows.
+        logging.getLogger("mail.log").setLevel(logging.WARNING)
+
+    @property
+    def settings(self):
+        http = f"http://127.0.0.1:{self.http_port}"
+        return {"WORKER_URL": f"{http}/worker", "WORKFLOW_URL": f"{http}/frappe",
+                "TELEGRAM_API_URL": f"{http}/telegram", "TELEGRAM_BOT_TOKEN": "demo-bot",
+                "TELEGRAM_CHAT_ID": "demo-chat", "SMTP_URL": f"smtp://127.0.0.1:{self.smtp_port}"}
+
+    def stop(self):
+        self.server.stop()
+        self.smtp.stop()
+
+
+def _free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

@@ -1,0 +1,89 @@
+"""`receiver.py demo` as a newcomer runs it: the real command in a subprocess on free
+ports, then the commands it prints, run by a shell as they are printed."""
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.service_process import ROOT, unused_port
+
+READY_TIMEOUT_SECONDS = 30
+LAST_LINE = "Stop the demo with Ctrl-C"
+
+
+@pytest.fixture
+def demo(tmp_path):
+    """The demo running; yields (its printed instructions, its folder, its log path)."""
+    folder, log_path = tmp_path / "demo", tmp_path / "demo.log"
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "RECEIVER_PORT": str(unused_port()),
+           # Must not be touched: the demo keeps a database of its own.
+           "DATABASE_URL": f"sqlite:///{tmp_path}/real.sqlite3"}
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen([sys.executable, "receiver.py", "demo", "--folder", str(folder)],
+                                   cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log)
+    try:
+        printed = _read_instructions(process, log_path)
+        yield printed, folder, log_path
+        process.send_signal(signal.SIGINT)
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        process.stdout.close()
+    assert not os.path.exists(tmp_path / "real.sqlite3")
+
+
+def _read_instructions(process, log_path):
+    deadline = time.monotonic() + READY_TIMEOUT_SECONDS
+    lines = []
+    while not lines or not lines[-1].startswith(LAST_LINE):
+        line = process.stdout.readline().decode()
+        if not line or time.monotonic() > deadline:
+            raise RuntimeError(f"the demo printed no instructions; log:\n{log_path.read_text()}")
+        lines.append(line)
+    return "".join(lines)
+
+
+def step(printed, number):
+    """The command lines of step `number`, as printed: after its `# N.` line, up to the
+    blank line."""
+    after = printed.split(f"\n# {number}. ", 1)[1]
+    return after.split("\n\n", 1)[0].split("\n", 1)[1]
+
+
+def shell(commands):
+    result = subprocess.run(["bash", "-c", commands], cwd=ROOT, text=True,
+                            capture_output=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_the_printed_crypto_callback_pays_the_demo_order_and_the_cli_shows_it(demo):
+    printed, folder, log_path = demo
+    assert shell(step(printed, 2)) == '{"received": true}'
+
+    with sqlite3.connect(folder / "receiver.sqlite3") as db:
+        assert db.execute("SELECT payment_status FROM crtc_orders WHERE order_number = "
+                          "'CA-0001'").fetchone() == ("paid",)
+    events_list = step(printed, 3).splitlines()[0]
+    listed = shell(events_list).splitlines()
+    assert listed[0].split()[:5] == ["ID", "RECEIVED", "(UTC)", "SOURCE", "TYPE"]
+    [row] = listed[1:]
+    assert row.split()[3:6] == ["crypto", "PAID", "processed"] and "CA-0001" in row
+
+
+def test_the_printed_webhook_reaches_the_worker_stand_in_and_the_link_works(demo):
+    printed, folder, log_path = demo
+    assert shell(step(printed, 1)) == '{"received": true, "action": "name_search_dispatched"}'
+    link = step(printed, 4).strip()
+    page = shell(f"curl -s '{link}'")
+    assert "IFTA" in page and "could not find" not in page
+    deadline = time.monotonic() + READY_TIMEOUT_SECONDS
+    while "stand-in worker: job name_search for FO-0001" not in log_path.read_text():
+        assert time.monotonic() < deadline, log_path.read_text()
+        time.sleep(0.1)
