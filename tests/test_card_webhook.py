@@ -135,7 +135,7 @@ async def test_the_log_tells_a_stale_signature_from_a_wrong_secret(post, fixed_c
     wrong = await deliver(post, fixed_clock, paid_session(), secret="whsec_other")
     assert stale[:2] == wrong[:2] == REFUSED
     refusals = [r.getMessage() for r in caplog.records
-                if r.getMessage().startswith("card webhook: signature verification failed")]
+                if "signature verification failed" in r.getMessage()]
     assert len(refusals) == 2
     assert "right secret, but 301 s ago" in refusals[0]
     assert "no secret in STRIPE_WEBHOOK_SECRET signs this body" in refusals[1]

@@ -121,18 +121,21 @@ async def test_wrong_or_missing_secret_is_401_and_nothing_happens(post, worker, 
 async def test_a_refused_secret_is_logged_with_its_reason_not_its_value(
         post, caplog, headers, why):
     assert (await post(url("formation/ready"), ORDER, headers))[0] == 401
-    refusals = [r for r in caplog.records if r.name == "receiver.workflow"]
-    assert [r.getMessage() for r in refusals] == [
-        f"workflow webhook /api/v1/webhooks/formation/ready refused from 127.0.0.1: {why}"]
-    assert refusals[0].levelname == "WARNING"
+    assert refusals_logged(caplog, why) == 1
     assert "wrong-secret-value" not in caplog.text and WEBHOOK_SECRET not in caplog.text
+
+
+def refusals_logged(caplog, why):
+    """How many WARNING lines name the path, the sender's address and `why`."""
+    return sum(r.levelname == "WARNING" and why in r.getMessage()
+               and "/api/v1/webhooks/formation/ready" in r.getMessage()
+               and "127.0.0.1" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.gen_test
 async def test_a_body_that_is_not_json_is_logged_as_the_reason_of_its_400(post, caplog):
     assert (await post(url("formation/ready"), b"order_name=FO-1", AUTH))[0] == 400
-    assert ("workflow webhook /api/v1/webhooks/formation/ready refused from 127.0.0.1: "
-            "invalid JSON body") in caplog.text
+    assert refusals_logged(caplog, "invalid JSON body") == 1
 
 
 @pytest.mark.gen_test
@@ -179,8 +182,7 @@ async def test_a_field_of_another_type_is_400_saying_it_must_be_a_string(
                                   AUTH)
     assert (status, reply) == (400, {"error": "order_number must be a string"})
     assert worker.requests == [] and WebhookEvent.select().count() == 0
-    assert ("workflow webhook /api/v1/webhooks/formation/ready refused from 127.0.0.1: "
-            "order_number must be a string") in caplog.text
+    assert refusals_logged(caplog, "order_number must be a string") == 1
 
 
 @pytest.mark.parametrize("raw,field", [
