@@ -280,6 +280,12 @@ class WebhookEvent(BaseModel):
             (("source", "dedup_key"), True),
             (("status", "next_attempt_at"), False),
             (("received_at",), False),
+            # The console's event list: newest first under each filter, a page at a time
+            # (keyset on received_at, id), at any size of the table.
+            (("source", "received_at", "id"), False),
+            (("event_type", "received_at", "id"), False),
+            (("status", "received_at", "id"), False),
+            (("external_id",), False),
         )
 
 
@@ -302,7 +308,12 @@ class Outbox(BaseModel):
 
     class Meta:
         table_name = "outbox"
-        indexes = ((("status", "next_attempt_at"), False),)
+        indexes = (
+            (("status", "next_attempt_at"), False),
+            # The console's outbox list: the newest rows of a status (and destination).
+            (("status", "id"), False),
+            (("kind", "status", "id"), False),
+        )
 
 
 ALL_MODELS = [*ORDER_MODELS.values(), TreasuryJob, LedgerEntry, WebhookEvent, Outbox]
@@ -372,3 +383,23 @@ class SubscriptionCycle(BaseModel):
 
 
 CARD_MODELS = [SubscriptionCycle]
+
+
+# The operator console (issue 16).
+
+class ConsoleAction(BaseModel):
+    """What an operator did in the console, kept for good: who (the name given at
+    login), from which address, what (login, replay, retry...), on what, and how it went."""
+
+    operator = TextField()
+    address = TextField()
+    action = TextField()
+    target = TextField(default="")
+    outcome = TextField(default="")
+
+    class Meta:
+        table_name = "console_actions"
+        indexes = ((("created_at",), False),)
+
+
+CONSOLE_MODELS = [ConsoleAction]

@@ -5,6 +5,7 @@ The names are fixed: other systems and operators depend on them.
 import dataclasses
 import logging
 import os
+import re
 import urllib.parse
 import zoneinfo
 
@@ -12,6 +13,17 @@ log = logging.getLogger("receiver.settings")
 
 PLACEHOLDER_WEBHOOK_SECRET = "change-me-webhook-secret"
 PLACEHOLDER_LINK_SECRET = "change-me-link-secret"
+
+# CONSOLE_PASSWORD_HASH, as `receiver.py console hash-password` writes it:
+# scrypt$<log2 n>$<r>$<p>$<salt>$<key>, salt and key in url-safe base64 without padding.
+# The cost is in the string, so a hash made today still verifies after the default rises.
+PASSWORD_HASH = re.compile(
+    r"scrypt\$(?P<log_n>\d{1,2})\$(?P<r>\d{1,2})\$(?P<p>\d{1,2})"
+    r"\$(?P<salt>[A-Za-z0-9_-]{22,})\$(?P<key>[A-Za-z0-9_-]{43,})")
+# Below this cost a stolen hash is cheap to guess from: production refuses it.
+MIN_PASSWORD_LOG_N = 14
+# A signing key for the console's session cookies: 32 random bytes or more.
+MIN_COOKIE_SECRET_LENGTH = 32
 
 DEFAULT_DATABASE_URL = "sqlite:///var/receiver.sqlite3"
 
@@ -130,6 +142,8 @@ class Settings:
     workflow_answer_budget_seconds: float = 4.0
     # Frappe's retries of one delivery span about 27.5 h.
     workflow_dedup_hours: int = 36
+    console_password_hash: str = dataclasses.field(default="", repr=False)
+    cookie_secret: str = dataclasses.field(default="", repr=False)
 
     @classmethod
     def from_env(cls, environ=None):
@@ -186,6 +200,8 @@ class Settings:
             workflow_answer_budget_seconds=_seconds(
                 env, "WORKFLOW_ANSWER_BUDGET_SECONDS", cls.workflow_answer_budget_seconds),
             workflow_dedup_hours=_int(env, "WORKFLOW_DEDUP_HOURS", cls.workflow_dedup_hours),
+            console_password_hash=text("CONSOLE_PASSWORD_HASH"),
+            cookie_secret=text("COOKIE_SECRET"),
         )
         settings.check()
         return settings
@@ -222,8 +238,15 @@ class Settings:
             raise ConfigurationError(
                 f"BUSINESS_TZ must be an IANA time zone such as America/Toronto, "
                 f"got {self.business_tz!r}") from None
+        if self.console_password_hash and not PASSWORD_HASH.fullmatch(self.console_password_hash):
+            # Not a hash at all (a password pasted by mistake, a placeholder): nobody could
+            # log in, and a password must never sit in the environment.
+            raise ConfigurationError(
+                "CONSOLE_PASSWORD_HASH must be what `receiver.py console hash-password` "
+                "prints (scrypt$...)")
         if self.production:
             self._check_production_secrets()
+            self._check_production_console()
 
     def _check_production_secrets(self):
         missing = [name for name, is_missing in (
@@ -238,6 +261,24 @@ class Settings:
             raise ConfigurationError(
                 "RECEIVER_ENV=production needs real secrets; not set: " + ", ".join(missing))
 
+    @property
+    def console_enabled(self):
+        return bool(self.console_password_hash)
+
+    def _check_production_console(self):
+        if not self.console_enabled:
+            return
+        if int(PASSWORD_HASH.fullmatch(self.console_password_hash)["log_n"]) < MIN_PASSWORD_LOG_N:
+            raise ConfigurationError(
+                "RECEIVER_ENV=production refuses a weak CONSOLE_PASSWORD_HASH (made with a "
+                "cost below the default); make a new one with `receiver.py console "
+                "hash-password`")
+        if (len(self.cookie_secret) < MIN_COOKIE_SECRET_LENGTH
+                or self.cookie_secret.lower().startswith("change-me")):
+            raise ConfigurationError(
+                f"RECEIVER_ENV=production with the console on needs COOKIE_SECRET: "
+                f"{MIN_COOKIE_SECRET_LENGTH} random characters or more, not a placeholder")
+
     def warn_about_placeholders(self):
         if self.webhook_secret == PLACEHOLDER_WEBHOOK_SECRET:
             log.warning("WEBHOOK_SECRET is not set: the workflow webhooks accept the "
@@ -245,3 +286,6 @@ class Settings:
         if self.link_secret == PLACEHOLDER_LINK_SECRET:
             log.warning("LINK_SECRET is not set: 'already filed' links are signed with a "
                         "placeholder. Set LINK_SECRET before sending reminders.")
+        if self.console_enabled and not self.cookie_secret:
+            log.warning("COOKIE_SECRET is not set: console sessions are signed with a key "
+                        "of this process and end when it restarts.")

@@ -4,6 +4,7 @@ Plain text on stdout, problems on stderr, an exit code: 0 done, 1 not done (not 
 refused, failed, database unavailable), 2 bad usage or settings."""
 import argparse
 import asyncio
+import getpass
 import json
 import os
 import sys
@@ -19,7 +20,7 @@ from domain import backfill, settlement
 from domain.links import KINDS, print_signed_link
 from engine.db import UNAVAILABLE
 from models import open_database
-from ops import operator
+from ops import operator, passwords
 from settings import ConfigurationError, Settings
 
 
@@ -40,6 +41,11 @@ def main(argv=None):
     demo.add_argument("--folder", default="var/demo",
                       help="where the demo keeps its database, made afresh (var/demo)")
     add_operator_commands(commands)
+    console = commands.add_parser("console", help="the operator console").add_subparsers(
+        dest="action", metavar="ACTION", required=True)
+    console.add_parser(
+        "hash-password", help="read a password (twice) and print the CONSOLE_PASSWORD_HASH "
+                              "that lets it log in")
     parser.set_defaults(run=None)
     args = parser.parse_args(argv)
     if args.command == "demo":
@@ -48,6 +54,9 @@ def main(argv=None):
         from app import demo
         return run_until_stopped(demo.run(os.environ, args.folder))
 
+    if args.command == "console":
+        # Needs no settings: it is how one of them is made.
+        return hash_password_command(sys.stdin, sys.stdout, sys.stderr)
     try:
         settings = Settings.from_env()
     except ConfigurationError as exc:
@@ -80,6 +89,25 @@ def run_until_stopped(serving):
     except CannotStart as exc:
         print(f"receiver: {exc}", file=sys.stderr)
         return exc.status
+    return 0
+
+
+def hash_password_command(stdin, out, err):
+    """Ask twice without echo at a terminal; read two lines when piped, so it can be
+    scripted (`printf '%s\\n%s\\n' "$pw" "$pw" | receiver.py console hash-password`)."""
+    if stdin.isatty():
+        first = getpass.getpass("Console password: ")
+        second = getpass.getpass("Again: ")
+    else:
+        first, second = (stdin.readline().rstrip("\r\n") for _ in range(2))
+    if first != second:
+        print("receiver: the two passwords differ; nothing printed", file=err)
+        return 2
+    try:
+        print(passwords.hash_password(first), file=out)
+    except passwords.WeakPassword as exc:
+        print(f"receiver: {exc}", file=err)
+        return 2
     return 0
 
 

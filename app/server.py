@@ -18,6 +18,7 @@ import tornado.web
 import migrations
 from app.context import Context
 from handlers.base import NotFoundHandler, log_request
+from handlers.console import cookie_secret
 from handlers.routes import routes
 from models import open_database
 from ops import systemd
@@ -113,12 +114,16 @@ class _CountedDelegate(tornado.httputil.HTTPMessageDelegate):
 
 
 def make_app(ctx):
+    # Only the console signs cookies and checks xsrf tokens (its handlers do it
+    # themselves): Tornado's xsrf_cookies setting would refuse every webhook POST.
+    console = {"cookie_secret": cookie_secret(ctx.settings)} if ctx.settings.console_enabled else {}
     return ReceiverApplication(
         routes(ctx),
         default_handler_class=NotFoundHandler,
         default_handler_args={"ctx": ctx},
         log_function=log_request,
         compress_response=False,
+        **console,
     )
 
 

@@ -1,5 +1,6 @@
 """Every route of the service, in one list."""
 from handlers.card import CardWebhookHandler
+from handlers.console import console_routes
 from handlers.crypto import crypto_route
 from handlers.ops import HealthHandler, MetricsHandler, ReadyHandler
 from handlers.links import FiledLinkHandler
@@ -27,4 +28,5 @@ def routes(ctx):
         (r"/api/v1/referral/([^/]+)", ReferralInfoHandler, public),
         (r"/api/v1/dot/state-requirements", DotRequirementsHandler, public),
         (r"/api/v1/openapi.yaml", OpenApiHandler),
+        *(console_routes(ctx) if ctx.settings.console_enabled else ()),
     ]

@@ -57,6 +57,16 @@ class Metrics:
         if result == "ok":
             self.job_last_success.labels(name).set(at.timestamp())
 
+    def job_status(self):
+        """{job: (last success as a Unix time or None, runs ok, runs failed)} of this
+        process, for the console."""
+        last = {sample.labels["job"]: sample.value
+                for sample in _samples(self.job_last_success)}
+        runs = {(sample.labels["job"], sample.labels["result"]): int(sample.value)
+                for sample in _samples(self.job_runs) if sample.name.endswith("_total")}
+        return {job: (last[job] or None, runs.get((job, "ok"), 0), runs.get((job, "failed"), 0))
+                for job in sorted(last)}
+
     def event_handled(self, event, outcome, seconds):
         self.events.labels(event.source, event.event_type, outcome).inc()
         self.handling.labels(event.source).observe(seconds)
@@ -120,6 +130,10 @@ class StateCollector:
         yield _gauge("receiver_spool_files", "Files in SPOOL_DIR (calls kept while the "
                      "database was down).", files)
         yield _gauge("receiver_spool_bytes", "Bytes in SPOOL_DIR.", size)
+
+
+def _samples(metric):
+    return [sample for family in metric.collect() for sample in family.samples]
 
 
 def _gauge(name, documentation, value):

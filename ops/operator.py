@@ -109,16 +109,17 @@ def retry_outbox(ctx, row_id):
     if row.status == "sent":
         raise Refused(f"outbox row #{row_id} was sent at {format_time(row.sent_at)}; "
                       "it is not sent twice")
-    _requeue(ctx, Outbox.id == row_id)
+    requeue(ctx, Outbox.id == row_id)
     return Outbox.get_by_id(row_id)
 
 
 def retry_dead(ctx):
     """Put every dead effect back in line; returns how many."""
-    return _requeue(ctx, Outbox.status == "dead")
+    return requeue(ctx, Outbox.status == "dead")
 
 
-def _requeue(ctx, condition):
+def requeue(ctx, condition):
+    """Rows matching `condition`, unless sent, back to pending, due now, attempts reset."""
     now = ctx.clock()
     return (Outbox.update(status="pending", attempts=0, next_attempt_at=now,
                           updated_at=now)

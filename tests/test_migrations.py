@@ -74,3 +74,23 @@ def test_0006_changes_nothing_where_the_defaults_are_present(scratch_db):
     fresh = shape()
     ORDER_DEFAULTS.apply(scratch_db, migrator_for(scratch_db))
     assert shape() == fresh
+
+
+CONSOLE = importlib.import_module("migrations.0011_console")
+CONSOLE_TABLES = ("webhook_events", "outbox", "console_actions")
+
+
+def test_0011_gives_an_old_database_the_console_table_and_indexes(scratch_db):
+    def shape():
+        return {table: (scratch_db.get_columns(table),
+                        sorted(index.name for index in scratch_db.get_indexes(table)))
+                for table in CONSOLE_TABLES}
+    fresh = shape()
+    scratch_db.execute_sql("DROP TABLE console_actions")
+    for index in ("webhook_events_status_received_at_id", "webhook_events_external_id",
+                  "outbox_kind_status_id"):
+        scratch_db.execute_sql(f"DROP INDEX {index}")
+    CONSOLE.apply(scratch_db, migrator_for(scratch_db))
+    assert shape() == fresh
+    CONSOLE.apply(scratch_db, migrator_for(scratch_db))
+    assert shape() == fresh

@@ -1,0 +1,428 @@
+"""The operator console under /console: server-rendered pages (Jinja2, autoescaped, no
+script at all) to see what came in, what went out and what failed, and to act on it.
+
+Off unless CONSOLE_PASSWORD_HASH is set (no /console route exists then). An operator
+logs in with a name (kept in the record of actions) and the console's password; the
+session is a signed cookie (COOKIE_SECRET) with an expiry, HttpOnly, SameSite=Strict,
+Secure when the request came over HTTPS. Every POST carries Tornado's xsrf token; the
+webhooks are not affected, the check is made by these handlers only. Login attempts are
+rate limited per client address. Every action is recorded (ops.console.record_action)."""
+import datetime
+import json
+import re
+import secrets
+import urllib.parse
+
+import markupsafe
+import tornado.ioloop
+import tornado.web
+
+from domain import links
+from engine.db import UNAVAILABLE
+from handlers.ratelimit import RateLimiter
+from ops import console, operator
+from ops.passwords import verify_password
+
+SESSION_COOKIE = "console_session"
+SESSION_LENGTH = datetime.timedelta(hours=12)
+LOGIN_ATTEMPTS, LOGIN_WINDOW_SECONDS = 5, 60
+OPERATOR_NAME = re.compile(r"[^\x00-\x1f\x7f]{1,64}")
+# No script anywhere; styles from our own stylesheet; nothing may frame a page.
+CONTENT_SECURITY_POLICY = ("default-src 'none'; style-src 'self'; img-src 'self'; "
+                           "form-action 'self'; frame-ancestors 'none'; base-uri 'none'")
+ERROR_TEXTS = {
+    400: "The request was not understood.",
+    403: "Refused: the form was stale or did not come from this console. Reload the page "
+         "and try again.",
+    404: "Nothing here.",
+    429: "Too many login attempts from your address. Wait a minute, then try again.",
+    503: "The database is not answering. Try again in a minute.",
+}
+CHART_COLOURS = ("#3366cc", "#dc7633", "#2e8b57", "#8e44ad")
+
+
+def cookie_secret(settings):
+    """The key that signs session cookies. Without COOKIE_SECRET (development only:
+    production refuses to start) a key of this process's own: sessions end at restart."""
+    return settings.cookie_secret or secrets.token_urlsafe(32)
+
+
+def path_part(value):
+    """A value as one segment of a path: a "/" in an order number is escaped too."""
+    return urllib.parse.quote(value, safe="")
+
+
+class ConsoleState:
+    """What the console's handlers share: the login limiter."""
+
+    def __init__(self):
+        self.login_limiter = RateLimiter(LOGIN_ATTEMPTS, LOGIN_WINDOW_SECONDS)
+
+
+class ConsoleHandler(tornado.web.RequestHandler):
+    # The login page and the stylesheet are for everyone; the rest for operators only.
+    public = False
+
+    def initialize(self, ctx, state):
+        self.ctx = ctx
+        self.state = state
+
+    def set_default_headers(self):
+        self.clear_header("Server")
+        self.set_header("Content-Type", "text/html; charset=utf-8")
+        self.set_header("Cache-Control", "no-store")
+        self.set_header("X-Content-Type-Options", "nosniff")
+        self.set_header("Content-Security-Policy", CONTENT_SECURITY_POLICY)
+        self.set_header("X-Frame-Options", "DENY")
+        self.set_header("Referrer-Policy", "same-origin")
+        self.set_header("X-Robots-Tag", "noindex")
+
+    def prepare(self):
+        if self.request.method == "POST":
+            self.check_xsrf_cookie()
+        if not self.public and self.current_user is None:
+            if self.request.method in ("GET", "HEAD"):
+                self.redirect("/console/login?" + tornado.httputil.urlencode(
+                    {"next": self.request.uri}))
+                raise tornado.web.Finish()
+            raise tornado.web.HTTPError(403)
+
+    def get_current_user(self):
+        """The operator's name, from an unexpired session cookie; None otherwise."""
+        raw = self.get_signed_cookie(SESSION_COOKIE, max_age_days=1)
+        if raw is None:
+            return None
+        try:
+            session = json.loads(raw)
+            until = datetime.datetime.fromtimestamp(session["until"], datetime.timezone.utc)
+            name = session["who"]
+        except (ValueError, KeyError, TypeError):
+            return None
+        return name if until > self.ctx.clock() else None
+
+    def set_cookie(self, name, value, **kwargs):
+        """Every console cookie (the session and the xsrf token alike) is for /console
+        only, out of reach of page scripts, never sent with another site's request, and
+        only over HTTPS when the console is reached over HTTPS."""
+        kwargs.setdefault("path", "/console")
+        kwargs.setdefault("httponly", True)
+        kwargs.setdefault("samesite", "Strict")
+        kwargs.setdefault("secure", self.request.protocol == "https")
+        super().set_cookie(name, value, **kwargs)
+
+    def clear_cookie(self, name, **kwargs):
+        kwargs.setdefault("path", "/console")
+        super().clear_cookie(name, **kwargs)
+
+    def render_page(self, template, code=200, **values):
+        self.set_status(code)
+        page = self.ctx.templates.get_template(f"console/{template}.html")
+        self.finish(page.render(
+            operator=self.current_user if not self.public else None,
+            xsrf=markupsafe.Markup(self.xsrf_form_html()), fmt=operator.format_time,
+            now=self.ctx.clock(), path=self.request.path, path_part=path_part, **values))
+
+    def stop_with(self, template, code, **values):
+        self.render_page(template, code, **values)
+        raise tornado.web.Finish()
+
+    def record(self, action, target="", outcome="", who=None):
+        console.record_action(self.ctx, who or self.current_user, self.request.remote_ip,
+                              action, target, outcome)
+
+    def write_error(self, status_code, exc_info=None, **kwargs):
+        if exc_info and isinstance(exc_info[1], UNAVAILABLE):
+            self.set_header("Retry-After", "30")
+            status_code = 503
+        self.public = True  # an error page shows no operator's data
+        self.render_page("error", status_code,
+                         text=ERROR_TEXTS.get(status_code, "Something went wrong."))
+
+    def text_argument(self, name, max_length=200):
+        value = self.get_argument(name, "").strip()
+        if len(value) > max_length or "\x00" in value:
+            raise tornado.web.HTTPError(400)
+        return value
+
+
+class StyleHandler(ConsoleHandler):
+    public = True
+
+    def get(self):
+        self.set_header("Content-Type", "text/css; charset=utf-8")
+        self.set_header("Cache-Control", "max-age=3600")
+        self.finish(self.ctx.templates.loader.get_source(
+            self.ctx.templates, "console/console.css")[0])
+
+
+class LoginHandler(ConsoleHandler):
+    public = True
+
+    def get(self):
+        self.render_page("login", next=self.next_path(), problem=None)
+
+    async def post(self):
+        wait = self.state.login_limiter.acquire(self.request.remote_ip)
+        if wait:
+            self.set_header("Retry-After", str(wait))
+            self.stop_with("error", 429, text=ERROR_TEXTS[429])
+        name = self.get_body_argument("name", "").strip()
+        password = self.get_body_argument("password", "")
+        if not OPERATOR_NAME.fullmatch(name):
+            self.stop_with("login", 400, next=self.next_path(),
+                           problem="Give your name (up to 64 characters): it goes in the "
+                                   "record of what was done.")
+        # scrypt takes a tenth of a second on purpose: off the event loop.
+        right = await tornado.ioloop.IOLoop.current().run_in_executor(
+            None, verify_password, password, self.ctx.settings.console_password_hash)
+        if not right:
+            self.record("login", outcome="refused: wrong password", who=name)
+            self.stop_with("login", 403, next=self.next_path(), problem="Wrong password.")
+        until = self.ctx.clock() + SESSION_LENGTH
+        self.set_signed_cookie(SESSION_COOKIE, json.dumps({"who": name,
+                                                           "until": until.timestamp()}),
+                               expires=until)
+        self.record("login", outcome="ok", who=name)
+        self.redirect(self.next_path())
+
+    def next_path(self):
+        """Where to go after logging in: a console page of ours, never another site."""
+        wanted = self.get_argument("next", "")
+        if re.fullmatch(r"/console/[^\\\s]*", wanted) and not wanted.startswith("/console/login"):
+            return wanted
+        return "/console/"
+
+
+class LogoutHandler(ConsoleHandler):
+    def post(self):
+        self.record("logout", outcome="ok")
+        self.clear_cookie(SESSION_COOKIE)
+        self.redirect("/console/login")
+
+
+class OverviewHandler(ConsoleHandler):
+    def get(self):
+        overview = console.overview(self.ctx)
+        self.render_page("overview", overview=overview, chart=chart(overview.events_by_day),
+                         actions=console.recent_actions(10), last_success=self.last_success)
+
+    @staticmethod
+    def last_success(timestamp):
+        if not timestamp:
+            return "never"
+        return operator.format_time(
+            datetime.datetime.fromtimestamp(timestamp, datetime.timezone.utc))
+
+
+def chart(events_by_day, width=560, height=160, gap=2):
+    """Bars for a server-rendered SVG: one group per 24-hour window, one bar per source."""
+    sources = list(events_by_day)
+    days = console.CHART_DAYS
+    top = max((count for counts in events_by_day.values() for count in counts), default=0)
+    group = width / days
+    bar = max(1.0, (group - 4 * gap) / max(1, len(sources)))
+    bars = []
+    for s, source in enumerate(sources):
+        for day, count in enumerate(events_by_day[source]):
+            tall = 0 if not top else round((height - 20) * count / top, 1)
+            bars.append({"x": round(day * group + 2 * gap + s * bar, 1), "y": height - 20 - tall,
+                         "width": round(bar - gap, 1), "height": tall, "count": count,
+                         "source": source, "colour": CHART_COLOURS[s % len(CHART_COLOURS)]})
+    labels = [{"x": round(day * group + group / 2, 1),
+               "text": "last 24 h" if day == days - 1 else f"{days - 1 - day} d before"}
+              for day in range(days)]
+    legend = [{"source": source, "colour": CHART_COLOURS[s % len(CHART_COLOURS)]}
+              for s, source in enumerate(sources)]
+    return {"width": width, "height": height, "bars": bars, "labels": labels,
+            "legend": legend, "top": top}
+
+
+class EventsHandler(ConsoleHandler):
+    def get(self):
+        filters = console.EventFilter(
+            source=self.text_argument("source"), event_type=self.text_argument("type"),
+            status=self.text_argument("status"), search=self.text_argument("q"),
+            since=self.time_argument("since"), until=self.time_argument("until"))
+        try:
+            page = console.event_page(filters, self.text_argument("after") or None)
+        except console.BadCursor:
+            raise tornado.web.HTTPError(400) from None
+        query = {name: self.get_argument(name, "") for name in
+                 ("source", "type", "status", "q", "since", "until")}
+        next_query = {**{k: v for k, v in query.items() if v}, "after": page.after}
+        self.render_page("events", page=page, query=query, sources=sorted(self.ctx.plugins),
+                         statuses=operator.EVENT_STATUSES,
+                         next_link="/console/events?" + tornado.httputil.urlencode(next_query)
+                         if page.after else None)
+
+    def time_argument(self, name):
+        text = self.text_argument(name, 40)
+        if not text:
+            return None
+        try:
+            return operator.parse_time(text)
+        except ValueError:
+            raise tornado.web.HTTPError(400) from None
+
+
+class EventHandler(ConsoleHandler):
+    def get(self, event_id):
+        self.show_event(int(event_id))
+
+    def show_event(self, event_id, status=200, notice=None):
+        try:
+            event = operator.get_event(event_id)
+        except operator.NotFound:
+            raise tornado.web.HTTPError(404) from None
+        self.render_page("event", status, event=event, payload=console.shown_payload(event),
+                         effects=operator.effects_of(event), notice=notice,
+                         needs_confirmation=event.status not in (*operator.UNFINISHED,
+                                                                 *operator.FAILURES))
+
+
+class ReplayHandler(EventHandler):
+    async def post(self, event_id):
+        event_id = int(event_id)
+        confirmed = self.get_body_argument("confirm", "") == "yes"
+        try:
+            outcome = await operator.replay(self.ctx, event_id, force=confirmed)
+        except operator.NotFound:
+            raise tornado.web.HTTPError(404) from None
+        except operator.Refused:
+            self.record("replay event", event_id, "refused: not confirmed")
+            self.show_event(event_id, 409, notice=(
+                "This event was handled already. Tick the confirmation to handle it again "
+                "(its database changes are made again; its effects are not sent twice)."))
+            return
+        self.record("replay event", event_id, outcome)
+        self.show_event(event_id, notice=f"Replayed: the event is now {outcome}.")
+
+
+class OrderSearchHandler(ConsoleHandler):
+    def get(self):
+        number = self.text_argument("number", 100)
+        if not number:
+            self.redirect("/console/")
+            return
+        self.redirect("/console/orders/" + path_part(number))
+
+
+class OrderHandler(ConsoleHandler):
+    def get(self, order_number):
+        order, moments = console.timeline(self.ctx, order_number)
+        self.render_page("order", 200 if order or moments else 404, order_number=order_number,
+                         order=order, moments=moments)
+
+
+class OutboxHandler(ConsoleHandler):
+    def get(self, notice=None, status_code=200):
+        status = self.text_argument("status") or "dead"
+        kind = self.text_argument("kind")
+        before = self.text_argument("before")
+        if status not in operator.OUTBOX_STATUSES or (before and not before.isdigit()):
+            raise tornado.web.HTTPError(400)
+        page = console.outbox_page(status, kind, int(before) if before else None)
+        counts = console.outbox_counts()
+        kinds = sorted({kind for kind, _ in counts})
+        self.render_page("outbox", status_code, page=page, counts=counts, kinds=kinds,
+                         statuses=[s for s in operator.OUTBOX_STATUSES if s != "sent"],
+                         status=status, kind=kind, notice=notice,
+                         all_statuses=operator.OUTBOX_STATUSES)
+
+
+class RetryEffectHandler(OutboxHandler):
+    async def post(self, row_id):
+        try:
+            row = await console.retry_now(self.ctx, int(row_id))
+        except operator.NotFound:
+            raise tornado.web.HTTPError(404) from None
+        except operator.Refused:
+            self.record("retry effect", row_id, "refused: sent already")
+            self.get(notice=f"Effect #{row_id} was sent already; it is not sent twice.",
+                     status_code=409)
+            return
+        outcome = row.status if not row.last_error else f"{row.status}: {row.last_error}"
+        self.record("retry effect", row_id, outcome)
+        self.get(notice=f"Effect #{row_id} ({row.kind}) retried: now {outcome}.")
+
+
+class RetryDeadHandler(OutboxHandler):
+    def post(self):
+        kind = self.required_kind()
+        count = console.retry_dead(self.ctx, kind)
+        self.record("retry dead effects", kind, f"{count} back in line")
+        self.get(notice=f"{count} dead {kind} effect(s) back in line, due now.")
+
+    def required_kind(self):
+        kind = self.get_body_argument("kind", "").strip()
+        if not kind or len(kind) > 64:
+            raise tornado.web.HTTPError(400)
+        return kind
+
+
+class DueNowHandler(RetryDeadHandler):
+    def post(self):
+        kind = self.required_kind()
+        count = console.make_due_now(self.ctx, kind)
+        self.record("make waiting effects due", kind, f"{count} due now")
+        self.get(notice=f"{count} waiting {kind} effect(s) due now; the scheduler sends "
+                        "them at its next tick.")
+
+
+class SettlementHandler(ConsoleHandler):
+    def get(self):
+        self.render_page("settlement", queue=console.settlement_queue(self.ctx),
+                         holdbacks=list(console.holdback_orders()))
+
+
+class LinksHandler(ConsoleHandler):
+    def get(self):
+        self.render_page("links", kinds=links.KINDS, link=None, problem=None, form={})
+
+    def post(self):
+        form = {name: self.get_body_argument(name, "").strip()
+                for name in ("kind", "order", "cycle")}
+        try:
+            link = links.signed_link(self.ctx.settings, form["kind"], form["order"],
+                                     form["cycle"])
+        except links.InvalidLinkPart as exc:
+            self.render_page("links", 400, kinds=links.KINDS, link=None, problem=str(exc),
+                             form=form)
+            return
+        self.record("sign link", f"{form['kind']} {form['order']} {form['cycle']}", "ok")
+        self.render_page("links", kinds=links.KINDS, link=link, problem=None, form=form)
+
+
+class ActionsHandler(ConsoleHandler):
+    def get(self):
+        self.render_page("actions", actions=console.recent_actions(200))
+
+
+def console_routes(ctx):
+    shared = {"ctx": ctx, "state": ConsoleState()}
+    return [(pattern, handler, shared) for pattern, handler in (
+        (r"/console/?", OverviewHandler),
+        (r"/console/console.css", StyleHandler),
+        (r"/console/login", LoginHandler),
+        (r"/console/logout", LogoutHandler),
+        (r"/console/events", EventsHandler),
+        (r"/console/events/(\d{1,18})", EventHandler),
+        (r"/console/events/(\d{1,18})/replay", ReplayHandler),
+        (r"/console/orders", OrderSearchHandler),
+        (r"/console/orders/([^/]{1,300})", OrderHandler),
+        (r"/console/outbox", OutboxHandler),
+        (r"/console/outbox/(\d{1,18})/retry", RetryEffectHandler),
+        (r"/console/outbox/retry-dead", RetryDeadHandler),
+        (r"/console/outbox/due-now", DueNowHandler),
+        (r"/console/settlement", SettlementHandler),
+        (r"/console/links", LinksHandler),
+        (r"/console/actions", ActionsHandler),
+        (r"/console/.*", NotFoundPage),
+    )]
+
+
+class NotFoundPage(ConsoleHandler):
+    public = True
+
+    def get(self):
+        raise tornado.web.HTTPError(404)

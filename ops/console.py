@@ -1,0 +1,403 @@
+"""What the operator console shows and does, apart from HTTP: the overview's numbers,
+the event and outbox lists (keyset pages, fast at any table size), an order's timeline,
+the settlement queue and holdbacks, and the record of what operators did.
+
+The actions follow the command line's rules (ops.operator): a processed event is
+replayed only when the operator confirms it, a sent effect is never sent again."""
+import dataclasses
+import datetime
+import json
+import logging
+import re
+
+from peewee import fn
+
+from domain import settlement
+from engine import outbox
+from engine.claims import claim, lease
+from models import (
+    ORDER_MODELS, ConsoleAction, CrtcOrder, LedgerEntry, Outbox, SelfFiling,
+    SurveyResponse, TreasuryJob, WebhookEvent,
+)
+from ops import operator
+from ops.metrics import spool_usage
+
+log = logging.getLogger("receiver.console")
+
+PAGE_SIZE = 50
+DAY = datetime.timedelta(days=1)
+CHART_DAYS = 7
+# Effects still to go out: every status but the two final ones.
+FINAL_OUTBOX_STATUSES = ("sent", "dead")
+# Payload keys whose values are never shown: credentials a sender may put in a body.
+SECRET_KEY = re.compile(r"secret|signature|token|password|api[_-]?key|authorization",
+                        re.IGNORECASE)
+HIDDEN = "[hidden]"
+
+
+# The record of operator actions.
+
+def record_action(ctx, operator_name, address, action, target="", outcome=""):
+    """Keep what an operator did (also when it was refused) and log it."""
+    ConsoleAction.create(operator=operator_name, address=address, action=action,
+                         target=str(target), outcome=outcome, created_at=ctx.clock(),
+                         updated_at=ctx.clock())
+    log.info("console: %s from %s: %s %s: %s", operator_name, address, action, target,
+             outcome)
+
+
+def recent_actions(limit=PAGE_SIZE):
+    return list(ConsoleAction.select()
+                .order_by(ConsoleAction.created_at.desc(), ConsoleAction.id.desc())
+                .limit(limit))
+
+
+# The overview.
+
+@dataclasses.dataclass
+class Backlog:
+    kind: str
+    status: str
+    count: int
+    oldest: datetime.datetime
+
+
+@dataclasses.dataclass
+class Overview:
+    now: datetime.datetime
+    # {source: [count of day 6 ago, ..., count of the last 24 h]}
+    events_by_day: dict
+    backlog: list
+    dead_effects: dict
+    event_failures: dict
+    spool_files: int
+    spool_bytes: int
+    jobs: dict
+    settlement_queue: int
+    in_holdback: int
+
+    @property
+    def last_day(self):
+        return {source: days[-1] for source, days in self.events_by_day.items()}
+
+    @property
+    def last_week(self):
+        return {source: sum(days) for source, days in self.events_by_day.items()}
+
+
+def overview(ctx):
+    now = ctx.clock()
+    files, size = spool_usage(ctx.settings.spool_dir)
+    return Overview(
+        now=now, events_by_day=events_by_day(ctx, now), backlog=backlog(),
+        dead_effects=_count_by(Outbox, Outbox.kind, Outbox.status == "dead"),
+        event_failures=_count_by(WebhookEvent, WebhookEvent.status,
+                                 WebhookEvent.status.in_(operator.FAILURES)),
+        spool_files=files, spool_bytes=size, jobs=ctx.metrics.job_status(),
+        settlement_queue=settlement.waiting_orders().count(),
+        in_holdback=holdback_orders().where(CrtcOrder.commission_released_at.is_null(),
+                                            CrtcOrder.commission_forfeited_at.is_null())
+        .count())
+
+
+def events_by_day(ctx, now):
+    """Events per source in each of the last seven 24-hour windows, oldest first: one
+    count per source and window, each a range of the (source, received_at) index."""
+    return {source: [WebhookEvent.select().where(
+        WebhookEvent.source == source,
+        WebhookEvent.received_at >= now - (day + 1) * DAY,
+        WebhookEvent.received_at < now - day * DAY).count()
+        for day in reversed(range(CHART_DAYS))] for source in sorted(ctx.plugins)}
+
+
+def backlog():
+    """Effects still to go out, per destination and status, with the oldest one's age;
+    read through the (status, next_attempt_at) index, never the sent rows."""
+    waiting = [status for status in operator.OUTBOX_STATUSES
+               if status not in FINAL_OUTBOX_STATUSES]
+    rows = (Outbox.select(Outbox.kind, Outbox.status, fn.COUNT(Outbox.id),
+                          fn.MIN(Outbox.created_at))
+            .where(Outbox.status.in_(waiting)).group_by(Outbox.kind, Outbox.status)
+            .order_by(Outbox.kind, Outbox.status).tuples())
+    return [Backlog(kind, status, count, Outbox.created_at.python_value(oldest))
+            for kind, status, count, oldest in rows]
+
+
+def _count_by(model, column, condition):
+    return dict(model.select(column, fn.COUNT(model.id)).where(condition).group_by(column)
+                .order_by(column).tuples())
+
+
+# Events.
+
+@dataclasses.dataclass(frozen=True)
+class EventFilter:
+    source: str = ""
+    event_type: str = ""
+    status: str = ""
+    # An order number or an external id: either matches.
+    search: str = ""
+    since: datetime.datetime = None
+    until: datetime.datetime = None
+
+    def apply(self, query):
+        for column, value in ((WebhookEvent.source, self.source),
+                              (WebhookEvent.event_type, self.event_type),
+                              (WebhookEvent.status, self.status)):
+            if value:
+                query = query.where(column == value)
+        if self.search:
+            query = query.where((WebhookEvent.order_number == self.search)
+                                | (WebhookEvent.external_id == self.search))
+        if self.since:
+            query = query.where(WebhookEvent.received_at >= self.since)
+        if self.until:
+            query = query.where(WebhookEvent.received_at < self.until)
+        return query
+
+
+@dataclasses.dataclass
+class Page:
+    rows: list
+    # Where the next page starts (the last row's key), None on the last page.
+    after: str = None
+
+
+class BadCursor(ValueError):
+    """A page cursor that is not one this console made."""
+
+
+def event_page(filters, after=None, limit=PAGE_SIZE):
+    """Newest first, `limit` at a time. The cursor is the last row's (received_at, id):
+    the next page starts strictly after it in that order, read from an index in order
+    however deep the page, unlike an OFFSET."""
+    query = filters.apply(WebhookEvent.select())
+    if after:
+        received_at, event_id = parse_cursor(after)
+        # The first condition is a range of the index; the second cuts the ties.
+        query = query.where(WebhookEvent.received_at <= received_at,
+                            (WebhookEvent.received_at < received_at)
+                            | (WebhookEvent.id < event_id))
+    rows = list(query.order_by(WebhookEvent.received_at.desc(), WebhookEvent.id.desc())
+                .limit(limit + 1))
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return Page(rows, cursor_of(rows[-1]) if more else None)
+
+
+def cursor_of(event):
+    return f"{event.received_at.isoformat()}~{event.id}"
+
+
+def parse_cursor(text):
+    try:
+        received_at, event_id = text.split("~")
+        return operator.parse_time(received_at), int(event_id)
+    except ValueError:
+        raise BadCursor(f"not a page cursor: {text[:40]!r}") from None
+
+
+def shown_payload(event):
+    """The payload pretty-printed, with the value of every key that names a credential
+    hidden; a body that is not JSON is shown as it came."""
+    try:
+        body = json.loads(event.payload)
+    except ValueError:
+        return event.payload
+    return json.dumps(_hide_secrets(body), indent=2, sort_keys=True, ensure_ascii=False)
+
+
+def _hide_secrets(value):
+    if isinstance(value, dict):
+        return {key: HIDDEN if SECRET_KEY.search(str(key)) else _hide_secrets(item)
+                for key, item in value.items()}
+    if isinstance(value, list):
+        return [_hide_secrets(item) for item in value]
+    return value
+
+
+# One order's timeline.
+
+@dataclasses.dataclass
+class Moment:
+    at: datetime.datetime
+    what: str
+    detail: str = ""
+    event_id: int = None
+    outbox_id: int = None
+
+
+def find_order(order_number):
+    for model in ORDER_MODELS.values():
+        order = model.get_or_none(model.order_number == order_number)
+        if order is not None:
+            return order
+    return None
+
+
+def timeline(ctx, order_number):
+    """(order or None, moments in time order): events from every source, effects sent or
+    waiting, payment, settlement, holdback, reminders, link clicks, survey."""
+    order = find_order(order_number)
+    moments = [*_event_moments(order_number), *_effect_moments(order_number),
+               *_money_moments(order_number), *_click_moments(order_number)]
+    if order is not None:
+        moments += _order_moments(ctx, order)
+    moments.sort(key=lambda moment: (moment.at, moment.event_id or 0, moment.outbox_id or 0))
+    return order, moments
+
+
+def _event_moments(order_number):
+    for event in WebhookEvent.select().where(WebhookEvent.order_number == order_number):
+        detail = f"{event.status}, {event.attempts} attempt(s)"
+        if event.last_error:
+            detail += f": {event.last_error}"
+        yield Moment(event.received_at, f"{event.source} event {event.event_type}",
+                     detail, event_id=event.id)
+
+
+def _effect_moments(order_number):
+    for row in Outbox.select().where(Outbox.order_number == order_number):
+        yield Moment(row.created_at, f"effect {row.kind} caused",
+                     f"now {row.status}, {row.attempts} attempt(s)", outbox_id=row.id)
+        if row.sent_at:
+            yield Moment(row.sent_at, f"effect {row.kind} sent", outbox_id=row.id)
+        elif row.status != "sent":
+            due = "" if row.status == "dead" else f", next try {operator.format_time(row.next_attempt_at)}"
+            yield Moment(row.updated_at, f"effect {row.kind} {row.status}",
+                         (row.last_error or "") + due, outbox_id=row.id)
+
+
+def _money_moments(order_number):
+    for job in TreasuryJob.select().where(TreasuryJob.order_id == order_number):
+        yield Moment(job.received_at, "treasury job",
+                     f"{job.amount_coin} {job.coin} (${job.amount_usd_cents / 100:.2f}), {job.state}")
+    for entry in LedgerEntry.select().where(LedgerEntry.order_id == order_number):
+        yield Moment(entry.acquired_at, "ledger entry",
+                     f"{entry.movement_type} {entry.amount_coin} {entry.coin} via "
+                     f"{entry.provider} ({entry.provider_status})")
+
+
+def _click_moments(order_number):
+    for filing in SelfFiling.select().where(SelfFiling.order_number == order_number):
+        yield Moment(filing.self_filed_at, f"{filing.kind.upper()} link clicked",
+                     f"already filed {filing.cycle}")
+    for survey in SurveyResponse.select().where(SurveyResponse.order_number == order_number):
+        yield Moment(survey.created_at, "survey answered", f"rating {survey.rating}")
+
+
+def _order_moments(ctx, order):
+    yield Moment(order.created_at, f"{order.kind} order created",
+                 f"payment {order.payment_status}")
+    if order.paid_at:
+        yield Moment(order.paid_at, "paid", getattr(order, "payment_method", None) or "")
+    for column, what in ORDER_TIMES.get(order.kind, ()):
+        value = getattr(order, column)
+        if value:
+            yield Moment(value, what, _order_detail(ctx, order, column))
+
+
+ORDER_TIMES = {
+    "canada_crtc": (("funds_available_at", "funds settled"),
+                    ("delivered_at", "delivered; commission holdback starts"),
+                    ("holdback_ends_at", "holdback ends"),
+                    ("commission_released_at", "commission released"),
+                    ("commission_forfeited_at", "commission forfeited")),
+    "compliance": (("intake_reminded_at", "last intake reminder"),
+                   ("cancelled_at", "subscription cancelled")),
+}
+
+
+def _order_detail(ctx, order, column):
+    if column == "commission_forfeited_at":
+        return order.commission_forfeit_reason or ""
+    if column == "intake_reminded_at":
+        return f"{order.intake_reminders_sent} reminder(s) sent"
+    if column == "holdback_ends_at" and order.holdback_ends_at > ctx.clock():
+        return "not yet"
+    return ""
+
+
+# The outbox.
+
+def outbox_counts():
+    """{(kind, status): count} of the rows still to go out or given up on (the sent rows,
+    most of the table, are counted by no page)."""
+    statuses = [status for status in operator.OUTBOX_STATUSES if status != "sent"]
+    return {(kind, status): count for kind, status, count in
+            Outbox.select(Outbox.kind, Outbox.status, fn.COUNT(Outbox.id))
+            .where(Outbox.status.in_(statuses)).group_by(Outbox.kind, Outbox.status).tuples()}
+
+
+def outbox_page(status, kind="", before=None, limit=PAGE_SIZE):
+    """Rows of one status (and destination), newest first, on the (status, id) and
+    (kind, status, id) indexes; `before` is the id the previous page ended at."""
+    query = Outbox.select().where(Outbox.status == status)
+    if kind:
+        query = query.where(Outbox.kind == kind)
+    if before:
+        query = query.where(Outbox.id < before)
+    rows = list(query.order_by(Outbox.id.desc()).limit(limit + 1))
+    return Page(rows[:limit], rows[limit - 1].id if len(rows) > limit else None)
+
+
+async def retry_now(ctx, row_id):
+    """Put one effect back in line (as `outbox retry` does) and send it now, unless an
+    earlier effect of its order is still waiting (then the scheduler sends it after that
+    one). Returns the row as it then stands."""
+    operator.retry_outbox(ctx, row_id)
+    rows = claim(ctx, Outbox, (Outbox.id == row_id) & (Outbox.status == "pending")
+                 & (Outbox.next_attempt_at <= ctx.clock()))
+    await outbox.deliver(ctx, rows)
+    return Outbox.get_by_id(row_id)
+
+
+def retry_dead(ctx, kind):
+    """Every dead effect of one destination back in line, due now; returns how many."""
+    return operator.requeue(ctx, (Outbox.status == "dead") & (Outbox.kind == kind))
+
+
+def make_due_now(ctx, kind):
+    """Effects of one destination waiting for a later try (a backoff, or a peer that was
+    not configured) become due now; returns how many. A row due within one lease may be
+    on its way out right now (a lease is how a send holds its row), so it is left alone."""
+    now = ctx.clock()
+    return (Outbox.update(next_attempt_at=now, updated_at=now)
+            .where(Outbox.status == "pending", Outbox.kind == kind,
+                   Outbox.next_attempt_at > now + lease(ctx)).execute())
+
+
+# Settlement and holdbacks.
+
+@dataclasses.dataclass
+class Awaiting:
+    order: CrtcOrder
+    business_days: int
+    needed: int
+    due_on: datetime.date
+
+
+def settlement_queue(ctx):
+    """CRTC orders paid and awaiting their funds: business days elapsed and the day each
+    becomes due (the settlement runs advance it on or after that day)."""
+    today = ctx.clock().astimezone(ctx.business_tz).date()
+    queue = []
+    for order in settlement.waiting_orders():
+        paid_on = order.paid_at.astimezone(ctx.business_tz).date()
+        needed = settlement.BUSINESS_DAYS_TO_SETTLE[order.payment_method]
+        queue.append(Awaiting(order, settlement.business_days_after(paid_on, today), needed,
+                              business_day_after(paid_on, needed)))
+    return queue
+
+
+def business_day_after(start, days):
+    """The date on which `days` business days have passed since `start`."""
+    day = start
+    while settlement.business_days_after(start, day) < days:
+        day += DAY
+    return day
+
+
+def holdback_orders():
+    return (CrtcOrder.select().where(CrtcOrder.delivered_at.is_null(False))
+            .order_by(CrtcOrder.holdback_ends_at, CrtcOrder.id))

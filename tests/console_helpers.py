@@ -1,0 +1,66 @@
+"""The console as an operator's browser meets it: a cookie jar, forms with their xsrf
+token, redirects looked at rather than followed."""
+import dataclasses
+import html
+import http.cookies
+import re
+import urllib.parse
+
+from ops.passwords import hash_password
+
+PASSWORD = "correct horse battery staple"
+# Made once: scrypt is slow on purpose.
+PASSWORD_HASH = hash_password(PASSWORD)
+COOKIE_SECRET = "test-cookie-secret-0123456789abcdef0123456789"
+XSRF_FIELD = re.compile(r'name="_xsrf" value="([^"]+)"')
+
+
+def console_settings(settings):
+    return dataclasses.replace(settings, console_password_hash=PASSWORD_HASH,
+                               cookie_secret=COOKIE_SECRET)
+
+
+class Operator:
+    """One browser: keeps the cookies the console sets, sends them back."""
+
+    def __init__(self, client, base_url):
+        self.client, self.base_url = client, base_url
+        self.cookies = {}
+        self.set_cookie_headers = []
+
+    async def get(self, path, **headers):
+        return await self.fetch(path, "GET", None, headers)
+
+    async def post(self, path, form=None, xsrf=True, **headers):
+        """POST a form; with `xsrf`, the token as the console's forms carry it."""
+        form = dict(form or {})
+        if xsrf:
+            form["_xsrf"] = await self.xsrf_token()
+        return await self.fetch(path, "POST", urllib.parse.urlencode(form), headers)
+
+    async def fetch(self, path, method, body, headers):
+        if self.cookies:
+            headers["Cookie"] = "; ".join(f"{k}={v}" for k, v in self.cookies.items())
+        response = await self.client.fetch(self.base_url + path, method=method, body=body,
+                                           headers=headers, follow_redirects=False)
+        for header in response.headers.get_list("Set-Cookie"):
+            self.set_cookie_headers.append(header)
+            for name, morsel in http.cookies.SimpleCookie(header).items():
+                if not morsel.value:  # cleared
+                    self.cookies.pop(name, None)
+                else:
+                    self.cookies[name] = morsel.value
+        return response
+
+    async def xsrf_token(self):
+        if "_xsrf" not in self.cookies:
+            await self.get("/console/login")
+        page = await self.get("/console/login")
+        return html.unescape(XSRF_FIELD.search(page.body.decode()).group(1))
+
+    async def log_in(self, name="Dana", password=PASSWORD):
+        return await self.post("/console/login", {"name": name, "password": password})
+
+
+def text(response):
+    return response.body.decode("utf-8")
