@@ -10,7 +10,9 @@ the worker answers workflow jobs after 2 s); drain (the worker down under steady
 traffic, then back: how fast the backlog empties, the live p99 meanwhile, every job once);
 on PostgreSQL, 2 instances of the service on one database against 1; with --scale, the
 per-event cost of a card payment and a dispute with 1k and with 1M rows (--scale-rows) in
-the order and ledger tables; with --memory N, the service's RSS over N events.
+the order and ledger tables; with --memory N, the service's RSS over N events; with
+--console, the operator console's pages with 1M (--console-rows) events and outbox rows
+(bench/console.py).
 """
 import argparse
 import contextlib
@@ -29,7 +31,7 @@ import urllib.parse
 import urllib.request
 import uuid
 
-from bench import scenarios
+from bench import console as console_pages, scenarios
 from bench.seed import seed_ledger, seed_orders
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -479,7 +481,7 @@ class Bench:
                         ("backlog", "drain", "live_", "jobs_", "outage", "vs_"))}
                     out.write(f"\n{row['scenario']} ({row['database']}): "
                               f"`{json.dumps(details)}`\n")
-            for name in ("scale", "memory"):
+            for name in ("scale", "memory", "console"):
                 if name in self.extra:
                     out.write(f"\n{name}: `{json.dumps(self.extra[name])}`\n")
         print(f"results: {args.results}/latest.json and latest.md")
@@ -506,6 +508,10 @@ def main(argv=None):
                         help="seconds the worker is down under load in the drain scenario")
     parser.add_argument("--drain-window", type=float, default=180.0,
                         help="at most this long for a backlog to drain")
+    parser.add_argument("--console", action="store_true",
+                        help="also time the operator console's pages (bench/console.py)")
+    parser.add_argument("--console-rows", type=int, default=1_000_000,
+                        help="events and outbox rows seeded for the console's pages")
     parser.add_argument("--results", default=RESULTS, help="folder for latest.json/.md")
     args = parser.parse_args(argv)
 
@@ -531,6 +537,10 @@ def main(argv=None):
             if args.memory:
                 with scratch() as url:
                     bench.measure_memory(label, url, args.memory)
+            if args.console:
+                with scratch() as url:
+                    bench.extra.setdefault("console", {})[label] = console_pages.measure(
+                        label, url, args.console_rows)
     finally:
         bench.processes.stop_all()
     bench.write_results()
