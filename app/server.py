@@ -116,7 +116,8 @@ class _CountedDelegate(tornado.httputil.HTTPMessageDelegate):
 def make_app(ctx):
     # Only the console signs cookies and checks xsrf tokens (its handlers do it
     # themselves): Tornado's xsrf_cookies setting would refuse every webhook POST.
-    console = {"cookie_secret": cookie_secret(ctx.settings)} if ctx.settings.console_enabled else {}
+    console = ({"cookie_secret": cookie_secret(ctx.settings)}
+               if ctx.settings.console_enabled else {})
     return ReceiverApplication(
         routes(ctx),
         default_handler_class=NotFoundHandler,

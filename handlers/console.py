@@ -281,6 +281,9 @@ class EventHandler(ConsoleHandler):
 
 
 class ReplayHandler(EventHandler):
+    # It answers with the event's page, but only to the action's POST.
+    SUPPORTED_METHODS = ("POST",)
+
     async def post(self, event_id):
         event_id = int(event_id)
         confirmed = self.get_body_argument("confirm", "") == "yes"
@@ -331,6 +334,8 @@ class OutboxHandler(ConsoleHandler):
 
 
 class RetryEffectHandler(OutboxHandler):
+    SUPPORTED_METHODS = ("POST",)
+
     async def post(self, row_id):
         try:
             row = await console.retry_now(self.ctx, int(row_id))
@@ -347,6 +352,8 @@ class RetryEffectHandler(OutboxHandler):
 
 
 class RetryDeadHandler(OutboxHandler):
+    SUPPORTED_METHODS = ("POST",)
+
     def post(self):
         kind = self.required_kind()
         count = console.retry_dead(self.ctx, kind)

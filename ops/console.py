@@ -111,16 +111,19 @@ def events_by_day(ctx, now):
 
 
 def backlog():
-    """Effects still to go out, per destination and status, with the oldest one's age;
-    read through the (status, next_attempt_at) index, never the sent rows."""
+    """Effects still to go out, per destination and status, with the oldest one's time:
+    per destination and status, a count of the (kind, status, id) index and its first
+    row (ids grow with time), never a look at each waiting row nor at the sent ones."""
     waiting = [status for status in operator.OUTBOX_STATUSES
                if status not in FINAL_OUTBOX_STATUSES]
-    rows = (Outbox.select(Outbox.kind, Outbox.status, fn.COUNT(Outbox.id),
-                          fn.MIN(Outbox.created_at))
-            .where(Outbox.status.in_(waiting)).group_by(Outbox.kind, Outbox.status)
-            .order_by(Outbox.kind, Outbox.status).tuples())
-    return [Backlog(kind, status, count, Outbox.created_at.python_value(oldest))
-            for kind, status, count, oldest in rows]
+    found = []
+    for kind in sorted(outbox.SENDERS):
+        for status in waiting:
+            rows = Outbox.select().where(Outbox.kind == kind, Outbox.status == status)
+            first = rows.order_by(Outbox.id).first()
+            if first is not None:
+                found.append(Backlog(kind, status, rows.count(), first.created_at))
+    return found
 
 
 def _count_by(model, column, condition):
@@ -263,19 +266,24 @@ def _effect_moments(order_number):
         if row.sent_at:
             yield Moment(row.sent_at, f"effect {row.kind} sent", outbox_id=row.id)
         elif row.status != "sent":
-            due = "" if row.status == "dead" else f", next try {operator.format_time(row.next_attempt_at)}"
+            due = ("" if row.status == "dead"
+                   else f", next try {operator.format_time(row.next_attempt_at)}")
             yield Moment(row.updated_at, f"effect {row.kind} {row.status}",
                          (row.last_error or "") + due, outbox_id=row.id)
 
 
 def _money_moments(order_number):
     for job in TreasuryJob.select().where(TreasuryJob.order_id == order_number):
-        yield Moment(job.received_at, "treasury job",
-                     f"{job.amount_coin} {job.coin} (${job.amount_usd_cents / 100:.2f}), {job.state}")
+        yield Moment(job.received_at, "treasury job", f"{job.amount_coin} {job.coin} "
+                     f"({dollars(job.amount_usd_cents)}), {job.state}")
     for entry in LedgerEntry.select().where(LedgerEntry.order_id == order_number):
         yield Moment(entry.acquired_at, "ledger entry",
                      f"{entry.movement_type} {entry.amount_coin} {entry.coin} via "
                      f"{entry.provider} ({entry.provider_status})")
+
+
+def dollars(cents):
+    return f"${cents // 100:,}.{cents % 100:02d}"
 
 
 def _click_moments(order_number):

@@ -2,6 +2,7 @@
 login and session, and the refusals (no session, no xsrf token, too many attempts)."""
 import dataclasses
 import datetime
+import decimal
 import json
 import logging
 import re
@@ -13,7 +14,8 @@ import pytest
 from app.server import make_app
 from domain.links import token_valid
 from models import (
-    UTC, ComplianceOrder, ConsoleAction, CrtcOrder, Outbox, SelfFiling, WebhookEvent,
+    ComplianceOrder, ConsoleAction, CrtcOrder, Outbox, SelfFiling, TreasuryJob,
+    WebhookEvent,
 )
 from ops import console
 from ops.passwords import verify_password
@@ -54,7 +56,7 @@ def actions():
 
 # --- off unless configured ----------------------------------------------------------------
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=60)
 async def test_without_a_password_hash_there_is_no_console(ctx, client):
     app = make_app(dataclasses.replace(ctx, settings=dataclasses.replace(
         ctx.settings, console_password_hash="")))
@@ -66,14 +68,15 @@ async def test_without_a_password_hash_there_is_no_console(ctx, client):
 
 # --- login, session, logout ---------------------------------------------------------------
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=60)
 async def test_a_page_without_a_session_sends_to_the_login_page(operator):
     response = await operator.get("/console/events?status=failed")
     assert response.code == 302
-    assert response.headers["Location"] == "/console/login?next=%2Fconsole%2Fevents%3Fstatus%3Dfailed"
+    assert response.headers["Location"] == (
+        "/console/login?next=%2Fconsole%2Fevents%3Fstatus%3Dfailed")
 
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=60)
 async def test_logging_in_sets_a_strict_http_only_expiring_session_and_returns_to_the_page(
         operator, clock):
     clock.set(2026, 11, 23, 10, 0)
@@ -88,7 +91,7 @@ async def test_logging_in_sets_a_strict_http_only_expiring_session_and_returns_t
     assert actions() == [("Dana", "login", "", "ok")]
 
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=60)
 async def test_over_https_the_cookies_are_secure(app, ctx, client):
     with served(app, ctx.settings) as base:
         operator = Operator(client, base)
@@ -100,7 +103,7 @@ async def test_over_https_the_cookies_are_secure(app, ctx, client):
     assert any("console_session=" in header for header in operator.set_cookie_headers)
 
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=60)
 async def test_a_wrong_password_is_refused_and_recorded(operator):
     response = await operator.log_in(password="correct horse battery stapler")
     assert response.code == 403 and "Wrong password." in text(response)
@@ -109,13 +112,13 @@ async def test_a_wrong_password_is_refused_and_recorded(operator):
     assert (await operator.get("/console/")).code == 302
 
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=60)
 async def test_a_login_needs_a_name_for_the_record(operator):
     response = await operator.post("/console/login", {"name": " ", "password": PASSWORD})
     assert response.code == 400 and "Give your name" in text(response)
 
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=60)
 async def test_login_attempts_are_rate_limited_per_address(operator):
     for _ in range(5):
         assert (await operator.log_in(password="wrong wrong wrong")).code == 403
@@ -124,7 +127,7 @@ async def test_login_attempts_are_rate_limited_per_address(operator):
     assert "console_session" not in operator.cookies
 
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=60)
 async def test_the_session_ends_after_twelve_hours(logged_in, clock):
     clock.set(2026, 11, 23, 10, 0)
     await logged_in.log_in()
@@ -134,7 +137,7 @@ async def test_the_session_ends_after_twelve_hours(logged_in, clock):
     assert (await logged_in.get("/console/")).code == 302
 
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=60)
 async def test_a_forged_or_foreign_session_cookie_is_no_session(operator, logged_in):
     signed = logged_in.cookies["console_session"]
     forged = Operator(operator.client, operator.base_url)
@@ -145,7 +148,7 @@ async def test_a_forged_or_foreign_session_cookie_is_no_session(operator, logged
     assert other.cookie_secret != COOKIE_SECRET
 
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=60)
 async def test_logout_ends_the_session_and_is_recorded(logged_in):
     response = await logged_in.post("/console/logout")
     assert response.code == 302 and response.headers["Location"] == "/console/login"
@@ -154,7 +157,7 @@ async def test_logout_ends_the_session_and_is_recorded(logged_in):
     assert actions()[-1] == ("Dana", "logout", "", "ok")
 
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=60)
 async def test_the_login_page_goes_back_only_to_a_console_page(operator):
     for wanted in ("https://evil.example/", "//evil.example/", "/api/v1/survey",
                    "/console/login"):
@@ -174,7 +177,7 @@ ACTIONS = [("/console/events/1/replay", {}), ("/console/outbox/1/retry", {}),
 
 @pytest.mark.parametrize("path,form", ACTIONS + [("/console/login", {"name": "Dana",
                                                                       "password": PASSWORD})])
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=60)
 async def test_every_post_without_the_xsrf_token_is_refused(logged_in, path, form):
     outbox_row(status="dead")
     response = await logged_in.post(path, form, xsrf=False)
@@ -183,7 +186,7 @@ async def test_every_post_without_the_xsrf_token_is_refused(logged_in, path, for
 
 
 @pytest.mark.parametrize("path,form", ACTIONS)
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=60)
 async def test_every_action_without_a_session_is_refused(operator, path, form):
     row = outbox_row(status="dead")
     response = await operator.post(path.replace("/1/", f"/{row.id}/"), form)
@@ -191,7 +194,7 @@ async def test_every_action_without_a_session_is_refused(operator, path, form):
     assert Outbox.get().status == "dead" and actions() == []
 
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=60)
 async def test_pages_forbid_scripts_and_framing(logged_in):
     for path in ("/console/", "/console/login", "/console/events"):
         response = await logged_in.get(path)
@@ -202,7 +205,7 @@ async def test_pages_forbid_scripts_and_framing(logged_in):
         assert response.headers["Cache-Control"] == "no-store"
 
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=60)
 async def test_the_webhooks_still_need_no_xsrf_token(post, worker, frappe):
     status, body, _ = await post("/api/v1/webhooks/formation/submitted", SUBMITTED,
                                  {"X-Webhook-Secret": "test-webhook-secret"})
@@ -211,7 +214,7 @@ async def test_the_webhooks_still_need_no_xsrf_token(post, worker, frappe):
 
 # --- overview -------------------------------------------------------------------------------
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=60)
 async def test_the_overview_counts_what_needs_attention(logged_in, clock, tmp_path, ctx):
     clock.set(2026, 11, 23, 12, 0)
     stored_event(received=at(2026, 11, 23, 11, 0), status="failed", last_error="boom")
@@ -243,7 +246,7 @@ async def test_the_overview_counts_what_needs_attention(logged_in, clock, tmp_pa
 
 # --- events ---------------------------------------------------------------------------------
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=60)
 async def test_the_event_list_filters_and_pages_by_keyset(logged_in):
     base = at(2026, 11, 23, 8, 0)
     for n in range(120):
@@ -272,13 +275,13 @@ async def test_the_event_list_filters_and_pages_by_keyset(logged_in):
 
 
 @pytest.mark.parametrize("query", ["since=yesterday", "after=nonsense", "until=2026-13-01"])
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=60)
 async def test_a_bad_filter_or_cursor_is_a_400_page(logged_in, query):
     response = await logged_in.get("/console/events?" + query)
     assert response.code == 400 and "not understood" in text(response)
 
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=60)
 async def test_the_event_page_shows_the_payload_without_secrets_and_its_effects(logged_in):
     event = stored_event(payload={"order_number": "FO-1", "api_key": "k-123",
                                   "nested": {"Stripe-Signature": "t=1,v1=abc"}},
@@ -292,7 +295,7 @@ async def test_the_event_page_shows_the_payload_without_secrets_and_its_effects(
     assert (await logged_in.get("/console/events/999999")).code == 404
 
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=60)
 async def test_replaying_a_failed_event_handles_it_and_records_who(logged_in, ctx):
     status, *_ = await logged_in.client.fetch(
         logged_in.base_url + CRYPTO_URL, method="POST", body=encode(paid("CA-7")),
@@ -308,7 +311,7 @@ async def test_replaying_a_failed_event_handles_it_and_records_who(logged_in, ct
     assert actions()[-1] == ("Dana", "replay event", str(event.id), "processed")
 
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=60)
 async def test_a_processed_event_replays_only_with_the_confirmation(logged_in, worker, frappe):
     event = stored_event(status="failed")
     await logged_in.post(f"/console/events/{event.id}/replay")
@@ -325,7 +328,7 @@ async def test_a_processed_event_replays_only_with_the_confirmation(logged_in, w
 
 # --- outbox ---------------------------------------------------------------------------------
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=60)
 async def test_retrying_a_dead_effect_sends_it_now_to_a_peer_that_answers(logged_in, worker):
     row = outbox_row(status="dead")
     response = await logged_in.post(f"/console/outbox/{row.id}/retry")
@@ -335,7 +338,7 @@ async def test_retrying_a_dead_effect_sends_it_now_to_a_peer_that_answers(logged
     assert actions()[-1] == ("Dana", "retry effect", str(row.id), "sent")
 
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=60)
 async def test_a_retry_that_fails_again_says_why(logged_in, worker):
     worker.fail_with(503)
     row = outbox_row(status="dead")
@@ -344,7 +347,7 @@ async def test_a_retry_that_fails_again_says_why(logged_in, worker):
     assert Outbox.get_by_id(row.id).attempts == 1
 
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=60)
 async def test_a_sent_effect_is_not_retried(logged_in, worker):
     row = outbox_row(status="sent")
     response = await logged_in.post(f"/console/outbox/{row.id}/retry")
@@ -353,7 +356,7 @@ async def test_a_sent_effect_is_not_retried(logged_in, worker):
     assert (await logged_in.post("/console/outbox/999999/retry")).code == 404
 
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=60)
 async def test_retry_all_dead_of_one_destination(logged_in, clock):
     clock.set(2026, 11, 23, 12, 0)
     outbox_row(status="dead", key="a")
@@ -367,7 +370,7 @@ async def test_retry_all_dead_of_one_destination(logged_in, clock):
     assert all(r.next_attempt_at == clock() for r in Outbox.select().where(Outbox.kind == "job"))
 
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=60)
 async def test_making_waiting_effects_due_now_leaves_those_on_their_way_out(logged_in, clock):
     clock.set(2026, 11, 23, 12, 0)
     later = outbox_row(status="pending", key="later")
@@ -381,7 +384,7 @@ async def test_making_waiting_effects_due_now_leaves_those_on_their_way_out(logg
     assert Outbox.get_by_id(leased.id).next_attempt_at == at(2026, 11, 23, 12, 0, 50)
 
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=60)
 async def test_the_outbox_page_groups_by_destination_and_status(logged_in):
     for n in range(3):
         outbox_row(status="dead", key=f"d{n}")
@@ -395,7 +398,7 @@ async def test_the_outbox_page_groups_by_destination_and_status(logged_in):
 
 # --- order timeline, settlement, links, actions --------------------------------------------
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=60)
 async def test_the_order_timeline_puts_everything_about_an_order_in_time_order(logged_in, clock):
     clock.set(2026, 11, 23, 12, 0)
     CrtcOrder.create(order_number="CA-9", customer_name="Rae <Radio> Ltd",
@@ -409,8 +412,12 @@ async def test_the_order_timeline_puts_everything_about_an_order_in_time_order(l
     row = outbox_row(status="sent", key="t1")
     Outbox.update(order_number="CA-9", sent_at=at(2026, 11, 6, 0, 0, 2),
                   created_at=at(2026, 11, 6, 0, 0, 1)).where(Outbox.id == row.id).execute()
+    TreasuryJob.create(order_id="CA-9", order_type="canada_crtc", coin="BTC",
+                       amount_coin=decimal.Decimal("0.0123"), amount_usd_cents=123456,
+                       idempotency_key="tj-1", received_at=at(2026, 11, 2, 9, 0))
     page = text(await logged_in.get("/console/orders/CA-9"))
     facts, timeline = page.split("Timeline")
+    assert "0.0123 BTC ($1,234.56), received" in timeline
     assert "Rae &lt;Radio&gt; Ltd" in facts and "rae@example.test" in facts
     order_of = [what for what in ("canada_crtc order created", "paid", "funds settled",
                                   "delivered; commission holdback starts",
@@ -419,7 +426,7 @@ async def test_the_order_timeline_puts_everything_about_an_order_in_time_order(l
     assert order_of == sorted(order_of, key=timeline.index) and len(order_of) == 7
 
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=60)
 async def test_finding_an_order_by_number(logged_in):
     ComplianceOrder.create(order_number="CO 1/2", customer_name="Slash Co")
     response = await logged_in.get("/console/orders?number=CO%201%2F2")
@@ -428,14 +435,14 @@ async def test_finding_an_order_by_number(logged_in):
     assert missing.code == 404 and "Nothing is known" in text(missing)
 
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=60)
 async def test_customer_data_is_shown_to_a_logged_in_operator_only(operator):
     CrtcOrder.create(order_number="CA-5", customer_name="Private Person")
     response = await operator.get("/console/orders/CA-5")
     assert response.code == 302 and b"Private Person" not in response.body
 
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=60)
 async def test_the_settlement_page_shows_business_days_and_due_dates(logged_in, clock):
     clock.set(2026, 11, 23, 12, 0)  # a Monday
     CrtcOrder.create(order_number="CA-ACH", payment_status="paid", payment_method="ach",
@@ -453,7 +460,7 @@ def test_the_due_date_counts_business_days_only():
     assert console.business_day_after(datetime.date(2026, 11, 23), 4) == datetime.date(2026, 11, 27)
 
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=60)
 async def test_signing_a_link_as_the_command_line_does(logged_in, ctx):
     page = text(await logged_in.post("/console/links", {"kind": "ucr", "order": "CO-20001",
                                                         "cycle": "2027"}))
@@ -467,7 +474,7 @@ async def test_signing_a_link_as_the_command_line_does(logged_in, ctx):
     assert SelfFiling.select().count() == 0
 
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=60)
 async def test_every_action_is_on_the_actions_page_and_in_the_log(logged_in, caplog):
     caplog.set_level(logging.INFO, logger="receiver.console")
     row = outbox_row(status="sent")
@@ -477,7 +484,7 @@ async def test_every_action_is_on_the_actions_page_and_in_the_log(logged_in, cap
     assert any("Dana from 127.0.0.1: retry effect" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=60)
 async def test_what_customers_and_senders_wrote_stays_text(logged_in):
     event = stored_event(order_number='<img src=x onerror="alert(1)">',
                          payload={"name": "<script>alert(2)</script>"},
@@ -546,3 +553,21 @@ def test_a_console_password_hash_that_is_not_one_is_refused_anywhere(value):
 def test_no_password_checks_against_a_malformed_hash():
     assert not verify_password(PASSWORD, "scrypt$15$8$1$x$y")
     assert not verify_password("", PASSWORD_HASH)
+
+
+@pytest.mark.gen_test(timeout=60)
+async def test_the_stylesheet_is_served_to_the_login_page_too(operator):
+    response = await operator.get("/console/console.css")
+    assert response.code == 200 and response.headers["Content-Type"].startswith("text/css")
+    assert b"box-sizing" in response.body
+
+
+@pytest.mark.parametrize("path", ["/console/events/1/replay", "/console/outbox/1/retry",
+                                  "/console/outbox/retry-dead", "/console/outbox/due-now",
+                                  "/console/logout"])
+@pytest.mark.gen_test(timeout=60)
+async def test_an_action_is_never_a_get(logged_in, path):
+    stored_event(status="failed")
+    outbox_row(status="dead")
+    assert (await logged_in.get(path)).code == 405
+    assert WebhookEvent.get().status == "failed" and Outbox.get().status == "dead"
