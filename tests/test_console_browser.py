@@ -21,12 +21,14 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
 SCREENSHOTS = os.path.join(ROOT, "tests", "artifacts", "console")
 SIZES = {"phone": (375, 812), "desktop": (1280, 800)}
+WAIT_SECONDS = 20
 SUBMITTED = {"order_name": "ORD-1", "order_number": "FO-1", "state_code": "WY",
              "entity_name": "Acme LLC"}
 
 try:
     from selenium import webdriver
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
 except ImportError:  # pragma: no cover - requirements-dev.txt installs it
     webdriver = None
 
@@ -51,6 +53,9 @@ class Browser:
             options.add_argument(flag)
         self.driver = webdriver.Chrome(
             options=options, service=webdriver.ChromeService(executable_path=CHROMEDRIVER))
+        # A click that submits a form returns before the next page is in: looking for an
+        # element waits for it, up to this long (the machine is shared and can be slow).
+        self.driver.implicitly_wait(WAIT_SECONDS)
 
     async def do(self, action, *args):
         return await asyncio.get_running_loop().run_in_executor(
@@ -75,8 +80,10 @@ class Browser:
     async def text(self, css="body"):
         return await self.do(lambda d: d.find_element(By.CSS_SELECTOR, css).text)
 
-    async def path(self):
-        return await self.do(lambda d: d.current_url.split("/", 3)[3])
+    async def arrive(self, path):
+        """Wait until the browser shows `path`, query aside (after a redirect or a form)."""
+        await self.do(lambda d: WebDriverWait(d, WAIT_SECONDS).until(
+            lambda driver: driver.current_url.split("/", 3)[3].split("?")[0] == path))
 
     async def screenshot(self, name, size):
         os.makedirs(SCREENSHOTS, exist_ok=True)
@@ -140,14 +147,15 @@ async def test_an_operator_replays_a_failed_event_and_retries_a_dead_effect(
     worker.status, worker.body = 200, {"ok": True}
 
     await browser.open(service.url + "/console/")
-    assert (await browser.path()).startswith("console/login")
+    await browser.arrive("console/login")
     await browser.fill_and_submit("main form", name="Dana", password=PASSWORD)
-    assert await browser.path() == "console/"
+    await browser.arrive("console/")
 
     await browser.fill_and_submit("header form[role=search]", number="CA-7")
-    assert await browser.path() == "console/orders/CA-7"
+    await browser.arrive("console/orders/CA-7")
     assert "Rae Radio Ltd" in await browser.text("main")
     await browser.click(f'a[href="/console/events/{failed.id}"]')
+    await browser.arrive(f"console/events/{failed.id}")
     assert await browser.text("#event-status") == "failed"
     await browser.click('form[action$="/replay"] button')
     assert "Replayed: the event is now processed." in await browser.text(".notice")
