@@ -53,10 +53,11 @@ def path_part(value):
 
 
 class ConsoleState:
-    """What the console's handlers share: the login limiter."""
+    """What the console's handlers share: the login limiter, the chart's counts."""
 
     def __init__(self):
         self.login_limiter = RateLimiter(LOGIN_ATTEMPTS, LOGIN_WINDOW_SECONDS)
+        self.event_counts = console.EventCounts()
 
 
 class ConsoleHandler(tornado.web.RequestHandler):
@@ -202,7 +203,7 @@ class LogoutHandler(ConsoleHandler):
 
 class OverviewHandler(ConsoleHandler):
     def get(self):
-        overview = console.overview(self.ctx)
+        overview = console.overview(self.ctx, self.state.event_counts)
         self.render_page("overview", overview=overview, chart=chart(overview.events_by_day),
                          actions=console.recent_actions(10), last_success=self.last_success)
 

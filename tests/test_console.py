@@ -230,7 +230,7 @@ async def test_the_overview_counts_what_needs_attention(logged_in, clock, tmp_pa
     CrtcOrder.create(order_number="CA-2", delivered_at=at(2026, 11, 1),
                      holdback_ends_at=at(2026, 12, 1))
 
-    overview = console.overview(ctx)
+    overview = console.overview(ctx, console.EventCounts())
     assert overview.events_by_day["workflow"] == [0, 0, 0, 1, 0, 0, 1]
     assert overview.last_day == {"card": 1, "crypto": 0, "workflow": 1}
     assert overview.event_failures == {"dead": 1, "failed": 1}
@@ -242,6 +242,19 @@ async def test_the_overview_counts_what_needs_attention(logged_in, clock, tmp_pa
     assert "<svg" in page and "workflow: 1" in page
     assert "30 min" in page  # the oldest pending effect's age
     assert '<meta http-equiv="refresh" content="60">' in page
+
+
+def test_the_chart_counts_its_older_windows_once_an_hour(ctx, clock):
+    counts = console.EventCounts()
+    clock.set(2026, 11, 23, 12, 10)
+    stored_event(received=at(2026, 11, 21, 9, 0))
+    assert counts.by_day(ctx, clock())["workflow"] == [0, 0, 0, 0, 1, 0, 0]
+    stored_event(received=at(2026, 11, 21, 10, 0))  # stored late, with an old time
+    stored_event(received=at(2026, 11, 23, 12, 5))  # the last window is counted each time
+    clock.set(2026, 11, 23, 12, 59)
+    assert counts.by_day(ctx, clock())["workflow"] == [0, 0, 0, 0, 1, 0, 1]
+    clock.set(2026, 11, 23, 13, 0)
+    assert counts.by_day(ctx, clock())["workflow"] == [0, 0, 0, 0, 2, 0, 1]
 
 
 # --- events ---------------------------------------------------------------------------------
