@@ -25,6 +25,7 @@ from tests.console_helpers import (
 )
 from tests.ops_helpers import ROOT
 from tests.public_helpers import served
+from tests.service_process import database_down
 from tests.shkeeper import API_KEY, URL as CRYPTO_URL, encode, key_headers, paid
 from tests.test_cli import at, outbox_row, stored_event
 
@@ -584,3 +585,11 @@ async def test_an_action_is_never_a_get(logged_in, path):
     outbox_row(status="dead")
     assert (await logged_in.get(path)).code == 405
     assert WebhookEvent.get().status == "failed" and Outbox.get().status == "dead"
+
+
+@pytest.mark.gen_test(timeout=60)
+async def test_with_the_database_down_a_page_is_a_503_with_retry_after(logged_in, db):
+    with database_down(db):
+        response = await logged_in.get("/console/events")
+    assert response.code == 503 and response.headers["Retry-After"] == "30"
+    assert "The database is not answering" in text(response)
