@@ -134,7 +134,7 @@ def pages(session, base, rows):
     """The pages the issue names, and the slowest filters and a page deep in the list."""
     first = session.get(base + "/console/events").text
     after = re.search(r'href="/console/events\?after=([^"]+)" rel="next"', first).group(1)
-    depth = min(DEPTH, rows // 50 - 2)
+    depth = min(DEPTH, rows // 5000)
     for _ in range(depth):  # a page deep in the list: 10,000 events in at 1M rows
         deep = session.get(base + "/console/events?after=" + after).text
         after = re.search(r'href="/console/events\?after=([^"]+)" rel="next"', deep).group(1)

@@ -21,7 +21,7 @@ def test_make_bench_harness_runs_on_a_tiny_load(tmp_path):
          "--warmup", "0.2", "--connections", "2", "--orders", "3000",
          "--scale", "--scale-rows", "2000", "--scale-events", "20", "--memory", "100",
          "--drain-outage", "1", "--drain-window", "60",
-         "--console", "--console-rows", "12000", "--results", str(tmp_path)],
+         "--console", "--console-rows", "3000", "--results", str(tmp_path)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     with open(tmp_path / "latest.json") as results:
