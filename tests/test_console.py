@@ -88,6 +88,8 @@ async def test_logging_in_sets_a_strict_http_only_expiring_session_and_returns_t
     assert "HttpOnly" in session and "SameSite=Strict" in session and "Path=/console" in session
     assert "expires=Mon, 23 Nov 2026 22:00:00 GMT" in session
     assert "Secure" not in session  # plain HTTP here; over HTTPS see the next test
+    xsrf = next(h for h in operator.set_cookie_headers if h.startswith("_xsrf="))
+    assert "SameSite=Strict" in xsrf and "Path=/console" in xsrf and "HttpOnly" in xsrf
     assert (await operator.get("/console/events")).code == 200
     assert actions() == [("Dana", "login", "", "ok")]
 
