@@ -1,7 +1,7 @@
 """The periodic work, run in-process by APScheduler on the service's event loop.
 
 Every SCHEDULER_TICK_SECONDS: send due outbox rows, retry due inbox events, drain the
-spool. Every hour: intake reminders and pruning. Every SETTLEMENT_INTERVAL_MINUTES (and
+spool. Every hour: reminders, the commission holdback's releases and pruning. Every SETTLEMENT_INTERVAL_MINUTES (and
 once at start): the settlement fallback.
 
 Several processes may share one PostgreSQL: each run of a job first takes a
@@ -19,7 +19,7 @@ from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 
 from models import UTC, database, is_postgres
-from domain import reminders
+from domain import holdback, reminders
 from engine import inbox, outbox, retention, spool
 from engine.db import UNAVAILABLE, why_unavailable
 
@@ -59,6 +59,7 @@ JOBS = (
     Job("spool", inbox.drain_spool, lambda s: s.scheduler_tick_seconds),
     Job("settlement", settle, lambda s: 60 * s.settlement_interval_minutes),
     Job("reminders", reminders.send_intake_reminders, lambda s: HOURLY),
+    Job("holdback", holdback.release_due, lambda s: HOURLY),
     Job("retention", prune, lambda s: HOURLY, at_start=False),
 )
 JOBS_BY_NAME = {job.name: job for job in JOBS}

@@ -76,6 +76,7 @@ POSITIVE_NUMBERS = {
     "RETENTION_DAYS": "retention_days",
     "PUBLIC_RATE_WINDOW_SECONDS": "public_rate_window_seconds",
     "WORKFLOW_DEDUP_HOURS": "workflow_dedup_hours",
+    "COMMISSION_HOLDBACK_DAYS": "commission_holdback_days",
 }
 
 # URL settings, when set, and the schemes each may use.
@@ -144,6 +145,7 @@ class Settings:
     workflow_dedup_hours: int = 36
     console_password_hash: str = dataclasses.field(default="", repr=False)
     cookie_secret: str = dataclasses.field(default="", repr=False)
+    commission_holdback_days: int = 14
 
     @classmethod
     def from_env(cls, environ=None):
@@ -202,6 +204,8 @@ class Settings:
             workflow_dedup_hours=_int(env, "WORKFLOW_DEDUP_HOURS", cls.workflow_dedup_hours),
             console_password_hash=text("CONSOLE_PASSWORD_HASH"),
             cookie_secret=text("COOKIE_SECRET"),
+            commission_holdback_days=_int(
+                env, "COMMISSION_HOLDBACK_DAYS", cls.commission_holdback_days),
         )
         settings.check()
         return settings

@@ -16,7 +16,7 @@ from app.context import Context
 from app.logs import configure_logging
 from app.server import CannotStart, serve
 from clients.stripe_api import NotConfigured
-from domain import backfill, settlement
+from domain import backfill, holdback, settlement
 from domain.links import KINDS, print_signed_link
 from engine.db import UNAVAILABLE
 from models import open_database
@@ -154,6 +154,14 @@ def add_operator_commands(commands):
     commands.add_parser(
         "settle", help="run the CRTC settlement (balance.available routine) once now"
     ).set_defaults(run=settle)
+    held = commands.add_parser(
+        "holdback", help="the CRTC commission holdback: list it, release what is due"
+    ).add_subparsers(dest="action", metavar="ACTION", required=True)
+    held.add_parser("list", help="orders in holdback, earliest release first"
+                    ).set_defaults(run=holdback_list)
+    held.add_parser("release", help="release every commission whose holdback has ended, "
+                                    "now (as the scheduler does hourly)"
+                    ).set_defaults(run=holdback_release)
     fill = commands.add_parser(
         "backfill", help="fetch card events whose webhook delivery failed from Stripe's "
                          "Events API and handle them (idempotent)")
@@ -281,6 +289,25 @@ async def settle(ctx, args):
     counts = await settlement.settle_crtc_orders(ctx)
     print(", ".join(f"{name.replace('_', ' ')}: {count}" for name, count in counts.items()))
     return 1 if counts["failed"] else 0
+
+
+HOLDBACK_COLUMNS = ("ORDER", "DELIVERED (UTC)", "RELEASE AT (UTC)", "STATUS")
+
+
+async def holdback_list(ctx, args):
+    now = ctx.clock()
+    rows = [(order.order_number, operator.format_time(order.delivered_at),
+             operator.format_time(order.holdback_ends_at),
+             "due" if order.holdback_ends_at <= now else "holding")
+            for order in holdback.holding()]
+    print(operator.table(HOLDBACK_COLUMNS, rows))
+    return 0
+
+
+async def holdback_release(ctx, args):
+    counts = await holdback.release_due(ctx)
+    print(f"released: {counts.released}, not due: {counts.not_due}")
+    return 0
 
 
 async def backfill_events(ctx, args):

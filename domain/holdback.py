@@ -1,0 +1,114 @@
+"""The commission holdback of CRTC orders: a commission is paid only once the delivered
+order can no longer be disputed cheaply.
+
+crtc/delivered starts it, once: delivered_at is the delivery's time and holdback_ends_at
+is COMMISSION_HOLDBACK_DAYS whole days (of 24 hours) later. A repeated delivery webhook
+changes neither. From holdback_ends_at on (at or after that instant) the release job sends
+the worker `release_commission` for the order, once: the outbox key names the order, and
+commission_released_at is set in the same transaction. A dispute before the release
+forfeits the commission (commission_forfeited_at and the reason); after the release a
+dispute changes nothing here (the commission was paid: the administrator takes it up).
+
+The release and a dispute lock the order's row, so one of them comes first and the other
+sees what it did.
+"""
+import dataclasses
+import datetime
+import logging
+
+from models import CrtcOrder, database
+from domain.orders import document_name
+from engine import outbox
+from engine.db import locked
+from engine.outbox import Effects
+from engine.prepared import save_changes
+
+log = logging.getLogger("receiver.holdback")
+
+RELEASE_JOB = "release_commission"
+ORDER_TYPE = "canada_crtc"
+# What a dispute e-mail says about the commission of the disputed order.
+WITHHELD = "withheld"
+ALREADY_RELEASED = "already released"
+
+
+def start(ctx, order, delivered_at):
+    """Record the delivery and the end of the holdback, unless a delivery was recorded
+    already; returns whether this call started it."""
+    if order.delivered_at is not None:
+        log.info("CRTC order %s: delivery already recorded at %s; holdback unchanged",
+                 order.order_number, order.delivered_at.isoformat())
+        return False
+    order.delivered_at = delivered_at
+    order.holdback_ends_at = delivered_at + datetime.timedelta(
+        days=ctx.settings.commission_holdback_days)
+    order.updated_at = ctx.clock()
+    save_changes(order)
+    log.info("CRTC order %s delivered; commission holdback until %s", order.order_number,
+             order.holdback_ends_at.isoformat())
+    return True
+
+
+def forfeit(ctx, order, reason):
+    """A dispute on a CRTC order (its row locked by the caller): the commission is
+    withheld unless it was released already. Returns what the dispute e-mail says:
+    WITHHELD or ALREADY_RELEASED."""
+    if order.commission_released_at is not None:
+        log.warning("CRTC order %s disputed after its commission was released",
+                    order.order_number)
+        return ALREADY_RELEASED
+    if order.commission_forfeited_at is None:
+        now = ctx.clock()
+        order.commission_forfeited_at = now
+        order.commission_forfeit_reason = reason
+        order.updated_at = now
+        save_changes(order)
+        log.warning("CRTC order %s: commission forfeited (%s)", order.order_number, reason)
+    return WITHHELD
+
+
+def holding():
+    """Orders whose holdback runs or has ended but whose commission is neither released
+    nor forfeited, earliest release first."""
+    return (CrtcOrder.select()
+            .where(CrtcOrder.holdback_ends_at.is_null(False),
+                   CrtcOrder.commission_released_at.is_null(),
+                   CrtcOrder.commission_forfeited_at.is_null())
+            .order_by(CrtcOrder.holdback_ends_at, CrtcOrder.id))
+
+
+@dataclasses.dataclass
+class Released:
+    released: int = 0
+    not_due: int = 0
+
+
+async def release_due(ctx):
+    """Queue `release_commission` for every order whose holdback has ended, and send the
+    jobs. Returns the counts."""
+    now = ctx.clock()
+    counts = Released()
+    effects = Effects(ctx)
+    for order in list(holding()):
+        if order.holdback_ends_at > now:
+            counts.not_due += 1
+            continue
+        with database.atomic():
+            counts.released += _release(ctx, effects, order.id, now)
+    await outbox.deliver(ctx, effects.rows)
+    return counts
+
+
+def _release(ctx, effects, order_id, now):
+    order = locked(holding().where(CrtcOrder.id == order_id)).first()
+    if order is None:  # released, or disputed, since it was listed
+        return 0
+    effects.job(RELEASE_JOB, {"order_name": document_name(order),
+                              "order_number": order.order_number, "order_type": ORDER_TYPE},
+                key=f"job-release-commission-{order.order_number}")
+    order.commission_released_at = now
+    order.updated_at = now
+    save_changes(order)
+    log.info("CRTC order %s: holdback ended %s; commission released", order.order_number,
+             order.holdback_ends_at.isoformat())
+    return 1
