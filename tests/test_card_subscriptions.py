@@ -183,7 +183,8 @@ async def test_a_first_failed_attempt_alerts_the_admin_and_nudges_the_customer(
     admin = mail[("admin@example.test",)]
     assert admin["Subject"] == "Subscription payment failed for order CO-42"
     for body in bodies(admin):
-        for fact in ("CO-42", "in_test_f", "$199.00", "robin@example.test"):
+        for fact in ("CO-42", "in_test_f", "$199.00", "robin@example.test",
+                     "The customer has been asked to update their payment method."):
             assert fact in body
 
     nudge = mail[("robin@example.test",)]
@@ -201,6 +202,9 @@ async def test_later_attempts_alert_only_the_admin(send, smtp, subscribed, attem
     await send("invoice.payment_failed", invoice)
     [(recipients, message)] = smtp.messages
     assert recipients == ["admin@example.test"] and f"attempt {attempt}" in bodies(message)[0]
+    for body in bodies(message):
+        assert "The customer was not e-mailed again" in body
+        assert "asked to update" not in body
 
 
 @pytest.mark.gen_test
@@ -228,7 +232,11 @@ async def test_a_failure_for_an_unknown_subscription_still_alerts_and_nudges_the
 async def test_no_customer_address_means_no_nudge(send, smtp):
     await send("invoice.payment_failed",
                se.invoice("sub_test_gone", customer_email=None, status="open"))
-    assert [r for r, _ in smtp.messages] == [["admin@example.test"]]
+    [(recipients, message)] = smtp.messages
+    assert recipients == ["admin@example.test"]
+    for body in bodies(message):
+        assert "The customer was not told: no customer e-mail address is known." in body
+        assert "asked to update" not in body
 
 
 # --- customer.subscription.deleted --------------------------------------------------------------

@@ -1,5 +1,6 @@
 """invoice.payment_failed: a subscription payment failed. The administrator is told each
-time; on the first attempt the customer also gets a nudge to update the card."""
+time; on the first attempt the customer, when we have their address, also gets a nudge to
+update the card. The administrator's e-mail says which of the two happened, and why not."""
 from plugins.registry import card_event
 from domain.card_events import (
     dollars, email_admin, object_of, order_with_subscription, subscription_of_invoice)
@@ -22,9 +23,11 @@ def handle(ctx, event, effects):
         "service_name": (order and order.service_name) or "your subscription",
         "pay_url": invoice.get("hosted_invoice_url"),
     }
+    nudged = invoice.get("attempt_count") == FIRST_ATTEMPT and bool(details["customer_email"])
     email_admin(ctx, effects, f"Subscription payment failed for order {order_number}",
-                "invoice_payment_failed_admin", order_number, **details)
-    if invoice.get("attempt_count") == FIRST_ATTEMPT and details["customer_email"]:
+                "invoice_payment_failed_admin", order_number, customer_nudged=nudged,
+                **details)
+    if nudged:
         effects.email([details["customer_email"]], NUDGE_SUBJECT,
                       "email/invoice_payment_failed_customer", order_number=order_number,
                       title=NUDGE_SUBJECT, **details)
