@@ -403,3 +403,25 @@ class ConsoleAction(BaseModel):
 
 
 CONSOLE_MODELS = [ConsoleAction]
+
+
+# Reminders (issue 14): what was sent, keyed, so that nothing is sent twice.
+
+class SentReminder(BaseModel):
+    """One reminder sent, under a unique key: `mail|<customer>|<day>` for a customer's
+    consolidated reminder e-mail of a day (in BUSINESS_TZ), and
+    `<ifta|ucr>|<order>|<cycle>|<days before due>` for one filing reminder. Two runs, in
+    one process or two, cannot both insert a key, so neither sends it twice."""
+
+    key = TextField(unique=True)
+    kind = TextField()
+    customer_email = TextField()
+    order_number = TextField(null=True)
+    cycle = TextField(null=True)
+    day = TextField()
+
+    class Meta:
+        table_name = "reminders_sent"
+
+
+REMINDER_MODELS = [SentReminder]

@@ -58,7 +58,7 @@ JOBS = (
     Job("inbox", inbox.retry_due, lambda s: s.scheduler_tick_seconds),
     Job("spool", inbox.drain_spool, lambda s: s.scheduler_tick_seconds),
     Job("settlement", settle, lambda s: 60 * s.settlement_interval_minutes),
-    Job("reminders", reminders.send_intake_reminders, lambda s: HOURLY),
+    Job("reminders", reminders.send_reminders, lambda s: HOURLY),
     Job("holdback", holdback.release_due, lambda s: HOURLY),
     Job("retention", prune, lambda s: HOURLY, at_start=False),
 )

@@ -54,6 +54,18 @@ def _csv(raw):
     return tuple(part.strip() for part in raw.split(",") if part.strip())
 
 
+def _days(environ, name, default):
+    """A comma-separated list of whole numbers of days, each 1 or more."""
+    parts = _csv(environ.get(name, ""))
+    if not parts:
+        return default
+    if not all(part.isdigit() and int(part) > 0 for part in parts):
+        raise ConfigurationError(
+            f"{name} must be whole numbers of days above zero, comma-separated, "
+            f"got {environ[name]!r}")
+    return tuple(sorted({int(part) for part in parts}, reverse=True))
+
+
 def _check_url(name, value, schemes):
     if not value:
         return
@@ -146,6 +158,10 @@ class Settings:
     console_password_hash: str = dataclasses.field(default="", repr=False)
     cookie_secret: str = dataclasses.field(default="", repr=False)
     commission_holdback_days: int = 14
+    ifta_service_slugs: tuple = ("ifta",)
+    ucr_service_slugs: tuple = ("ucr",)
+    # Days before a filing's due date on which its reminder goes out (and on the due date).
+    filing_reminder_days: tuple = (14, 7, 3, 1)
 
     @classmethod
     def from_env(cls, environ=None):
@@ -206,6 +222,9 @@ class Settings:
             cookie_secret=text("COOKIE_SECRET"),
             commission_holdback_days=_int(
                 env, "COMMISSION_HOLDBACK_DAYS", cls.commission_holdback_days),
+            ifta_service_slugs=_csv(env.get("IFTA_SERVICE_SLUGS", "")) or cls.ifta_service_slugs,
+            ucr_service_slugs=_csv(env.get("UCR_SERVICE_SLUGS", "")) or cls.ucr_service_slugs,
+            filing_reminder_days=_days(env, "FILING_REMINDER_DAYS", cls.filing_reminder_days),
         )
         settings.check()
         return settings

@@ -16,7 +16,7 @@ from app.context import Context
 from app.logs import configure_logging
 from app.server import CannotStart, serve
 from clients.stripe_api import NotConfigured
-from domain import backfill, holdback, settlement
+from domain import backfill, holdback, reminders, settlement
 from domain.links import KINDS, print_signed_link
 from engine.db import UNAVAILABLE
 from models import open_database
@@ -154,20 +154,32 @@ def add_operator_commands(commands):
     commands.add_parser(
         "settle", help="run the CRTC settlement (balance.available routine) once now"
     ).set_defaults(run=settle)
-    held = commands.add_parser(
-        "holdback", help="the CRTC commission holdback: list it, release what is due"
-    ).add_subparsers(dest="action", metavar="ACTION", required=True)
-    held.add_parser("list", help="orders in holdback, earliest release first"
-                    ).set_defaults(run=holdback_list)
-    held.add_parser("release", help="release every commission whose holdback has ended, "
-                                    "now (as the scheduler does hourly)"
-                    ).set_defaults(run=holdback_release)
+    add_command_group(commands, "holdback",
+                      "the CRTC commission holdback: list it, release what is due", (
+                          ("list", "orders in holdback, earliest release first",
+                           holdback_list),
+                          ("release", "release every commission whose holdback has ended, "
+                                      "now (as the scheduler does hourly)", holdback_release)))
+    add_command_group(commands, "reminders",
+                      "customer reminders (intake, IFTA, UCR): list what is due, send it", (
+                          ("list", "the reminders due today (BUSINESS_TZ), by customer",
+                           reminders_list),
+                          ("run", "send today's reminder e-mails now (as the scheduler does "
+                                  "hourly); nothing is sent twice", reminders_run)))
     fill = commands.add_parser(
         "backfill", help="fetch card events whose webhook delivery failed from Stripe's "
                          "Events API and handle them (idempotent)")
     fill.add_argument("--since", type=time_argument, required=True,
                       help="events created at or after (ISO 8601; Stripe keeps 30 days)")
     fill.set_defaults(run=backfill_events)
+
+
+def add_command_group(commands, name, about, actions):
+    """A command whose actions take no arguments: (action, help, run) each."""
+    group = commands.add_parser(name, help=about).add_subparsers(
+        dest="action", metavar="ACTION", required=True)
+    for action, about_action, run in actions:
+        group.add_parser(action, help=about_action).set_defaults(run=run)
 
 
 def time_argument(text):
@@ -307,6 +319,26 @@ async def holdback_list(ctx, args):
 async def holdback_release(ctx, args):
     counts = await holdback.release_due(ctx)
     print(f"released: {counts.released}, not due: {counts.not_due}")
+    return 0
+
+
+REMINDER_COLUMNS = ("CUSTOMER", "KIND", "ORDER", "PERIOD", "DUE", "SENT")
+
+
+async def reminders_list(ctx, args):
+    rows = []
+    for entry in reminders.plan(ctx, reminders.today(ctx)):
+        when = "tomorrow (mailed today)" if entry.mailed_today else "next run"
+        rows += [(entry.email, "intake", order.order_number, "", "", when)
+                 for order in entry.intake]
+        rows += [(entry.email, due.cycle.kind, due.order.order_number, due.cycle.label,
+                  due.cycle.due.isoformat(), when) for due in entry.filings]
+    print(operator.table(REMINDER_COLUMNS, rows))
+    return 0
+
+
+async def reminders_run(ctx, args):
+    print(f"queued {await reminders.send_reminders(ctx)} reminder e-mail(s)")
     return 0
 
 

@@ -11,7 +11,7 @@ from tornado.simple_httpclient import HTTPStreamClosedError
 
 from models import ComplianceOrder, Outbox, WebhookEvent
 from engine import outbox
-from domain.reminders import send_intake_reminders
+from domain.reminders import send_reminders
 from tests.conftest import WEBHOOK_SECRET
 from tests.service_process import (
     ON_POSTGRES, RestartablePeer, ServiceProcess, TcpProxy, postgres_only)
@@ -193,7 +193,7 @@ async def test_downstreams_down_then_back_every_effect_once_in_order_per_order(
     for number in (1, 2):
         ComplianceOrder.create(order_number=f"CO-{number}", fulfillment_status="awaiting_intake",
                                customer_email=f"customer{number}@example.test")
-    await send_intake_reminders(ctx)
+    await send_reminders(ctx)
     assert Outbox.select().where(Outbox.status == "pending").count() == 32
     assert worker.requests == [] and smtp.messages == []
 

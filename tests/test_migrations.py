@@ -1,5 +1,6 @@
 """Migration 0006 gives an order table created before the database defaults were declared
-the same defaults a fresh database gets from 0001, and is a no-op where they are present."""
+the same defaults a fresh database gets from 0001, and is a no-op where they are present;
+0010 adds reminders_sent to a database from before it."""
 import importlib
 import os
 
@@ -94,3 +95,15 @@ def test_0011_gives_an_old_database_the_console_table_and_indexes(scratch_db):
     assert shape() == fresh
     CONSOLE.apply(scratch_db, migrator_for(scratch_db))
     assert shape() == fresh
+
+
+def test_0010_creates_reminders_sent_on_an_older_database_and_is_a_no_op_after(scratch_db):
+    scratch_db.execute_sql("DROP TABLE reminders_sent")
+    scratch_db.execute_sql("DELETE FROM schema_migrations WHERE name = '0010_reminders_sent'")
+    assert migrations.migrate(scratch_db) == ["0010_reminders_sent"]
+    indexes = scratch_db.get_indexes("reminders_sent")
+    assert [index.columns for index in indexes if index.unique] == [["key"]]
+    columns = scratch_db.get_columns("reminders_sent")
+    importlib.import_module("migrations.0010_reminders_sent").apply(
+        scratch_db, migrator_for(scratch_db))
+    assert scratch_db.get_columns("reminders_sent") == columns

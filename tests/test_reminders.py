@@ -7,7 +7,7 @@ import pytest
 
 from models import ComplianceOrder, Outbox
 from engine import outbox
-from domain.reminders import MAX_REMINDERS_PER_ORDER, send_intake_reminders
+from domain.reminders import MAX_REMINDERS_PER_ORDER, send_reminders
 
 
 def waiting(number, email, **fields):
@@ -32,7 +32,7 @@ async def run_hourly_for(ctx, clock, days):
     """The job runs every hour; so it does here, `days` days long (from 00:30, so that
     is `days` calendar days)."""
     for _ in range(days * 24):
-        await send_intake_reminders(ctx)
+        await send_reminders(ctx)
         clock.advance(hours=1)
 
 
@@ -93,15 +93,15 @@ async def test_an_order_that_stops_waiting_gets_no_more_reminders(ctx, clock, sm
 async def test_a_second_order_waiting_later_the_same_day_waits_for_tomorrow(ctx, clock, smtp):
     clock.set(2026, 11, 1, 0, 30)
     first = waiting("CO-1", "ada@example.test")
-    await send_intake_reminders(ctx)
+    await send_reminders(ctx)
     ComplianceOrder.update(fulfillment_status="ready_to_file").where(
         ComplianceOrder.id == first.id).execute()
     waiting("CO-2", "ada@example.test")
     clock.advance(hours=3)
-    await send_intake_reminders(ctx)
+    await send_reminders(ctx)
     assert len(smtp.messages) == 1
     clock.set(2026, 11, 2, 0, 5)
-    await send_intake_reminders(ctx)
+    await send_reminders(ctx)
     assert [listed_orders(m) for _, m in smtp.messages] == [["CO-1"], ["CO-2"]]
 
 
@@ -110,11 +110,11 @@ async def test_a_day_is_a_day_in_the_business_time_zone(ctx, clock, smtp):
     ctx.settings = dataclasses.replace(ctx.settings, business_tz="America/Vancouver")
     clock.set(2026, 11, 2, 7, 0)  # 23:00 on 1 November in Vancouver
     waiting("CO-1", "ada@example.test")
-    await send_intake_reminders(ctx)
+    await send_reminders(ctx)
     clock.set(2026, 11, 2, 7, 59)
-    await send_intake_reminders(ctx)
+    await send_reminders(ctx)
     clock.set(2026, 11, 2, 8, 1)  # just after midnight there: a new day
-    await send_intake_reminders(ctx)
+    await send_reminders(ctx)
     assert len(smtp.messages) == 2
 
 
@@ -141,5 +141,5 @@ async def test_orders_without_an_address_are_left_out(ctx, clock, smtp):
     clock.set(2026, 11, 1, 0, 30)
     ComplianceOrder.create(order_number="CO-1", fulfillment_status="awaiting_intake")
     waiting("CO-2", "  ")
-    assert await send_intake_reminders(ctx) == 0
+    assert await send_reminders(ctx) == 0
     assert smtp.messages == []
