@@ -43,7 +43,7 @@ STATUS_FOR_UPDATE = Prepared(lambda: locked(
     WebhookEvent.select(WebhookEvent.status).where(WebhookEvent.id == slot(WebhookEvent.id))))
 FINISH = Prepared(lambda: WebhookEvent.update(
     status=slot(WebhookEvent.status), processed_at=slot(WebhookEvent.processed_at),
-    updated_at=slot(WebhookEvent.updated_at), last_error=None,
+    updated_at=slot(WebhookEvent.updated_at), last_error=slot(WebhookEvent.last_error),
     attempts=WebhookEvent.attempts + 1, next_attempt_at=None,
 ).where(WebhookEvent.id == slot(WebhookEvent.id)))
 
@@ -295,8 +295,14 @@ def _is_async(plugin):
 
 
 def _conclude(ctx, event, effects):
-    """Processed; or, when the plugin kept part of its work and asked for the rest
+    """Processed; rejected with the reason when the plugin refused the event (no retry
+    could change that); or, when the plugin kept part of its work and asked for the rest
     later, failed with a retry time, in the same transaction as that work."""
+    if effects.rejection:
+        log.warning("%s event #%s (%s) rejected: %s", event.source, event.id,
+                    event.event_type, effects.rejection)
+        _finish(ctx, event.id, "rejected", effects.rejection)
+        return "rejected"
     if effects.retry_reason:
         log.warning("%s event #%s (%s) partly handled, retried later: %s", event.source,
                     event.id, event.event_type, effects.retry_reason)
@@ -306,9 +312,10 @@ def _conclude(ctx, event, effects):
     return "processed"
 
 
-def _finish(ctx, event_id, status):
+def _finish(ctx, event_id, status, error=None):
     now = ctx.clock()
-    FINISH.execute(id=event_id, status=status, processed_at=now, updated_at=now)
+    FINISH.execute(id=event_id, status=status, processed_at=now, updated_at=now,
+                   last_error=error)
 
 
 def _fail(ctx, event, error):

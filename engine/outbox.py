@@ -95,6 +95,8 @@ class Effects:
         # same keys as the first run did.
         self.asked = 0
         self.retry_reason = None
+        # Set by `reject`: the event is refused for good, with this reason.
+        self.rejection = None
 
     @contextlib.contextmanager
     def savepoint(self):
@@ -112,11 +114,13 @@ class Effects:
         """Run `work()` in a transaction shared with concurrent requests (engine.commits)
         and return what it returns once committed; if it raises, the effects it asked for
         are undone with its changes."""
-        rows_before, asked_before, retry_before = len(self.rows), self.asked, self.retry_reason
+        rows_before, asked_before = len(self.rows), self.asked
+        retry_before, rejection_before = self.retry_reason, self.rejection
 
         def from_the_start():  # a unit may be run again (engine.commits)
             del self.rows[rows_before:]
             self.asked, self.retry_reason = asked_before, retry_before
+            self.rejection = rejection_before
             return work()
         try:
             return await self.ctx.commits.run(from_the_start)
@@ -128,6 +132,12 @@ class Effects:
         """Keep what the handling has done so far, and handle the event again later (it
         ends `failed` with a retry time instead of `processed`)."""
         self.retry_reason = reason
+
+    def reject(self, reason):
+        """The event asks for something that cannot be (a move its order cannot make):
+        it ends `rejected` with the reason, and what the handling asked for is kept (a
+        plugin that rejects asks for nothing first)."""
+        self.rejection = reason
 
     def add(self, kind, payload, key=None, order_number=None):
         if key is None:

@@ -15,7 +15,7 @@ from handlers.ratelimit import RateLimiter
 def routes(ctx):
     public = {"ctx": ctx, "limiter": RateLimiter.from_settings(ctx.settings)}
     return [
-        (r"/api/v1/webhooks/([a-z]+/[a-z-]+)", WorkflowWebhookHandler, {"ctx": ctx}),
+        (r"/api/v1/webhooks/([a-z]+/[a-z_-]+)", WorkflowWebhookHandler, {"ctx": ctx}),
         (r"/api/v1/webhooks/card-processor", CardWebhookHandler, {"ctx": ctx}),
         crypto_route(ctx),
         (r"/healthz", HealthHandler, {"ctx": ctx}),

@@ -1,4 +1,7 @@
-"""POST /api/v1/webhooks/<group>/<event>: the workflow system's state-change webhooks."""
+"""POST /api/v1/webhooks/<group>/<event>: the workflow system's state-change webhooks, and
+the worker's fulfilment reports (fulfillment/<status>), which share their secret and rules.
+An event its plugin rejected (a fulfilment move the order cannot make) is answered 409
+with the reason, also when it is delivered again."""
 import base64
 import hashlib
 import hmac
@@ -15,6 +18,7 @@ log = logging.getLogger("receiver.workflow")
 # body first came, and the hours of the window before it are looked up as well, so the
 # window is WORKFLOW_DEDUP_HOURS to one hour more, whatever the hour boundaries.
 DEDUP_BUCKET_SECONDS = 3600
+REJECTED = "rejected"
 
 
 class WorkflowWebhookHandler(ApiHandler):
@@ -27,7 +31,9 @@ class WorkflowWebhookHandler(ApiHandler):
         error = webhook.field_error(body)
         if error:
             self.fail(400, error)
-        await self.accept(path, body)
+        event, outcome = await self.accept(path, body)
+        if REJECTED in (outcome, event and event.status):
+            self.fail(409, inbox.find(self.ctx, "workflow", event.dedup_key).last_error)
         self.answer(200, {"received": True, "action": webhook.answer})
 
     def authenticate(self):
@@ -74,6 +80,8 @@ class WorkflowWebhookHandler(ApiHandler):
         # Frappe gives up on an answer after 5 s (its webhook timeout) and re-sends later;
         # the calls to Frappe and the worker may take up to OUTBOUND_TIMEOUT_SECONDS. So
         # the answer waits for them only within the budget, once the call is stored.
-        await inbox.accept(self.ctx, "workflow", path, dedup_key, self.raw_body,
-                           order_number=body["order_number"], also_known_as=previous,
-                           send_within=self.ctx.settings.workflow_answer_budget_seconds)
+        event, _created, outcome = await inbox.accept(
+            self.ctx, "workflow", path, dedup_key, self.raw_body,
+            order_number=body["order_number"], also_known_as=previous,
+            send_within=self.ctx.settings.workflow_answer_budget_seconds)
+        return event, outcome

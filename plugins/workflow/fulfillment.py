@@ -1,0 +1,51 @@
+"""POST /api/v1/webhooks/fulfillment/<status>: the worker reports that a compliance order
+moved to a fulfilment status (domain.fulfillment lists them and the allowed moves).
+
+One plugin per status, registered here from one small table: they differ only in what a
+move causes. `ready_to_file` tells the administrator that the filing waits for approval;
+`awaiting_intake` starts the intake reminders (the reminder job lists orders in that
+status). A move the order cannot make is rejected (409), and so kept in the inbox.
+"""
+from domain import fulfillment
+from domain.orders import email_admin
+from plugins.registry import workflow_webhook
+from plugins.workflow import WorkflowWebhook
+
+
+class FulfillmentReport(WorkflowWebhook):
+    status = None
+    fields = ("order_number",)
+    answer = "fulfillment_status_recorded"
+
+    def __call__(self, ctx, body, effects):
+        try:
+            order = fulfillment.move(ctx, body["order_number"], self.status)
+        except fulfillment.InvalidTransition as refused:
+            effects.reject(str(refused))
+            return
+        if order is not None:
+            self.moved(ctx, order, effects)
+
+    def moved(self, ctx, order, effects):
+        """What the move causes, besides the new status."""
+
+
+class ReadyToFile(FulfillmentReport):
+    answer = "approval_requested"
+
+    def moved(self, ctx, order, effects):
+        email_admin(ctx, effects, f"Filing for order {order.order_number} waits for your "
+                    "approval", "fulfillment_ready_to_file", order.order_number,
+                    service_name=order.service_name, customer_name=order.customer_name,
+                    customer_email=order.customer_email)
+
+
+class AwaitingIntake(FulfillmentReport):
+    answer = "intake_reminders_started"
+
+
+SPECIAL = {fulfillment.READY_TO_FILE: ReadyToFile, fulfillment.AWAITING_INTAKE: AwaitingIntake}
+
+for _status in fulfillment.STATES:
+    workflow_webhook(type(f"Fulfillment_{_status}", (SPECIAL.get(_status, FulfillmentReport),),
+                          {"status": _status, "path": f"fulfillment/{_status}"}))
