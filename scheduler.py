@@ -1,8 +1,8 @@
 """The periodic work, run in-process by APScheduler on the service's event loop.
 
 Every SCHEDULER_TICK_SECONDS: send due outbox rows, retry due inbox events, drain the
-spool. Every hour: reminders, the commission holdback's releases and pruning. Every SETTLEMENT_INTERVAL_MINUTES (and
-once at start): the settlement fallback.
+spool. Every hour: reminders, the commission holdback's releases and pruning. Every
+SETTLEMENT_INTERVAL_MINUTES (and once at start): the settlement fallback.
 
 Several processes may share one PostgreSQL: each run of a job first takes a
 PostgreSQL advisory lock named after the job, and a process that does not get it skips

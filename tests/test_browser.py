@@ -1,7 +1,8 @@
-"""The "I already filed" pages in a real browser: Debian's headless Chromium, driven by its
-own command line (--dump-dom for the DOM after load, --screenshot for a PNG), at a phone
-width and a desktop width. Screenshots are written to tests/artifacts/browser/."""
+"""The "I already filed" pages, and the reminder e-mail, in a real browser: Debian's
+headless Chromium, driven by its own command line (--dump-dom for the DOM after load,
+--screenshot for a PNG), at a phone width and a desktop width. Screenshots are written to tests/artifacts/browser/."""
 import asyncio
+import dataclasses
 import os
 import shutil
 import struct
@@ -156,3 +157,40 @@ async def test_html_in_the_name_and_cycle_stays_text_in_the_browser(ctx, browser
     assert '<b id="injected">' not in dom and "<i>" not in dom
     assert "&lt;b id=\"injected\"&gt;Bold&lt;/b&gt; &amp; Co" in dom
     assert "&lt;i&gt;2027&lt;/i&gt;" in dom
+
+
+class MailPage(tornado.web.RequestHandler):
+    """A test-only page serving the HTML part of an e-mail as received."""
+
+    def initialize(self, html):
+        self.html = html
+
+    def get(self):
+        self.finish(self.html)
+
+
+@pytest.mark.gen_test(timeout=120)
+async def test_the_reminder_e_mail_fits_a_375_px_phone(ctx, clock, browser, smtp):
+    from domain.reminders import send_reminders
+    from models import ComplianceOrder
+    for number, slug in (("CO-40001", "ifta"), ("CO-40002", "ucr")):
+        ComplianceOrder.create(order_number=number, service_slug=slug, payment_status="paid",
+                               customer_email="dana@example.test",
+                               customer_name="Dana Trucking LLC",
+                               service_name=f"{slug.upper()} filing for a long fleet name")
+    ComplianceOrder.create(order_number="CO-40003", customer_email="dana@example.test",
+                           fulfillment_status="awaiting_intake", service_name="BOI report")
+    ctx.settings = dataclasses.replace(ctx.settings, filing_reminder_days=(31,))
+    clock.set(2026, 12, 31, 9, 0)  # the UCR due date, and 31 days before IFTA Q4's
+    await send_reminders(ctx)
+    [(_, message)] = smtp.messages
+    app = make_app(ctx)
+    app.add_handlers(r".*", [
+        (r"/test-only/overflow-probe", OverflowProbe),
+        (r"/test-only/mail", MailPage, {"html": message.get_body(("html",)).get_content()})])
+    with served(app, ctx.settings) as base:
+        query = tornado.httputil.urlencode({"path": "/test-only/mail"})
+        probe = f"{base}/test-only/overflow-probe?{query}"
+        dom = await browser.dom(probe, SIZES["phone"])
+        await browser.screenshot(base + "/test-only/mail", SIZES["phone"], "reminder-mail-phone")
+    assert "scrollWidth=375 clientWidth=375" in dom, dom[-400:]
