@@ -322,7 +322,7 @@ async def holdback_release(ctx, args):
     return 0
 
 
-REMINDER_COLUMNS = ("CUSTOMER", "KIND", "ORDER", "PERIOD", "DUE", "SENT")
+REMINDER_COLUMNS = ("CUSTOMER", "KIND", "ORDER", "PERIOD", "DUE", "GOES OUT")
 
 
 async def reminders_list(ctx, args):

@@ -127,6 +127,8 @@ def _remind(ctx, effects, entry, day):
         return  # another run mailed this customer today
     dues = [due for due in entry.filings
             if _recorded(ctx, due.key, due.cycle.kind, entry.email, day, due)]
+    if not (entry.intake or dues):
+        return  # every filing reminder was sent by a run that raced this one
     subject = _subject(entry.intake, dues)
     effects.email(
         [entry.email], subject, "email/reminder",
