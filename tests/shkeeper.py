@@ -99,3 +99,46 @@ def signed_headers(raw, timestamp, api_key=API_KEY, with_key=True):
     headers = {"X-Shkeeper-Timestamp": str(timestamp), "X-Shkeeper-Signature": signature,
                "Content-Type": "application/json"}
     return {**headers, "X-Shkeeper-Api-Key": api_key} if with_key else headers
+
+
+# One invoice (CA-0042: 320 USD at 96 000 USD/BTC, 2 % fee) paid in three transactions, as
+# SHKeeper v2.5.16+ puts it on the wire: (timestamp, signature, body) of each callback,
+# signed with WIRE_API_KEY. The bytes follow its send_notification and compact_json_bytes.
+WIRE_API_KEY = "nApijGv8djih7ozY"
+WIRE = [
+    (1795683612, "85ed1bbe5aeb464fe05c47538f015dba802c4026345b55553c26066a030dda86",
+     b'{"addr":"bc1qar0srrr7xfkvy5l643lydnw9re59gtzzwf5mdq","balance_crypto":"0.001",'
+     b'"balance_fiat":"96","crypto":"BTC","external_id":"CA-0042","fee_fixed":"0","fe'
+     b'e_percent":"2","fee_policy":"PERCENT_FEE","fiat":"USD","overpaid_fiat":"0.00",'
+     b'"paid":false,"status":"PARTIAL","transactions":[{"amount_crypto":"0.001","amou'
+     b'nt_fiat":"96","amount_fiat_without_fee":"94.1176470588","crypto":"BTC","date":'
+     b'"2026-11-20 09:00:12","fee_fiat":"1.8823529412","trigger":true,"txid":"a1f3c9e'
+     b'27b1d4e0f9c8b7a6d5e4f3a2b1c0d9e8f7a6b5c4d3e2f1a0b9c8d7e6f"}]}'),
+    (1795686097, "e955670e0b72b14ac9dccf3d184f1cb13955d56d6ab65325c6c002b870308d82",
+     b'{"addr":"bc1qar0srrr7xfkvy5l643lydnw9re59gtzzwf5mdq","balance_crypto":"0.0034"'
+     b',"balance_fiat":"326.4","crypto":"BTC","external_id":"CA-0042","fee_fixed":"0"'
+     b',"fee_percent":"2","fee_policy":"PERCENT_FEE","fiat":"USD","overpaid_fiat":"0.'
+     b'00","paid":true,"status":"PAID","transactions":[{"amount_crypto":"0.001","amou'
+     b'nt_fiat":"96","amount_fiat_without_fee":"94.1176470588","crypto":"BTC","date":'
+     b'"2026-11-20 09:00:12","fee_fiat":"1.8823529412","trigger":false,"txid":"a1f3c9'
+     b'e27b1d4e0f9c8b7a6d5e4f3a2b1c0d9e8f7a6b5c4d3e2f1a0b9c8d7e6f"},{"amount_crypto":'
+     b'"0.0024","amount_fiat":"230.4","amount_fiat_without_fee":"225.8823529412","cry'
+     b'pto":"BTC","date":"2026-11-20 09:41:37","fee_fiat":"4.5176470588","trigger":tr'
+     b'ue,"txid":"b2e4d0f38c2e5f1a0d9c8b7e6f5a4b3c2d1e0f9a8b7c6d5e4f3a2b1c0d9e8f7a"}]'
+     b'}'),
+    (1795688104, "b6c8381353b596533076e3903be31a751bf4d6b460b851e609fa388167b9889f",
+     b'{"addr":"bc1qar0srrr7xfkvy5l643lydnw9re59gtzzwf5mdq","balance_crypto":"0.0039"'
+     b',"balance_fiat":"374.4","crypto":"BTC","external_id":"CA-0042","fee_fixed":"0"'
+     b',"fee_percent":"2","fee_policy":"PERCENT_FEE","fiat":"USD","overpaid_fiat":"38'
+     b'.40","paid":true,"status":"OVERPAID","transactions":[{"amount_crypto":"0.001",'
+     b'"amount_fiat":"96","amount_fiat_without_fee":"94.1176470588","crypto":"BTC","d'
+     b'ate":"2026-11-20 09:00:12","fee_fiat":"1.8823529412","trigger":false,"txid":"a'
+     b'1f3c9e27b1d4e0f9c8b7a6d5e4f3a2b1c0d9e8f7a6b5c4d3e2f1a0b9c8d7e6f"},{"amount_cry'
+     b'pto":"0.0024","amount_fiat":"230.4","amount_fiat_without_fee":"225.8823529412"'
+     b',"crypto":"BTC","date":"2026-11-20 09:41:37","fee_fiat":"4.5176470588","trigge'
+     b'r":false,"txid":"b2e4d0f38c2e5f1a0d9c8b7e6f5a4b3c2d1e0f9a8b7c6d5e4f3a2b1c0d9e8'
+     b'f7a"},{"amount_crypto":"0.0005","amount_fiat":"48","amount_fiat_without_fee":"'
+     b'47.0588235294","crypto":"BTC","date":"2026-11-20 10:15:04","fee_fiat":"0.94117'
+     b'64706","trigger":true,"txid":"c3f5e1a49d3f6a2b1e0d9c8f7a6b5c4d3e2f1a0b9c8d7e6f'
+     b'5a4b3c2d1e0f9a8b"}]}'),
+]

@@ -3,6 +3,7 @@ the payment it completes, through SHKeeper's real sequence of callbacks."""
 import asyncio
 import dataclasses
 import datetime
+import json
 from decimal import Decimal
 
 import pytest
@@ -293,3 +294,44 @@ def test_an_unconfirmed_notice_reads_its_amount_and_txid():
     assert (notice.status, notice.notice_txid, notice.amount_coin) == (
         "unconfirmed", "tx-u", Decimal("0.5"))
     assert not notice.to_be_processed
+
+
+@pytest.mark.gen_test
+async def test_shkeepers_own_bytes_for_an_invoice_paid_in_three_transactions(
+        post, ctx, clock, telegram):
+    """The three callbacks byte for byte as SHKeeper sends them, each signed at its own
+    time, then each re-sent a minute later as SHKeeper does until it sees 202."""
+    ctx.settings = dataclasses.replace(ctx.settings,
+                                       crypto_processor_api_key=shkeeper.WIRE_API_KEY)
+    CrtcOrder.create(order_number="CA-0042")
+    for repeat in (0, 60):
+        for timestamp, signature, raw in shkeeper.WIRE:
+            clock.fixed = datetime.datetime.fromtimestamp(timestamp + repeat, UTC)
+            headers = {"Content-Type": "application/json",
+                       "X-Shkeeper-Api-Key": shkeeper.WIRE_API_KEY,
+                       "X-Shkeeper-Timestamp": str(timestamp),
+                       "X-Shkeeper-Signature": signature}
+            assert (await post(URL, raw, headers))[:2] == (202, {"received": True})
+    entries = list(LedgerEntry.select().order_by(LedgerEntry.id))
+    assert [(e.amount_coin, e.amount_usd_cents) for e in entries] == [
+        (Decimal("0.001"), 9600), (Decimal("0.0024"), 23040), (Decimal("0.0005"), 4800)]
+    assert sum(e.amount_coin for e in entries) == Decimal("0.0039")
+    first_txid = entries[0].provider_ref
+    assert first_txid.startswith("a1f3c9e2") and all(
+        e.idempotency_key == f"crypto-processor:{e.provider_ref}" for e in entries)
+    job = TreasuryJob.get()
+    assert (job.amount_coin, job.amount_usd_cents, job.idempotency_key) == (
+        Decimal("0.0039"), 37440, f"crypto-settle:CA-0042:{first_txid}")
+    assert CrtcOrder.get().stripe_session_id == f"crypto-{first_txid}"
+    assert WebhookEvent.select().count() == 3 and len(telegram.requests) == 1
+
+
+def test_the_test_callbacks_are_shaped_byte_for_byte_as_shkeepers():
+    """tests/shkeeper.py builds what SHKeeper sends: only the ids differ."""
+    for step, (_, _, wire) in zip(shkeeper.paid_in_steps("CA-0042"), shkeeper.WIRE):
+        real = json.loads(wire)
+        ids = dict(zip((t["txid"] for t in step["transactions"]),
+                       (t["txid"] for t in real["transactions"])))
+        step = {**step, "addr": real["addr"], "transactions": [
+            {**t, "txid": ids[t["txid"]]} for t in step["transactions"]]}
+        assert shkeeper.encode(step) == wire
