@@ -24,6 +24,12 @@ PAYMENT_METHODS = {
 }
 
 
+# An order number's prefix tells its kind, by convention (the crypto processor's callbacks
+# name no kind); any other is taken for a CRTC order.
+ORDER_TYPE_PREFIXES = (
+    ("CA-", "canada_crtc"), ("FO-", "formation"), ("BU-", "bundle"), ("CO-", "compliance"))
+DEFAULT_ORDER_TYPE = "canada_crtc"
+
 # A payment failure only moves orders that were still expecting or holding the money.
 FAILABLE_STATUSES = ("paid", "pending_payment")
 
@@ -31,6 +37,13 @@ FAILABLE_STATUSES = ("paid", "pending_payment")
 class OrderNotFound(LookupError):
     """No order of that kind and number (yet): the event is retried later, not dropped,
     because the system that creates orders may not have written it yet."""
+
+
+def order_type_of(order_number):
+    for prefix, order_type in ORDER_TYPE_PREFIXES:
+        if order_number.startswith(prefix):
+            return order_type
+    return DEFAULT_ORDER_TYPE
 
 
 def payment_method_of(processor_type):
@@ -53,8 +66,10 @@ def find_order(order_type, order_number, for_update=False):
 
 
 def find_any_kind(order_number):
-    """The order with that number, whatever its kind, or None."""
-    for order_type in ORDER_MODELS:
+    """The order with that number, whatever its kind, or None. The kind its prefix
+    names is looked in first."""
+    first = order_type_of(order_number)
+    for order_type in (first, *(kind for kind in ORDER_MODELS if kind != first)):
         order = find_order(order_type, order_number)
         if order is not None:
             return order
@@ -67,34 +82,32 @@ def document_name(order):
     return order.order_name or order.order_number
 
 
-def _rename(model):
-    return Prepared(lambda: model.update(
-        order_name=slot(model.order_name), updated_at=slot(model.updated_at)).where(
-        model.order_number == slot(model.order_number),
-        model.order_name.is_null() | (model.order_name != slot(model.order_name))))
-
-
-RENAME = [_rename(model) for model in ORDER_MODELS.values()]
+RENAME = {order_type: Prepared(lambda model=model: model.update(
+    order_name=slot(model.order_name), updated_at=slot(model.updated_at)).where(
+    model.order_number == slot(model.order_number)))
+    for order_type, model in ORDER_MODELS.items()}
 
 
 def remember_order_name(ctx, order_number, order_name):
     """Keep the workflow system's document name on the order with that number (of any
-    kind), for every later call and job about it. An order not known yet gets it from
-    its next webhook. Returns the number of orders changed.
+    kind), for every later call and job about it; True when it changed. An order not
+    stored yet gets it from its next webhook.
 
     A failure here is logged and does not spoil the webhook's own job and action (the
     order keeps the name it had, or its number stands in)."""
-    now = ctx.clock()
     try:
         with savepoint():
-            return sum(rename.execute(order_name=order_name, updated_at=now,
-                                      order_number=order_number).rowcount
-                       for rename in RENAME)
+            order = find_any_kind(order_number)
+            if order is None or order.order_name == order_name:
+                return False
+            RENAME[order.kind].execute(order_name=order_name, updated_at=ctx.clock(),
+                                       order_number=order_number)
+            return True
     except peewee.PeeweeException as failure:
         raise_if_conflict(failure)
         log.exception("order %s: its workflow document name %r not kept", order_number,
                       order_name)
-        return 0
+        return False
 
 
 def complete_payment(ctx, effects, order_id, order_type, reference, *, source,

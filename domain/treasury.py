@@ -16,7 +16,7 @@ import peewee
 from models import LedgerEntry, TreasuryJob
 from engine.payload import exact_json
 from engine.commits import raise_if_conflict, savepoint
-from domain.orders import OrderNotFound, complete_payment
+from domain.orders import OrderNotFound, complete_payment, order_type_of
 from engine.prepared import InsertOnce
 
 log = logging.getLogger("receiver.crypto")
@@ -25,9 +25,6 @@ PROVIDER = "crypto-processor"
 NEW_TREASURY_JOB = InsertOnce(TreasuryJob)
 NEW_LEDGER_ENTRY = InsertOnce(LedgerEntry)
 PAID_STATUSES = ("PAID", "OVERPAID")
-ORDER_TYPE_PREFIXES = (
-    ("CA-", "canada_crtc"), ("FO-", "formation"), ("BU-", "bundle"), ("CO-", "compliance"))
-DEFAULT_ORDER_TYPE = "canada_crtc"
 # Wider than any coin's precision or any invoice; anything beyond is not a payment.
 MAX_DECIMAL_PLACES = 30
 MAX_AMOUNT = decimal.Decimal(10) ** 15
@@ -68,13 +65,6 @@ def claims_paid(body):
     """Whether a (possibly malformed) callback says the invoice is paid."""
     return isinstance(body, dict) and (
         body.get("paid") is True or body.get("status") in PAID_STATUSES)
-
-
-def order_type_of(order_number):
-    for prefix, order_type in ORDER_TYPE_PREFIXES:
-        if order_number.startswith(prefix):
-            return order_type
-    return DEFAULT_ORDER_TYPE
 
 
 def amount(body, field):

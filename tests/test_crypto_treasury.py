@@ -9,7 +9,7 @@ from decimal import Decimal
 import pytest
 
 from models import UTC, CrtcOrder, FormationOrder, LedgerEntry, TreasuryJob, WebhookEvent
-from domain import treasury
+from domain import orders, treasury
 from tests import shkeeper
 from tests.shkeeper import API_KEY, URL, key_headers
 
@@ -253,7 +253,7 @@ async def test_a_failed_ledger_write_takes_the_job_with_it(post, db, telegram, c
     ("", "canada_crtc"),
 ])
 def test_order_type_of(order_number, order_type):
-    assert treasury.order_type_of(order_number) == order_type
+    assert orders.order_type_of(order_number) == order_type
 
 
 @pytest.mark.parametrize("fiat,expected", [
