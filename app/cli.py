@@ -19,6 +19,7 @@ from clients.stripe_api import NotConfigured
 from domain import backfill, holdback, reminders, settlement
 from domain.links import KINDS, print_signed_link
 from engine.db import UNAVAILABLE
+from engine.payload import read_json
 from models import open_database
 from ops import operator, passwords
 from settings import ConfigurationError, Settings
@@ -260,7 +261,7 @@ async def events_show(ctx, args):
         print(f"{label + ':':<14}{value}")
     print("payload:")
     try:
-        print(json.dumps(json.loads(event.payload), indent=2, sort_keys=True))
+        print(json.dumps(read_json(event.payload), indent=2, sort_keys=True))
     except ValueError:
         print(event.payload)
     print("outbox:")

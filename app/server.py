@@ -17,7 +17,7 @@ import tornado.web
 
 import migrations
 from app.context import Context
-from handlers.base import NotFoundHandler, log_request
+from handlers.base import ApiHandler, NotFoundHandler, log_request
 from handlers.console import cookie_secret
 from handlers.routes import routes
 from models import open_database
@@ -30,6 +30,8 @@ log = logging.getLogger("receiver")
 SHUTDOWN_GRACE_SECONDS = 20
 # A client that has not sent its whole body this long after its headers is cut off.
 BODY_TIMEOUT_SECONDS = 30
+# What the server's own body limit becomes for a handler that keeps to a limit of its own.
+UNLIMITED = 2 ** 62
 
 
 class ReceiverApplication(tornado.web.Application):
@@ -55,6 +57,10 @@ class ReceiverApplication(tornado.web.Application):
     def get_handler_delegate(self, request, target_class, target_kwargs=None,
                              path_args=None, path_kwargs=None):
         self.requests.add(request)
+        if issubclass(target_class, ApiHandler):
+            # It refuses an oversize body itself, with 413 and its JSON error; the
+            # server's own limit would cut in first with a bare 400 or a second answer.
+            request.connection.set_max_body_size(UNLIMITED)
         return _CountedDelegate(self, request, super().get_handler_delegate(
             request, target_class, target_kwargs, path_args, path_kwargs))
 
@@ -132,8 +138,8 @@ def make_server(app, settings):
     return tornado.httpserver.HTTPServer(
         app,
         xheaders=True,
-        # The handlers refuse oversize bodies with 413 from their Content-Length; this
-        # cuts off a chunked body that keeps going.
+        # For the few handlers that let the server read their body (the pages); the
+        # JSON handlers refuse an oversize body themselves (ReceiverApplication).
         max_body_size=settings.max_body_bytes,
         idle_connection_timeout=60,
     )

@@ -41,7 +41,7 @@ def read(raw):
     """The body as a JSON object whose numbers are Decimal, or MalformedCallback."""
     try:
         body = exact_json(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError):
+    except ValueError:
         raise MalformedCallback("body is not JSON") from None
     if not isinstance(body, dict):
         raise MalformedCallback("body is not a JSON object")

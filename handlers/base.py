@@ -7,6 +7,7 @@ import re
 import tornado.web
 
 from engine.db import UNAVAILABLE
+from engine.payload import read_json
 
 log = logging.getLogger("receiver.http")
 
@@ -21,13 +22,23 @@ def same_secret(given, expected):
 @tornado.web.stream_request_body
 class ApiHandler(tornado.web.RequestHandler):
     """A JSON handler that reads its body itself, so an oversize body is refused with
-    413 from its Content-Length before a byte of it is read, and the raw bytes are kept
-    unmodified for signature checks."""
+    413 from its Content-Length before a byte of it is read (or, sent in chunks, as soon
+    as it has gone past the limit), and the raw bytes are kept unmodified for signature
+    checks. The HTTP server leaves the size of these bodies to the handler
+    (app.server), so every oversize body gets the same answer and one log line."""
+
+    # The largest body this endpoint's senders send; MAX_BODY_BYTES caps every endpoint.
+    body_limit = None
 
     def initialize(self, ctx):
         self.ctx = ctx
         self._body = bytearray()
         self._too_large = False
+
+    @property
+    def max_body_bytes(self):
+        limit = self.ctx.settings.max_body_bytes
+        return limit if self.body_limit is None else min(limit, self.body_limit)
 
     def set_default_headers(self):
         self.clear_header("Server")
@@ -37,26 +48,30 @@ class ApiHandler(tornado.web.RequestHandler):
 
     def prepare(self):
         declared = self.request.headers.get("Content-Length")
-        if declared and declared.isdigit() and int(declared) > self.ctx.settings.max_body_bytes:
+        if declared and declared.isdigit() and int(declared) > self.max_body_bytes:
             self.fail(413, "request body too large")
 
     def data_received(self, chunk):
-        if len(self._body) + len(chunk) > self.ctx.settings.max_body_bytes:
+        if self._too_large:
+            return
+        if len(self._body) + len(chunk) > self.max_body_bytes:
+            # A chunked body gone past the limit: answered now, and the connection is
+            # closed once the answer is out, so the rest is never read (nor handled).
             self._too_large = True
-        elif not self._too_large:
-            self._body += chunk
+            self._body = bytearray()
+            self.answer(413, {"error": "request body too large"})
+            return
+        self._body += chunk
 
     @property
     def raw_body(self):
-        if self._too_large:
-            self.fail(413, "request body too large")
         return bytes(self._body)
 
     def json_body(self):
         """The body as a JSON object, or a 400 answer."""
         try:
-            body = json.loads(self.raw_body)
-        except (ValueError, UnicodeDecodeError):
+            body = read_json(self.raw_body)
+        except ValueError:
             self.fail(400, "invalid JSON body")
         if not isinstance(body, dict):
             self.fail(400, "invalid JSON body")

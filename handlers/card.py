@@ -1,11 +1,11 @@
 """POST /api/v1/webhooks/card-processor: signed Stripe events (BEHAVIOUR.md 4.2)."""
-import json
 import logging
 
 import stripe
 
 from handlers.base import ApiHandler
 from domain import card_events
+from engine.payload import read_json
 
 log = logging.getLogger("receiver.card")
 
@@ -77,7 +77,7 @@ class CardWebhookHandler(ApiHandler):
 
     async def accept(self, raw):
         try:
-            event = json.loads(raw)
+            event = read_json(raw)
         except ValueError:
             event = None
         problem = card_events.problem_with(event)

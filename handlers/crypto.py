@@ -60,6 +60,9 @@ def signature_valid(api_key, raw, signature, timestamp, now):
 
 
 class CryptoProcessorWebhookHandler(ApiHandler):
+    # An invoice callback with its transactions is a few kilobytes; room for hundreds.
+    body_limit = 256 * 1024
+
     def initialize(self, ctx, unkeyed_warning):
         super().initialize(ctx)
         self.unkeyed_warning = unkeyed_warning

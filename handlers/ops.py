@@ -21,6 +21,8 @@ class HealthHandler(ApiHandler):
     def get(self):
         self.answer(200, {"status": "ok"})
 
+    head = get
+
 
 class ReadyHandler(ApiHandler):
     """Ready to take webhooks: the database answers, the scheduler runs, and the spool
@@ -33,6 +35,8 @@ class ReadyHandler(ApiHandler):
         status = 503 if problems else 200
         self.answer(status, {"status": "ready" if not problems else "not ready",
                              "checks": checks})
+
+    head = get
 
     def database_check(self):
         try:

@@ -27,6 +27,9 @@ EMAIL = re.compile(r"[^@\s/\x00-\x1f]{1,64}@[^@\s/\x00-\x1f]{1,189}\.[^@\s/.\x00
 
 
 class PublicApiHandler(RateLimited, ApiHandler):
+    # A survey response (its comment is at most 2,000 characters) or a referral code.
+    body_limit = 16 * 1024
+
     def refuse_too_many(self):
         self.fail(429, "too many requests")
 

@@ -22,6 +22,9 @@ REJECTED = "rejected"
 
 
 class WorkflowWebhookHandler(ApiHandler):
+    # Frappe's bodies are a few fields from a template: a few hundred bytes.
+    body_limit = 64 * 1024
+
     async def post(self, path):
         webhook = self.ctx.plugins["workflow"].get(path)
         if webhook is None:

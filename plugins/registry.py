@@ -1,13 +1,11 @@
 """The decorator-based registry that maps an event's name to its plugin."""
-import json
-
-from engine.payload import exact_json
+from engine.payload import exact_json, read_json
 
 
 class Registry:
     """`decode` turns a stored payload into what the plugins of this registry receive."""
 
-    def __init__(self, what, decode=json.loads):
+    def __init__(self, what, decode=read_json):
         self.what = what
         self.decode = decode
         self._plugins = {}
