@@ -18,12 +18,14 @@ import zlib
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 
+import lograte
 from models import UTC, database, is_postgres
 from domain import holdback, reminders
 from engine import inbox, outbox, retention, spool
 from engine.db import UNAVAILABLE, why_unavailable
 
 log = logging.getLogger("receiver.scheduler")
+REPEATS = lograte.Repeats(log)
 
 HOURLY = 3600
 # How long a stop waits for job runs in progress before cancelling them. After the 20 s
@@ -132,7 +134,9 @@ class Scheduler:
 
     async def run(self, job):
         """One run of `job` if this process gets its lock; returns the job's result, or
-        None when skipped or failed (a failure is logged; the next run tries again)."""
+        None when skipped or failed (a failure is logged, once for a failure repeating
+        at every tick; the next run tries again)."""
+        lograte.flush_all()
         task = asyncio.current_task()
         self.in_progress.add(task)
         try:
@@ -148,8 +152,8 @@ class Scheduler:
                 self.ctx.metrics.job_ran(job.name, "skipped", self.ctx.clock())
                 return None
         except UNAVAILABLE as exc:
-            log.warning("job %s skipped, the database is unavailable: %s", job.name,
-                        why_unavailable(exc))
+            REPEATS.warning(("unavailable", job.name), "job %s skipped, the database is "
+                            "unavailable: %s", job.name, why_unavailable(exc))
             # Not done, and not done elsewhere either: a failure to the operator.
             self.ctx.metrics.job_ran(job.name, "failed", self.ctx.clock())
             return None
@@ -158,10 +162,10 @@ class Scheduler:
             self.ctx.metrics.job_ran(job.name, "ok", self.ctx.clock())
             return result
         except UNAVAILABLE as exc:
-            log.warning("job %s stopped, the database is unavailable: %s", job.name,
-                        why_unavailable(exc))
-        except Exception:
-            log.exception("job %s failed", job.name)
+            REPEATS.warning(("unavailable", job.name), "job %s stopped, the database is "
+                            "unavailable: %s", job.name, why_unavailable(exc))
+        except Exception as exc:
+            REPEATS.exception((job.name, *lograte.key_of(exc)), "job %s failed", job.name)
         finally:
             try:
                 lock.release()

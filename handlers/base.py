@@ -6,10 +6,12 @@ import re
 
 import tornado.web
 
+import lograte
 from engine.db import UNAVAILABLE
 from engine.payload import read_json
 
 log = logging.getLogger("receiver.http")
+REPEATS = lograte.Repeats(log)
 
 
 def same_secret(given, expected):
@@ -99,8 +101,9 @@ class ApiHandler(tornado.web.RequestHandler):
 
     def log_exception(self, typ, value, tb):
         if isinstance(value, UNAVAILABLE):
-            log.error("database unavailable: %s %s: %s", self.request.method,
-                      self.request.path, value)
+            # Every call in an outage fails so: one line, then a count.
+            REPEATS.error(("unavailable", self.request.path), "database unavailable: %s %s: %s",
+                          self.request.method, self.request.path, value)
         else:
             super().log_exception(typ, value, tb)
 

@@ -9,6 +9,7 @@ import hmac
 import logging
 import re
 
+import lograte
 from handlers.base import ApiHandler, same_secret
 from models import database
 from domain import treasury
@@ -16,6 +17,7 @@ from engine import inbox, outbox
 from engine.db import UNAVAILABLE
 
 log = logging.getLogger("receiver.crypto")
+REPEATS = lograte.Repeats(log)
 
 SOURCE = "crypto"
 KEY_HEADERS = ("X-Crypto-Processor-Api-Key", "X-Shkeeper-Api-Key")
@@ -74,10 +76,11 @@ class CryptoProcessorWebhookHandler(ApiHandler):
             outcome, rows = await self.store(raw)
         except UNAVAILABLE:
             raise
-        except Exception:
+        except Exception as exc:
             # Kept in the log, the only place left for it: the body carries no secret.
-            log.exception("crypto callback could not be stored: %s",
-                          raw[:4000].decode("utf-8", "replace"))
+            # The same failure for every callback (a broken table) is written once.
+            REPEATS.exception(lograte.key_of(exc), "crypto callback could not be stored: %s",
+                              raw[:4000].decode("utf-8", "replace"))
             self.answer(202, INTERNAL_ERROR)
             return
         await outbox.deliver(self.ctx, rows)

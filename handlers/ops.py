@@ -8,11 +8,13 @@ import os
 import tornado.web
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
+import lograte
 from handlers.base import ApiHandler
 from models import database
 from engine.db import UNAVAILABLE
 
 log = logging.getLogger("receiver.ops")
+REPEATS = lograte.Repeats(log)
 
 
 class HealthHandler(ApiHandler):
@@ -42,7 +44,8 @@ class ReadyHandler(ApiHandler):
         try:
             database.execute_sql("SELECT 1").fetchone()
         except UNAVAILABLE as exc:
-            log.warning("readiness: database unavailable: %s", exc)
+            # A probe every few seconds during an outage: one line, then a count.
+            REPEATS.warning("unavailable", "readiness: database unavailable: %s", exc)
             return "unreachable"
         return "ok"
 

@@ -12,6 +12,7 @@ import psycopg2
 import pytest
 from tornado.httpclient import AsyncHTTPClient
 
+import lograte
 import migrations
 from models import UTC, open_database
 from app.server import make_app
@@ -154,6 +155,13 @@ def settings(worker, frappe, telegram, smtp, tmp_path):
         mail_from="receiver@example.test",
         outbound_timeout_seconds=3,
     )
+
+
+@pytest.fixture(autouse=True)
+def fresh_repeats():
+    """Each test sees its own first failure logged: nothing counted from an earlier one."""
+    for repeats in list(lograte._ALL):
+        repeats.seen.clear()
 
 
 @pytest.fixture

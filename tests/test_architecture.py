@@ -6,9 +6,9 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-BASE = {"models", "settings", "migrations"}
+BASE = {"models", "settings", "migrations", "lograte"}
 MAY_IMPORT = {
-    "clients": {"clients", "settings"},
+    "clients": {"clients", "settings", "lograte"},
     "engine": {"engine", "clients"} | BASE,
     "domain": {"domain", "engine", "clients"} | BASE,
     "plugins": {"plugins", "domain", "engine", "clients"} | BASE,
