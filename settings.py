@@ -89,6 +89,9 @@ POSITIVE_NUMBERS = {
     "PUBLIC_RATE_WINDOW_SECONDS": "public_rate_window_seconds",
     "WORKFLOW_DEDUP_HOURS": "workflow_dedup_hours",
     "COMMISSION_HOLDBACK_DAYS": "commission_holdback_days",
+    "AUTH_FAILURE_WINDOW_SECONDS": "auth_failure_window_seconds",
+    "BODY_BUFFER_TOTAL_BYTES": "body_buffer_total_bytes",
+    "BODY_BUFFER_PER_CLIENT_BYTES": "body_buffer_per_client_bytes",
 }
 
 # URL settings, when set, and the schemes each may use.
@@ -162,6 +165,10 @@ class Settings:
     ucr_service_slugs: tuple = ("ucr",)
     # Days before a filing's due date on which its reminder goes out (and on the due date).
     filing_reminder_days: tuple = (14, 7, 3, 1)
+    auth_failure_limit: int = 10
+    auth_failure_window_seconds: int = 60
+    body_buffer_total_bytes: int = 64 * 1024 * 1024
+    body_buffer_per_client_bytes: int = 8 * 1024 * 1024
 
     @classmethod
     def from_env(cls, environ=None):
@@ -225,6 +232,13 @@ class Settings:
             ifta_service_slugs=_csv(env.get("IFTA_SERVICE_SLUGS", "")) or cls.ifta_service_slugs,
             ucr_service_slugs=_csv(env.get("UCR_SERVICE_SLUGS", "")) or cls.ucr_service_slugs,
             filing_reminder_days=_days(env, "FILING_REMINDER_DAYS", cls.filing_reminder_days),
+            auth_failure_limit=_int(env, "AUTH_FAILURE_LIMIT", cls.auth_failure_limit),
+            auth_failure_window_seconds=_int(
+                env, "AUTH_FAILURE_WINDOW_SECONDS", cls.auth_failure_window_seconds),
+            body_buffer_total_bytes=_int(
+                env, "BODY_BUFFER_TOTAL_BYTES", cls.body_buffer_total_bytes),
+            body_buffer_per_client_bytes=_int(
+                env, "BODY_BUFFER_PER_CLIENT_BYTES", cls.body_buffer_per_client_bytes),
         )
         settings.check()
         return settings
@@ -249,6 +263,8 @@ class Settings:
             raise ConfigurationError("WORKFLOW_ANSWER_BUDGET_SECONDS must be above zero")
         if self.public_rate_limit < 0:
             raise ConfigurationError("PUBLIC_RATE_LIMIT must be zero (off) or more")
+        if self.auth_failure_limit < 0:
+            raise ConfigurationError("AUTH_FAILURE_LIMIT must be zero (off) or more")
         if self.claim_lease_seconds <= self.outbound_timeout_seconds:
             # A send still waiting on its peer would be claimed and sent a second time.
             raise ConfigurationError(

@@ -19,6 +19,8 @@ from clients.workflow import WorkflowClient
 from clients.worker import WorkerClient
 from models import utcnow
 from engine.commits import GroupCommit
+from handlers.budget import BodyBudget
+from handlers.ratelimit import RateLimiter
 from ops.metrics import Metrics
 from plugins import registries
 from settings import Settings
@@ -54,6 +56,10 @@ class Context:
     plugins: dict = dataclasses.field(default_factory=registries)
     # Set by `serve` once the scheduler runs (anything with `.running`); /readyz asks it.
     scheduler: typing.Any = None
+    # Failed authentications per client address (handlers.base.ApiHandler).
+    auth_failures: RateLimiter = None
+    # The request bodies held in memory (handlers.budget).
+    bodies: BodyBudget = None
 
     @classmethod
     def create(cls, settings, clock=utcnow):
@@ -67,7 +73,10 @@ class Context:
             telegram=TelegramClient(http, settings),
             templates=template_environment(),
             http=http,
-            clock=clock)
+            clock=clock,
+            auth_failures=RateLimiter(settings.auth_failure_limit,
+                                      settings.auth_failure_window_seconds),
+            bodies=BodyBudget.from_settings(settings))
 
     @property
     def business_tz(self):

@@ -43,8 +43,8 @@ class RedactingFormatter(logging.Formatter):
     def __init__(self, inner, secrets):
         super().__init__()
         self.inner = inner
-        self.secrets = sorted({s for s in secrets if len(s) >= self.MIN_SECRET_LENGTH},
-                              key=len, reverse=True)
+        self.secrets = sorted({form for s in secrets if len(s) >= self.MIN_SECRET_LENGTH
+                               for form in written_forms(s)}, key=len, reverse=True)
 
     def format(self, record):
         if not getattr(self.inner, "escapes_text", False):
@@ -70,6 +70,16 @@ class RedactingFormatter(logging.Formatter):
         for secret in self.secrets:
             text = text.replace(secret, "[redacted]")
         return self.QUERY_CREDENTIAL.sub(r"\1[redacted]", text)
+
+
+def written_forms(secret):
+    """The ways a secret can be written in a log line: as it is, escaped as Python's repr
+    escapes it (Tornado's "Invalid header value '...'" line: a backslash doubled), as
+    JSON escapes it, and its UTF-8 bytes read as latin-1 (how a header carries a
+    non-ASCII secret), plain and escaped."""
+    misread = secret.encode("utf-8").decode("latin-1")
+    return {form for text in (secret, misread)
+            for form in (text, repr(text)[1:-1], json.dumps(text)[1:-1])}
 
 
 def secrets_of(settings):

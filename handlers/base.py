@@ -15,10 +15,20 @@ REPEATS = lograte.Repeats(log)
 
 
 def same_secret(given, expected):
-    """Constant-time comparison; a missing value never matches."""
+    """Constant-time comparison; a missing value never matches.
+
+    A header value is text decoded from its bytes as latin-1 (HTTP's rule), so a
+    non-ASCII secret sent as UTF-8, as every client sends it, arrives as other text:
+    its bytes are compared too. Both comparisons always run."""
     if not given or not expected:
         return False
-    return hmac.compare_digest(given.encode("utf-8"), expected.encode("utf-8"))
+    wanted = expected.encode("utf-8")
+    try:
+        sent = given.encode("latin-1")
+    except UnicodeEncodeError:  # not from a header: text as it is
+        sent = given.encode("utf-8")
+    as_text = hmac.compare_digest(given.encode("utf-8"), wanted)
+    return hmac.compare_digest(sent, wanted) | as_text
 
 
 @tornado.web.stream_request_body
@@ -35,7 +45,8 @@ class ApiHandler(tornado.web.RequestHandler):
     def initialize(self, ctx):
         self.ctx = ctx
         self._body = bytearray()
-        self._too_large = False
+        self._refused = False
+        self._held = 0
 
     @property
     def max_body_bytes(self):
@@ -52,18 +63,69 @@ class ApiHandler(tornado.web.RequestHandler):
         declared = self.request.headers.get("Content-Length")
         if declared and declared.isdigit() and int(declared) > self.max_body_bytes:
             self.fail(413, "request body too large")
+        if self.request.method == "POST" and hasattr(self, "post"):
+            self.check_headers()
+
+    def check_headers(self):
+        """Refuse a POST on what its headers say, before a byte of its body is read (and
+        held in memory): credentials sent in headers are checked here."""
 
     def data_received(self, chunk):
-        if self._too_large:
+        if self._refused:
             return
         if len(self._body) + len(chunk) > self.max_body_bytes:
-            # A chunked body gone past the limit: answered now, and the connection is
-            # closed once the answer is out, so the rest is never read (nor handled).
-            self._too_large = True
-            self._body = bytearray()
-            self.answer(413, {"error": "request body too large"})
+            # A chunked body gone past the limit.
+            self.refuse_body(413, "request body too large")
             return
+        short = self.ctx.bodies.take(self.request.remote_ip, len(chunk))
+        if short:
+            # This address, or all of them together, hold as much body as we keep.
+            REPEATS.warning(("bodies", short), "request bodies in memory at the %s cap "
+                            "(%s): refusing more", short, self.request.remote_ip)
+            self.set_header("Retry-After", "5")
+            self.refuse_body(*((429, "too many requests") if short == "client"
+                               else (503, "temporarily unavailable")))
+            return
+        self._held += len(chunk)
         self._body += chunk
+
+    def refuse_body(self, status, message):
+        """Answered now, while the body comes in: the connection is closed once the
+        answer is out, so the rest is never read, nor the request handled."""
+        self._refused = True
+        self.release_body()
+        self.answer(status, {"error": message})
+
+    def release_body(self):
+        self.ctx.bodies.give_back(self.request.remote_ip, self._held)
+        self._held = 0
+        self._body = bytearray()
+
+    def on_finish(self):
+        self.release_body()
+
+    def on_connection_close(self):
+        super().on_connection_close()
+        self.release_body()
+
+    def refuse_credentials(self, status, message, why):
+        """A failed authentication, answered `status` `{"error": message}`: or 429 with
+        Retry-After once this address has failed AUTH_FAILURE_LIMIT times within
+        AUTH_FAILURE_WINDOW_SECONDS. Only failures are counted and only failures are
+        refused so: a call with the right credentials is never throttled, whatever
+        its address has failed before (Stripe, SHKeeper and Frappe each call from a
+        few addresses, shared with whoever else is there)."""
+        client = self.request.remote_ip
+        wait = self.ctx.auth_failures.acquire(client)
+        if wait:
+            REPEATS.warning(("throttled", client), "%s %s: too many failed authentications "
+                            "from %s; answering 429", self.request.method,
+                            self.request.path, client)
+            self.set_header("Retry-After", str(wait))
+            self.fail(429, "too many requests")
+        REPEATS.warning(("refused", client, why), "%s %s refused from %s: %s",
+                        self.request.method, self.request.path, client, why)
+        self.fail(status, message)
 
     @property
     def raw_body(self):
@@ -126,11 +188,20 @@ def logged_path(path):
     return path
 
 
+ACCESS_REPEATS = lograte.Repeats("receiver.access")
+
+
 def log_request(handler):
     """One access-log line per request. The path only (query strings can carry tokens),
-    and a route's pattern instead of a path that holds personal data."""
+    and a route's pattern instead of a path that holds personal data. A client kept at
+    bay with 429 would write a line per call at whatever rate it calls: those are
+    written once a minute per path, with their count."""
     status = handler.get_status()
     level = logging.INFO if status < 400 else logging.WARNING if status < 500 else logging.ERROR
-    logging.getLogger("receiver.access").log(
-        level, "%d %s %s %.1fms", status, handler.request.method,
-        logged_path(handler.request.path), 1000.0 * handler.request.request_time())
+    path = logged_path(handler.request.path)
+    line = ("%d %s %s %.1fms", status, handler.request.method, path,
+            1000.0 * handler.request.request_time())
+    if status == 429:
+        ACCESS_REPEATS.log(level, (handler.request.method, path), *line)
+    else:
+        logging.getLogger("receiver.access").log(level, *line)

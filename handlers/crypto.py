@@ -69,9 +69,14 @@ class CryptoProcessorWebhookHandler(ApiHandler):
         super().initialize(ctx)
         self.unkeyed_warning = unkeyed_warning
 
+    def check_headers(self):
+        """The API key headers are checked before the body is read; SHKeeper's signature
+        covers the body, so it is checked once the body is in (post)."""
+        self.authenticate_headers()
+
     async def post(self):
         raw = self.raw_body
-        self.authenticate(raw)
+        self.authenticate_signature(raw)
         try:
             outcome, rows = await self.store(raw)
         except UNAVAILABLE:
@@ -86,7 +91,7 @@ class CryptoProcessorWebhookHandler(ApiHandler):
         await outbox.deliver(self.ctx, rows)
         self.answer(202, INTERNAL_ERROR if outcome == "failed" else RECEIVED)
 
-    def authenticate(self, raw):
+    def authenticate_headers(self):
         """Every credential presented must be right, and at least one presented: the
         API key in either header, SHKeeper's signature when it sends one."""
         api_key = self.ctx.settings.crypto_processor_api_key
@@ -95,18 +100,25 @@ class CryptoProcessorWebhookHandler(ApiHandler):
             return
         headers = self.request.headers
         keys = [headers[name] for name in KEY_HEADERS if name in headers]
-        signed = SIGNATURE_HEADER in headers or TIMESTAMP_HEADER in headers
-        if not keys and not signed:
+        if not keys and not self.signed:
             self.refuse("no api key")
         if not all(same_secret(key, api_key) for key in keys):
             self.refuse("api key mismatch")
-        if signed and not signature_valid(api_key, raw, headers.get(SIGNATURE_HEADER),
-                                          headers.get(TIMESTAMP_HEADER), self.ctx.clock()):
+
+    @property
+    def signed(self):
+        return SIGNATURE_HEADER in self.request.headers or TIMESTAMP_HEADER in self.request.headers
+
+    def authenticate_signature(self, raw):
+        api_key = self.ctx.settings.crypto_processor_api_key
+        headers = self.request.headers
+        if api_key and self.signed and not signature_valid(
+                api_key, raw, headers.get(SIGNATURE_HEADER), headers.get(TIMESTAMP_HEADER),
+                self.ctx.clock()):
             self.refuse("bad or expired signature")
 
     def refuse(self, why):
-        log.warning("crypto callback refused from %s: %s", self.request.remote_ip, why)
-        self.fail(401, "invalid api key")
+        self.refuse_credentials(401, "invalid api key", f"crypto callback: {why}")
 
     async def store(self, raw):
         """Keep the call in the inbox and handle it; returns (the handling's outcome or

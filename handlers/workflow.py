@@ -25,11 +25,25 @@ class WorkflowWebhookHandler(ApiHandler):
     # Frappe's bodies are a few fields from a template: a few hundred bytes.
     body_limit = 64 * 1024
 
+    def check_headers(self):
+        """The path exists, and the secret header is right; the log says which check
+        failed, never what was sent."""
+        if self.ctx.plugins["workflow"].get(self.path_args[0]) is None:
+            self.fail(404, "not found")
+        given = self.request.headers.get("X-Webhook-Secret")
+        if not same_secret(given, self.ctx.settings.webhook_secret):
+            self.refuse_credentials(401, "Unauthorized", "X-Webhook-Secret does not match "
+                                    "WEBHOOK_SECRET" if given else "no X-Webhook-Secret")
+
     async def post(self, path):
         webhook = self.ctx.plugins["workflow"].get(path)
-        if webhook is None:
-            self.fail(404, "not found")
-        self.authenticate()
+        signing_secret = self.ctx.settings.workflow_webhook_signing_secret
+        if signing_secret and not self.frappe_signature_valid(signing_secret):
+            self.refuse_credentials(
+                401, "Unauthorized", "X-Frappe-Webhook-Signature does not sign the body with "
+                "WORKFLOW_WEBHOOK_SIGNING_SECRET"
+                if self.request.headers.get("X-Frappe-Webhook-Signature")
+                else "no X-Frappe-Webhook-Signature (WORKFLOW_WEBHOOK_SIGNING_SECRET is set)")
         body = self.json_body()
         error = webhook.field_error(body)
         if error:
@@ -39,27 +53,13 @@ class WorkflowWebhookHandler(ApiHandler):
             self.fail(409, inbox.find(self.ctx, "workflow", event.dedup_key).last_error)
         self.answer(200, {"received": True, "action": webhook.answer})
 
-    def authenticate(self):
-        """401 unless the shared secret (and, when one is set, Frappe's signature) is right;
-        the log says which check failed, never what was sent."""
-        settings = self.ctx.settings
-        headers = self.request.headers
-        if not same_secret(headers.get("X-Webhook-Secret"), settings.webhook_secret):
-            self.fail(401, "Unauthorized", "X-Webhook-Secret does not match WEBHOOK_SECRET"
-                      if headers.get("X-Webhook-Secret") else "no X-Webhook-Secret")
-        if settings.workflow_webhook_signing_secret and not self.frappe_signature_valid(
-                settings.workflow_webhook_signing_secret):
-            self.fail(
-                401, "Unauthorized", "X-Frappe-Webhook-Signature does not sign the body with "
-                "WORKFLOW_WEBHOOK_SIGNING_SECRET" if headers.get("X-Frappe-Webhook-Signature")
-                else "no X-Frappe-Webhook-Signature (WORKFLOW_WEBHOOK_SIGNING_SECRET is set)")
-
-    def fail(self, status, message, why=None):
-        """As every handler fails, and a refused call (400, 401) is logged with its reason,
-        so that whoever set up the sender can tell what to fix."""
-        if status in (400, 401):
+    def fail(self, status, message):
+        """As every handler fails, and a refused body (400) is logged with its reason, so
+        that whoever set up the sender can tell what to fix (a refused credential is
+        logged by refuse_credentials, with its reason)."""
+        if status == 400:
             log.warning("workflow webhook %s refused from %s: %s", self.request.path,
-                        self.request.remote_ip, why or message)
+                        self.request.remote_ip, message)
         super().fail(status, message)
 
     def frappe_signature_valid(self, secret):

@@ -4,7 +4,6 @@ or an attacker sends it, to the real handlers."""
 import dataclasses
 import json
 import logging
-import socket
 
 import pytest
 
@@ -13,6 +12,7 @@ from ops import operator
 from tests import shkeeper, stripe_events as se
 from tests.conftest import WEBHOOK_SECRET
 from tests.public_helpers import served
+from tests.raw_http import exchange, port_of
 
 BOM = b"\xef\xbb\xbf"
 AUTH = {"X-Webhook-Secret": WEBHOOK_SECRET, "Content-Type": "application/json"}
@@ -117,28 +117,6 @@ async def test_a_deeply_nested_crypto_callback_is_kept_as_rejected(post, caplog)
 
 # --- bodies too large, in either framing: 413 with its JSON error, one log line --------------
 
-def exchange(port, head, body_pieces):
-    """Send `head`, then the body's pieces until the service answers; returns the answer.
-    As a client that reads while it sends (curl does), so an early answer is not lost."""
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(head)
-        for piece in body_pieces:
-            try:
-                sock.sendall(piece)
-            except (BrokenPipeError, ConnectionResetError):
-                break
-            sock.setblocking(False)
-            try:
-                answer = sock.recv(65536)
-                if answer:
-                    return answer
-            except BlockingIOError:
-                pass
-            finally:
-                sock.setblocking(True)
-        return sock.recv(65536)
-
-
 def chunked(total, size=64 * 1024):
     for _ in range(total // size):
         yield b"%x\r\n" % size + b"x" * size + b"\r\n"
@@ -163,8 +141,7 @@ async def test_a_body_too_large_is_413_with_its_error_and_one_log_line(
     head = (b"POST /api/v1/webhooks/card-processor HTTP/1.1\r\nHost: x\r\n"
             b"Stripe-Signature: t=1,v1=00\r\n" + length + b"\r\n\r\n")
     with served(app, ctx.settings) as url:
-        port = int(url.rsplit(":", 1)[1])
-        answer = await io_loop.run_in_executor(None, exchange, port, head, pieces)
+        answer = await io_loop.run_in_executor(None, exchange, port_of(url), head, pieces)
     status_line, _, rest = answer.partition(b"\r\n")
     assert status_line == b"HTTP/1.1 413 Request Entity Too Large"
     assert rest.endswith(b'{"error": "request body too large"}')
