@@ -1,9 +1,18 @@
 """The workflow system (Frappe): apply a named workflow action to a document, and read a
-document back."""
+document back.
+
+Frappe refuses an action the document's state does not allow with 417. That is also its
+answer to an action sent a second time: after a crash, an action sent just before it is
+sent again one lease later, and the first one had moved the document on. So a 417 is
+not taken as final until the document is read back: one that is already past the action
+had it applied, and the send is a success."""
 import json
+import logging
 import urllib.parse
 
 from clients.http import Result, describe, post_json
+
+log = logging.getLogger("receiver.workflow")
 
 APPLY_WORKFLOW = "frappe.model.workflow.apply_workflow"
 
@@ -21,9 +30,10 @@ class WorkflowClient:
             "X-Workflow-Site-Name": s.workflow_site_name,
         }
 
-    async def apply_action(self, doctype, name, action):
+    async def apply_action(self, doctype, name, action, waiting_in=None):
         """POST the apply-workflow call. Frappe answers 417 for an invalid transition,
-        which no retry will change."""
+        which no retry will change; if the document is already past the action (see
+        `already_past`), the action had been applied and the result is ok."""
         s = self.settings
         if not s.workflow_url:
             return Result.failed("WORKFLOW_URL is not set", configured=False)
@@ -36,30 +46,91 @@ class WorkflowClient:
             headers=self._headers(),
             timeout=s.outbound_timeout_seconds)
         if result.status == 417:
+            if await self.already_past(doctype, name, action, waiting_in):
+                return Result(ok=True, status=417, body={"already_applied": True})
             return Result.failed(result.error, retryable=False, status=417)
         return result
+
+    async def already_past(self, doctype, name, action, waiting_in=None):
+        """After a 417: is the document past `action`? With `waiting_in` (the one state
+        the action applies from, when the caller knows it): it has left that state.
+        Otherwise Frappe's workflow for the doctype says: the document's state is one
+        the action leads to, directly or by later transitions. A document or workflow
+        Frappe cannot show us counts as not past (the refusal stands)."""
+        document = await self.document(doctype, name)
+        state = document.body.get("workflow_state") if document.ok else None
+        if not state:
+            log.warning("%s %s: Frappe refused %r and the document's state could not be "
+                        "read: %s", doctype, name, action, document.error or "no state")
+            return False
+        if waiting_in:
+            past = state != waiting_in
+        else:
+            transitions = await self.transitions(doctype)
+            past = state in states_after(action, transitions)
+        if past:
+            log.warning("%s %s: %r was already applied in Frappe (now %s)",
+                        doctype, name, action, state)
+        return past
+
+    async def transitions(self, doctype):
+        """The transitions ({state, action, next_state}) of the doctype's active workflow;
+        none when Frappe cannot show them."""
+        found = await self._get("Workflow", params={
+            "filters": json.dumps([["document_type", "=", doctype], ["is_active", "=", 1]]),
+            "fields": json.dumps(["name"])})
+        if not found.ok or not isinstance(found.body, list) or not found.body:
+            return []
+        workflow = await self._get("Workflow", found.body[0].get("name", ""))
+        transitions = workflow.body.get("transitions") if workflow.ok else None
+        return [t for t in transitions or () if isinstance(t, dict)]
 
     async def document(self, doctype, name):
         """GET the document (Frappe's REST resource). An ok Result's body is the
         document's fields (Frappe's `data`), workflow_state among them."""
+        result = await self._get(doctype, name)
+        if result.ok and not isinstance(result.body, dict):
+            return Result.failed(f"no document in the reply for {doctype} {name}", status=200)
+        return result
+
+    async def _get(self, doctype, name=None, params=None):
+        """GET Frappe's REST resource: one document, or (no `name`) a list; an ok
+        Result's body is the reply's `data`."""
         s = self.settings
         if not s.workflow_url:
             return Result.failed("WORKFLOW_URL is not set", configured=False)
-        path = "/".join(urllib.parse.quote(part, safe="") for part in (doctype, name))
+        what = doctype if name is None else f"{doctype} {name}"
+        parts = (doctype,) if name is None else (doctype, name)
+        url = f"{s.workflow_url}/api/resource/" + "/".join(
+            urllib.parse.quote(part, safe="") for part in parts)
+        if params:
+            url += "?" + urllib.parse.urlencode(params)
         try:
             reply = await self.http.call(
-                "GET", f"{s.workflow_url}/api/resource/{path}",
-                headers={"Accept": "application/json", **self._headers()},
+                "GET", url, headers={"Accept": "application/json", **self._headers()},
                 timeout=s.outbound_timeout_seconds)
         except Exception as exc:  # network errors of every kind
             return Result.failed(describe(exc))
         if reply.status != 200:
-            return Result.failed(f"HTTP {reply.status} reading {doctype} {name}",
+            return Result.failed(f"HTTP {reply.status} reading {what}",
                                  retryable=reply.status >= 500, status=reply.status)
         try:
             data = json.loads(reply.body)["data"]
         except (ValueError, TypeError, KeyError):
-            return Result.failed(f"unreadable reply reading {doctype} {name}", status=200)
-        if not isinstance(data, dict):
-            return Result.failed(f"no document in the reply for {doctype} {name}", status=200)
+            return Result.failed(f"unreadable reply reading {what}", status=200)
         return Result(ok=True, status=200, body=data)
+
+
+def states_after(action, transitions):
+    """The states a document can be in once `action` was applied: where the action leads,
+    and onwards along the transitions, short of a state the action applies from again."""
+    before = {t.get("state") for t in transitions if t.get("action") == action}
+    todo = [t.get("next_state") for t in transitions if t.get("action") == action]
+    after = set()
+    while todo:
+        state = todo.pop()
+        if state in after or state in before or not state:
+            continue
+        after.add(state)
+        todo += [t.get("next_state") for t in transitions if t.get("state") == state]
+    return after

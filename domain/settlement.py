@@ -69,28 +69,15 @@ async def advance(ctx, order):
     """Apply the funds action in Frappe; only when it succeeds is the order marked settled,
     so a refused or failed order is tried again on the next run."""
     settings = ctx.settings
+    # After a 417, a document that has left Awaiting Funds had the action applied before
+    # and only its recording was lost (otherwise the order would hold a batch slot for
+    # good); one Frappe cannot show us counts as not applied (retried next run).
     result = await ctx.workflow.apply_action(
-        settings.crtc_doctype, document_name(order), settings.crtc_funds_action)
-    if not result.ok and not (result.status == 417 and await already_applied(ctx, order)):
+        settings.crtc_doctype, document_name(order), settings.crtc_funds_action,
+        waiting_in=AWAITING_FUNDS)
+    if not result.ok:
         raise RuntimeError(f"{settings.crtc_funds_action!r} not applied: {result.error}")
     return mark_funds_available(ctx, order.id)
-
-
-async def already_applied(ctx, order):
-    """After a 417: has the document left Awaiting Funds? Then the action was applied
-    before and only its recording was lost; otherwise the order would hold a batch slot
-    for good. A document Frappe cannot show us counts as not applied (retried next run)."""
-    document = await ctx.workflow.document(ctx.settings.crtc_doctype, document_name(order))
-    if not document.ok:
-        log.warning("CRTC order %s: Frappe refused %r and its state could not be read: %s",
-                    order.order_number, ctx.settings.crtc_funds_action, document.error)
-        return False
-    state = document.body.get("workflow_state")
-    if not state or state == AWAITING_FUNDS:
-        return False
-    log.warning("CRTC order %s: %r was already applied in Frappe (now %s); marked settled",
-                order.order_number, ctx.settings.crtc_funds_action, state)
-    return True
 
 
 async def settle_crtc_orders(ctx):
