@@ -92,6 +92,7 @@ POSITIVE_NUMBERS = {
     "AUTH_FAILURE_WINDOW_SECONDS": "auth_failure_window_seconds",
     "BODY_BUFFER_TOTAL_BYTES": "body_buffer_total_bytes",
     "BODY_BUFFER_PER_CLIENT_BYTES": "body_buffer_per_client_bytes",
+    "METRICS_CACHE_SECONDS": "metrics_cache_seconds",
 }
 
 # URL settings, when set, and the schemes each may use.
@@ -169,6 +170,8 @@ class Settings:
     auth_failure_window_seconds: int = 60
     body_buffer_total_bytes: int = 64 * 1024 * 1024
     body_buffer_per_client_bytes: int = 8 * 1024 * 1024
+    metrics_token: str = dataclasses.field(default="", repr=False)
+    metrics_cache_seconds: int = 5
 
     @classmethod
     def from_env(cls, environ=None):
@@ -239,6 +242,8 @@ class Settings:
                 env, "BODY_BUFFER_TOTAL_BYTES", cls.body_buffer_total_bytes),
             body_buffer_per_client_bytes=_int(
                 env, "BODY_BUFFER_PER_CLIENT_BYTES", cls.body_buffer_per_client_bytes),
+            metrics_token=text("METRICS_TOKEN"),
+            metrics_cache_seconds=_int(env, "METRICS_CACHE_SECONDS", cls.metrics_cache_seconds),
         )
         settings.check()
         return settings

@@ -76,7 +76,8 @@ class Context:
             clock=clock,
             auth_failures=RateLimiter(settings.auth_failure_limit,
                                       settings.auth_failure_window_seconds),
-            bodies=BodyBudget.from_settings(settings))
+            bodies=BodyBudget.from_settings(settings),
+            metrics=Metrics(cache_seconds=settings.metrics_cache_seconds))
 
     @property
     def business_tz(self):

@@ -88,7 +88,8 @@ def secrets_of(settings):
               settings.stripe_secret_key, *settings.stripe_webhook_secrets,
               settings.crypto_processor_api_key, settings.workflow_api_key,
               settings.workflow_api_secret, settings.telegram_bot_token, settings.link_secret,
-              settings.cookie_secret, settings.console_password_hash]
+              settings.cookie_secret, settings.console_password_hash,
+              settings.metrics_token]
     for url in (settings.smtp_url, settings.database_url):
         password = urllib.parse.urlsplit(url).password
         if password:

@@ -9,7 +9,7 @@ import tornado.web
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 import lograte
-from handlers.base import ApiHandler
+from handlers.base import ApiHandler, same_secret
 from models import database
 from engine.db import UNAVAILABLE
 
@@ -67,10 +67,22 @@ class ReadyHandler(ApiHandler):
 
 
 class MetricsHandler(tornado.web.RequestHandler):
-    """Prometheus text format; the gauges are computed now, from indexed queries."""
+    """Prometheus text format; the gauges come from indexed queries, run at most every
+    METRICS_CACHE_SECONDS. With METRICS_TOKEN set, only a scraper that sends it as a
+    bearer token (Prometheus: `authorization: {credentials: ...}`) is answered."""
 
     def initialize(self, ctx):
         self.ctx = ctx
+
+    def prepare(self):
+        token = self.ctx.settings.metrics_token
+        if not token:
+            return
+        scheme, _, given = self.request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not same_secret(given.strip(), token):
+            self.set_status(401)
+            self.set_header("WWW-Authenticate", 'Bearer realm="metrics"')
+            self.finish("unauthorized\n")
 
     def get(self):
         # The classic text format: every Prometheus version (and most agents) reads it.
