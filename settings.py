@@ -93,6 +93,7 @@ POSITIVE_NUMBERS = {
     "BODY_BUFFER_TOTAL_BYTES": "body_buffer_total_bytes",
     "BODY_BUFFER_PER_CLIENT_BYTES": "body_buffer_per_client_bytes",
     "METRICS_CACHE_SECONDS": "metrics_cache_seconds",
+    "MAX_CONNECTIONS": "max_connections",
 }
 
 # URL settings, when set, and the schemes each may use.
@@ -172,6 +173,7 @@ class Settings:
     body_buffer_per_client_bytes: int = 8 * 1024 * 1024
     metrics_token: str = dataclasses.field(default="", repr=False)
     metrics_cache_seconds: int = 5
+    max_connections: int = 4000
 
     @classmethod
     def from_env(cls, environ=None):
@@ -244,6 +246,7 @@ class Settings:
                 env, "BODY_BUFFER_PER_CLIENT_BYTES", cls.body_buffer_per_client_bytes),
             metrics_token=text("METRICS_TOKEN"),
             metrics_cache_seconds=_int(env, "METRICS_CACHE_SECONDS", cls.metrics_cache_seconds),
+            max_connections=_int(env, "MAX_CONNECTIONS", cls.max_connections),
         )
         settings.check()
         return settings

@@ -9,13 +9,14 @@ import signal
 import time
 import weakref
 
-import tornado.httpserver
 import tornado.httputil
 import tornado.ioloop
 import tornado.netutil
 import tornado.web
 
+import lograte
 import migrations
+from app.connections import ReceiverServer, connection_cap, descriptor_limit
 from app.context import Context
 from handlers.base import ApiHandler, NotFoundHandler, log_request
 from handlers.console import cookie_secret
@@ -135,8 +136,14 @@ def make_app(ctx):
 
 
 def make_server(app, settings):
-    return tornado.httpserver.HTTPServer(
+    cap = connection_cap(settings.max_connections, descriptor_limit())
+    if cap < settings.max_connections:
+        log.warning("at most %d connections at once: the file descriptor limit leaves no "
+                    "more (MAX_CONNECTIONS=%d; raise LimitNOFILE)", cap,
+                    settings.max_connections)
+    return ReceiverServer(
         app,
+        max_connections=cap,
         xheaders=True,
         # For the few handlers that let the server read their body (the pages); the
         # JSON handlers refuse an oversize body themselves (ReceiverApplication).
@@ -179,6 +186,7 @@ async def serve(settings, ready=None):
     await server.close_all_connections()
     await ctx.scheduler.stop()
     await ctx.close()
+    lograte.flush_all()
     if watchdog:
         watchdog.stop()
     db.close()

@@ -7,6 +7,7 @@ the subprocess while the test waits for it."""
 import asyncio
 import contextlib
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -39,9 +40,11 @@ def unused_port():
 class ServiceProcess:
     """`python receiver.py serve` with the given settings; its log goes to `log_path`."""
 
-    def __init__(self, log_path, **env):
+    def __init__(self, log_path, nofile=None, **env):
+        """`nofile`: the process's file descriptor limit (soft and hard), as `ulimit -n`."""
         self.port = unused_port()
         self.log_path = log_path
+        self.nofile = nofile
         self.env = {
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
             "RECEIVER_HOST": "127.0.0.1",
@@ -62,7 +65,7 @@ class ServiceProcess:
         log = open(self.log_path, "ab")
         self.process = subprocess.Popen(
             [sys.executable, "receiver.py", "serve"], cwd=ROOT, env=self.env,
-            stdout=log, stderr=subprocess.STDOUT)
+            stdout=log, stderr=subprocess.STDOUT, preexec_fn=self._limit_files)
         log.close()
         deadline = time.monotonic() + START_TIMEOUT_SECONDS
         while not self._answers():
@@ -70,6 +73,10 @@ class ServiceProcess:
                 raise RuntimeError(f"service did not start; log:\n{self.log()[-3000:]}")
             await asyncio.sleep(0.05)
         return self
+
+    def _limit_files(self):
+        if self.nofile:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, self.nofile))
 
     def _answers(self):
         try:

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from app.connections import connection_cap
 from settings import Settings
 from tests.ops_helpers import ROOT
 
@@ -55,6 +56,12 @@ def test_the_unit_passes_systemd_analyze_verify(tmp_path, name, instance):
     result = subprocess.run(["systemd-analyze", "verify", "--man=no", instance],
                             cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert (result.returncode, result.stderr) == (0, "")
+
+
+def test_the_unit_gives_room_for_the_connections_it_allows():
+    settings = dict(unit_settings())
+    limit = int(settings["LimitNOFILE"])
+    assert connection_cap(Settings().max_connections, limit) == Settings().max_connections
 
 
 def test_the_unit_is_notify_restarting_and_hardened():

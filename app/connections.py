@@ -1,0 +1,151 @@
+"""The HTTP server's connections: how many may be open at once, and what happens past
+that or when the process runs out of file descriptors.
+
+Each connection is a file descriptor. About 1,020 idle connections used up the 1,024 a
+process gets by default; every accept then failed with EMFILE, and as the listening
+socket stayed readable the loop retried at once, writing a traceback each time (99.6%
+CPU, 87 MB of log in 23 s), while real webhooks could not get in.
+
+So: connections are capped at MAX_CONNECTIONS, and below what the descriptor limit
+leaves once the service's own files are counted (the database, up to 200 outbound
+connections, the spool). At the cap, an idle connection (one with no request in
+progress: a keep-alive, or a client that has sent nothing) is closed to make room, so
+that an idle crowd cannot keep a sender out; with none idle, the new connection gets a
+canned 503 and is closed. A failed accept pauses accepting for a moment instead of
+retrying at once. Each condition is logged once, then counted (lograte).
+"""
+import errno
+import logging
+import resource
+
+import tornado.httpserver
+import tornado.ioloop
+
+import lograte
+
+log = logging.getLogger("receiver.connections")
+REPEATS = lograte.Repeats(log)
+
+# Descriptors kept for the service's own use: a quarter of the limit, at most 256.
+MAX_RESERVE = 256
+# How long accepting pauses after an accept failed for want of descriptors or memory.
+ACCEPT_PAUSE_SECONDS = 0.5
+OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 5\r\nContent-Length: 0\r\n"
+        b"Connection: close\r\n\r\n")
+ACCEPTS_PER_TURN = 128
+
+
+def descriptor_limit():
+    """The soft RLIMIT_NOFILE, raised to the hard limit first (systemd's LimitNOFILE=
+    sets both; a shell's ulimit often leaves the soft one at 1,024)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
+def connection_cap(wanted, limit):
+    """MAX_CONNECTIONS, or less: what the descriptor limit leaves after the reserve."""
+    if limit == resource.RLIM_INFINITY:
+        return wanted
+    return max(1, min(wanted, limit - min(MAX_RESERVE, limit // 4)))
+
+
+class ReceiverServer(tornado.httpserver.HTTPServer):
+    """HTTPServer with the connection cap and the accept loop described above."""
+
+    def initialize(self, *args, max_connections, **kwargs):
+        super().initialize(*args, **kwargs)
+        self.max_connections = max_connections
+
+    def add_sockets(self, sockets):
+        for sock in sockets:
+            self._sockets[sock.fileno()] = sock
+            self._handlers[sock.fileno()] = Acceptor(self, sock).stop
+
+    def take(self, connection, address):
+        """A connection accepted: handled, after making room if the cap is reached."""
+        open_now = self.open_streams()
+        if len(open_now) >= self.max_connections and not self.close_an_idle_one(open_now):
+            REPEATS.warning("full", "%d connections open (MAX_CONNECTIONS or the file "
+                            "descriptor limit): refusing new ones", len(open_now))
+            refuse(connection)
+            return
+        self._handle_connection(connection, address)
+
+    def open_streams(self):
+        """The connections' streams still open (a closed one leaves the server's set a
+        moment later)."""
+        return [conn.stream for conn in self._connections
+                if conn.stream is not None and not conn.stream.closed()]
+
+    def close_an_idle_one(self, streams):
+        busy = {request.connection.stream for request in self.request_callback.requests}
+        for stream in streams:
+            if stream not in busy:
+                REPEATS.warning("evict", "%d connections open: closing idle ones to let "
+                                "new ones in", len(streams))
+                stream.close()
+                return True
+        return False
+
+
+def refuse(connection):
+    try:
+        connection.setblocking(False)
+        connection.send(BUSY)
+    except OSError:
+        pass
+    connection.close()
+
+
+class Acceptor:
+    """Tornado's accept loop (netutil.add_accept_handler), but one that pauses on EMFILE
+    and its kind instead of raising (and being called again at once, forever)."""
+
+    def __init__(self, server, sock):
+        self.server, self.sock = server, sock
+        self.loop = tornado.ioloop.IOLoop.current()
+        self.stopped = False
+        self.loop.add_handler(sock, self.on_readable, tornado.ioloop.IOLoop.READ)
+
+    def on_readable(self, fd, events):
+        for _ in range(ACCEPTS_PER_TURN):
+            if self.stopped:
+                return
+            try:
+                connection, address = self.sock.accept()
+            except BlockingIOError:
+                return
+            except ConnectionAbortedError:
+                continue
+            except OSError as exc:
+                if exc.errno not in OUT_OF_RESOURCES:
+                    raise
+                self.pause(exc)
+                return
+            self.server.take(connection, address)
+
+    def pause(self, exc):
+        REPEATS.error(("accept", exc.errno), "cannot accept connections: %s (%d open); "
+                      "pausing %.1f s", exc.strerror, len(self.server._connections),
+                      ACCEPT_PAUSE_SECONDS)
+        self.loop.remove_handler(self.sock)
+        self.loop.call_later(ACCEPT_PAUSE_SECONDS, self.resume)
+
+    def resume(self):
+        if not self.stopped:
+            self.loop.add_handler(self.sock, self.on_readable, tornado.ioloop.IOLoop.READ)
+
+    def stop(self):
+        if not self.stopped:
+            self.stopped = True
+            try:
+                self.loop.remove_handler(self.sock)
+            except (KeyError, ValueError):
+                pass
