@@ -3,11 +3,15 @@ CPU on failed accepts. The real service, as a subprocess with a low `ulimit -n`.
 import asyncio
 import json
 import os
+import resource
 import socket
+import sys
+import time
 
 import pytest
+import tornado.netutil
 
-from app.connections import connection_cap
+from app.connections import ReceiverServer, connection_cap
 from tests.conftest import WEBHOOK_SECRET
 from tests.service_process import ServiceProcess
 
@@ -74,3 +78,39 @@ async def test_idle_connections_past_the_limit_starve_nothing(tmp_path, database
     assert len(log.splitlines()) < 40
     print(f"\n[idle flood] idle={len(idle)} nofile={NOFILE} cpu_seconds={spent:.2f} "
           f"log_lines={len(log.splitlines())}")
+
+
+HOLD_CONNECTIONS = """
+import socket, sys, time
+sys.stdin.readline()
+held = [socket.create_connection(("127.0.0.1", int(sys.argv[1]))) for _ in range(40)]
+print("connected", flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+@pytest.mark.gen_test(timeout=60)
+async def test_an_accept_without_descriptors_pauses_instead_of_spinning(app, ctx, caplog):
+    [sock] = tornado.netutil.bind_sockets(0, "127.0.0.1")
+    server = ReceiverServer(app, max_connections=10**6)
+    server.add_sockets([sock])
+    clients = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", HOLD_CONNECTIONS, str(sock.getsockname()[1]), "1.5",
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    # Room for 10 more descriptors in this process: the 11th connection cannot be taken.
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 10, hard))
+    try:
+        clients.stdin.write(b"go\n")
+        assert await clients.stdout.readline() == b"connected\n"
+        cpu = time.process_time()
+        await asyncio.sleep(1)
+        spent = time.process_time() - cpu
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    await clients.wait()
+    server.stop()
+    paused = [r for r in caplog.records if "cannot accept connections" in r.getMessage()]
+    assert len(paused) == 1 and not paused[0].exc_info
+    assert not [r for r in caplog.records if r.exc_info]
+    print(f"\n[EMFILE] cpu_seconds_in_1s={spent:.2f}")
