@@ -13,6 +13,7 @@ import random
 
 from peewee import fn
 
+import lograte
 from clients.http import Result
 from models import Outbox
 from engine import commits
@@ -21,6 +22,7 @@ from engine.db import UNAVAILABLE
 from engine.prepared import InsertOnce, Prepared, slot
 
 log = logging.getLogger("receiver.outbox")
+REPEATS = lograte.Repeats(log)
 
 MAX_ATTEMPTS = 12
 # Keys of the admin e-mails that say a row or an event was given up; such an e-mail
@@ -286,8 +288,9 @@ def record_outcome(ctx, row, result):
         RETRY.execute(id=row.id, last_error=result.error, next_attempt_at=now + backoff(attempts),
                       attempts=attempts, updated_at=now)
         ctx.metrics.effect_sent(row.kind, "retry")
-        log.warning("outbox %s %s failed (attempt %d), will retry: %s",
-                    row.id, row.kind, attempts, result.error)
+        # A peer that is down fails every effect alike: one line, then a count.
+        REPEATS.warning((row.kind, result.error), "outbox %s %s failed (attempt %d), will "
+                        "retry: %s", row.id, row.kind, attempts, result.error)
 
 
 async def deliver(ctx, rows):

@@ -74,3 +74,14 @@ async def test_an_outage_logs_the_database_failure_once_not_per_call(post, ctx, 
             assert status == 503
     lines = [m for m in messages(caplog, "receiver.http") if "database unavailable" in m]
     assert len(lines) == 1
+
+
+@pytest.mark.gen_test
+async def test_a_peer_down_logs_its_failure_once_not_per_effect(post, worker, caplog):
+    worker.fail_with(503)
+    headers = {"X-Webhook-Secret": WEBHOOK_SECRET}
+    for number in range(20):
+        body = {"order_name": f"ORD-{number}", "order_number": f"FO-{number}"}
+        assert (await post("/api/v1/webhooks/formation/ready", body, headers))[0] == 200
+    lines = [m for m in messages(caplog, "receiver.outbox") if "will retry" in m]
+    assert len(worker.requests) == 20 and len(lines) == 1
