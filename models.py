@@ -6,16 +6,22 @@ One Database is chosen at start-up from DATABASE_URL by `open_database`; models 
 bound to it through a proxy. Times are stored as timezone-aware UTC, money as integer
 cents, coin amounts as exact decimals (every digit kept, on SQLite too).
 """
+import contextlib
 import datetime
 import decimal
+import math
 import os
+import select
+import time
 
 from peewee import (
-    BigIntegerField, BooleanField, DatabaseProxy, DateTimeField, Field,
+    BigIntegerField, BooleanField, DatabaseError, DatabaseProxy, DateTimeField, Field,
     ForeignKeyField, IntegerField, InterfaceError, Model, OperationalError,
-    PostgresqlDatabase, SQL, SqliteDatabase, TextField,
+    PeeweeException, PostgresqlDatabase, SQL, SqliteDatabase, TextField,
 )
 from playhouse.db_url import parse
+import psycopg2
+import psycopg2.extensions
 from playhouse.shortcuts import ReconnectMixin
 
 database = DatabaseProxy()
@@ -72,7 +78,167 @@ class ExactDecimalField(Field):
         return decimal.Decimal(str(value))
 
 
-class ReconnectingPostgresqlDatabase(ReconnectMixin, PostgresqlDatabase):
+# What counts as "the database is down": the errors worth waiting out, as opposed to a
+# statement the database refuses and will refuse again (a value past PostgreSQL's index
+# row limit, SQLSTATE 54000, which psycopg2 raises as OperationalError). PostgreSQL's by
+# SQLSTATE: connection (08), conflict (40, the group commit runs the unit again),
+# insufficient resources (53: too many connections, disk full), lock timeout (55P03),
+# statement timeout or shutdown (57: 57014, 57P01-57P05), system error (58), read-only
+# (25006, a standby after a failover), idle session ended (25P03).
+DOWN_SQLSTATE_CLASSES = ("08", "40", "53", "57", "58")
+DOWN_SQLSTATES = ("55P03", "25006", "25P03")
+# SQLite's by primary result code: BUSY (the busy timeout ran out), LOCKED, NOMEM,
+# READONLY, IOERR, FULL, CANTOPEN, PROTOCOL.
+DOWN_SQLITE_CODES = frozenset((5, 6, 7, 8, 10, 13, 14, 15))
+
+
+class DatabaseDown(OperationalError):
+    """The database cannot be reached or written now; the same statement may work later."""
+
+
+class StatementRefused(DatabaseError):
+    """The database answered and refused this statement; it would refuse it again."""
+
+
+def is_down(exc):
+    """Whether a driver error (as peewee raised it) means the database is unavailable.
+
+    An error without a code from the server is the client's own (connection refused,
+    reset, timed out): down. One with a code is down only if the code says so."""
+    driver_error = getattr(exc, "orig", None)
+    sqlstate = getattr(driver_error, "pgcode", None)
+    if sqlstate:
+        return sqlstate.startswith(DOWN_SQLSTATE_CLASSES) or sqlstate in DOWN_SQLSTATES
+    sqlite_code = getattr(driver_error, "sqlite_errorcode", None)
+    if sqlite_code is not None:
+        return sqlite_code & 0xFF in DOWN_SQLITE_CODES
+    return isinstance(exc, (OperationalError, InterfaceError))
+
+
+class ClassifiedErrors:
+    """Raises DatabaseDown or StatementRefused by `is_down`, whatever class the driver
+    chose: code that waits out an outage catches OperationalError and InterfaceError
+    (engine.db.UNAVAILABLE), and must never wait out a refusal, nor refuse in an outage.
+
+    With a `circuit` (engine.db.Circuit, set by the service), a database found down is
+    not tried again until the circuit's probe finds it back: every statement raises
+    DatabaseDown at once, and the callers fall back as they do for a real failure."""
+
+    circuit = None
+
+    def execute_sql(self, sql, params=None):
+        with self._guarded():
+            return super().execute_sql(sql, params)
+
+    def begin(self, *args, **kwargs):
+        with self._guarded():
+            return super().begin(*args, **kwargs)
+
+    def connect(self, *args, **kwargs):
+        with self._guarded():
+            return super().connect(*args, **kwargs)
+
+    def commit(self):
+        # Not refused while the circuit is open: a transaction begun before is ended.
+        with _classified(self.circuit):
+            return super().commit()
+
+    @contextlib.contextmanager
+    def _guarded(self):
+        circuit = self.circuit
+        if circuit is not None and circuit.is_open:
+            raise DatabaseDown(f"the database is down ({circuit.reason}); not tried until "
+                               "a probe finds it back")
+        with _classified(circuit):
+            yield
+
+
+class _classified:
+    """Re-raises a database error as DatabaseDown or StatementRefused; tells `circuit`
+    (if any) of a DatabaseDown."""
+
+    def __init__(self, circuit):
+        self.circuit = circuit
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, traceback):
+        if exc is None or not isinstance(exc, PeeweeException) or isinstance(
+                exc, StatementRefused) or getattr(exc, "orig", None) is None:
+            return False
+        if not is_down(exc):
+            if not isinstance(exc, (OperationalError, InterfaceError)):
+                return False
+            raise StatementRefused(exc.orig, *exc.args).with_traceback(traceback) from None
+        if self.circuit is not None:
+            self.circuit.trip(exc)
+        if isinstance(exc, DatabaseDown):
+            return False
+        raise DatabaseDown(exc.orig, *exc.args).with_traceback(traceback) from None
+
+
+class BoundedWaits:
+    """How long the service's loop may wait on the database: every wait of psycopg2's
+    (connecting, a statement, a commit) goes through `wait`, which gives up after
+    `seconds`. libpq's own timeouts cannot do that alone: a frozen server (a hung host, a
+    partition whose packets are dropped by a proxy that still answers TCP) leaves a
+    connection open and silent, and psycopg2 would block the IOLoop on it for good. On
+    giving up psycopg2 closes that connection; the next statement opens a new one."""
+
+    seconds = None
+
+    @classmethod
+    def wait(cls, conn):
+        deadline = None if cls.seconds is None else time.monotonic() + cls.seconds
+        while True:
+            state = conn.poll()
+            if state == psycopg2.extensions.POLL_OK:
+                return
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise psycopg2.OperationalError(
+                    f"the database did not answer within {cls.seconds:g} s")
+            if state == psycopg2.extensions.POLL_READ:
+                select.select([conn.fileno()], [], [], left)
+            else:
+                select.select([], [conn.fileno()], [], left)
+
+    @classmethod
+    def set(cls, seconds):
+        cls.seconds = seconds
+        psycopg2.extensions.set_wait_callback(cls.wait)
+
+    @classmethod
+    @contextlib.contextmanager
+    def lifted(cls):
+        seconds, cls.seconds = cls.seconds, None
+        try:
+            yield
+        finally:
+            cls.seconds = seconds
+
+
+class ClassifiedSqliteDatabase(ClassifiedErrors, SqliteDatabase):
+    """SQLite, its errors sorted into down and refused."""
+
+    def probe(self):
+        """Raise unless the file can be written now: a connection of its own (any thread)
+        takes the write lock, within the busy timeout, and lets it go."""
+        conn = self._connect()
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute("ROLLBACK")
+        finally:
+            conn.close()
+
+    @contextlib.contextmanager
+    def unbounded(self):
+        """Nothing to lift: the busy timeout is the only wait."""
+        yield
+
+
+class ReconnectingPostgresqlDatabase(ClassifiedErrors, ReconnectMixin, PostgresqlDatabase):
     """Reconnects once when PostgreSQL dropped the connection (restart, failover)."""
 
     # psycopg2's words for a connection that is gone (ReconnectMixin only knows MySQL's).
@@ -84,27 +250,61 @@ class ReconnectingPostgresqlDatabase(ReconnectMixin, PostgresqlDatabase):
         (InterfaceError, "connection already closed"),
     )
 
+    def probe(self):
+        """Raise unless PostgreSQL answers and takes writes: a connection of its own (any
+        thread), bounded like every other wait."""
+        conn = self._connect()
+        try:
+            cursor = conn.cursor()
+            cursor.execute("SELECT pg_is_in_recovery()")
+            if cursor.fetchone()[0]:
+                raise psycopg2.OperationalError("the database is a standby (read-only)")
+        finally:
+            conn.close()
 
-def open_database(url):
-    """Create the Database for `url` (sqlite:///path or postgresql://...) and bind the models."""
+    @contextlib.contextmanager
+    def unbounded(self):
+        """Statements that may wait long on purpose (migrations: one process migrates,
+        the others wait for its lock) run without the service's bounds."""
+        with BoundedWaits.lifted():
+            self.execute_sql("SET statement_timeout = 0")
+            try:
+                yield
+            finally:
+                self.execute_sql("RESET statement_timeout")
+
+
+def open_database(url, timeout_ms=None):
+    """Create the Database for `url` (sqlite:///path or postgresql://...) and bind the models.
+
+    With `timeout_ms` (the service's DATABASE_TIMEOUT_MS), every wait on the database is
+    bounded by it: on PostgreSQL the connect timeout (libpq's minimum is 2 s),
+    tcp_user_timeout, TCP keepalives (a dead idle connection is found in about 4 s), the
+    statement timeout and BoundedWaits; on SQLite the busy timeout. Without it (the
+    operator's commands) only the connect timeout is bounded, and SQLite waits 5 s for a
+    lock. Parameters in the URL's query string win."""
     parsed = parse(url)
     scheme = url.split(":", 1)[0]
     if scheme == "sqlite":
         path = parsed.pop("database")
         if path != ":memory:":
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        db = SqliteDatabase(
+        db = ClassifiedSqliteDatabase(
             path,
             field_types=SQLITE_FIELD_TYPES,
             pragmas={
                 "journal_mode": "wal",
                 # An acknowledged webhook must survive a power cut, not only a crash.
                 "synchronous": "full",
-                "busy_timeout": 5000,
+                "busy_timeout": timeout_ms or 5000,
                 "foreign_keys": 1,
             },
         )
     elif scheme in ("postgres", "postgresql"):
+        if timeout_ms:
+            for name, value in _libpq_bounds(timeout_ms).items():
+                parsed.setdefault(name, value)
+            BoundedWaits.set(timeout_ms / 1000)
         parsed.setdefault("connect_timeout", 3)
         db = ReconnectingPostgresqlDatabase(field_types=POSTGRES_FIELD_TYPES, **parsed)
     else:
@@ -112,6 +312,13 @@ def open_database(url):
             f"DATABASE_URL must start with sqlite:// or postgresql://, got {scheme}://")
     database.initialize(db)
     return db
+
+
+def _libpq_bounds(timeout_ms):
+    return {"connect_timeout": max(2, math.ceil(timeout_ms / 1000)),
+            "tcp_user_timeout": timeout_ms, "keepalives": 1, "keepalives_idle": 2,
+            "keepalives_interval": 1, "keepalives_count": 2,
+            "options": f"-c statement_timeout={timeout_ms}"}
 
 
 def is_postgres(db=None):

@@ -94,6 +94,7 @@ POSITIVE_NUMBERS = {
     "BODY_BUFFER_PER_CLIENT_BYTES": "body_buffer_per_client_bytes",
     "METRICS_CACHE_SECONDS": "metrics_cache_seconds",
     "MAX_CONNECTIONS": "max_connections",
+    "DATABASE_TIMEOUT_MS": "database_timeout_ms",
 }
 
 # URL settings, when set, and the schemes each may use.
@@ -174,6 +175,7 @@ class Settings:
     metrics_token: str = dataclasses.field(default="", repr=False)
     metrics_cache_seconds: int = 5
     max_connections: int = 4000
+    database_timeout_ms: int = 1000
 
     @classmethod
     def from_env(cls, environ=None):
@@ -247,6 +249,7 @@ class Settings:
             metrics_token=text("METRICS_TOKEN"),
             metrics_cache_seconds=_int(env, "METRICS_CACHE_SECONDS", cls.metrics_cache_seconds),
             max_connections=_int(env, "MAX_CONNECTIONS", cls.max_connections),
+            database_timeout_ms=_int(env, "DATABASE_TIMEOUT_MS", cls.database_timeout_ms),
         )
         settings.check()
         return settings

@@ -18,6 +18,7 @@ from app.server import CannotStart, serve
 from clients.stripe_api import NotConfigured
 from domain import backfill, holdback, reminders, settlement
 from domain.links import KINDS, print_signed_link
+from engine import spool
 from engine.db import UNAVAILABLE
 from engine.payload import read_json
 from models import open_database
@@ -151,6 +152,13 @@ def add_operator_commands(commands):
     which.add_argument("id", type=int, nargs="?", help="the outbox row's id")
     which.add_argument("--dead", action="store_true", help="every dead row")
     retry.set_defaults(run=outbox_retry)
+
+    spooled = commands.add_parser(
+        "spool", help="calls kept in SPOOL_DIR while the database was down"
+    ).add_subparsers(dest="action", metavar="ACTION", required=True)
+    spooled.add_parser(
+        "quarantined", help="spooled calls the database refused to store, with the reason"
+    ).set_defaults(run=spool_quarantined)
 
     commands.add_parser(
         "settle", help="run the CRTC settlement (balance.available routine) once now"
@@ -295,6 +303,20 @@ async def outbox_retry(ctx, args):
         return 0
     row = operator.retry_outbox(ctx, args.id)
     print(f"outbox row #{row.id} ({row.kind}) back to pending, due now")
+    return 0
+
+
+QUARANTINE_COLUMNS = ("RECEIVED (UTC)", "SOURCE", "TYPE", "ORDER", "DEDUP KEY", "REASON")
+
+
+async def spool_quarantined(ctx, args):
+    calls = spool.quarantined(ctx.settings.spool_dir)
+    print(operator.table(QUARANTINE_COLUMNS, [
+        (call.get("received_at"), call.get("source"), operator.clip(call.get("event_type")),
+         operator.clip(call.get("order_number")), operator.clip(call.get("dedup_key")),
+         operator.clip(call.get("unstorable"))) for call in calls]))
+    print(f"{len(calls)} quarantined call(s) in "
+          f"{os.path.join(ctx.settings.spool_dir, spool.UNSTORABLE_NAME)}")
     return 0
 
 

@@ -21,6 +21,7 @@ from app.context import Context
 from handlers.base import ApiHandler, NotFoundHandler, log_request
 from handlers.console import cookie_secret
 from handlers.routes import routes
+from engine.db import Circuit
 from models import open_database
 from ops import systemd
 from scheduler import Scheduler
@@ -154,13 +155,16 @@ def make_server(app, settings):
 
 async def serve(settings, ready=None):
     """Serve until SIGTERM or SIGINT; `ready()`, when given, is called once it listens."""
-    db = open_database(settings.database_url)
-    applied = migrations.migrate(db)
+    db = open_database(settings.database_url, timeout_ms=settings.database_timeout_ms)
+    with db.unbounded():
+        applied = migrations.migrate(db)
     if applied:
         log.info("migrations applied: %s", ", ".join(applied))
     settings.warn_about_placeholders()
     prepare_spool(settings.spool_dir)
     sockets = bind(settings)
+    circuit = Circuit(db)
+    circuit.attach()
     ctx = Context.create(settings)
     app = make_app(ctx)
     server = make_server(app, settings)
@@ -189,6 +193,7 @@ async def serve(settings, ready=None):
     lograte.flush_all()
     if watchdog:
         watchdog.stop()
+    await circuit.detach()
     db.close()
     log.info("stopped")
 

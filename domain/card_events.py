@@ -52,6 +52,14 @@ def problem_with(event):
     if not isinstance(event.get("data"), dict) or not isinstance(
             event["data"].get("object"), dict):
         return "no data.object"
+    obj = object_of(event)
+    # Each goes into an indexed column: the event id, its type, the object's id (the
+    # dedup key), the order id of its metadata.
+    for name, value in (("id", event["id"]), ("type", event["type"]),
+                        ("data.object.id", obj.get("id")),
+                        ("metadata.order_id", metadata_of(obj).get("order_id"))):
+        if isinstance(value, str) and len(value) > inbox.MAX_KEY_LENGTH:
+            return f"{name} too long"
     return None
 
 

@@ -30,6 +30,9 @@ MAX_DECIMAL_PLACES = 30
 MAX_AMOUNT = decimal.Decimal(10) ** 15
 MAX_EXTERNAL_ID_LENGTH = 200
 MAX_TXID_LENGTH = 256
+# SHKeeper's statuses are short words (PAID, PARTIAL, ...); the status is the event's type
+# and part of its dedup key, both indexed.
+MAX_STATUS_LENGTH = 64
 EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
 
 
@@ -164,14 +167,20 @@ class Callback:
         paid = body.get("paid", False)
         if not isinstance(paid, bool):
             raise MalformedCallback(f"paid is not true or false: {_shown(paid)}")
+        status = _text(body, "status")
+        if len(status) > MAX_STATUS_LENGTH:
+            raise MalformedCallback(f"status is too long: {_shown(status)}")
+        notice_txid = _text(body, "txid")
+        if len(notice_txid) > MAX_TXID_LENGTH:
+            raise MalformedCallback("txid is too long")
         coin = _text(body, "crypto").upper() or "UNKNOWN"
         return cls(
-            external_id=external_id, status=_text(body, "status"), paid=paid,
+            external_id=external_id, status=status, paid=paid,
             coin=coin, fiat=_text(body, "fiat").upper(),
             # An `unconfirmed` notice names its coin amount `amount`.
             amount_coin=amount(body, "balance_crypto" if "balance_crypto" in body else "amount"),
             amount_fiat=amount(body, "balance_fiat"),
-            transactions=_transactions(body, coin), notice_txid=_text(body, "txid"))
+            transactions=_transactions(body, coin), notice_txid=notice_txid)
 
     @property
     def txids(self):

@@ -25,9 +25,8 @@ import contextlib
 import contextvars
 
 from models import database, is_postgres
+from engine.db import is_conflict
 
-# SQLSTATE class 40, transaction rollback: a deadlock or a serialization failure.
-CONFLICT_CLASS = "40"
 MAX_CONFLICTS = 5
 
 # False while a turn runs without savepoints.
@@ -118,12 +117,6 @@ def _attempt(unit):
             return unit(), None
     except Exception as failure:
         return None, failure
-
-
-def is_conflict(failure):
-    """peewee keeps the driver's error as `orig`; psycopg2's carries the SQLSTATE."""
-    driver_error = getattr(failure, "orig", None)
-    return str(getattr(driver_error, "pgcode", "") or "").startswith(CONFLICT_CLASS)
 
 
 def raise_if_conflict(failure):

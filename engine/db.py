@@ -1,10 +1,26 @@
-"""Small database helpers shared by the services."""
+"""Small database helpers shared by the services, and the circuit that keeps a database
+known to be down from being tried on every call."""
+import asyncio
+import concurrent.futures
+import logging
+import time
+
 import peewee
 
 from models import is_postgres
 
+log = logging.getLogger("receiver.db")
+
 # Errors that mean "the database cannot be reached or written", not "this data is wrong".
+# The database classes of models.py raise every error as DatabaseDown (one of these) or
+# StatementRefused (not one of these) by its SQLSTATE or SQLite result code: models.is_down.
 UNAVAILABLE = (peewee.OperationalError, peewee.InterfaceError)
+
+# SQLSTATE class 40: a deadlock or serialization failure, which the group commit runs
+# again; the database is up.
+CONFLICT_CLASS = "40"
+# How often a database found down is probed again.
+PROBE_INTERVAL_SECONDS = 1.0
 
 
 def why_unavailable(exc):
@@ -15,3 +31,75 @@ def why_unavailable(exc):
 def locked(query):
     """`query` with FOR UPDATE on PostgreSQL; SQLite serialises writers by itself."""
     return query.for_update() if is_postgres() else query
+
+
+def is_conflict(failure):
+    """peewee keeps the driver's error as `orig`; psycopg2's carries the SQLSTATE."""
+    driver_error = getattr(failure, "orig", None)
+    return str(getattr(driver_error, "pgcode", "") or "").startswith(CONFLICT_CLASS)
+
+
+class Circuit:
+    """Open while the database is known to be down. The first failure opens it (whoever
+    met it: a request, a scheduled job, a mail thread); from then on the database class
+    raises DatabaseDown at once instead of waiting on it, so webhooks go straight to the
+    spool and the loop stays free. A probe in a thread of its own (a fresh connection
+    that must take a write) runs every PROBE_INTERVAL_SECONDS and closes the circuit when
+    it succeeds; the spool drain's next tick stores what was spooled."""
+
+    def __init__(self, db, interval=PROBE_INTERVAL_SECONDS):
+        self.db = db
+        self.interval = interval
+        self.reason = None
+        self.opened_at = None
+        self.loop = None
+        self.prober = None
+        self.threads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="db-probe")
+
+    @property
+    def is_open(self):
+        return self.reason is not None
+
+    def attach(self):
+        """From now on the database consults this circuit (call on the service's loop)."""
+        self.loop = asyncio.get_running_loop()
+        self.db.circuit = self
+
+    async def detach(self):
+        self.db.circuit = None
+        if self.prober is not None:
+            self.prober.cancel()
+            await asyncio.gather(self.prober, return_exceptions=True)
+        self.threads.shutdown(wait=False)
+
+    def trip(self, failure):
+        """Called by the database class on every DatabaseDown, from any thread."""
+        if self.is_open or is_conflict(failure):
+            return
+        self.reason = why_unavailable(failure)[:200]
+        self.opened_at = time.monotonic()
+        log.warning("database down (%s): calls go to the spool, probing every %g s",
+                    self.reason, self.interval)
+        self.loop.call_soon_threadsafe(self._start_probing)
+
+    def _start_probing(self):
+        if self.prober is None or self.prober.done():
+            self.prober = asyncio.ensure_future(self._probe_until_back())
+
+    async def _probe_until_back(self):
+        while True:
+            await asyncio.sleep(self.interval)
+            if await self.probe():
+                break
+        log.warning("database back after %.1f s: calls are stored again",
+                    time.monotonic() - self.opened_at)
+        self.reason = None
+
+    async def probe(self):
+        """Whether the database answers and takes writes, asked in the probe's thread."""
+        try:
+            await self.loop.run_in_executor(self.threads, self.db.probe)
+        except Exception as exc:  # whatever the driver raises, the database is still down
+            log.debug("database probe failed: %s", why_unavailable(exc))
+            return False
+        return True

@@ -8,6 +8,7 @@ is written to be safe to run again. Outbox rows are sent after the commit.
 import asyncio
 import datetime
 import functools
+import hashlib
 import inspect
 import logging
 import time
@@ -29,6 +30,11 @@ RETRY_CAP_SECONDS = 6 * 3600
 MAX_ATTEMPTS = 10
 FINAL_STATUSES = ("processed", "ignored", "rejected", "dead")
 AWAITING_HANDLING = ("received", "failed")
+# The longest text a sender may put in a column we index (order numbers, external ids,
+# event types, idempotency keys, dedup keys built from them). PostgreSQL refuses an index
+# row past about 2,700 bytes; 255 characters of UTF-8 are at most 1,020. Longer values are
+# refused where they are read, before they reach the inbox or the spool.
+MAX_KEY_LENGTH = 255
 
 # A SPOOL_DIR that cannot be used stays so until fixed: said every 10 minutes, not at
 # every tick of the drain.
@@ -108,13 +114,13 @@ async def accept(ctx, *args, in_background=False, send_within=None, **kwargs):
 
 async def _deliver(ctx, rows, within):
     if within is None or not rows:
-        await outbox.deliver(ctx, rows)
+        await deliver_committed(ctx, rows)
         return
     # Kept by the context, so shutdown waits for the sends that outlive the request.
-    sending = ctx.background(outbox.deliver(ctx, rows))
+    sending = ctx.background(deliver_committed(ctx, rows))
     done, _ = await asyncio.wait({sending}, timeout=within)
     if done:
-        sending.result()  # a database outage while recording reaches the caller, as before
+        sending.result()
 
 
 def _store_and_handle(ctx, call, handle_now):
@@ -160,14 +166,30 @@ async def drain_spool(ctx):
 
     Returns the number of calls read from the spool."""
     try:
-        read, created = spool.store_all(ctx.settings.spool_dir,
-                                        lambda call: store_spooled(ctx, call))
+        drained = await spool.store_all(
+            ctx.settings.spool_dir,
+            lambda call: ctx.commits.run(functools.partial(store_spooled, ctx, call)))
     except spool.Unusable as exc:
         SPOOL_UNUSABLE.warn(ctx.clock(), str(exc))
         return 0
-    for event in created:
+    for call in drained.quarantined:
+        _tell_admin_quarantined(ctx, call)
+    for event in drained.created:
         await process(ctx, event)
-    return read
+    return drained.read
+
+
+def _tell_admin_quarantined(ctx, call):
+    """Once per call (keyed by its dedup key): it was acknowledged, and nothing will
+    handle it unless someone does. A quarantined line may lack any field."""
+    source = str(call.get("source") or "unknown")
+    key = hashlib.sha256(f"{source}\n{call.get('dedup_key')}".encode()).hexdigest()[:32]
+    outbox.tell_admin(
+        ctx, f"quarantined-{key}", f"Spooled {source} call quarantined", "call_quarantined",
+        source=source, event_type=str(call.get("event_type") or "-")[:80],
+        order=str(call.get("order_number") or "-")[:80],
+        received_at=call.get("received_at"), reason=call["unstorable"],
+        payload=str(call.get("payload") or "")[:4000])
 
 
 def store_spooled(ctx, call):
@@ -269,8 +291,19 @@ async def _handle(ctx, event):
         log.exception("%s event #%s (%s) failed", event.source, event.id, event.event_type)
         _fail(ctx, event, f"{type(exc).__name__}: {exc}")
         return "failed"
-    await outbox.deliver(ctx, effects.rows)
+    await deliver_committed(ctx, effects.rows)
     return outcome
+
+
+async def deliver_committed(ctx, rows):
+    """Send effects whose cause is committed. Should the database go away while they are
+    sent or their outcome recorded, the call is still durable and its answer stands: the
+    effects are left to the scheduled sender, which takes them after their lease."""
+    try:
+        await outbox.deliver(ctx, rows)
+    except UNAVAILABLE as exc:
+        log.warning("%d effect(s) left to the scheduled sender, the database is "
+                    "unavailable: %s", len(rows), why_unavailable(exc))
 
 
 def _handle_in_transaction(ctx, event, plugin, payload):

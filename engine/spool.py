@@ -12,7 +12,13 @@ Draining renames the live file to `inbox-<ns>-<pid>.draining` first, so new call
 a fresh file, then stores every line in the inbox under its dedup key and deletes the
 file. A crash anywhere in between leaves the `.draining` file for the next drain, which
 stores the lines again: the dedup keys make that a no-op for the ones already stored.
+
+A line the database refuses (rather than cannot take now: models.is_down) would stop the
+drain at every tick, and every call spooled after it with it. It is quarantined instead:
+appended to SPOOL_DIR/unstorable.jsonl with the reason, and the drain goes on with the
+next line. `quarantined()` reads them back for the CLI, /metrics and /readyz.
 """
+import asyncio
 import datetime
 import fcntl
 import glob
@@ -29,6 +35,11 @@ log = logging.getLogger("receiver.spool")
 LIVE_NAME = "inbox.jsonl"
 UNSTORABLE_NAME = "unstorable.jsonl"
 DRAINING_SUFFIX = ".draining"
+# A refusal's text can quote the refused value (PostgreSQL's index row error does not,
+# a driver's may); the reason kept with a quarantined call is cut to this.
+MAX_REASON_CHARS = 500
+# Spooled calls handed to the inbox at once: one transaction of the group commit.
+STORE_BATCH = 50
 
 
 def append(spool_dir, entry, name=LIVE_NAME):
@@ -79,20 +90,51 @@ class LastingProblem:
         self.logger.warning(message)
 
 
-def store_all(spool_dir, store):
-    """Hand every spooled call to `store(entry) -> (event, is_new)`, file by file, deleting
-    each file once all its lines are stored.
+class Drained:
+    """What one drain did: calls read, the events new to the inbox, and the calls
+    quarantined (each a spooled entry with its `unstorable` reason)."""
 
-    Returns (calls read, the events new to the inbox). A database still down leaves the
-    files as they are for the next run."""
+    def __init__(self):
+        self.read = 0
+        self.created = []
+        self.quarantined = []
+
+
+async def store_all(spool_dir, store):
+    """Hand every spooled call to `await store(entry) -> (event, is_new)`, file by file,
+    deleting each file once all its lines are stored or quarantined. STORE_BATCH calls
+    are handed over at once (the group commit stores them in one transaction); the loop
+    answers other requests between batches, so a long outage's spool does not hold it.
+
+    Returns a Drained. A database still down leaves the files as they are for the next
+    run."""
     _rotate(spool_dir)
-    read = 0
-    created = []
+    drained = Drained()
     for path in sorted(glob.glob(os.path.join(spool_dir, "*" + DRAINING_SUFFIX))):
-        read += _store_file(path, store, created) or 0
-    if read:
-        log.info("spool drained: %d call(s) read, %d new to the inbox", read, len(created))
-    return read, created
+        drained.read += await _store_file(path, store, drained) or 0
+    if drained.read:
+        log.info("spool drained: %d call(s) read, %d new to the inbox, %d quarantined",
+                 drained.read, len(drained.created), len(drained.quarantined))
+    return drained
+
+
+def quarantined(spool_dir):
+    """The quarantined calls, oldest first, as they were written (received_at as text).
+    A drain that stopped mid-file (the database went away again) quarantines the same
+    call again on its next run: it is listed once."""
+    try:
+        with open(os.path.join(spool_dir, UNSTORABLE_NAME), "rb") as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return []  # none yet, or no spool to read (/readyz's spool check says why)
+    entries = {}
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue  # torn by a crash mid-append; cut off by the next append
+        entries.setdefault((entry.get("source"), entry.get("dedup_key")), entry)
+    return list(entries.values())
 
 
 def _rotate(spool_dir):
@@ -108,7 +150,7 @@ def _rotate(spool_dir):
     _fsync_directory(spool_dir)
 
 
-def _store_file(path, store, created):
+async def _store_file(path, store, drained):
     """Store the lines of one draining file, then delete it; None if another process is
     draining it or it is gone. A database failure leaves the file in place."""
     try:
@@ -124,10 +166,12 @@ def _store_file(path, store, created):
             return None  # drained and deleted by another process just now
         with os.fdopen(os.dup(fd), "rb") as handle:
             entries = _entries(handle, path)
-        for entry in entries:
-            event, is_new = _store_entry(os.path.dirname(path), entry, store)
-            if is_new:
-                created.append(event)
+        for start in range(0, len(entries), STORE_BATCH):
+            batch = entries[start:start + STORE_BATCH]
+            outcomes = await asyncio.gather(*(store(entry) for entry in batch),
+                                            return_exceptions=True)
+            for entry, outcome in zip(batch, outcomes):
+                _store_entry(os.path.dirname(path), entry, outcome, drained)
         os.unlink(path)
         _fsync_directory(os.path.dirname(path))
         return len(entries)
@@ -139,21 +183,23 @@ def _store_file(path, store, created):
         os.close(fd)
 
 
-def _store_entry(spool_dir, entry, store):
-    """Store one spooled call. A call the inbox refuses for a reason other than the
-    database being down would block the spool for good: it is set aside in
-    UNSTORABLE_NAME for the operator instead (the spool size in /metrics shows it)."""
-    try:
-        return store(entry)
-    except UNAVAILABLE:
-        raise
-    except Exception:
-        log.exception("spooled %s call %s cannot be stored; set aside in %s",
-                      entry.get("source"), entry.get("dedup_key"), UNSTORABLE_NAME)
-        append(spool_dir,
-               {**entry, "received_at": entry["received_at"].isoformat()},
-               name=UNSTORABLE_NAME)
-        return None, False
+def _store_entry(spool_dir, entry, outcome, drained):
+    """Account for one spooled call's storing; quarantine it if the database refused it.
+    A database down raises, leaving the file for the next drain."""
+    if isinstance(outcome, UNAVAILABLE):
+        raise outcome
+    if isinstance(outcome, Exception):
+        reason = f"{type(outcome).__name__}: {why_unavailable(outcome)}"[:MAX_REASON_CHARS]
+        log.error("spooled %s call %.80s cannot be stored, quarantined in %s: %s",
+                  entry.get("source"), entry.get("dedup_key"), UNSTORABLE_NAME, reason)
+        kept = {**entry, "received_at": entry["received_at"].isoformat(),
+                "unstorable": reason}
+        append(spool_dir, kept, name=UNSTORABLE_NAME)
+        drained.quarantined.append(kept)
+        return
+    event, is_new = outcome
+    if is_new:
+        drained.created.append(event)
 
 
 def _entries(handle, path):

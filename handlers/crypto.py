@@ -88,7 +88,7 @@ class CryptoProcessorWebhookHandler(ApiHandler):
                               raw[:4000].decode("utf-8", "replace"))
             self.answer(202, INTERNAL_ERROR)
             return
-        await outbox.deliver(self.ctx, rows)
+        await inbox.deliver_committed(self.ctx, rows)
         self.answer(202, INTERNAL_ERROR if outcome == "failed" else RECEIVED)
 
     def authenticate_headers(self):

@@ -2,6 +2,7 @@
 
 None of them needs a secret and none of them shows one: they say what is wrong in words
 an operator can act on (which part is down), never a connection string."""
+import asyncio
 import logging
 import os
 
@@ -11,10 +12,14 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 import lograte
 from handlers.base import ApiHandler, same_secret
 from models import database
-from engine.db import UNAVAILABLE
+from engine import spool
+from engine.db import why_unavailable
 
 log = logging.getLogger("receiver.ops")
 REPEATS = lograte.Repeats(log)
+
+# Within a load balancer's usual probe timeout, above the database's own bound (1 s).
+READY_TIMEOUT_SECONDS = 2
 
 
 class HealthHandler(ApiHandler):
@@ -30,22 +35,39 @@ class ReadyHandler(ApiHandler):
     """Ready to take webhooks: the database answers, the scheduler runs, and the spool
     (where calls go while the database is down) can be written."""
 
-    def get(self):
-        checks = {"database": self.database_check(), "scheduler": self.scheduler_check(),
-                  "spool": self.spool_check()}
+    async def get(self):
+        checks = {"database": await self.database_check(),
+                  "scheduler": self.scheduler_check(), "spool": self.spool_check()}
         problems = {name: problem for name, problem in checks.items() if problem != "ok"}
         status = 503 if problems else 200
-        self.answer(status, {"status": "ready" if not problems else "not ready",
-                             "checks": checks})
+        body = {"status": "ready" if not problems else "not ready", "checks": checks}
+        # Calls the database refused: worth an operator's look, no reason to take this
+        # process out of service.
+        quarantined = len(spool.quarantined(self.ctx.settings.spool_dir))
+        if quarantined:
+            body["spool_quarantined"] = quarantined
+        self.answer(status, body)
 
     head = get
 
-    def database_check(self):
+    async def database_check(self):
+        """A database known to be down is unreachable at once; otherwise a connection of
+        the probe's own must take a write, in a thread, within READY_TIMEOUT_SECONDS: the
+        loop never waits on it, and a frozen database is reported as such in time. A
+        probe every few seconds during an outage: one line, then a count."""
+        db = database.obj
+        if db.circuit is not None and db.circuit.is_open:
+            return "unreachable"
         try:
-            database.execute_sql("SELECT 1").fetchone()
-        except UNAVAILABLE as exc:
-            # A probe every few seconds during an outage: one line, then a count.
-            REPEATS.warning("unavailable", "readiness: database unavailable: %s", exc)
+            await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, db.probe),
+                                   READY_TIMEOUT_SECONDS)
+        except asyncio.TimeoutError:
+            REPEATS.warning("unavailable", "readiness: database unavailable: no answer in "
+                            "%s s", READY_TIMEOUT_SECONDS)
+            return "unreachable"
+        except Exception as exc:  # whatever the driver raises, it is not ready
+            REPEATS.warning("unavailable", "readiness: database unavailable: %s",
+                            why_unavailable(exc))
             return "unreachable"
         return "ok"
 

@@ -69,6 +69,9 @@ class WorkflowWebhookHandler(ApiHandler):
 
     async def accept(self, path, body):
         explicit = self.request.headers.get("Idempotency-Key", "").strip()
+        if len(explicit) > inbox.MAX_KEY_LENGTH:
+            self.fail(400, f"Idempotency-Key too long (at most {inbox.MAX_KEY_LENGTH} "
+                           "characters)")
         previous = ()
         if explicit:
             dedup_key = f"{path}:key:{explicit}"

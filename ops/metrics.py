@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 
 from models import Outbox, WebhookEvent
+from engine import spool
 from engine.db import UNAVAILABLE
 
 log = logging.getLogger("receiver.metrics")
@@ -146,6 +147,9 @@ class StateCollector:
         yield _gauge("receiver_spool_files", "Files in SPOOL_DIR (calls kept while the "
                      "database was down).", files)
         yield _gauge("receiver_spool_bytes", "Bytes in SPOOL_DIR.", size)
+        yield _gauge("receiver_spool_quarantined", "Spooled calls the database refused to "
+                     "store; see `receiver.py spool quarantined`.",
+                     len(spool.quarantined(self.ctx.settings.spool_dir)))
 
 
 def _samples(metric):

@@ -53,6 +53,10 @@ class ServiceProcess:
             "SCHEDULER_TICK_SECONDS": "1",
             "CLAIM_LEASE_SECONDS": str(LEASE_SECONDS),
             "OUTBOUND_TIMEOUT_SECONDS": "2",
+            # Above the service's 1 s: on this shared machine a statement now and then
+            # takes a second, and a database taken for down sends calls through the spool
+            # (correct, but later than some tests look). The outage tests set it back.
+            "DATABASE_TIMEOUT_MS": "3000",
             **{name: str(value) for name, value in env.items()},
         }
         self.process = None
@@ -121,7 +125,10 @@ class ServiceProcess:
 class TcpProxy:
     """Forwards 127.0.0.1:<port> to a target, in threads of its own. `cut()` drops every
     open connection and refuses new ones (what a stopped server looks like to its
-    clients); `restore()` forwards again."""
+    clients); `restore()` forwards again. `freeze()` keeps every connection open and
+    accepts new ones, but drops every byte either way (a hung server, or a partition
+    whose packets vanish): nothing is refused, nothing answers. `thaw()` closes the
+    connections that lost bytes and forwards again."""
 
     def __init__(self, target_host, target_port):
         self.target = (target_host, target_port)
@@ -130,6 +137,8 @@ class TcpProxy:
         self.open_sockets = set()
         self.lock = threading.Lock()
         self.is_cut = False
+        self.is_frozen = False
+        self.frozen_sockets = set()
         self.closed = False
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -151,8 +160,22 @@ class TcpProxy:
     def restore(self):
         self.is_cut = False
 
+    def freeze(self):
+        with self.lock:
+            self.is_frozen = True
+            self.frozen_sockets |= self.open_sockets
+
+    def thaw(self):
+        with self.lock:
+            self.is_frozen = False
+            sockets, self.frozen_sockets = self.frozen_sockets, set()
+            self.open_sockets -= sockets
+        for sock in sockets:
+            _close(sock)
+
     def close(self):
         self.closed = True
+        self.thaw()
         self.cut()
         _close(self.listener)
 
@@ -164,6 +187,11 @@ class TcpProxy:
                 return
             if self.is_cut:
                 _close(client)
+                continue
+            if self.is_frozen:
+                with self.lock:
+                    self.frozen_sockets.add(client)
+                threading.Thread(target=self._pipe, args=(client, None), daemon=True).start()
                 continue
             try:
                 upstream = socket.create_connection(self.target, timeout=3)
@@ -177,14 +205,17 @@ class TcpProxy:
                 threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
 
     def _pipe(self, source, sink):
+        """Forward `source` to `sink` (None: nowhere); bytes read while frozen are dropped."""
         try:
             while data := source.recv(65536):
-                sink.sendall(data)
+                if sink is not None and not self.is_frozen:
+                    sink.sendall(data)
         except OSError:
             pass  # the other direction or cut() closed it
         finally:
             _close(source)
-            _close(sink)
+            if sink is not None:
+                _close(sink)
 
 
 def _close(sock):

@@ -221,6 +221,26 @@ async def test_a_signed_body_that_is_not_a_stripe_event_is_kept_as_rejected(
     assert stored.payload.encode() == raw
 
 
+@pytest.mark.parametrize("where,reason", [
+    ("id", "id too long"), ("type", "type too long"),
+    ("object", "data.object.id too long"), ("order", "metadata.order_id too long")])
+@pytest.mark.gen_test
+async def test_a_signed_event_with_a_value_too_long_to_index_is_kept_as_rejected(
+        post, clock, where, reason):
+    evt = paid_session()
+    long_value = "x" * 3000
+    if where in ("id", "type"):
+        evt[where] = long_value
+    elif where == "object":
+        evt["data"]["object"]["id"] = long_value
+    else:
+        evt["data"]["object"]["metadata"]["order_id"] = long_value
+    assert (await deliver(post, clock, evt))[:2] == RECEIVED
+    [stored] = WebhookEvent.select()
+    assert (stored.status, stored.last_error, stored.order_number) == (
+        "rejected", reason, None)
+
+
 @pytest.mark.gen_test
 async def test_an_event_with_odd_metadata_is_stored_and_handled_without_a_crash(post, clock):
     evt = paid_session()

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from models import UTC, CrtcOrder, Outbox, WebhookEvent
+from engine import spool
 from tests.ops_helpers import ROOT
 
 SUBMITTED = {"order_name": "ORD-1", "order_number": "FO-1", "state_code": "WY",
@@ -82,10 +83,33 @@ def at(*args):
 
 @pytest.mark.parametrize("command", [
     ["events", "list"], ["events", "show"], ["events", "replay"], ["outbox", "list"],
-    ["outbox", "retry"], ["settle"], ["backfill"]])
+    ["outbox", "retry"], ["settle"], ["backfill"], ["spool", "quarantined"]])
 def test_every_command_explains_itself(database_url, command):
     result = run(database_url, *command, "--help")
     assert result.returncode == 0 and result.stdout.startswith("usage: receiver.py")
+
+
+def test_spool_quarantined_lists_each_call_the_database_refused_with_its_reason(
+        database_url, tmp_path):
+    spool_dir = str(tmp_path / "spool")
+    assert run(database_url, "spool", "quarantined", env={"SPOOL_DIR": spool_dir}).stdout \
+        .endswith(f"0 quarantined call(s) in {spool_dir}/unstorable.jsonl\n")
+    refused = {"source": "workflow", "event_type": "formation/submitted",
+               "dedup_key": "formation/submitted:key:k1", "order_number": "FO-" + "9" * 300,
+               "received_at": "2026-11-20T09:00:00+00:00",
+               "unstorable": "StatementRefused: index row size 2816 exceeds btree maximum"}
+    spool.append(spool_dir, refused, name=spool.UNSTORABLE_NAME)
+    spool.append(spool_dir, refused, name=spool.UNSTORABLE_NAME)  # quarantined again
+
+    result = run(database_url, "spool", "quarantined", env={"SPOOL_DIR": spool_dir})
+    assert result.returncode == 0
+    header, row, total = result.stdout.splitlines()
+    assert header.split() == ["RECEIVED", "(UTC)", "SOURCE", "TYPE", "ORDER", "DEDUP", "KEY",
+                              "REASON"]
+    assert row.split()[:4] == ["2026-11-20T09:00:00+00:00", "workflow",
+                               "formation/submitted", "FO-" + "9" * 44 + "…"]
+    assert row.endswith("StatementRefused: index row size 2816 exceeds b…")
+    assert total == f"1 quarantined call(s) in {spool_dir}/unstorable.jsonl"
 
 
 def test_a_bad_time_is_a_usage_error(database_url):

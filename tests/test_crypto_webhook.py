@@ -390,6 +390,11 @@ async def test_a_malformed_callback_that_is_not_a_payment_is_rejected_quietly(
     ("transactions", [{"txid": "tx\x00"}], "txid is not printable text: 'tx\\x00'"),
     ("status", "PAID\x00", "status is not printable text: 'PAID\\x00'"),
     ("transactions", [{"txid": "f" * 257}], "a transaction's txid is too long"),
+    # Each is part of an indexed column: past PostgreSQL's index row limit they would
+    # fail to store (issue 20).
+    ("status", "P" * 4000, "status is too long: '" + "P" * 56 + "..."),
+    ("txid", "t" * 257, "txid is too long"),
+    ("external_id", "C" * 2800, "external_id is not an order number: '" + "C" * 56 + "..."),
     ("status", 1, "status is not a string: 1"),
     ("external_id", ["CA-1001"], "external_id is not a string: ['CA-1001']"),
     ("external_id", "CA-1001\nBcc: x", "external_id is not an order number: 'CA-1001\\nBcc: x'"),

@@ -3,13 +3,13 @@ import contextlib
 import json
 import os
 
-import peewee
 import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from models import Outbox, WebhookEvent, database
+from models import Outbox, ReconnectingPostgresqlDatabase, WebhookEvent, database
 from app.server import prepare_spool
+from engine.spool import UNSTORABLE_NAME, append as append_to_spool
 from scheduler import Scheduler
 from app.context import Context
 from tests.conftest import WEBHOOK_SECRET
@@ -31,7 +31,7 @@ def get(http_server, base_url, client):
 def unreachable_database():
     """Point the models at a PostgreSQL port nobody listens on, then back."""
     real = database.obj
-    database.initialize(peewee.PostgresqlDatabase(
+    database.initialize(ReconnectingPostgresqlDatabase(
         "receiver", host="127.0.0.1", port=1, user="nobody", password="db-password-x",
         connect_timeout=1))
     try:
@@ -216,3 +216,17 @@ def test_each_context_counts_on_its_own(settings, clock):
                  "receiver_events_total", **counted) == 1
     assert value(samples(generate_latest(second.metrics.registry)),
                  "receiver_events_total", **counted) is None
+
+
+@pytest.mark.gen_test
+async def test_quarantined_spooled_calls_show_in_readyz_and_metrics(get, ctx, scheduled, spool):
+    await start_scheduler(ctx)
+    refused = {"source": "workflow", "event_type": "formation/submitted",
+               "dedup_key": "poison", "unstorable": "StatementRefused: index row too big"}
+    append_to_spool(spool, refused, name=UNSTORABLE_NAME)
+    code, response = await get("/readyz")
+    assert code == 200 and json.loads(response.body) == {
+        "status": "ready", "checks": {"database": "ok", "scheduler": "ok", "spool": "ok"},
+        "spool_quarantined": 1}
+    code, response = await get("/metrics")
+    assert value(samples(response.body), "receiver_spool_quarantined") == 1

@@ -3,6 +3,7 @@ fields it requires, the workflow action it applies, the job it dispatches and th
 it answers with; `WorkflowWebhook` does the rest."""
 from plugins.registry import workflow_webhook
 from domain.orders import remember_order_name
+from engine.inbox import MAX_KEY_LENGTH
 
 ORDER_FIELDS = ("order_name", "order_number")
 
@@ -27,6 +28,8 @@ class WorkflowWebhook:
                 return f"missing field: {name}"
             if not value.isprintable():
                 return f"invalid field: {name}"
+            if len(value) > MAX_KEY_LENGTH:
+                return f"field too long: {name} (at most {MAX_KEY_LENGTH} characters)"
         return None
 
     def job_payload(self, ctx, body):

@@ -1,0 +1,112 @@
+"""A database that stops answering must not stop the service (issue 19): the circuit
+that keeps a database found down from being tried on every call, and /readyz's own
+bound. Under load, with the service as a subprocess: tests/test_faults.py."""
+import asyncio
+import json
+import sqlite3
+import time
+
+import pytest
+
+from models import ClassifiedSqliteDatabase, DatabaseDown, ReconnectingPostgresqlDatabase, \
+    WebhookEvent, database
+from engine.db import UNAVAILABLE, Circuit
+from tests.service_process import TcpProxy, postgres_only
+
+
+async def eventually(condition, timeout=10):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+def locked_sqlite(tmp_path):
+    """A SQLite file whose write lock another connection holds, and that connection."""
+    path = str(tmp_path / "locked.sqlite3")
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("CREATE TABLE t (x)")
+    holder.execute("BEGIN EXCLUSIVE")
+    yield path, holder
+    holder.close()
+
+
+@pytest.mark.gen_test
+async def test_a_database_found_down_is_not_tried_again_until_a_probe_finds_it_back(
+        locked_sqlite):
+    path, holder = locked_sqlite
+    db = ClassifiedSqliteDatabase(path, pragmas={"busy_timeout": 50})
+    circuit = Circuit(db, interval=0.05)
+    circuit.attach()
+    try:
+        with pytest.raises(UNAVAILABLE):
+            db.execute_sql("INSERT INTO t VALUES (1)")  # waits out the busy timeout
+        assert circuit.is_open and "locked" in circuit.reason
+        # Not tried at all now: not even what would work.
+        with pytest.raises(DatabaseDown, match="not tried until a probe finds it back"):
+            db.execute_sql("SELECT 1")
+        await asyncio.sleep(0.2)
+        assert circuit.is_open  # the probe's write still waits on the lock
+
+        holder.execute("ROLLBACK")
+        await eventually(lambda: not circuit.is_open)
+        db.execute_sql("INSERT INTO t VALUES (2)")
+    finally:
+        await circuit.detach()
+        db.close()
+    assert db.circuit is None
+
+
+@pytest.mark.gen_test
+async def test_a_refused_statement_leaves_the_circuit_closed(tmp_path):
+    db = ClassifiedSqliteDatabase(str(tmp_path / "ok.sqlite3"))
+    circuit = Circuit(db)
+    circuit.attach()
+    try:
+        with pytest.raises(Exception) as refused:
+            db.execute_sql("SELECT * FROM no_such_table")
+        assert not isinstance(refused.value, UNAVAILABLE) and not circuit.is_open
+    finally:
+        await circuit.detach()
+        db.close()
+
+
+@pytest.fixture
+def get(http_server, base_url, client):
+    async def fetch(path):
+        response = await client.fetch(base_url + path, request_timeout=30)
+        return response.code, json.loads(response.body)
+    return fetch
+
+
+@postgres_only
+@pytest.mark.gen_test(timeout=30)
+async def test_readyz_reports_a_frozen_database_unreachable_within_its_own_timeout(
+        get, database_url, db):
+    proxy, proxied_url = TcpProxy.in_front_of(database_url)
+    frozen = ReconnectingPostgresqlDatabase(
+        proxied_url.rsplit("/", 1)[1], host="127.0.0.1", port=proxy.port, user="postgres")
+    database.initialize(frozen)
+    try:
+        WebhookEvent.select().count()  # the service's own connection, open
+        proxy.freeze()
+        code, body = await get("/readyz")
+        assert (code, body["checks"]["database"]) == (503, "unreachable")
+    finally:
+        database.initialize(db)
+        proxy.close()
+        frozen.close()
+
+
+@pytest.mark.gen_test
+async def test_readyz_does_not_wait_on_a_database_known_to_be_down(get, db, ctx):
+    circuit = Circuit(db)
+    circuit.attach()
+    circuit.trip(DatabaseDown("connection refused"))
+    try:
+        code, body = await get("/readyz")
+        assert (code, body["checks"]["database"]) == (503, "unreachable")
+    finally:
+        await circuit.detach()
+        circuit.reason = None
