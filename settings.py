@@ -86,6 +86,9 @@ POSITIVE_NUMBERS = {
     "SCHEDULER_TICK_SECONDS": "scheduler_tick_seconds",
     "CLAIM_LEASE_SECONDS": "claim_lease_seconds",
     "RETENTION_DAYS": "retention_days",
+    "OUTBOUND_MAX_IN_FLIGHT": "outbound_max_in_flight",
+    "OUTBOUND_DOWN_AFTER": "outbound_down_after",
+    "OUTBOUND_PROBE_MAX_SECONDS": "outbound_probe_max_seconds",
     "PUBLIC_RATE_WINDOW_SECONDS": "public_rate_window_seconds",
     "WORKFLOW_DEDUP_HOURS": "workflow_dedup_hours",
     "COMMISSION_HOLDBACK_DAYS": "commission_holdback_days",
@@ -154,6 +157,9 @@ class Settings:
     outbound_timeout_seconds: int = 10
     scheduler_tick_seconds: int = 10
     claim_lease_seconds: int = 60
+    outbound_max_in_flight: int = 16
+    outbound_down_after: int = 5
+    outbound_probe_max_seconds: int = 300
     retention_days: int = 30
     public_rate_limit: int = 30
     public_rate_window_seconds: int = 60
@@ -225,6 +231,11 @@ class Settings:
             scheduler_tick_seconds=_int(
                 env, "SCHEDULER_TICK_SECONDS", cls.scheduler_tick_seconds),
             claim_lease_seconds=_int(env, "CLAIM_LEASE_SECONDS", cls.claim_lease_seconds),
+            outbound_max_in_flight=_int(
+                env, "OUTBOUND_MAX_IN_FLIGHT", cls.outbound_max_in_flight),
+            outbound_down_after=_int(env, "OUTBOUND_DOWN_AFTER", cls.outbound_down_after),
+            outbound_probe_max_seconds=_int(
+                env, "OUTBOUND_PROBE_MAX_SECONDS", cls.outbound_probe_max_seconds),
             retention_days=_int(env, "RETENTION_DAYS", cls.retention_days),
             public_rate_limit=_int(env, "PUBLIC_RATE_LIMIT", cls.public_rate_limit),
             public_rate_window_seconds=_int(

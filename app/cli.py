@@ -140,7 +140,8 @@ def add_operator_commands(commands):
     replay.set_defaults(run=events_replay)
 
     outbox = commands.add_parser(
-        "outbox", help="list effects on other systems; put dead ones back in line"
+        "outbox", help="list effects on other systems; put dead, waiting or pending ones "
+                       "back in line, due now"
     ).add_subparsers(dest="action", metavar="ACTION", required=True)
     listing = outbox.add_parser("list", help="the newest rows first")
     listing.add_argument("--status", choices=operator.OUTBOX_STATUSES)
@@ -150,7 +151,12 @@ def add_operator_commands(commands):
         "retry", help="back to pending, due now, attempts reset; the scheduler sends it")
     which = retry.add_mutually_exclusive_group(required=True)
     which.add_argument("id", type=int, nargs="?", help="the outbox row's id")
-    which.add_argument("--dead", action="store_true", help="every dead row")
+    which.add_argument("--dead", dest="status", action="store_const", const="dead",
+                       help="every dead row (given up on)")
+    which.add_argument("--waiting", dest="status", action="store_const", const="waiting",
+                       help="every waiting row (its destination was not configured)")
+    which.add_argument("--pending", dest="status", action="store_const", const="pending",
+                       help="every pending row (waiting for its next try)")
     retry.set_defaults(run=outbox_retry)
 
     spooled = commands.add_parser(
@@ -298,8 +304,9 @@ async def outbox_list(ctx, args):
 
 
 async def outbox_retry(ctx, args):
-    if args.dead:
-        print(f"{operator.retry_dead(ctx)} dead row(s) back to pending, due now")
+    if args.status:
+        count = operator.retry_all(ctx, args.status)
+        print(f"{count} {args.status} row(s) back to pending, due now")
         return 0
     row = operator.retry_outbox(ctx, args.id)
     print(f"outbox row #{row.id} ({row.kind}) back to pending, due now")

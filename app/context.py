@@ -21,6 +21,7 @@ from models import utcnow
 from engine.commits import GroupCommit
 from handlers.budget import BodyBudget
 from handlers.ratelimit import RateLimiter
+from engine.destinations import Destinations
 from ops.metrics import Metrics
 from plugins import registries
 from settings import Settings
@@ -60,6 +61,12 @@ class Context:
     auth_failures: RateLimiter = None
     # The request bodies held in memory (handlers.budget).
     bodies: BodyBudget = None
+    # What this process has learnt of each destination's health, and its calls in flight.
+    destinations: Destinations = None
+
+    def __post_init__(self):
+        if self.destinations is None:
+            self.destinations = Destinations(self)
 
     @classmethod
     def create(cls, settings, clock=utcnow):

@@ -2,8 +2,11 @@
 import asyncio
 import dataclasses
 import json
+import logging
 
 import aiohttp
+
+log = logging.getLogger("receiver.http")
 
 # Statuses worth asking again; any other 4xx is the peer refusing for good.
 RETRYABLE_STATUSES = {408, 425, 429}
@@ -23,6 +26,9 @@ class Result:
     # False when the peer is not configured at all: no try has been made, so the effect
     # waits for the configuration instead of using up its attempts.
     configured: bool = True
+    # True when the effect was written to our log instead of being sent, as the settings
+    # ask (no Telegram, no SMTP): `error` says why. Final, but not delivered.
+    logged: bool = False
 
     def __bool__(self):
         return self.ok
@@ -31,6 +37,18 @@ class Result:
     def failed(cls, error, retryable=True, status=0, configured=True):
         return cls(ok=False, retryable=retryable, error=error, status=status,
                    configured=configured)
+
+    @classmethod
+    def only_logged(cls, reason):
+        return cls(ok=True, error=reason, logged=True)
+
+    @property
+    def peer_unwell(self):
+        """The peer could not be reached or failed on its side (a network error, a
+        timeout, a 5xx): what tells that a destination is down. A refusal (4xx) shows a
+        peer that answers."""
+        return not self.ok and self.configured and self.retryable and (
+            self.status == 0 or self.status >= 500)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,8 +94,11 @@ class HttpClient:
         self._session = None
 
 
-async def post_json(http, url, body, headers=None, timeout=10.0):
-    """POST `body` as JSON; a 2xx with a JSON reply is ok, anything else is a failed Result."""
+async def post_json(http, url, body, headers=None, timeout=10.0, peer="peer"):
+    """POST `body` as JSON; a 2xx is ok (its JSON reply as the body), anything else is a
+    failed Result. A 2xx whose reply is not JSON is delivered all the same: the status
+    is the peer's word that it took the call (a worker answering "OK" as text, or 204),
+    and asking again would only do it twice; `peer` names it in the warning."""
     try:
         reply = await http.call(
             "POST", url, json.dumps(body).encode(),
@@ -93,8 +114,9 @@ async def post_json(http, url, body, headers=None, timeout=10.0):
     try:
         parsed = json.loads(reply.body or b"null")
     except ValueError:
-        return Result.failed(f"HTTP {reply.status} with an unreadable reply: "
-                             f"{_excerpt(reply.body)}", status=reply.status)
+        log.warning("%s answered HTTP %s with a reply that is not JSON, taken as "
+                    "delivered: %s", peer, reply.status, _excerpt(reply.body, 80))
+        parsed = None
     return Result(ok=True, status=reply.status, body=parsed)
 
 

@@ -27,15 +27,19 @@ class Mailer:
         self.settings = settings
         self.executor = executor
 
+    @property
+    def configured(self):
+        return bool(self.settings.smtp_url)
+
     async def send(self, to, subject, text, html=None, before=None, key=None):
         """`before`, if given, is called in the mail thread right before the message goes
         out (after any wait for a free thread); an exception from it sends nothing. `key`
         (the outbox row's idempotency key) makes the Message-ID the same on every retry."""
-        if not self.settings.smtp_url:
+        if not self.configured:
             if before is not None:
                 before()
             log.info("mail not sent (SMTP_URL unset): to=%s subject=%r", ",".join(to), subject)
-            return Result(ok=True)
+            return Result.only_logged("SMTP_URL unset: logged, not sent")
         message = self.compose(to, subject, text, html, key)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, self._deliver, message, before)

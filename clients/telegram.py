@@ -11,12 +11,18 @@ class TelegramClient:
         self.http = http
         self.settings = settings
 
+    @property
+    def configured(self):
+        return bool(self.settings.telegram_bot_token and self.settings.telegram_chat_id)
+
     async def send(self, text):
+        """Without a bot and a chat the alert is logged, and the Result says so."""
         s = self.settings
-        if not (s.telegram_bot_token and s.telegram_chat_id):
+        if not self.configured:
             log.info("alert not sent (TELEGRAM_BOT_TOKEN/TELEGRAM_CHAT_ID unset): %s", text)
-            return Result(ok=True)
+            return Result.only_logged("TELEGRAM_BOT_TOKEN/TELEGRAM_CHAT_ID unset: "
+                                      "logged, not sent")
         return await post_json(
             self.http, f"{s.telegram_api_url}/bot{s.telegram_bot_token}/sendMessage",
             {"chat_id": s.telegram_chat_id, "text": text},
-            timeout=s.outbound_timeout_seconds)
+            timeout=s.outbound_timeout_seconds, peer="Telegram")

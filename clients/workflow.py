@@ -22,6 +22,10 @@ class WorkflowClient:
         self.http = http
         self.settings = settings
 
+    @property
+    def configured(self):
+        return bool(self.settings.workflow_url)
+
     def _headers(self):
         s = self.settings
         return {
@@ -44,7 +48,7 @@ class WorkflowClient:
              "doc": json.dumps({"doctype": doctype, "name": name}),
              "action": action},
             headers=self._headers(),
-            timeout=s.outbound_timeout_seconds)
+            timeout=s.outbound_timeout_seconds, peer="workflow system")
         if result.status == 417:
             if await self.already_past(doctype, name, action, waiting_in):
                 return Result(ok=True, status=417, body={"already_applied": True})

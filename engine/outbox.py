@@ -19,6 +19,7 @@ from models import Outbox
 from engine import commits
 from engine.claims import claim, lease
 from engine.db import UNAVAILABLE
+from engine.destinations import ORDERED_KINDS
 from engine.prepared import InsertOnce, Prepared, slot
 
 log = logging.getLogger("receiver.outbox")
@@ -38,23 +39,27 @@ BACKOFF_CAP_SECONDS = 6 * 3600
 RETAKE_SLACK = datetime.timedelta(seconds=1)
 
 NEW_EFFECT = InsertOnce(Outbox)
+# A row is pending (to send at next_attempt_at) or waiting (its destination is not
+# configured: it is sent once the service starts with it configured); either holds the
+# later rows of its order and kind behind it.
+UNSENT = ("pending", "waiting")
 
 
-def _earlier_pending(of_other_events):
-    """A pending row of the same order created before the given one (from another event,
-    or without one, when `of_other_events`)."""
+def _earlier_unsent(of_other_events):
+    """An unsent row of the same order and kind created before the given one (from
+    another event, or without one, when `of_other_events`)."""
     def build():
         query = Outbox.select(Outbox.id).where(
-            Outbox.order_number == slot(Outbox.order_number), Outbox.status == "pending",
-            Outbox.id < slot(Outbox.id)).limit(1)
+            Outbox.order_number == slot(Outbox.order_number), Outbox.kind == slot(Outbox.kind),
+            Outbox.status.in_(UNSENT), Outbox.id < slot(Outbox.id)).limit(1)
         if of_other_events:
             query = query.where(Outbox.event.is_null() | (Outbox.event != slot(Outbox.event)))
         return query
     return Prepared(build)
 
 
-EARLIER_PENDING = _earlier_pending(of_other_events=False)
-EARLIER_PENDING_OF_OTHER_EVENTS = _earlier_pending(of_other_events=True)
+EARLIER_UNSENT = _earlier_unsent(of_other_events=False)
+EARLIER_UNSENT_OF_OTHER_EVENTS = _earlier_unsent(of_other_events=True)
 
 
 def _update_of(*fields):
@@ -63,7 +68,7 @@ def _update_of(*fields):
 
 
 # What each outcome of a send writes.
-WAITING = _update_of(Outbox.last_error, Outbox.next_attempt_at, Outbox.updated_at)
+WAITING = _update_of(Outbox.status, Outbox.last_error, Outbox.updated_at)
 SENT = _update_of(Outbox.status, Outbox.sent_at, Outbox.last_error, Outbox.attempts,
                   Outbox.updated_at)
 GIVEN_UP = _update_of(Outbox.status, Outbox.last_error, Outbox.attempts, Outbox.updated_at)
@@ -215,14 +220,18 @@ class _TakenElsewhere(Exception):
     """Another sender claimed the row after this one was given it."""
 
 
-async def send(ctx, row):
+async def send(ctx, row, live=False):
     """Send one outbox row and record the outcome; returns the Result, or None when
-    another sender took the row over before it went out (that one sends it)."""
+    another sender took the row over before it went out (that one sends it). `live`: the
+    request that caused the row sends it, in the share of calls in flight kept for such
+    sends (engine.destinations)."""
     def take():
         if not (_lease_ample(ctx, row) or _retake(ctx, row)):
             raise _TakenElsewhere
+    destination = ctx.destinations.of(row.kind)
     try:
-        result = await SENDERS[row.kind](ctx, json.loads(row.payload), row, take)
+        async with destination.slot(live):
+            result = await SENDERS[row.kind](ctx, json.loads(row.payload), row, take)
     except _TakenElsewhere:
         log.info("outbox %s %s not sent here: another sender has taken it", row.id, row.kind)
         return None
@@ -234,6 +243,7 @@ async def send(ctx, row):
         # quote a URL with a token in it.
         log.exception("outbox %s %s: its sender raised", row.id, row.kind)
         result = Result.failed(f"{type(exc).__name__} raised while sending", retryable=False)
+    destination.observe(result)
     await ctx.commits.run(functools.partial(record_outcome, ctx, row, result))
     return result
 
@@ -265,13 +275,19 @@ def record_outcome(ctx, row, result):
     now = ctx.clock()
     if not result.configured:
         # Nothing was tried: the effect waits for its peer to be configured, without
-        # using up its attempts, and is looked at again at the longest backoff.
-        WAITING.execute(id=row.id, last_error=result.error, updated_at=now,
-                        next_attempt_at=now + datetime.timedelta(seconds=BACKOFF_CAP_SECONDS))
-        log.warning("outbox %s %s waits: %s", row.id, row.kind, result.error)
+        # using up its attempts; `release_waiting` makes it due when it is.
+        WAITING.execute(id=row.id, status="waiting", last_error=result.error, updated_at=now)
+        log.warning("outbox %s %s waits for its destination: %s", row.id, row.kind,
+                    result.error)
         return
     attempts = row.attempts + 1
-    if result.ok:
+    if result.logged:
+        # The settings say to log such effects (no Telegram, no SMTP): final, and the
+        # row says that it was not sent, and why.
+        GIVEN_UP.execute(id=row.id, status="logged", last_error=result.error,
+                         attempts=attempts, updated_at=now)
+        ctx.metrics.effect_sent(row.kind, "logged")
+    elif result.ok:
         SENT.execute(id=row.id, status="sent", sent_at=now, last_error=None,
                      attempts=attempts, updated_at=now)
         ctx.metrics.effect_sent(row.kind, "sent")
@@ -298,26 +314,32 @@ async def deliver(ctx, rows):
     is recorded, none raises. They are as written: nobody else sends a row during the
     lease it was created with.
 
-    A row whose order still has an earlier effect pending (from an earlier event) is not
-    sent here: it is handed to the scheduled sender, which keeps each order's effects in
-    the order they were caused."""
+    Not sent here, and left to the scheduled sender: a job or workflow action whose order
+    still has an earlier one of its kind unsent (from an earlier event), so that each
+    order's jobs, and its actions, keep the order they were caused in; and a row whose
+    destination is down (it goes out when a probe finds the destination back)."""
     if not rows:
         return []
     rows = sorted(rows, key=lambda row: row.id)
-    queued = [row for row in rows if _behind_an_earlier_effect(row)]
+    # A row whose destination is not configured is "sent" all the same: nothing goes
+    # out, and it is recorded as waiting, not as pending behind the earlier one.
+    queued = [row for row in rows
+              if ctx.destinations.of(row.kind).configured and _behind_an_earlier_effect(row)]
     if queued:
         _hand_to_scheduler(ctx, [row.id for row in queued])
-    return await asyncio.gather(*(send(ctx, row) for row in rows if row not in queued))
+    return await asyncio.gather(*(
+        send(ctx, row, live=True) for row in rows
+        if row not in queued and ctx.destinations.of(row.kind).up))
 
 
 def _behind_an_earlier_effect(row):
-    if row.order_number is None:
+    if row.order_number is None or row.kind not in ORDERED_KINDS:
         return False
     if row.event_id is None:
-        earlier = EARLIER_PENDING.first(order_number=row.order_number, id=row.id)
+        earlier = EARLIER_UNSENT.first(order_number=row.order_number, kind=row.kind, id=row.id)
     else:
-        earlier = EARLIER_PENDING_OF_OTHER_EVENTS.first(
-            order_number=row.order_number, id=row.id, event=row.event_id)
+        earlier = EARLIER_UNSENT_OF_OTHER_EVENTS.first(
+            order_number=row.order_number, kind=row.kind, id=row.id, event=row.event_id)
     return earlier is not None
 
 
@@ -326,24 +348,41 @@ def _hand_to_scheduler(ctx, row_ids):
     Outbox.update(next_attempt_at=now, updated_at=now).where(Outbox.id.in_(row_ids)).execute()
 
 
-def _due(now):
-    """Pending rows whose time has come and that no earlier pending row of the same
-    order is waiting before."""
+def _due(now, kinds):
+    """Pending rows of these kinds whose time has come; a job or workflow action only
+    when no earlier row of its order and kind is unsent (a dead one holds nothing)."""
     earlier = Outbox.alias("earlier")
-    waiting_before = earlier.select(earlier.id).where(
-        earlier.order_number == Outbox.order_number, earlier.status == "pending",
-        earlier.id < Outbox.id)
+    unsent_before = earlier.select(earlier.id).where(
+        earlier.order_number == Outbox.order_number, earlier.kind == Outbox.kind,
+        earlier.status.in_(UNSENT), earlier.id < Outbox.id)
     return ((Outbox.status == "pending") & (Outbox.next_attempt_at <= now)
-            & ~fn.EXISTS(waiting_before))
+            & Outbox.kind.in_(kinds)
+            & (Outbox.kind.not_in(ORDERED_KINDS) | ~fn.EXISTS(unsent_before)))
+
+
+def _claim_due(ctx):
+    """The due rows of the destinations that are up, and one row of each destination
+    that is down and due for a probe."""
+    now = ctx.clock()
+    destinations = ctx.destinations
+    rows = []
+    up = destinations.kinds(lambda destination: destination.up)
+    if up:
+        rows += claim(ctx, Outbox, _due(now, up))
+    for kind in destinations.kinds(lambda destination: destination.take_probe()):
+        rows += claim(ctx, Outbox, _due(now, [kind]), limit=1)
+    return rows
 
 
 async def send_due(ctx):
     """The scheduled sender: claim the due rows, send them, and go on while sends succeed
     (the next effect of an order becomes due when the one before it is sent). Returns the
-    number sent."""
+    number sent. Waiting rows whose destination is configured now (the service was
+    started with it) are made due first."""
+    release_waiting(ctx)
     sent = 0
     for _ in range(MAX_PASSES):
-        rows = claim(ctx, Outbox, _due(ctx.clock()))
+        rows = _claim_due(ctx)
         if not rows:
             break
         results = await asyncio.gather(*(send(ctx, row) for row in rows))
@@ -352,6 +391,22 @@ async def send_due(ctx):
         if not succeeded:
             break
     return sent
+
+
+def release_waiting(ctx):
+    """Make due now every waiting row whose destination is configured now: one update on
+    the status index, finding rows only after a start with a new setting. Returns how
+    many."""
+    kinds = ctx.destinations.kinds(lambda destination: destination.configured)
+    if not kinds:
+        return 0
+    now = ctx.clock()
+    released = (Outbox.update(status="pending", next_attempt_at=now, updated_at=now)
+                .where(Outbox.status == "waiting", Outbox.kind.in_(kinds)).execute())
+    if released:
+        log.info("outbox: %d waiting effect(s) due now, their destination is configured",
+                 released)
+    return released
 
 
 def tell_admin(ctx, key, subject, template, **variables):

@@ -1,6 +1,7 @@
-"""Pruning: handled inbox events and sent outbox rows are deleted after RETENTION_DAYS.
+"""Pruning: handled inbox events and sent (or only logged) outbox rows are deleted after
+RETENTION_DAYS.
 
-Failed, dead and rejected events and pending or dead outbox rows are kept for the
+Failed, dead and rejected events and pending, waiting or dead outbox rows are kept for the
 operator whatever their age. A pruned event's dedup key goes with it, so RETENTION_DAYS
 must stay longer than any sender's retry window (Stripe retries for 3 days).
 """
@@ -19,7 +20,9 @@ def prune(ctx):
     cutoff = ctx.clock() - datetime.timedelta(days=ctx.settings.retention_days)
     with database.atomic():
         rows = (Outbox.delete()
-                .where(Outbox.status == "sent", Outbox.sent_at < cutoff).execute())
+                .where(((Outbox.status == "sent") & (Outbox.sent_at < cutoff))
+                       | ((Outbox.status == "logged") & (Outbox.updated_at < cutoff)))
+                .execute())
         # An event stored already settled (ignored on arrival, say) was never handled,
         # so it has no processed_at: its age is counted from its arrival.
         settled_before_cutoff = (

@@ -33,14 +33,18 @@ class HealthHandler(ApiHandler):
 
 class ReadyHandler(ApiHandler):
     """Ready to take webhooks: the database answers, the scheduler runs, and the spool
-    (where calls go while the database is down) can be written."""
+    (where calls go while the database is down) can be written. The destinations'
+    health is told too, but does not make the service unready: webhooks are still
+    accepted, and their effects wait."""
 
     async def get(self):
         checks = {"database": await self.database_check(),
                   "scheduler": self.scheduler_check(), "spool": self.spool_check()}
         problems = {name: problem for name, problem in checks.items() if problem != "ok"}
         status = 503 if problems else 200
-        body = {"status": "ready" if not problems else "not ready", "checks": checks}
+        body = {"status": "ready" if not problems else "not ready", "checks": checks,
+                "destinations": {destination.name: destination.state
+                                 for destination in self.ctx.destinations}}
         # Calls the database refused: worth an operator's look, no reason to take this
         # process out of service.
         quarantined = len(spool.quarantined(self.ctx.settings.spool_dir))

@@ -18,6 +18,7 @@ from prometheus_client.core import GaugeMetricFamily
 from models import Outbox, WebhookEvent
 from engine import spool
 from engine.db import UNAVAILABLE
+from engine.destinations import DESTINATION_OF
 
 log = logging.getLogger("receiver.metrics")
 
@@ -43,7 +44,8 @@ class Metrics:
             registry=self.registry)
         self.sends = Counter(
             "receiver_outbox_sends", "Attempts to send an outbox effect, by kind and "
-            "result (sent, retry, dead).", ["kind", "result"], registry=self.registry)
+            "result (sent, logged, retry, dead).", ["kind", "result"],
+            registry=self.registry)
 
         self.job_runs = Counter(
             "receiver_job_runs", "Runs of a scheduled job by result: ok, failed (an error "
@@ -119,6 +121,7 @@ class StateCollector:
         database_up.add_metric([], 1 if families else 0)
         yield database_up
         yield from families
+        yield from self.destination_families()
         yield from self.spool_families()
 
     def database_families(self):
@@ -137,10 +140,34 @@ class StateCollector:
                      "Age of the oldest effect still waiting (0 when none).", age)
         yield _gauge("receiver_outbox_dead", "Effects given up on; see `outbox list "
                      "--status dead`.", dead)
+        waiting = dict(Outbox.select(Outbox.kind, fn.COUNT(Outbox.id))
+                       .where(Outbox.status == "waiting").group_by(Outbox.kind).tuples())
+        family = GaugeMetricFamily(
+            "receiver_outbox_waiting", "Effects waiting for their destination to be "
+            "configured (sent once the service starts with it); not failures.",
+            labels=["destination"])
+        for kind, destination in DESTINATION_OF.items():
+            family.add_metric([destination], waiting.get(kind, 0))
+        yield family
         yield _gauge("receiver_events_failed", "Stored events whose handling failed and "
                      "waits for a retry.", failed)
         yield _gauge("receiver_events_dead", "Stored events given up on after too many "
                      "failures; see `events replay --failed`.", dead_events)
+
+    def destination_families(self):
+        """What this process has learnt of each destination (kept in its memory)."""
+        up = GaugeMetricFamily(
+            "receiver_destination_up", "1 while a destination answers, 0 while it is down "
+            "(its effects wait; one is tried now and then); as this process sees it.",
+            labels=["destination"])
+        in_flight = GaugeMetricFamily(
+            "receiver_destination_in_flight", "Calls to a destination in flight now.",
+            labels=["destination"])
+        for destination in self.ctx.destinations:
+            up.add_metric([destination.name], 1 if destination.up else 0)
+            in_flight.add_metric([destination.name], destination.in_flight)
+        yield up
+        yield in_flight
 
     def spool_families(self):
         files, size = spool_usage(self.ctx.settings.spool_dir)

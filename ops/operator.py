@@ -10,7 +10,8 @@ takes. What it can and cannot redo:
   stays paid once) and every effect it asks for is deduplicated by its idempotency key,
   so nothing that is already in the outbox is sent a second time;
 - an effect that was sent, or that died, is not sent again by a replay: `outbox retry`
-  puts a dead one back in line; nothing undoes an effect another system received.
+  puts a dead one back in line (or a waiting or pending one, due now); nothing undoes an
+  effect another system received.
 """
 import dataclasses
 import datetime
@@ -20,7 +21,9 @@ from engine import inbox
 
 EVENT_SOURCES = ("workflow", "card", "crypto")
 EVENT_STATUSES = ("received", "processed", "failed", "dead", "rejected", "ignored")
-OUTBOX_STATUSES = ("pending", "sent", "dead")
+OUTBOX_STATUSES = ("pending", "waiting", "sent", "logged", "dead")
+# What `outbox retry --STATUS` may put back in line, due now.
+RETRYABLE_OUTBOX_STATUSES = ("dead", "waiting", "pending")
 # Handled without --force: the event never got through. A dead or forced one is reopened
 # first, since handling skips events in a final status.
 UNFINISHED = ("received", "failed")
@@ -102,28 +105,36 @@ def list_outbox(status=None, limit=50):
 
 
 def retry_outbox(ctx, row_id):
-    """Put one pending or dead effect back in line, due now, with a fresh attempt count."""
+    """Put one pending, waiting or dead effect back in line, due now, with a fresh
+    attempt count."""
     row = Outbox.get_or_none(Outbox.id == row_id)
     if row is None:
         raise NotFound(f"no outbox row #{row_id}")
     if row.status == "sent":
         raise Refused(f"outbox row #{row_id} was sent at {format_time(row.sent_at)}; "
                       "it is not sent twice")
+    if row.status == "logged":
+        raise Refused(f"outbox row #{row_id} was logged, not sent, as the settings "
+                      "asked; it is final")
     requeue(ctx, Outbox.id == row_id)
     return Outbox.get_by_id(row_id)
 
 
-def retry_dead(ctx):
-    """Put every dead effect back in line; returns how many."""
-    return requeue(ctx, Outbox.status == "dead")
+def retry_all(ctx, status):
+    """Put every effect in `status` (dead, waiting or pending) back in line, due now;
+    returns how many."""
+    if status not in RETRYABLE_OUTBOX_STATUSES:
+        raise ValueError(f"cannot retry {status} rows")
+    return requeue(ctx, Outbox.status == status)
 
 
 def requeue(ctx, condition):
-    """Rows matching `condition`, unless sent, back to pending, due now, attempts reset."""
+    """Rows matching `condition`, unless sent or logged, back to pending, due now,
+    attempts reset."""
     now = ctx.clock()
     return (Outbox.update(status="pending", attempts=0, next_attempt_at=now,
                           updated_at=now)
-            .where(condition, Outbox.status != "sent").execute())
+            .where(condition, Outbox.status.not_in(("sent", "logged"))).execute())
 
 
 def parse_time(text):

@@ -37,13 +37,22 @@ class _Record(tornado.web.RequestHandler):
         peer.requests.append(Received(
             self.request.method, self.request.path, dict(self.request.headers),
             self.request.body, self.request.connection.stream.socket.getpeername()[1]))
-        if peer.hold is not None:
-            await peer.hold.wait()
-        if peer.delay:
-            await asyncio.sleep(peer.delay)
+        peer.in_flight += 1
+        peer.most_in_flight = max(peer.most_in_flight, peer.in_flight)
+        try:
+            if peer.hold is not None:
+                await peer.hold.wait()
+            if peer.delay:
+                await asyncio.sleep(peer.delay)
+        finally:
+            peer.in_flight -= 1
         status, body = peer.responses.pop(0) if peer.responses else (peer.status, peer.body)
         self.set_status(status)
-        self.set_header("Content-Type", "application/json")
+        if status == 204:
+            self.clear_header("Content-Type")
+            self.finish()
+            return
+        self.set_header("Content-Type", peer.content_type)
         self.finish(body if isinstance(body, (bytes, str)) else json.dumps(body))
 
     get = post = put = _respond
@@ -64,9 +73,11 @@ class _ClosableServer(tornado.httpserver.HTTPServer):
 
 
 class HttpPeer:
-    """A recording HTTP server. `status`/`body` answer every request; `responses` queues
-    one-off answers; `delay` makes every answer slow; `hold` (an asyncio.Event) keeps every
-    answer back until the test sets it; `stop()` takes it off the network."""
+    """A recording HTTP server. `status`/`body` answer every request (`content_type`
+    says what the body is); `responses` queues one-off answers; `delay` makes every
+    answer slow; `hold` (an asyncio.Event) keeps every answer back until the test sets
+    it; `most_in_flight` is the most requests it held at once; `stop()` takes it off the
+    network."""
 
     def __init__(self, name, body=None):
         self.name = name
@@ -74,8 +85,10 @@ class HttpPeer:
         self.responses = []
         self.status = 200
         self.body = {"ok": True} if body is None else body
+        self.content_type = "application/json"
         self.delay = 0
         self.hold = None
+        self.in_flight = self.most_in_flight = 0
         sock, self.port = tornado.testing.bind_unused_port()
         self.listen([sock])
 

@@ -269,6 +269,38 @@ def test_outbox_retry_dead_requeues_every_dead_row_only(database_url):
     assert Outbox.get_by_id(sent.id).status == "sent"
 
 
+def test_outbox_list_shows_the_rows_waiting_for_their_destination(database_url):
+    waiting = outbox_row("waiting", "k-waiting", attempts=0)
+    Outbox.update(last_error="WORKER_URL is not set").where(Outbox.id == waiting.id).execute()
+    outbox_row("pending", "k-pending")
+    result = run(database_url, "outbox", "list", "--status", "waiting")
+    [row] = result.stdout.splitlines()[1:]
+    assert result.returncode == 0 and "waiting" in row and "WORKER_URL is not set" in row
+
+
+@pytest.mark.parametrize("flag", ["--waiting", "--pending"])
+def test_outbox_retry_waiting_or_pending_makes_those_rows_due_now(database_url, flag):
+    status = flag[2:]
+    chosen = [outbox_row(status, f"k-{n}") for n in range(2)]
+    other = outbox_row("waiting" if status == "pending" else "pending", "k-other")
+    before = datetime.datetime.now(UTC)
+    result = run(database_url, "outbox", "retry", flag)
+    assert result.returncode == 0
+    assert result.stdout.startswith(f"2 {status} row(s) back to pending, due now")
+    for row in chosen:
+        again = Outbox.get_by_id(row.id)
+        assert again.status == "pending" and again.next_attempt_at >= before
+    untouched = Outbox.get_by_id(other.id)
+    assert (untouched.status, untouched.next_attempt_at) == (other.status, other.next_attempt_at)
+
+
+def test_outbox_retry_refuses_a_logged_row(database_url):
+    logged = outbox_row("logged")
+    refused = run(database_url, "outbox", "retry", str(logged.id))
+    assert refused.returncode == 1 and "logged, not sent" in refused.stderr
+    assert Outbox.get_by_id(logged.id).status == "logged"
+
+
 def test_outbox_retry_refuses_a_sent_row_and_an_unknown_one(database_url):
     sent = outbox_row("sent")
     refused = run(database_url, "outbox", "retry", str(sent.id))

@@ -14,6 +14,8 @@ from scheduler import Scheduler
 from app.context import Context
 from tests.conftest import WEBHOOK_SECRET
 
+ALL_UP = {"worker": "up", "workflow": "up", "telegram": "up", "smtp": "up"}
+
 AUTH = {"X-Webhook-Secret": WEBHOOK_SECRET, "Content-Type": "application/json"}
 SUBMITTED = {"order_name": "ORD-1", "order_number": "FO-1", "state_code": "WY",
              "entity_name": "Acme LLC"}
@@ -87,7 +89,8 @@ async def test_readyz_is_ready_with_database_scheduler_and_spool(get, ctx, sched
     code, response = await get("/readyz")
     assert code == 200
     assert json.loads(response.body) == {
-        "status": "ready", "checks": {"database": "ok", "scheduler": "ok", "spool": "ok"}}
+        "status": "ready", "checks": {"database": "ok", "scheduler": "ok", "spool": "ok"},
+        "destinations": ALL_UP}
 
 
 @pytest.mark.gen_test
@@ -133,7 +136,8 @@ async def test_readyz_names_an_unreachable_database_without_its_secrets(get, ctx
         code, response = await get("/readyz")
     assert code == 503
     assert json.loads(response.body) == {"status": "not ready", "checks": {
-        "database": "unreachable", "scheduler": "ok", "spool": "ok"}}
+        "database": "unreachable", "scheduler": "ok", "spool": "ok"},
+        "destinations": ALL_UP}
     assert b"db-password-x" not in response.body and b"nobody" not in response.body
 
 

@@ -1,0 +1,125 @@
+"""The systems effects go to, each with what this process has learnt about it.
+
+Health: after OUTBOUND_DOWN_AFTER consecutive sends that found the peer unwell (a
+network error, a timeout, a 5xx) a destination is `down`: its rows are left alone, and
+the scheduled sender tries one of them (a probe) after a backoff that doubles up to
+OUTBOUND_PROBE_MAX_SECONDS. The first send that reaches the peer (any answer but a 5xx)
+makes it `up` again. Kept in this process's memory: each process learns on its own,
+which costs at most OUTBOUND_DOWN_AFTER sends per process.
+
+In flight: at most OUTBOUND_MAX_IN_FLIGHT calls to one destination at once, so a peer
+coming back is not flooded by the backlog. A quarter of them (at least one) are kept for
+the request path's own sends: the scheduled sender's backlog never holds them all, so a
+live webhook's effect waits only behind other live ones.
+"""
+import asyncio
+import contextlib
+import datetime
+import logging
+
+log = logging.getLogger("receiver.outbox")
+
+# Which destination each kind of effect goes to.
+DESTINATION_OF = {"job": "worker", "workflow_action": "workflow", "alert": "telegram",
+                  "email": "smtp"}
+# The kinds whose effects of one order go out in the order they were caused: a worker
+# job must not overtake an earlier one, nor a workflow action an earlier action. Alerts
+# and mails are independent messages, ordered behind or ahead of nothing.
+ORDERED_KINDS = ("job", "workflow_action")
+FIRST_PROBE_SECONDS = 30
+
+
+class Destination:
+    def __init__(self, name, client, settings, clock):
+        self.name = name
+        self.client = client
+        self.clock = clock
+        self.down_after = settings.outbound_down_after
+        self.probe_max = datetime.timedelta(seconds=settings.outbound_probe_max_seconds)
+        self.up = True
+        self.failures = 0
+        self.probe_wait = None
+        self.probe_at = None
+        self.probing = False
+        self.in_flight = 0
+        limit = settings.outbound_max_in_flight
+        self._any = asyncio.Semaphore(limit)
+        self._backlog = asyncio.Semaphore(max(1, limit - max(1, limit // 4)))
+
+    @property
+    def configured(self):
+        return self.client.configured
+
+    @property
+    def state(self):
+        if not self.configured:
+            return "not configured"
+        return "up" if self.up else "down"
+
+    def take_probe(self):
+        """True, once per probe time, while down: the caller sends one row as the probe."""
+        if self.up or self.clock() < self.probe_at:
+            return False
+        self.probe_at = self.clock() + self.probe_wait  # one probe at a time
+        self.probing = True
+        return True
+
+    def observe(self, result):
+        """Learn from a send's Result (None: nothing was sent)."""
+        if result is None or not result.configured:
+            return
+        if not result.peer_unwell:
+            self.failures = 0
+            if not self.up:
+                self.up, self.probing = True, False
+                log.warning("destination %s is up again: sending its effects", self.name)
+            return
+        self.failures += 1
+        if self.up and self.failures >= self.down_after:
+            self.up, self.probing = False, False
+            self.probe_wait = min(datetime.timedelta(seconds=FIRST_PROBE_SECONDS),
+                                  self.probe_max)
+            log.error("destination %s is down after %d failed sends in a row (%s): its "
+                      "effects wait, one is tried every %s s or so",
+                      self.name, self.failures, result.error,
+                      int(self.probe_wait.total_seconds()))
+        elif not self.up and self.probing:
+            self.probing = False
+            self.probe_wait = min(self.probe_wait * 2, self.probe_max)
+        else:
+            return  # still up; or a send that was in flight when it went down
+        self.probe_at = self.clock() + self.probe_wait
+
+    @contextlib.asynccontextmanager
+    async def slot(self, live):
+        """A place among the calls in flight; the backlog's sends may not take the share
+        kept for live ones."""
+        async with contextlib.AsyncExitStack() as stack:
+            if not live:
+                await stack.enter_async_context(self._backlog)
+            await stack.enter_async_context(self._any)
+            self.in_flight += 1
+            try:
+                yield
+            finally:
+                self.in_flight -= 1
+
+
+class Destinations:
+    """The four destinations of one Context, by name."""
+
+    def __init__(self, ctx):
+        clients = {"worker": ctx.worker, "workflow": ctx.workflow, "telegram": ctx.telegram,
+                   "smtp": ctx.mailer}
+        self.by_name = {name: Destination(name, client, ctx.settings, lambda: ctx.clock())
+                        for name, client in clients.items()}
+
+    def __iter__(self):
+        return iter(self.by_name.values())
+
+    def of(self, kind):
+        return self.by_name[DESTINATION_OF[kind]]
+
+    def kinds(self, which):
+        """The kinds of effect whose destination `which(destination)` is true."""
+        return [kind for kind, name in DESTINATION_OF.items() if which(self.by_name[name])]
