@@ -2,10 +2,12 @@
 
 Health: after OUTBOUND_DOWN_AFTER consecutive sends that found the peer unwell (a
 network error, a timeout, a 5xx) a destination is `down`: its rows are left alone, and
-the scheduled sender tries one of them (a probe) after a backoff that doubles up to
-OUTBOUND_PROBE_MAX_SECONDS. The first send that reaches the peer (any answer but a 5xx)
-makes it `up` again. Kept in this process's memory: each process learns on its own,
-which costs at most OUTBOUND_DOWN_AFTER sends per process.
+one of them is tried (a probe) after a backoff of 5 s that doubles up to
+OUTBOUND_PROBE_MAX_SECONDS. The first send that reaches the peer (any answer but a
+5xx) makes it `up` again. A webhook's own effect may be the probe, so a destination that
+comes back under traffic is found back within the probe's backoff. Kept in this
+process's memory: each process learns on its own, which costs at most
+OUTBOUND_DOWN_AFTER sends per process.
 
 In flight: at most OUTBOUND_MAX_IN_FLIGHT calls to one destination at once, so a peer
 coming back is not flooded by the backlog. A quarter of them (at least one) are kept for
@@ -26,7 +28,9 @@ DESTINATION_OF = {"job": "worker", "workflow_action": "workflow", "alert": "tele
 # job must not overtake an earlier one, nor a workflow action an earlier action. Alerts
 # and mails are independent messages, ordered behind or ahead of nothing.
 ORDERED_KINDS = ("job", "workflow_action")
-FIRST_PROBE_SECONDS = 30
+# The first probe comes soon (at the scheduler's next tick, or with the next webhook's
+# effect): an outage is often a restart.
+FIRST_PROBE_SECONDS = 5
 
 
 class Destination:

@@ -317,19 +317,27 @@ async def deliver(ctx, rows):
     Not sent here, and left to the scheduled sender: a job or workflow action whose order
     still has an earlier one of its kind unsent (from an earlier event), so that each
     order's jobs, and its actions, keep the order they were caused in; and a row whose
-    destination is down (it goes out when a probe finds the destination back)."""
+    destination is down (it goes out once a probe finds the destination back), unless
+    it is the time for a probe: then the row is that probe."""
     if not rows:
         return []
     rows = sorted(rows, key=lambda row: row.id)
     # A row whose destination is not configured is "sent" all the same: nothing goes
     # out, and it is recorded as waiting, not as pending behind the earlier one.
-    queued = [row for row in rows
-              if ctx.destinations.of(row.kind).configured and _behind_an_earlier_effect(row)]
+    queued = [row for row in rows if not _sendable_now(ctx, row)]
     if queued:
         _hand_to_scheduler(ctx, [row.id for row in queued])
     return await asyncio.gather(*(
-        send(ctx, row, live=True) for row in rows
-        if row not in queued and ctx.destinations.of(row.kind).up))
+        send(ctx, row, live=True) for row in rows if row not in queued))
+
+
+def _sendable_now(ctx, row):
+    destination = ctx.destinations.of(row.kind)
+    if not destination.configured:
+        return True  # nothing goes out: it is recorded as waiting, behind nothing
+    if _behind_an_earlier_effect(row):
+        return False
+    return destination.up or destination.take_probe()
 
 
 def _behind_an_earlier_effect(row):

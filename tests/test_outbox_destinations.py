@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.context import Context
-from engine import outbox
+from engine import destinations, outbox
 from engine.outbox import Effects
 from models import Outbox
 from scheduler import Scheduler
@@ -259,26 +259,26 @@ async def test_a_worker_down_is_left_alone_but_for_one_probe_on_a_backoff(
     assert readiness["destinations"]["worker"] == "down"
     assert set(readiness["checks"]) == {"database", "scheduler", "spool"}
 
-    # A webhook's own job is not sent to a worker known to be down.
-    [live] = jobs(ctx, 1, first=100)
-    assert await outbox.deliver(ctx, [Outbox.get_by_id(live)]) == []
-    assert len(worker.requests) == down_after + 1
+    async def tried_after(seconds, live=None):
+        """Requests the worker got when `seconds` had passed and the scheduled sender
+        ran, or a webhook's job (`live`, its order's number) was delivered."""
+        before = len(worker.requests)
+        clock.advance(seconds=seconds)
+        if live is None:
+            await outbox.send_due(ctx)
+        else:
+            await outbox.deliver(ctx, [Outbox.get_by_id(row) for row in jobs(ctx, 1, live)])
+        return len(worker.requests) - before
 
-    clock.advance(seconds=29)  # the rows are due again, the first probe is not
-    await outbox.send_due(ctx)
-    assert len(worker.requests) == down_after + 1
-    clock.advance(seconds=2)
-    await outbox.send_due(ctx)
-    assert len(worker.requests) == down_after + 2  # one probe, which fails
-    clock.advance(seconds=31)  # the next probe waits twice as long
-    await outbox.send_due(ctx)
-    assert len(worker.requests) == down_after + 2
-
+    first_probe = destinations.FIRST_PROBE_SECONDS
+    assert await tried_after(first_probe - 1, live=100) == 0  # a webhook's job waits too
+    assert await tried_after(2) == 1  # one probe, which fails
+    assert await tried_after(2 * first_probe - 1) == 0  # the next waits twice as long
     worker.fail_with(200, {"ok": True})
-    clock.advance(seconds=30)
-    await outbox.send_due(ctx)  # the probe succeeds, and the rest follow at once
-    assert statuses("job") == ["sent"] * (down_after + 2)
+    assert await tried_after(2, live=101) == 1  # a webhook's job is the probe: back up
     assert worker_up(ctx) == 1
+    await tried_after(60)  # the rows' backoffs have run out: they all go
+    assert statuses("job") == ["sent"] * (down_after + 3)
     changes = [r.getMessage() for r in caplog.records if r.getMessage().startswith(
         "destination worker is")]
     assert len(changes) == 2 and "down" in changes[0] and "up again" in changes[1]
