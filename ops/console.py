@@ -28,8 +28,8 @@ PAGE_SIZE = 50
 DAY = datetime.timedelta(days=1)
 HOUR = datetime.timedelta(hours=1)
 CHART_DAYS = 7
-# Effects still to go out: every status but the two final ones.
-FINAL_OUTBOX_STATUSES = ("sent", "dead")
+# Effects still to go out: every status but the final ones.
+FINAL_OUTBOX_STATUSES = ("sent", "logged", "dead")
 # Payload keys whose values are never shown: credentials a sender may put in a body.
 SECRET_KEY = re.compile(r"secret|signature|token|password|api[_-]?key|authorization",
                         re.IGNORECASE)
@@ -353,9 +353,10 @@ def _order_detail(ctx, order, column):
 # The outbox.
 
 def outbox_counts():
-    """{(kind, status): count} of the rows still to go out or given up on (the sent rows,
-    most of the table, are counted by no page)."""
-    statuses = [status for status in operator.OUTBOX_STATUSES if status != "sent"]
+    """{(kind, status): count} of the rows still to go out or given up on (the sent and
+    logged rows, most of the table, are counted by no page)."""
+    statuses = [status for status in operator.OUTBOX_STATUSES
+                if status not in ("sent", "logged")]
     return {(kind, status): count for kind, status, count in
             Outbox.select(Outbox.kind, Outbox.status, fn.COUNT(Outbox.id))
             .where(Outbox.status.in_(statuses)).group_by(Outbox.kind, Outbox.status).tuples()}
