@@ -231,6 +231,6 @@ async def test_quarantined_spooled_calls_show_in_readyz_and_metrics(get, ctx, sc
     code, response = await get("/readyz")
     assert code == 200 and json.loads(response.body) == {
         "status": "ready", "checks": {"database": "ok", "scheduler": "ok", "spool": "ok"},
-        "spool_quarantined": 1}
+        "destinations": ALL_UP, "spool_quarantined": 1}
     code, response = await get("/metrics")
     assert value(samples(response.body), "receiver_spool_quarantined") == 1
