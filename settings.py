@@ -1,6 +1,8 @@
 """Settings, read once from the environment (a systemd EnvironmentFile sets them).
 
 The names are fixed: other systems and operators depend on them.
+
+Longer than most: every setting is here, where an operator looks them up.
 """
 import dataclasses
 import logging

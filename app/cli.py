@@ -1,7 +1,9 @@
 """The command line: `serve`, `migrate`, `link` and the operator's commands.
 
 Plain text on stdout, problems on stderr, an exit code: 0 done, 1 not done (not found,
-refused, failed, database unavailable), 2 bad usage or settings."""
+refused, failed, database unavailable), 2 bad usage or settings.
+
+Longer than most because the commands are many, one small function each."""
 import argparse
 import asyncio
 import getpass

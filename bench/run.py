@@ -13,6 +13,9 @@ per-event cost of a card payment and a dispute with 1k and with 1M rows (--scale
 the order and ledger tables; with --memory N, the service's RSS over N events; with
 --console, the operator console's pages with 1M (--console-rows) events and outbox rows
 (bench/console.py).
+
+It is one module so that `make bench` reads top to bottom as the run it makes, one
+method a scenario; that is why it is longer than the others.
 """
 import argparse
 import contextlib

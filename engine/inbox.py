@@ -4,6 +4,9 @@ Handling runs the event's plugin. A plain function runs inside one transaction w
 status change, so its database changes and outbox rows happen once or not at all; an
 async plugin (one that must wait on another system between steps) runs outside it and
 is written to be safe to run again. Outbox rows are sent after the commit.
+
+Longer than most: storing, deduplicating, handling and retrying a call are one
+mechanism, and its parts are read together.
 """
 import asyncio
 import datetime

@@ -1,6 +1,9 @@
 """The outbox: effects on other systems, written in the transaction of their cause and
 sent after it commits. A send that fails stays pending with its error and is retried
 with backoff; a refusal that no retry can change, or too many attempts, makes it dead.
+
+Longer than most: writing, claiming, ordering and sending effects are one mechanism,
+and its parts are read together.
 """
 import asyncio
 import contextlib

@@ -6,7 +6,10 @@ logs in with a name (kept in the record of actions) and the console's password; 
 session is a signed cookie (COOKIE_SECRET) with an expiry, HttpOnly, SameSite=Strict,
 Secure when the request came over HTTPS. Every POST carries Tornado's xsrf token; the
 webhooks are not affected, the check is made by these handlers only. Login attempts are
-rate limited per client address. Every action is recorded (ops.console.record_action)."""
+rate limited per client address. Every action is recorded (ops.console.record_action).
+
+Longer than most: one small handler a page or action, sharing the session, xsrf and
+action-recording base defined here."""
 import datetime
 import json
 import re

@@ -3,7 +3,10 @@ the event and outbox lists (keyset pages, fast at any table size), an order's ti
 the settlement queue and holdbacks, and the record of what operators did.
 
 The actions follow the command line's rules (ops.operator): a processed event is
-replayed only when the operator confirms it, a sent effect is never sent again."""
+replayed only when the operator confirms it, a sent effect is never sent again.
+
+Longer than most: every page's queries are here, one section a page, so what the console
+costs a large database can be read in one place."""
 import dataclasses
 import datetime
 import json
@@ -391,13 +394,16 @@ def retry_dead(ctx, kind):
 
 
 def make_due_now(ctx, kind):
-    """Effects of one destination waiting for a later try (a backoff, or a peer that was
-    not configured) become due now; returns how many. A row due within one lease may be
-    on its way out right now (a lease is how a send holds its row), so it is left alone."""
+    """Effects of one destination waiting for a later try (a backoff) or for their
+    destination to be configured become due now; returns how many. A row due within one
+    lease may be on its way out right now (a lease is how a send holds its row), so it is
+    left alone."""
     now = ctx.clock()
-    return (Outbox.update(next_attempt_at=now, updated_at=now)
-            .where(Outbox.status == "pending", Outbox.kind == kind,
-                   Outbox.next_attempt_at > now + lease(ctx)).execute())
+    backing_off = (Outbox.update(next_attempt_at=now, updated_at=now)
+                   .where(Outbox.status == "pending", Outbox.kind == kind,
+                          Outbox.next_attempt_at > now + lease(ctx)).execute())
+    return backing_off + operator.requeue(
+        ctx, (Outbox.status == "waiting") & (Outbox.kind == kind))
 
 
 # Settlement and holdbacks.

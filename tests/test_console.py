@@ -394,10 +394,13 @@ async def test_making_waiting_effects_due_now_leaves_those_on_their_way_out(logg
     Outbox.update(next_attempt_at=at(2026, 11, 23, 18, 0)).where(Outbox.id == later.id).execute()
     Outbox.update(next_attempt_at=at(2026, 11, 23, 12, 0, 50)).where(
         Outbox.id == leased.id).execute()
+    unconfigured = outbox_row(status="waiting", key="unconfigured")
     response = await logged_in.post("/console/outbox/due-now", {"kind": "job"})
-    assert "1 waiting job effect(s) due now" in text(response)
+    assert "2 waiting job effect(s) due now" in text(response)
     assert Outbox.get_by_id(later.id).next_attempt_at == clock()
     assert Outbox.get_by_id(leased.id).next_attempt_at == at(2026, 11, 23, 12, 0, 50)
+    assert Outbox.get_by_id(unconfigured.id).status == "pending"
+    assert Outbox.get_by_id(unconfigured.id).next_attempt_at == clock()
 
 
 @pytest.mark.gen_test(timeout=60)
