@@ -18,11 +18,13 @@ from app.server import serve
 from app.standins import StandIns
 from domain.links import signed_link
 from models import ComplianceOrder, CrtcOrder, FormationOrder, BundleOrder, database, open_database
+from ops.passwords import hash_password
 from settings import Settings
 
 DATABASE_FILES = ("receiver.sqlite3", "receiver.sqlite3-wal", "receiver.sqlite3-shm")
 WEBHOOK_SECRET = "demo-webhook-secret"
 CRYPTO_API_KEY = "demo-shkeeper-api-key"
+CONSOLE_PASSWORD = "demo-console-password"
 # Only the address is taken from the environment; everything else is the demo's own.
 FROM_ENVIRONMENT = ("RECEIVER_HOST", "RECEIVER_PORT", "RECEIVER_LOG_FORMAT")
 
@@ -66,6 +68,8 @@ def demo_settings(environ, folder, standins):
                SPOOL_DIR=f"{folder}/spool", WEBHOOK_SECRET=WEBHOOK_SECRET,
                LINK_SECRET="demo-link-secret", CRYPTO_PROCESSOR_API_KEY=CRYPTO_API_KEY,
                ADMIN_EMAIL="admin@example.com", MAIL_FROM="receiver@example.com",
+               CONSOLE_PASSWORD_HASH=hash_password(CONSOLE_PASSWORD),
+               COOKIE_SECRET="demo-cookie-secret-for-this-machine-only",
                # Short, so that what the stand-ins receive shows up at once.
                SCHEDULER_TICK_SECONDS="2")
     return Settings.from_env(env)
@@ -114,6 +118,9 @@ curl -s -X POST {base}/api/v1/webhooks/crypto-processor -H 'Content-Type: applic
 
 # 4. The "I already filed" link of an IFTA reminder for compliance order CO-20001 (open it in a browser)
 {signed_link(settings, "ifta", "CO-20001", "2026-Q3")}
+
+# 5. The operator console (open it in a browser; log in with any name and the password {CONSOLE_PASSWORD}): what came in, what went out, CA-0001's timeline
+{base}/console/orders/CA-0001
 
 Stop the demo with Ctrl-C; the next `make demo` starts from the sample orders again.
 """

@@ -83,6 +83,9 @@ def test_the_printed_webhook_reaches_the_worker_stand_in_and_the_link_works(demo
     link = step(printed, 4).strip()
     page = shell(f"curl -s '{link}'")
     assert "IFTA" in page and "could not find" not in page
+    console = step(printed, 5).strip()
+    login = shell(f"curl -s -o /dev/null -w '%{{http_code}} %{{redirect_url}}' '{console}'")
+    assert login.startswith("302 ") and "/console/login" in login
     deadline = time.monotonic() + READY_TIMEOUT_SECONDS
     while "stand-in worker: job name_search for FO-0001" not in log_path.read_text():
         assert time.monotonic() < deadline, log_path.read_text()
