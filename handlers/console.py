@@ -21,7 +21,7 @@ import tornado.ioloop
 import tornado.web
 
 from domain import links
-from engine.db import UNAVAILABLE
+from handlers.html import HtmlHandler
 from handlers.ratelimit import RateLimiter
 from ops import console, operator
 from ops.passwords import verify_password
@@ -63,23 +63,15 @@ class ConsoleState:
         self.event_counts = console.EventCounts()
 
 
-class ConsoleHandler(tornado.web.RequestHandler):
+class ConsoleHandler(HtmlHandler):
     # The login page and the stylesheet are for everyone; the rest for operators only.
     public = False
+    content_security_policy = CONTENT_SECURITY_POLICY
+    referrer_policy = "same-origin"
 
     def initialize(self, ctx, state):
         self.ctx = ctx
         self.state = state
-
-    def set_default_headers(self):
-        self.clear_header("Server")
-        self.set_header("Content-Type", "text/html; charset=utf-8")
-        self.set_header("Cache-Control", "no-store")
-        self.set_header("X-Content-Type-Options", "nosniff")
-        self.set_header("Content-Security-Policy", CONTENT_SECURITY_POLICY)
-        self.set_header("X-Frame-Options", "DENY")
-        self.set_header("Referrer-Policy", "same-origin")
-        self.set_header("X-Robots-Tag", "noindex")
 
     def prepare(self):
         if self.request.method == "POST":
@@ -134,13 +126,9 @@ class ConsoleHandler(tornado.web.RequestHandler):
         console.record_action(self.ctx, who or self.current_user, self.request.remote_ip,
                               action, target, outcome)
 
-    def write_error(self, status_code, exc_info=None, **kwargs):
-        if exc_info and isinstance(exc_info[1], UNAVAILABLE):
-            self.set_header("Retry-After", "30")
-            status_code = 503
+    def show_error(self, status):
         self.public = True  # an error page shows no operator's data
-        self.render_page("error", status_code,
-                         text=ERROR_TEXTS.get(status_code, "Something went wrong."))
+        self.render_page("error", status, text=ERROR_TEXTS.get(status, "Something went wrong."))
 
     def text_argument(self, name, max_length=200):
         value = self.get_argument(name, "").strip()

@@ -7,7 +7,7 @@ valid link learns nothing about which orders exist."""
 import tornado.web
 
 from domain import links
-from engine.db import UNAVAILABLE
+from handlers.html import HtmlHandler
 from handlers.ratelimit import RateLimited
 
 KIND_TITLES = {"ifta": "IFTA fuel-tax return", "ucr": "UCR annual registration"}
@@ -18,22 +18,15 @@ ERROR_TEXTS = {
 GENERIC_ERROR = ("Something went wrong", "Please open the link again later.")
 
 
-class PageHandler(tornado.web.RequestHandler):
+class PageHandler(HtmlHandler):
     """An HTML page: Jinja2 (autoescaped) from templates/pages/, and errors as pages."""
+
+    # The page needs no script. The URL carries a token, which the default no-referrer
+    # policy keeps from leaking onward.
+    content_security_policy = "default-src 'none'; style-src 'unsafe-inline'; base-uri 'none'"
 
     def initialize(self, ctx):
         self.ctx = ctx
-
-    def set_default_headers(self):
-        self.clear_header("Server")
-        self.set_header("Content-Type", "text/html; charset=utf-8")
-        self.set_header("Cache-Control", "no-store")
-        self.set_header("X-Content-Type-Options", "nosniff")
-        # The page needs no script; the URL carries a token that must not leak onward.
-        self.set_header("Content-Security-Policy",
-                        "default-src 'none'; style-src 'unsafe-inline'; base-uri 'none'")
-        self.set_header("Referrer-Policy", "no-referrer")
-        self.set_header("X-Robots-Tag", "noindex")
 
     def show(self, status, template, **values):
         self.set_status(status)
@@ -47,12 +40,6 @@ class PageHandler(tornado.web.RequestHandler):
     def show_error(self, status):
         heading, text = ERROR_TEXTS.get(status, GENERIC_ERROR)
         self.show(status, "error", heading=heading, text=text)
-
-    def write_error(self, status_code, exc_info=None, **kwargs):
-        if exc_info and isinstance(exc_info[1], UNAVAILABLE):
-            self.set_header("Retry-After", "30")
-            status_code = 503
-        self.show_error(status_code)
 
 
 class FiledLinkHandler(RateLimited, PageHandler):

@@ -12,6 +12,7 @@ import tornado.web
 
 from app.server import make_app
 from domain.links import record_self_filed
+from tests.browser_helpers import Browser, needs_selenium_chromium
 from tests.public_helpers import compliance_order, served, signed_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,40 +66,30 @@ def png_size(path):
     return struct.unpack(">II", header[16:24])
 
 
-class OverflowProbe(tornado.web.RequestHandler):
-    """A test-only page (same origin as the link) that loads a link in a 375 px wide frame
-    and writes into its own DOM how wide the framed page's content is."""
-
-    def get(self):
-        self.finish(f"""<!doctype html><body>
-<iframe id="page" src="{tornado.escape.xhtml_escape(self.get_query_argument('path'))}"
-        style="width:375px;height:812px;border:0"></iframe>
-<script>
-window.onload = () => {{
-  const root = document.getElementById("page").contentDocument.documentElement;
-  const out = document.createElement("p");
-  out.id = "result";
-  out.textContent = "scrollWidth=" + root.scrollWidth + " clientWidth=" + root.clientWidth;
-  document.body.appendChild(out);
-}};
-</script></body>""")
-
-
 @pytest.fixture
 def browser(tmp_path):
     return Chromium(tmp_path)
 
 
 @pytest.fixture
+def driven(tmp_path):
+    """A Chromium driven through chromedriver, to measure a page as laid out."""
+    marked = needs_selenium_chromium()
+    if marked:
+        pytest.skip(marked.kwargs["reason"])
+    chromium = Browser(tmp_path / "driven-profile")
+    yield chromium
+    chromium.quit()
+
+
+@pytest.fixture
 def site(ctx, clock):
-    """The service behind its own HTTPServer, plus the overflow probe."""
+    """The service behind its own HTTPServer."""
     compliance_order("CO-20001", "Dana Trucking LLC")
     clock.set(2026, 10, 5, 8, 30)
     record_self_filed("ifta", "CO-20001", "2026-Q2", clock())
     clock.set(2026, 11, 20, 9, 15)
-    app = make_app(ctx)
-    app.add_handlers(r".*", [(r"/test-only/overflow-probe", OverflowProbe)])
-    return app
+    return make_app(ctx)
 
 
 PAGES = {
@@ -136,14 +127,12 @@ async def test_the_page_reads_right_in_chromium(site, ctx, browser, page, device
 
 @pytest.mark.parametrize("page", PAGES)
 @pytest.mark.gen_test(timeout=120)
-async def test_no_page_is_wider_than_a_375_px_phone(site, ctx, browser, page):
+async def test_no_page_is_wider_than_a_375_px_phone(site, ctx, driven, page):
     long_cycle = "2026-Q3-" + "x" * 80
     path = (signed_path(ctx, "ucr", "CO-20001", long_cycle) if page == "confirmation"
             else page_path(ctx, page, 375))
     with served(site, ctx.settings) as base:
-        probe = f"{base}/test-only/overflow-probe?{tornado.httputil.urlencode({'path': path})}"
-        dom = await browser.dom(probe, SIZES["phone"])
-    assert "scrollWidth=375 clientWidth=375" in dom, dom[-400:]
+        assert await driven.widths(base + path, SIZES["phone"]) == (375, 375)
 
 
 @pytest.mark.gen_test(timeout=120)
@@ -170,7 +159,7 @@ class MailPage(tornado.web.RequestHandler):
 
 
 @pytest.mark.gen_test(timeout=120)
-async def test_the_reminder_e_mail_fits_a_375_px_phone(ctx, clock, browser, smtp):
+async def test_the_reminder_e_mail_fits_a_375_px_phone(ctx, clock, browser, driven, smtp):
     from domain.reminders import send_reminders
     from models import ComplianceOrder
     for number, slug in (("CO-40001", "ifta"), ("CO-40002", "ucr")):
@@ -186,11 +175,8 @@ async def test_the_reminder_e_mail_fits_a_375_px_phone(ctx, clock, browser, smtp
     [(_, message)] = smtp.messages
     app = make_app(ctx)
     app.add_handlers(r".*", [
-        (r"/test-only/overflow-probe", OverflowProbe),
         (r"/test-only/mail", MailPage, {"html": message.get_body(("html",)).get_content()})])
     with served(app, ctx.settings) as base:
-        query = tornado.httputil.urlencode({"path": "/test-only/mail"})
-        probe = f"{base}/test-only/overflow-probe?{query}"
-        dom = await browser.dom(probe, SIZES["phone"])
+        widths = await driven.widths(base + "/test-only/mail", SIZES["phone"])
         await browser.screenshot(base + "/test-only/mail", SIZES["phone"], "reminder-mail-phone")
-    assert "scrollWidth=375 clientWidth=375" in dom, dom[-400:]
+    assert widths == (375, 375)

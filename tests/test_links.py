@@ -140,6 +140,7 @@ async def test_a_valid_link_records_and_confirms(get, ctx, clock, kind, title):
     assert response.headers["Content-Type"] == "text/html; charset=utf-8"
     assert response.headers["Cache-Control"] == "no-store"
     assert response.headers["Referrer-Policy"] == "no-referrer"
+    assert response.headers["X-Frame-Options"] == "DENY"
     page = html(response)
     assert "Thank you, Dana: we have recorded that you filed" in page
     assert title in page and "5 October 2026 at 08:30 UTC" in page

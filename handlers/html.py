@@ -1,0 +1,29 @@
+"""What every HTML page of the service shares (the "I already filed" pages and the
+operator console): headers that keep a page out of caches, search engines and other
+sites' frames, and a database that does not answer shown as a 503 page."""
+import tornado.web
+
+from engine.db import UNAVAILABLE
+
+
+class HtmlHandler(tornado.web.RequestHandler):
+    """A subclass shows its own error page: `show_error(status)`."""
+
+    content_security_policy = "default-src 'none'; base-uri 'none'"
+    referrer_policy = "no-referrer"
+
+    def set_default_headers(self):
+        self.clear_header("Server")
+        self.set_header("Content-Type", "text/html; charset=utf-8")
+        self.set_header("Cache-Control", "no-store")
+        self.set_header("X-Content-Type-Options", "nosniff")
+        self.set_header("Content-Security-Policy", self.content_security_policy)
+        self.set_header("X-Frame-Options", "DENY")
+        self.set_header("Referrer-Policy", self.referrer_policy)
+        self.set_header("X-Robots-Tag", "noindex")
+
+    def write_error(self, status_code, exc_info=None, **kwargs):
+        if exc_info and isinstance(exc_info[1], UNAVAILABLE):
+            self.set_header("Retry-After", "30")
+            status_code = 503
+        self.show_error(status_code)
