@@ -18,6 +18,7 @@ import time
 
 import peewee
 
+import lograte
 from models import WebhookEvent, database
 from engine import outbox, spool
 from engine.claims import claim, lease
@@ -26,6 +27,8 @@ from engine.db import UNAVAILABLE, locked, why_unavailable
 from engine.prepared import InsertOnce, Prepared, slot
 
 log = logging.getLogger("receiver.events")
+# During an outage every call is spooled: one line per minute and reason, with a count.
+SPOOLED = lograte.Repeats(log)
 
 RETRY_BASE_SECONDS = 60
 RETRY_CAP_SECONDS = 6 * 3600
@@ -228,12 +231,14 @@ def _spool(ctx, call, unavailable):
     try:
         spool.append(ctx.settings.spool_dir,
                      {**call, "received_at": call["received_at"].isoformat()})
-    except OSError:
-        log.exception("database unavailable (%s) and the spool cannot be written either",
-                      unavailable)
+    except OSError as unwritable:
+        SPOOLED.exception(("unwritable", lograte.key_of(unwritable)),
+                          "database unavailable (%s) and the spool cannot be written either",
+                          why_unavailable(unavailable))
         raise unavailable from None
-    log.warning("database unavailable (%s): %s event %s spooled",
-                why_unavailable(unavailable), call["source"], call["event_type"])
+    reason = why_unavailable(unavailable)
+    SPOOLED.warning(("spooled", reason), "database unavailable (%s): calls spooled", reason)
+    log.debug("%s event %s spooled", call["source"], call["event_type"])
 
 
 def find(ctx, source, dedup_key):

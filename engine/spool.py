@@ -27,10 +27,13 @@ import logging
 import os
 import time
 
+import lograte
 from models import UTC
 from engine.db import UNAVAILABLE, why_unavailable
 
 log = logging.getLogger("receiver.spool")
+# The drain ticks every few seconds through an outage: one line per minute, with a count.
+NOT_DRAINED = lograte.Repeats(log)
 
 LIVE_NAME = "inbox.jsonl"
 UNSTORABLE_NAME = "unstorable.jsonl"
@@ -176,8 +179,9 @@ async def _store_file(path, store, drained):
         _fsync_directory(os.path.dirname(path))
         return len(entries)
     except UNAVAILABLE as exc:
-        log.warning("spool not drained, the database is still unavailable: %s",
-                    why_unavailable(exc))
+        reason = why_unavailable(exc)
+        NOT_DRAINED.warning(reason, "spool not drained, the database is still unavailable: %s",
+                            reason)
         return None
     finally:
         os.close(fd)

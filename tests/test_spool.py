@@ -64,6 +64,21 @@ async def test_a_call_taken_while_the_database_is_down_is_acknowledged_then_hand
 
 
 @pytest.mark.gen_test
+async def test_an_outage_is_one_spooled_line_and_one_not_drained_line_not_one_per_call(
+        post, ctx, db, worker, caplog):
+    with database_down(db):
+        for number in range(5):
+            await post(SUBMITTED, submitted(number), AUTH)
+        for _ in range(3):
+            assert await inbox.drain_spool(ctx) == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len([w for w in warnings if "calls spooled" in w]) == 1
+    assert len([w for w in warnings if "spool not drained" in w]) == 1
+    assert len(spooled_lines(ctx)) == 5
+    assert await inbox.drain_spool(ctx) == 5
+
+
+@pytest.mark.gen_test
 async def test_database_and_spool_both_unwritable_answers_503_so_the_sender_retries(
         post, ctx, db, worker, tmp_path):
     blocker = tmp_path / "not-a-directory"
