@@ -1,0 +1,61 @@
+"""Statements per webhook, counted (bench/statements.py): on PostgreSQL each is a round
+trip the loop waits on. The counts are deterministic, so each receiver's is held to an
+upper bound here; a change that adds a statement to a webhook's path fails this file."""
+import dataclasses
+
+import pytest
+
+from bench.statements import StatementCount
+from models import CrtcOrder, FormationOrder
+from tests import shkeeper
+from tests import stripe_events as se
+from tests.test_order_names import FRAPPE_HEADERS, frappe_body
+
+# The statements one webhook costs today, from its request to its response (the same on
+# both databases): the event's dedup read and INSERT, the order's read, an outbox INSERT
+# per effect, the event's UPDATE, then per effect the read for earlier unsent rows of its
+# order and the UPDATE of its send outcome; with BEGIN and COMMIT of both transactions.
+# A card payment (checkout.session.completed) costs 14, a crypto payment 12, its
+# background handling included.
+WORKFLOW_BOUNDS = {"formation/submitted": 14, "formation/ready": 11}
+
+
+@pytest.mark.gen_test
+@pytest.mark.parametrize("path", sorted(WORKFLOW_BOUNDS))
+async def test_a_workflow_webhook_stays_within_its_statements(path, post, worker, frappe):
+    FormationOrder.create(order_number="FO-7", order_name="FORM-7")
+    body = {"order_name": "FORM-7", "order_number": "FO-7", "state_code": "DE",
+            "entity_name": "Acme LLC"}
+    with StatementCount().open() as count:
+        status, _, _ = await post(f"/api/v1/webhooks/{path}", frappe_body(body),
+                                  FRAPPE_HEADERS)
+    assert status == 200
+    assert count.total <= WORKFLOW_BOUNDS[path]
+
+
+@pytest.fixture
+def settings(settings):
+    return dataclasses.replace(settings, stripe_secret_key=se.SECRET_KEY,
+                               stripe_webhook_secrets=(se.SECRET,),
+                               crypto_processor_api_key=shkeeper.API_KEY)
+
+
+@pytest.mark.gen_test
+async def test_a_card_payment_stays_within_its_statements(post, ctx, clock, telegram):
+    FormationOrder.create(order_number="FO-1")
+    paid = se.event("checkout.session.completed", se.checkout_session("FO-1", "formation"))
+    with StatementCount().open() as count:
+        assert (await se.deliver(post, clock, paid))[:2] == se.RECEIVED
+        await ctx.drain_background()
+    assert FormationOrder.get().payment_status == "paid"
+    assert count.total <= 14
+
+
+@pytest.mark.gen_test
+async def test_a_crypto_payment_stays_within_its_statements(post, ctx, telegram):
+    CrtcOrder.create(order_number="CA-1001")
+    with StatementCount().open() as count:
+        status, _, _ = await post(shkeeper.URL, shkeeper.paid("CA-1001"), shkeeper.key_headers())
+        await ctx.drain_background()
+    assert status == 202 and CrtcOrder.get().payment_status == "paid"
+    assert count.total <= 12
