@@ -292,6 +292,10 @@ def open_database(url, timeout_ms=None):
         db = ClassifiedSqliteDatabase(
             path,
             field_types=SQLITE_FIELD_TYPES,
+            # Every transaction takes the write lock at its start: a deferred one that
+            # read before another connection (the database thread's, a mail thread's)
+            # committed could not write at all (SQLITE_BUSY at once, no busy wait).
+            lock_type="IMMEDIATE",
             pragmas={
                 "journal_mode": "wal",
                 # An acknowledged webhook must survive a power cut, not only a crash.
@@ -521,6 +525,17 @@ class Outbox(BaseModel):
             (("status", "id"), False),
             (("kind", "status", "id"), False),
         )
+
+
+# Whether an earlier job or workflow action of the same order is still unsent, asked for
+# every new effect and for every row the scheduler claims. The unsent rows are the few;
+# with this index the answer is one probe, whatever the size of a backlog. Without it
+# PostgreSQL, its statistics not yet caught up with a table that grew by thousands in
+# an outage, answered through (kind, status, id): every earlier unsent row of the kind
+# for every candidate, 2.2 s for one claim with 4,800 rows waiting.
+Outbox.add_index(Outbox.index(Outbox.order_number, Outbox.kind, Outbox.id,
+                              name="outbox_unsent_by_order")
+                 .where(Outbox.status.in_(["pending", "waiting"])))
 
 
 ALL_MODELS = [*ORDER_MODELS.values(), TreasuryJob, LedgerEntry, WebhookEvent, Outbox]

@@ -7,8 +7,12 @@ SETTLEMENT_INTERVAL_MINUTES (and once at start): the settlement fallback.
 Several processes may share one PostgreSQL: each run of a job first takes a
 PostgreSQL advisory lock named after the job, and a process that does not get it skips
 that run, so a job runs in one process at a time. On SQLite one process is assumed.
+The locks are taken and given back in a thread of their own (a session-level lock
+belongs to the connection that took it, which is that thread's), so a database that
+stops answering holds that thread, never the loop.
 """
 import asyncio
+import concurrent.futures
 import dataclasses
 import datetime
 import logging
@@ -67,6 +71,9 @@ JOBS = (
 JOBS_BY_NAME = {job.name: job for job in JOBS}
 
 
+LOCK_THREAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="job-locks")
+
+
 class AdvisoryLock:
     """A PostgreSQL session-level advisory lock, taken without waiting; on SQLite the one
     process always has it."""
@@ -74,15 +81,25 @@ class AdvisoryLock:
     def __init__(self, lock_id):
         self.lock_id = lock_id
 
-    def acquire(self):
+    async def acquire(self):
         if not is_postgres():
             return True
-        cursor = database.execute_sql("SELECT pg_try_advisory_lock(%s)", (self.lock_id,))
+        cursor = await self._in_lock_thread("SELECT pg_try_advisory_lock(%s)")
         return bool(cursor.fetchone()[0])
 
-    def release(self):
+    async def release(self):
         if is_postgres():
-            database.execute_sql("SELECT pg_advisory_unlock(%s)", (self.lock_id,))
+            await self._in_lock_thread("SELECT pg_advisory_unlock(%s)")
+
+    def _in_lock_thread(self, sql):
+        return asyncio.get_running_loop().run_in_executor(
+            LOCK_THREAD, database.execute_sql, sql, (self.lock_id,))
+
+
+def _still_running(record):
+    """APScheduler warns of every tick that finds the job's last run still going on. The
+    outbox's run lasts as long as a backlog drains, on purpose: not worth a warning."""
+    return "maximum number of running instances reached" not in record.getMessage()
 
 
 class Scheduler:
@@ -91,6 +108,7 @@ class Scheduler:
         self.jobs = jobs
         self.apscheduler = AsyncIOScheduler(timezone=UTC)
         self.in_progress = set()
+        self.running_jobs = set()
         ctx.metrics.jobs_scheduled(job.name for job in jobs)
 
     @property
@@ -110,8 +128,16 @@ class Scheduler:
                 next_run_time=now if job.at_start else None)
         # APScheduler logs every run at INFO; a run that fails is logged by `run` itself.
         logging.getLogger("apscheduler").setLevel(logging.WARNING)
+        logging.getLogger("apscheduler.scheduler").addFilter(_still_running)
         self.apscheduler.start()
+        # A destination back after an outage: its backlog goes now, not at the next tick.
+        self.ctx.destinations.when_recovered(lambda: self.run_soon("outbox"))
         log.info("scheduler started: %s", ", ".join(job.name for job in self.jobs))
+
+    def run_soon(self, name):
+        """Run job `name` now, unless a run of it is going on (it picks up the work)."""
+        if self.apscheduler.running and name not in self.running_jobs:
+            self.apscheduler.modify_job(name, next_run_time=datetime.datetime.now(UTC))
 
     async def stop(self, grace=STOP_GRACE_SECONDS):
         """No new runs; wait up to `grace` seconds for the runs in progress, then cancel
@@ -139,15 +165,17 @@ class Scheduler:
         lograte.flush_all()
         task = asyncio.current_task()
         self.in_progress.add(task)
+        self.running_jobs.add(job.name)
         try:
             return await self._run_locked(job)
         finally:
             self.in_progress.discard(task)
+            self.running_jobs.discard(job.name)
 
     async def _run_locked(self, job):
         lock = AdvisoryLock(job.lock_id)
         try:
-            if not lock.acquire():
+            if not await lock.acquire():
                 log.debug("job %s skipped: running in another process", job.name)
                 self.ctx.metrics.job_ran(job.name, "skipped", self.ctx.clock())
                 return None
@@ -168,7 +196,7 @@ class Scheduler:
             REPEATS.exception((job.name, *lograte.key_of(exc)), "job %s failed", job.name)
         finally:
             try:
-                lock.release()
+                await lock.release()
             except UNAVAILABLE:
                 pass  # the session is gone, and its locks with it
         self.ctx.metrics.job_ran(job.name, "failed", self.ctx.clock())

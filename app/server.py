@@ -5,6 +5,7 @@ import errno
 import gc
 import logging
 import os
+import sys
 import signal
 import time
 import weakref
@@ -152,9 +153,15 @@ def make_server(app, settings):
         idle_connection_timeout=60,
     )
 
+# The database thread (engine.commits) waits on a socket for every statement and then
+# needs the GIL back from the loop; Python's default switch interval (5 ms) would be
+# each statement's worst wait for it.
+GIL_SWITCH_SECONDS = 0.0005
+
 
 async def serve(settings, ready=None):
     """Serve until SIGTERM or SIGINT; `ready()`, when given, is called once it listens."""
+    sys.setswitchinterval(GIL_SWITCH_SECONDS)
     db = open_database(settings.database_url, timeout_ms=settings.database_timeout_ms)
     with db.unbounded():
         applied = migrations.migrate(db)

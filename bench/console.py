@@ -112,8 +112,16 @@ def console_service(database_url):
 
 def logged_in(base):
     session = requests.Session()
-    page = session.get(base + "/console/login").text
-    token = re.search(r'name="_xsrf" value="([^"]+)"', page).group(1)
+    # A port that accepts is not yet a service that is ready (migrations, the jobs run
+    # at start on a loaded machine): wait for /readyz first.
+    deadline = time.monotonic() + 60
+    while session.get(base + "/readyz").status_code != 200:
+        assert time.monotonic() < deadline, "the console's service never became ready"
+        time.sleep(0.2)
+    page = session.get(base + "/console/login")
+    token = re.search(r'name="_xsrf" value="([^"]+)"', page.text)
+    assert token, (page.status_code, page.text[:500])
+    token = token.group(1)
     answer = session.post(base + "/console/login", data={
         "_xsrf": token, "name": "bench", "password": PASSWORD}, allow_redirects=False)
     assert answer.status_code == 302, answer.status_code

@@ -189,6 +189,32 @@ def format_row(row):
             + (f"  inbox {row['inbox']}" if row.get("inbox") else ""))
 
 
+class FoundBack:
+    """Polls the service's /readyz from the moment a destination comes back: `seconds()`
+    is how long the service took to find it up (None if not within `timeout`)."""
+
+    def __init__(self, port, destination, timeout):
+        self.started = time.monotonic()
+        self.found = None
+        self.thread = threading.Thread(target=self._poll, daemon=True,
+                                       args=(port, destination, timeout))
+        self.thread.start()
+
+    def _poll(self, port, destination, timeout):
+        while time.monotonic() - self.started < timeout:
+            with contextlib.suppress(OSError, ValueError):
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz",
+                                            timeout=5) as answer:
+                    if json.load(answer)["destinations"][destination] == "up":
+                        self.found = time.monotonic() - self.started
+                        return
+            time.sleep(0.1)
+
+    def seconds(self):
+        self.thread.join()
+        return None if self.found is None else round(self.found, 2)
+
+
 class Bench:
     def __init__(self, args):
         self.args = args
@@ -309,9 +335,10 @@ class Bench:
 
     def measure_drain(self, label, database_url):
         """The worker is down for --drain-outage seconds under steady workflow traffic,
-        then comes back while the traffic goes on: how fast the backlog empties, the live
-        p99 during the drain against the same traffic before the outage, and whether
-        every job reached the worker exactly once."""
+        then comes back while the traffic goes on: how long until the service finds it
+        back (its probe's backoff) and until the backlog is empty, how fast the backlog is
+        sent once found back, the live p99 during the drain against the same traffic
+        before the outage, and whether every job reached the worker exactly once."""
         args, worker_port = self.args, free_port()
         worker_url = f"http://127.0.0.1:{worker_port}"
         live_connections = max(1, args.connections // 4)
@@ -329,6 +356,7 @@ class Bench:
                 backlog = jobs_not_sent(database_url)
                 worker.start(["-m", "bench.peers", "--http-port", str(worker_port)],
                              worker_port)
+                found_back = FoundBack(port, "worker", args.drain_window)
                 live = subprocess.Popen(
                     loadgen_command("workflow", port, live_connections, args.drain_window,
                                     {"prefix": f"DRL{os.getpid()}"}),
@@ -337,18 +365,21 @@ class Bench:
                                                      still=lambda: live.poll() is None)
                 during = json.loads(live.communicate()[0])
                 left = self.wait_until_sent(database_url, args.drain_window)
+                found_back_s = found_back.seconds()
                 calls, distinct = worker_stats(worker_url)
             finally:
                 worker.stop_all()
         # The worker that came back counts what reached it: the jobs of the outage and of
         # the drain (those of before were all sent to the first one).
         acknowledged = outage["requests"] + during["requests"]
-        drained = drained_after is not None
+        drained = drained_after is not None and found_back_s is not None
+        sending_s = drained_after - found_back_s if drained else None
         row = {**during, "scenario": "drain", "database": label, **self.ratios(during),
                "backlog": backlog, "outage_s": args.drain_outage,
+               "found_back_s": found_back_s,
                "drain_s": round(drained_after, 2) if drained else None,
-               "drain_jobs_per_s": round(backlog / drained_after, 1)
-               if drained and drained_after else None,
+               "drain_jobs_per_s": round(backlog / sending_s, 1)
+               if drained and sending_s > 0 else None,
                "live_p99_before_ms": before["p99_ms"],
                "live_p99_vs_before": round(during["p99_ms"] / before["p99_ms"], 2),
                "jobs_acknowledged": acknowledged, "jobs_arrived": distinct,
@@ -356,7 +387,8 @@ class Bench:
                else jobs_not_sent(database_url)}
         self.record(row)
         print(f"            backlog {backlog} jobs after {args.drain_outage} s down; "
-              f"drained in {row['drain_s']} s ({row['drain_jobs_per_s']} jobs/s); live p99 "
+              f"worker found back after {found_back_s} s, backlog empty after "
+              f"{row['drain_s']} s ({row['drain_jobs_per_s']} jobs/s once found); live p99 "
               f"{during['p99_ms']} ms vs {before['p99_ms']} ms before (x"
               f"{row['live_p99_vs_before']}); {distinct}/{acknowledged} jobs arrived, "
               f"{row['jobs_duplicated']} twice", flush=True)
@@ -481,7 +513,7 @@ class Bench:
             for row in self.rows:
                 if row["scenario"] in ("drain", "2 instances"):
                     details = {k: v for k, v in row.items() if k.startswith(
-                        ("backlog", "drain", "live_", "jobs_", "outage", "vs_"))}
+                        ("backlog", "found_back", "drain", "live_", "jobs_", "outage", "vs_"))}
                     out.write(f"\n{row['scenario']} ({row['database']}): "
                               f"`{json.dumps(details)}`\n")
             for name in ("scale", "memory", "console"):

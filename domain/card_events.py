@@ -95,12 +95,12 @@ async def accept(ctx, event, raw):
         in_background=event["type"] in BACKGROUND_TYPES)
 
 
-def reject(ctx, raw, reason):
+async def reject(ctx, raw, reason):
     """Keep a signed body that is not a Stripe event, with the reason, for an operator."""
     log.error("card webhook: signed body is not a Stripe event (%s); kept as rejected",
               reason)
-    inbox.record(ctx, SOURCE, "unreadable", "raw:" + hashlib.sha256(raw).hexdigest(), raw,
-                 status="rejected", last_error=reason)
+    await inbox.record(ctx, SOURCE, "unreadable", "raw:" + hashlib.sha256(raw).hexdigest(),
+                       raw, status="rejected", last_error=reason)
 
 
 # --- what the plugins share ---------------------------------------------------------------

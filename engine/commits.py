@@ -1,12 +1,22 @@
-"""Group commit: the transactions of concurrent requests share one commit.
+"""Group commit: the transactions of concurrent requests share one commit, run in the
+database thread.
 
 A commit waits for the disk (an fsync on SQLite with synchronous=full, a WAL flush on
-PostgreSQL), and the IOLoop waits with it. Units of work asked for while the loop is busy
-run together at its next turn under one commit; one that raises is undone alone (below),
-the others are committed. On SQLite the transaction takes the write lock at its start
-(BEGIN IMMEDIATE): a deferred one that read before another connection (a mail thread's)
-committed could not write at all. Each caller resumes only after that commit: nothing is
+PostgreSQL), and every statement before it waits for the database. None of that waiting
+happens on the IOLoop: a turn (the units of work asked for while the previous turn ran)
+is handed to one thread of its own, `DATABASE_THREAD`, and the loop goes on serving:
+parsing the next requests, answering /healthz, sending effects. A database that stops
+answering holds that thread (up to DATABASE_TIMEOUT_MS, models.BoundedWaits), never the
+loop. Units asked for meanwhile wait and run together in the next turn, so the busier
+the service, the more units share a commit. One that raises is undone alone (below),
+the others are committed. Each caller resumes only after that commit: nothing is
 acknowledged before it is durable.
+
+A unit is plain synchronous code run in that thread: it reads and writes the database
+and builds values, and leaves the loop's own state (destinations, timers, tasks) to
+its caller, which runs on the loop once the unit is committed. One thread for the
+whole process: its connection is the only one that writes on the request path, so on
+SQLite the turns never wait for each other's write lock.
 
 Undoing one unit alone takes a savepoint, which costs two statements and peewee's
 bookkeeping, about as much as a one-row insert. So a turn runs first without any, and
@@ -21,13 +31,17 @@ must therefore be safe to run again from its start, and code inside one that cat
 database errors lets a conflict through (`raise_if_conflict`).
 """
 import asyncio
+import concurrent.futures
 import contextlib
 import contextvars
+import functools
 
-from models import database, is_postgres
+from models import database
 from engine.db import is_conflict
 
 MAX_CONFLICTS = 5
+# Runs every turn of every GroupCommit in the process, one at a time.
+DATABASE_THREAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="database")
 
 # False while a turn runs without savepoints.
 _careful = contextvars.ContextVar("careful", default=True)
@@ -61,6 +75,7 @@ def savepoint():
 class GroupCommit:
     def __init__(self):
         self._waiting = []
+        self._turn_running = False
 
     async def run(self, unit):
         """Run `unit()` in a transaction shared with the other units of this turn; return
@@ -70,29 +85,43 @@ class GroupCommit:
         return await future
 
     def _enqueue(self, unit, future, conflicts):
-        if not self._waiting:
-            asyncio.get_running_loop().call_soon(self._commit)
         self._waiting.append((unit, future, conflicts))
+        if not self._turn_running:
+            self._turn_running = True
+            # At the loop's next turn: the units asked for until then join this one.
+            asyncio.get_running_loop().call_soon(self._start_turn)
 
-    def _commit(self):
+    def _start_turn(self):
         batch, self._waiting = self._waiting, []
-        units = [unit for unit, _, _ in batch]
-        try:
-            try:
-                outcomes = _run_turn(units, careful=False)
-            except _TurnUndone:
-                outcomes = _run_turn(units, careful=True)
-        except Exception as failure:  # the commit itself, or the connection, failed
-            outcomes = [(None, failure)] * len(batch)
-        for (unit, future, conflicts), (result, failure) in zip(batch, outcomes):
+        turn = asyncio.get_running_loop().run_in_executor(
+            DATABASE_THREAD, _run_batch, [unit for unit, _, _ in batch])
+        turn.add_done_callback(functools.partial(self._finish_turn, batch))
+
+    def _finish_turn(self, batch, turn):
+        for (unit, future, conflicts), (result, failure) in zip(batch, turn.result()):
             if future.cancelled():
                 continue
             if failure is None:
                 future.set_result(result)
             elif is_conflict(failure) and conflicts < MAX_CONFLICTS:
-                self._enqueue(unit, future, conflicts + 1)
+                self._waiting.append((unit, future, conflicts + 1))
             else:
                 future.set_exception(failure)
+        if self._waiting:
+            self._start_turn()
+        else:
+            self._turn_running = False
+
+
+def _run_batch(units):
+    """In the database thread: each unit's (result, failure), committed together."""
+    try:
+        try:
+            return _run_turn(units, careful=False)
+        except _TurnUndone:
+            return _run_turn(units, careful=True)
+    except Exception as failure:  # the commit itself, or the connection, failed
+        return [(None, failure)] * len(units)
 
 
 def _run_turn(units, careful):
@@ -100,7 +129,7 @@ def _run_turn(units, careful):
     (`careful` false) any unit's failure rolls back the turn and raises _TurnUndone."""
     token = _careful.set(careful)
     try:
-        with database.atomic() if is_postgres() else database.atomic("IMMEDIATE"):
+        with database.atomic():
             if careful:
                 return [_attempt(unit) for unit in units]
             try:

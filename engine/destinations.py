@@ -34,10 +34,11 @@ FIRST_PROBE_SECONDS = 5
 
 
 class Destination:
-    def __init__(self, name, client, settings, clock):
+    def __init__(self, name, client, settings, clock, recovered=lambda: None):
         self.name = name
         self.client = client
         self.clock = clock
+        self.recovered = recovered
         self.down_after = settings.outbound_down_after
         self.probe_max = datetime.timedelta(seconds=settings.outbound_probe_max_seconds)
         self.up = True
@@ -77,6 +78,7 @@ class Destination:
             if not self.up:
                 self.up, self.probing = True, False
                 log.warning("destination %s is up again: sending its effects", self.name)
+                self.recovered()
             return
         self.failures += 1
         if self.up and self.failures >= self.down_after:
@@ -115,8 +117,19 @@ class Destinations:
     def __init__(self, ctx):
         clients = {"worker": ctx.worker, "workflow": ctx.workflow, "telegram": ctx.telegram,
                    "smtp": ctx.mailer}
-        self.by_name = {name: Destination(name, client, ctx.settings, lambda: ctx.clock())
+        self.by_name = {name: Destination(name, client, ctx.settings, lambda: ctx.clock(),
+                                          self._recovered)
                         for name, client in clients.items()}
+        self._when_recovered = []
+
+    def when_recovered(self, callback):
+        """Call `callback()` whenever a destination that was down is found up again (the
+        scheduler sends its backlog then, rather than at its next tick)."""
+        self._when_recovered.append(callback)
+
+    def _recovered(self):
+        for callback in self._when_recovered:
+            callback()
 
     def __iter__(self):
         return iter(self.by_name.values())

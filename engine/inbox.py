@@ -19,7 +19,7 @@ import time
 import peewee
 
 import lograte
-from models import WebhookEvent, database
+from models import WebhookEvent
 from engine import outbox, spool
 from engine.claims import claim, lease
 from engine.commits import raise_if_conflict, savepoint
@@ -60,19 +60,26 @@ FINISH = Prepared(lambda: WebhookEvent.update(
 ).where(WebhookEvent.id == slot(WebhookEvent.id)))
 
 
-def record(ctx, *args, **kwargs):
-    """Store the call; return (event, created). A known dedup key, or one of
-    `also_known_as` (earlier keys of the same call), returns the first copy.
+async def record(ctx, *args, **kwargs):
+    """Store the call (in the database thread); return (event, created). A known dedup
+    key, or one of `also_known_as` (earlier keys of the same call), returns the first
+    copy.
 
     While the database is unavailable the call is appended to the spool instead and
     (None, False) is returned: it is durable, and the spool drain will store and handle
     it. If even the spool cannot be written, the database error propagates (503)."""
     call = _call(ctx, *args, **kwargs)
     try:
-        return _store(ctx, call)
+        return await ctx.commits.run(functools.partial(_store, ctx, call))
     except UNAVAILABLE as unavailable:
         _spool(ctx, call, unavailable)
         return None, False
+
+
+def store(ctx, *args, **kwargs):
+    """`record` inside a unit of work that goes on with the event: (event, created); the
+    database errors propagate."""
+    return _store(ctx, _call(ctx, *args, **kwargs))
 
 
 async def accept(ctx, *args, in_background=False, send_within=None, **kwargs):
@@ -297,7 +304,7 @@ async def _handle(ctx, event):
                 return outcome
     except Exception as exc:
         log.exception("%s event #%s (%s) failed", event.source, event.id, event.event_type)
-        _fail(ctx, event, f"{type(exc).__name__}: {exc}")
+        await _fail(ctx, event, f"{type(exc).__name__}: {exc}")
         return "failed"
     await deliver_committed(ctx, effects.rows)
     return outcome
@@ -359,10 +366,9 @@ def _finish(ctx, event_id, status, error=None):
                    last_error=error)
 
 
-def _fail(ctx, event, error):
+async def _fail(ctx, event, error):
     try:
-        with database.atomic():
-            _record_failure(ctx, event, error)
+        await ctx.commits.run(functools.partial(_record_failure, ctx, event, error))
     except peewee.PeeweeException:
         log.exception("could not record the failure of event #%s; it stays %s",
                       event.id, event.status)
@@ -405,7 +411,7 @@ async def retry_due(ctx):
                  & (WebhookEvent.next_attempt_at.is_null()
                     | (WebhookEvent.next_attempt_at <= now)))
     retry = (WebhookEvent.status == "failed") & (WebhookEvent.next_attempt_at <= now)
-    events = claim(ctx, WebhookEvent, abandoned | retry)
+    events = await ctx.commits.run(functools.partial(claim, ctx, WebhookEvent, abandoned | retry))
     for event in events:
         await process(ctx, event)
     return len(events)

@@ -32,9 +32,6 @@ MAX_ATTEMPTS = 12
 # Keys of the admin e-mails that say a row or an event was given up; such an e-mail
 # given up itself is only logged, not announced again.
 ADMIN_NOTICE_PREFIX = "admin-notice-"
-# A run of the sender goes on while rows keep succeeding (an order's queued effects
-# go out one after another), up to this many passes.
-MAX_PASSES = 50
 BACKOFF_BASE_SECONDS = 30
 BACKOFF_CAP_SECONDS = 6 * 3600
 # A sender holding at least this much less than a whole lease does not re-take the row
@@ -163,6 +160,7 @@ class Effects:
             created_at=now, updated_at=now)
         if row is None:
             return None
+        note_whether_behind(row)
         self.rows.append(row)
         return row.id
 
@@ -187,27 +185,28 @@ class Effects:
         return self.add("alert", {"text": text}, key, order_number)
 
 
-# Each sender calls `take()` right before its request goes out: it raises
+# Each sender calls `await take()` right before its request goes out: it raises
 # _TakenElsewhere when another sender has claimed the row meanwhile.
 
 async def _send_job(ctx, payload, row, take):
-    take()
+    await take()
     return await ctx.worker.dispatch(payload["action"], payload["payload"], row.idempotency_key)
 
 
 async def _send_workflow_action(ctx, payload, row, take):
-    take()
+    await take()
     return await ctx.workflow.apply_action(payload["doctype"], payload["name"], payload["action"])
 
 
 async def _send_email(ctx, payload, row, take):
     # Taken in the mail thread: a message may wait for a free thread longer than a lease.
     return await ctx.mailer.send(payload["to"], payload["subject"], payload["text"],
-                                 payload.get("html"), before=take, key=row.idempotency_key)
+                                 payload.get("html"), before=take.in_thread,
+                                 key=row.idempotency_key)
 
 
 async def _send_alert(ctx, payload, row, take):
-    take()
+    await take()
     return await ctx.telegram.send(payload["text"])
 
 
@@ -219,6 +218,30 @@ SENDERS = {
 }
 
 
+class _Take:
+    """The last check before a row's request goes out: the sender still holds the row
+    (its lease is about whole, or re-taking it succeeds), else _TakenElsewhere."""
+
+    def __init__(self, ctx, row):
+        self.ctx, self.row = ctx, row
+
+    async def __call__(self):
+        """On the loop: a re-take is a write, made in the database thread."""
+        if not _lease_ample(self.ctx, self.row):
+            self._held(await self.ctx.commits.run(
+                functools.partial(_retake, self.ctx, self.row)))
+
+    def in_thread(self):
+        """In a mail thread, which may write itself."""
+        if not _lease_ample(self.ctx, self.row):
+            self._held(_retake(self.ctx, self.row))
+
+    @staticmethod
+    def _held(retaken):
+        if not retaken:
+            raise _TakenElsewhere
+
+
 class _TakenElsewhere(Exception):
     """Another sender claimed the row after this one was given it."""
 
@@ -228,13 +251,19 @@ async def send(ctx, row, live=False):
     another sender took the row over before it went out (that one sends it). `live`: the
     request that caused the row sends it, in the share of calls in flight kept for such
     sends (engine.destinations)."""
-    def take():
-        if not (_lease_ample(ctx, row) or _retake(ctx, row)):
-            raise _TakenElsewhere
+    result = await _attempt(ctx, row, live)
+    if result is not None:
+        await ctx.commits.run(functools.partial(record_outcome, ctx, row, result))
+    return result
+
+
+async def _attempt(ctx, row, live=False):
+    """`send` without recording the outcome: the Result, or None."""
     destination = ctx.destinations.of(row.kind)
     try:
         async with destination.slot(live):
-            result = await SENDERS[row.kind](ctx, json.loads(row.payload), row, take)
+            result = await SENDERS[row.kind](ctx, json.loads(row.payload), row,
+                                             _Take(ctx, row))
     except _TakenElsewhere:
         log.info("outbox %s %s not sent here: another sender has taken it", row.id, row.kind)
         return None
@@ -247,7 +276,6 @@ async def send(ctx, row, live=False):
         log.exception("outbox %s %s: its sender raised", row.id, row.kind)
         result = Result.failed(f"{type(exc).__name__} raised while sending", retryable=False)
     destination.observe(result)
-    await ctx.commits.run(functools.partial(record_outcome, ctx, row, result))
     return result
 
 
@@ -272,6 +300,25 @@ def _retake(ctx, row):
     if taken:
         row.next_attempt_at = held_until
     return bool(taken)
+
+
+def record_outcomes(ctx, rows, results):
+    """A batch's outcomes in one unit: the rows sent in one statement (a drain sends
+    hundreds a second, and one statement each would hold the database thread, and the
+    live requests' turns behind it, for as long), the others one by one."""
+    sent = [row for row, result in zip(rows, results)
+            if result is not None and result.configured and result.ok and not result.logged]
+    if sent:
+        now = ctx.clock()
+        (Outbox.update(status="sent", sent_at=now, last_error=None,
+                       attempts=Outbox.attempts + 1, updated_at=now)
+         .where(Outbox.id.in_([row.id for row in sent])).execute())
+        for row in sent:
+            ctx.metrics.effect_sent(row.kind, "sent")
+    sent = set(sent)
+    for row, result in zip(rows, results):
+        if result is not None and row not in sent:
+            record_outcome(ctx, row, result)
 
 
 def record_outcome(ctx, row, result):
@@ -315,7 +362,7 @@ def record_outcome(ctx, row, result):
 async def deliver(ctx, rows):
     """Send the rows an Effects has just added, once committed, concurrently; each outcome
     is recorded, none raises. They are as written: nobody else sends a row during the
-    lease it was created with.
+    lease it was created with (or claimed, for rows read back).
 
     Not sent here, and left to the scheduled sender: a job or workflow action whose order
     still has an earlier one of its kind unsent (from an earlier event), so that each
@@ -325,11 +372,15 @@ async def deliver(ctx, rows):
     if not rows:
         return []
     rows = sorted(rows, key=lambda row: row.id)
+    unknown = [row for row in rows if getattr(row, "behind", None) is None]
+    if unknown:  # rows read back, not written by an Effects
+        await ctx.commits.run(lambda: [note_whether_behind(row) for row in unknown])
     # A row whose destination is not configured is "sent" all the same: nothing goes
     # out, and it is recorded as waiting, not as pending behind the earlier one.
     queued = [row for row in rows if not _sendable_now(ctx, row)]
     if queued:
-        _hand_to_scheduler(ctx, [row.id for row in queued])
+        await ctx.commits.run(functools.partial(_hand_to_scheduler, ctx,
+                                                [row.id for row in queued]))
     return await asyncio.gather(*(
         send(ctx, row, live=True) for row in rows if row not in queued))
 
@@ -338,20 +389,26 @@ def _sendable_now(ctx, row):
     destination = ctx.destinations.of(row.kind)
     if not destination.configured:
         return True  # nothing goes out: it is recorded as waiting, behind nothing
-    if _behind_an_earlier_effect(row):
+    if row.behind:
         return False
     return destination.up or destination.take_probe()
 
 
-def _behind_an_earlier_effect(row):
+def note_whether_behind(row):
+    """Set `row.behind`: whether an earlier job or workflow action of its order is still
+    unsent (from an earlier event), so that this one must wait for the scheduled sender.
+    Read in the transaction that writes the row (Effects.add), in the database thread,
+    so the loop that sends it after the commit asks the database nothing."""
+    row.behind = False
     if row.order_number is None or row.kind not in ORDERED_KINDS:
-        return False
+        return row
     if row.event_id is None:
         earlier = EARLIER_UNSENT.first(order_number=row.order_number, kind=row.kind, id=row.id)
     else:
         earlier = EARLIER_UNSENT_OF_OTHER_EVENTS.first(
             order_number=row.order_number, kind=row.kind, id=row.id, event=row.event_id)
-    return earlier is not None
+    row.behind = earlier is not None
+    return row
 
 
 def _hand_to_scheduler(ctx, row_ids):
@@ -371,32 +428,40 @@ def _due(now, kinds):
             & (Outbox.kind.not_in(ORDERED_KINDS) | ~fn.EXISTS(unsent_before)))
 
 
-def _claim_due(ctx):
+async def _claim_due(ctx):
     """The due rows of the destinations that are up, and one row of each destination
     that is down and due for a probe."""
     now = ctx.clock()
     destinations = ctx.destinations
-    rows = []
+    claims = []
     up = destinations.kinds(lambda destination: destination.up)
     if up:
-        rows += claim(ctx, Outbox, _due(now, up))
+        claims.append(functools.partial(claim, ctx, Outbox, _due(now, up)))
     for kind in destinations.kinds(lambda destination: destination.take_probe()):
-        rows += claim(ctx, Outbox, _due(now, [kind]), limit=1)
-    return rows
+        claims.append(functools.partial(claim, ctx, Outbox, _due(now, [kind]), limit=1))
+    if not claims:
+        return []
+    return await ctx.commits.run(lambda: [row for each in claims for row in each()])
 
 
 async def send_due(ctx):
     """The scheduled sender: claim the due rows, send them, and go on while sends succeed
     (the next effect of an order becomes due when the one before it is sent). Returns the
     number sent. Waiting rows whose destination is configured now (the service was
-    started with it) are made due first."""
-    release_waiting(ctx)
+    started with it) are made due first.
+
+    A backlog (a destination back after an outage) is sent in one run, without waiting
+    for the next tick between batches: as fast as the destination's calls in flight
+    allow. The run ends when nothing is due or a whole batch failed (the destination is
+    unwell again: its backoff and probes take over)."""
+    await ctx.commits.run(functools.partial(release_waiting, ctx))
     sent = 0
-    for _ in range(MAX_PASSES):
-        rows = _claim_due(ctx)
+    while True:
+        rows = await _claim_due(ctx)
         if not rows:
             break
-        results = await asyncio.gather(*(send(ctx, row) for row in rows))
+        results = await asyncio.gather(*(_attempt(ctx, row) for row in rows))
+        await ctx.commits.run(functools.partial(record_outcomes, ctx, rows, results))
         succeeded = sum(1 for result in results if result is not None and result.ok)
         sent += succeeded
         if not succeeded:

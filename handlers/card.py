@@ -89,6 +89,6 @@ class CardWebhookHandler(ApiHandler):
             event = None
         problem = card_events.problem_with(event)
         if problem:
-            card_events.reject(self.ctx, raw, problem)
+            await card_events.reject(self.ctx, raw, problem)
         else:
             await card_events.accept(self.ctx, event, raw)

@@ -3,7 +3,6 @@
 SHKeeper re-sends a callback every 60 s, forever, until it gets exactly 202; so every
 outcome but a refused key is 202, and the inbox, not the sender, retries our failures.
 """
-import functools
 import hashlib
 import hmac
 import logging
@@ -11,7 +10,6 @@ import re
 
 import lograte
 from handlers.base import ApiHandler, same_secret
-from models import database
 from domain import treasury
 from engine import inbox, outbox
 from engine.db import UNAVAILABLE
@@ -127,47 +125,48 @@ class CryptoProcessorWebhookHandler(ApiHandler):
         try:
             body = treasury.read(raw)
             if treasury.external_id_of(body) is None:
-                self.ignore(raw, body)
+                await self.ignore(raw, body)
                 return None, []
             callback = treasury.Callback.parse(body)
         except treasury.MalformedCallback as malformed:
-            return None, self.reject(raw, body, str(malformed))
+            return None, await self.reject(raw, body, str(malformed))
         _, _, outcome = await inbox.accept(
             self.ctx, SOURCE, callback.status or "unknown", callback.dedup_key(), raw,
             external_id=callback.external_id, order_number=callback.external_id)
         return outcome, []
 
-    def ignore(self, raw, body):
+    async def ignore(self, raw, body):
         """No external_id: nothing to act on (BEHAVIOUR.md 4.3 rule 2). Kept as `ignored`, so
         an operator can see what arrived."""
         status = body.get("status")
         status = status if isinstance(status, str) and status.isprintable() else "unknown"
         log.info("crypto callback without external_id (status %r) ignored", status)
-        inbox.record(self.ctx, SOURCE, status or "unknown",
-                     f"no-external-id:{_digest(raw)}", raw, status="ignored",
-                     last_error="no external_id")
+        await inbox.record(self.ctx, SOURCE, status or "unknown",
+                           f"no-external-id:{_digest(raw)}", raw, status="ignored",
+                           last_error="no external_id")
 
-    def reject(self, raw, body, reason):
+    async def reject(self, raw, body, reason):
         """Kept as `rejected` with the reason; the admin hears of it when it claimed to be
         paid, since an order may be waiting on this money. Returns the outbox rows to send."""
         external_id = _external_id_or_none(body)
         log.warning("crypto callback for %s rejected: %s", external_id or "unknown order",
                     reason)
-        record = functools.partial(
-            inbox.record, self.ctx, SOURCE, "malformed", f"rejected:{_digest(raw)}", raw,
-            external_id=external_id, order_number=external_id, status="rejected",
-            last_error=reason)
+        call = ((self.ctx, SOURCE, "malformed", f"rejected:{_digest(raw)}", raw),
+                dict(external_id=external_id, order_number=external_id, status="rejected",
+                     last_error=reason))
+
+        def keep_and_tell():
+            event, created = inbox.store(*call[0], **call[1])
+            effects = outbox.Effects(self.ctx, event)
+            if created and treasury.claims_paid(body):
+                self.tell_admin(effects, event, external_id, reason, raw)
+            return effects.rows
         try:
-            with database.atomic():
-                event, created = record()
-                effects = outbox.Effects(self.ctx, event)
-                if created and treasury.claims_paid(body):
-                    self.tell_admin(effects, event, external_id, reason, raw)
+            return await self.ctx.commits.run(keep_and_tell)
         except UNAVAILABLE:
             # No transaction to be had: the inbox alone can still keep it (in the spool).
-            record()
+            await inbox.record(*call[0], **call[1])
             return []
-        return effects.rows
 
     def tell_admin(self, effects, event, external_id, reason, raw):
         admin = self.ctx.settings.admin_email

@@ -9,6 +9,7 @@ Longer than most: every page's queries are here, one section a page, so what the
 costs a large database can be read in one place."""
 import dataclasses
 import datetime
+import functools
 import json
 import logging
 import re
@@ -382,8 +383,9 @@ async def retry_now(ctx, row_id):
     earlier effect of its order is still waiting (then the scheduler sends it after that
     one). Returns the row as it then stands."""
     operator.retry_outbox(ctx, row_id)
-    rows = claim(ctx, Outbox, (Outbox.id == row_id) & (Outbox.status == "pending")
-                 & (Outbox.next_attempt_at <= ctx.clock()))
+    due = ((Outbox.id == row_id) & (Outbox.status == "pending")
+           & (Outbox.next_attempt_at <= ctx.clock()))
+    rows = await ctx.commits.run(functools.partial(claim, ctx, Outbox, due))
     await outbox.deliver(ctx, rows)
     return Outbox.get_by_id(row_id)
 

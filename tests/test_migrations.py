@@ -107,3 +107,18 @@ def test_0010_creates_reminders_sent_on_an_older_database_and_is_a_no_op_after(s
     importlib.import_module("migrations.0010_reminders_sent").apply(
         scratch_db, migrator_for(scratch_db))
     assert scratch_db.get_columns("reminders_sent") == columns
+
+
+UNSENT_BY_ORDER = importlib.import_module("migrations.0012_outbox_unsent_by_order")
+
+
+def test_0012_gives_an_old_database_the_index_of_unsent_effects_by_order(scratch_db):
+    def indexes():
+        return sorted(index.name for index in scratch_db.get_indexes("outbox"))
+    fresh = indexes()
+    assert "outbox_unsent_by_order" in fresh
+    scratch_db.execute_sql("DROP INDEX outbox_unsent_by_order")
+    UNSENT_BY_ORDER.apply(scratch_db, migrator_for(scratch_db))
+    assert indexes() == fresh
+    UNSENT_BY_ORDER.apply(scratch_db, migrator_for(scratch_db))
+    assert indexes() == fresh

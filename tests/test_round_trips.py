@@ -6,7 +6,9 @@ import dataclasses
 import pytest
 
 from bench.statements import StatementCount
-from models import CrtcOrder, FormationOrder
+from engine import outbox
+from engine.outbox import Effects
+from models import CrtcOrder, FormationOrder, Outbox
 from tests import shkeeper
 from tests import stripe_events as se
 from tests.test_order_names import FRAPPE_HEADERS, frappe_body
@@ -59,3 +61,21 @@ async def test_a_crypto_payment_stays_within_its_statements(post, ctx, telegram)
         await ctx.drain_background()
     assert status == 202 and CrtcOrder.get().payment_status == "paid"
     assert count.total <= 12
+
+
+@pytest.mark.gen_test
+async def test_a_drain_records_a_whole_batch_of_sends_in_one_statement(ctx, clock, worker):
+    """A backlog is sent in batches of claimed rows; the rows a batch sent are marked in
+    one UPDATE, not one each (each would hold the database thread, and the live
+    requests' turns behind it, for a round trip)."""
+    effects = Effects(ctx)
+    for number in range(1, 51):
+        effects.job("name_search", {"order_number": f"FO-{number}"}, key=f"job-FO-{number}")
+    clock.advance(minutes=5)  # past the lease their request held them under
+    with StatementCount().open() as count:
+        assert await outbox.send_due(ctx) == 50
+    assert len(worker.requests) == 50
+    assert Outbox.select().where(Outbox.status == "sent", Outbox.attempts == 1).count() == 50
+    # Making waiting rows due, two claims (the second finds nothing left), one UPDATE
+    # for the 50 outcomes: each in its transaction. One per row would be 50 and more.
+    assert count.total <= 18, count.total

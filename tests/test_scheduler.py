@@ -8,6 +8,7 @@ import json
 import pytest
 
 import migrations
+from clients.http import Result
 from models import ComplianceOrder, CrtcOrder, Outbox, WebhookEvent
 from scheduler import JOBS_BY_NAME, AdvisoryLock, Job, Scheduler
 from engine import inbox, outbox, retention
@@ -127,7 +128,7 @@ async def test_an_orders_later_effect_waits_for_its_earlier_one(post, ctx, clock
 
 def stored_event(ctx, number, payload=None, **fields):
     body = json.dumps(order(number) if payload is None else payload)
-    event, created = inbox.record(ctx, "workflow", "formation/ready", f"key-{number}", body,
+    event, created = inbox.store(ctx, "workflow", "formation/ready", f"key-{number}", body,
                                   order_number=number)
     assert created
     if fields:
@@ -242,8 +243,8 @@ async def test_a_job_another_process_is_running_is_skipped(ctx, clock, frappe,
     other_connection.commit()
     assert (await scheduler.run(settlement))["settled"] == 1
     assert len(frappe.requests) == 1
-    assert AdvisoryLock(settlement.lock_id).acquire()  # released after the run
-    AdvisoryLock(settlement.lock_id).release()
+    assert await AdvisoryLock(settlement.lock_id).acquire()  # released after the run
+    await AdvisoryLock(settlement.lock_id).release()
 
 
 # --- the scheduler itself ----------------------------------------------------------------
@@ -314,7 +315,7 @@ def test_events_stored_already_ignored_are_pruned_after_retention_from_their_arr
     for key in ("old", "recent"):
         if key == "recent":
             clock.advance(days=ctx.settings.retention_days - 1)
-        event, created = inbox.record(ctx, "crypto", "callback", f"no-external-id:{key}",
+        event, created = inbox.store(ctx, "crypto", "callback", f"no-external-id:{key}",
                                       "{}", status="ignored")
         assert created and event.processed_at is None
     clock.advance(days=1, minutes=1)
@@ -353,3 +354,37 @@ def test_the_scheduler_settings_come_from_the_environment():
 def test_scheduler_settings_that_cannot_work_are_refused(environment, complaint):
     with pytest.raises(ConfigurationError, match=complaint):
         Settings.from_env(environment)
+
+
+@pytest.mark.gen_test(timeout=30)
+async def test_a_destination_found_back_has_its_backlog_sent_at_once_not_at_the_next_tick(
+        ctx, clock, worker):
+    ctx.settings = dataclasses.replace(ctx.settings, scheduler_tick_seconds=3600)
+    clock.set(2026, 11, 20, 9, 0)
+    worker_destination = ctx.destinations.of("job")
+    for _ in range(ctx.settings.outbound_down_after):
+        worker_destination.observe(Result.failed("connection refused"))
+    assert worker_destination.state == "down"
+    effects = outbox.Effects(ctx)
+    for number in range(1, 4):
+        effects.job("name_search", {"order_number": f"FO-{number}"}, key=f"job-FO-{number}")
+    clock.advance(seconds=ctx.settings.claim_lease_seconds + 1)  # due, but not yet probed
+
+    scheduler = Scheduler(ctx)
+    await scheduler.start()
+    try:
+        await until(lambda: not scheduler.running_jobs)  # the runs at start are over
+        assert worker.requests == []
+        worker_destination.observe(Result(ok=True))  # a probe got through
+        await until(lambda: len(worker.requests) == 3)
+    finally:
+        await scheduler.stop()
+    assert Outbox.select().where(Outbox.status == "sent").count() == 3
+
+
+async def until(condition, seconds=10):
+    for _ in range(int(seconds / 0.02)):
+        if condition():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("not in time")
