@@ -125,20 +125,30 @@ class ClassifiedErrors:
     DatabaseDown at once, and the callers fall back as they do for a real failure."""
 
     circuit = None
+    # Statements asked of the database by this process, BEGIN, COMMIT and ROLLBACK
+    # included: each is a round trip on PostgreSQL (/metrics' receiver_database_statements).
+    statements = 0
 
     def execute_sql(self, sql, params=None):
+        self.statements += 1
         with self._guarded():
             return super().execute_sql(sql, params)
 
     def begin(self, *args, **kwargs):
+        self.statements += 1
         with self._guarded():
             return super().begin(*args, **kwargs)
+
+    def rollback(self):
+        self.statements += 1
+        return super().rollback()
 
     def connect(self, *args, **kwargs):
         with self._guarded():
             return super().connect(*args, **kwargs)
 
     def commit(self):
+        self.statements += 1
         # Not refused while the circuit is open: a transaction begun before is ended.
         with _classified(self.circuit):
             return super().commit()

@@ -14,6 +14,7 @@ stops answering holds that thread, never the loop.
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import datetime
 import logging
 import typing
@@ -44,7 +45,9 @@ async def settle(ctx):
 
 
 async def prune(ctx):
-    return retention.prune(ctx)
+    # In the database thread: on SQLite a long delete on the loop's own connection would
+    # hold the write lock the request path's turns wait for.
+    return await ctx.commits.run(functools.partial(retention.prune, ctx))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +102,9 @@ class AdvisoryLock:
 def _still_running(record):
     """APScheduler warns of every tick that finds the job's last run still going on. The
     outbox's run lasts as long as a backlog drains, on purpose: not worth a warning."""
-    return "maximum number of running instances reached" not in record.getMessage()
+    message = record.getMessage()
+    return not (message.startswith('Execution of job "outbox ')
+                and "maximum number of running instances reached" in message)
 
 
 class Scheduler:
@@ -130,8 +135,12 @@ class Scheduler:
         logging.getLogger("apscheduler").setLevel(logging.WARNING)
         logging.getLogger("apscheduler.scheduler").addFilter(_still_running)
         self.apscheduler.start()
-        # A destination back after an outage: its backlog goes now, not at the next tick.
-        self.ctx.destinations.when_recovered(lambda: self.run_soon("outbox"))
+        # A destination back after an outage: its backlog goes now, not at the next tick
+        # (asked from the send that found it back, so after that send is done).
+        if "outbox" in {job.name for job in self.jobs}:
+            loop = asyncio.get_running_loop()
+            self.ctx.destinations.when_recovered(
+                lambda: loop.call_soon(self.run_soon, "outbox"))
         log.info("scheduler started: %s", ", ".join(job.name for job in self.jobs))
 
     def run_soon(self, name):

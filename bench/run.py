@@ -132,6 +132,16 @@ def worker_stats(url):
     return stats["calls"], stats["distinct"]
 
 
+def statements_sent(port):
+    """The service's receiver_database_statements_total: divided by the webhooks of a
+    run, its statements (round trips on PostgreSQL) per webhook, the scheduler's included."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+        for line in answer.read().decode().splitlines():
+            if line.startswith("receiver_database_statements_total "):
+                return float(line.split()[1])
+    raise RuntimeError("/metrics has no receiver_database_statements_total")
+
+
 def jobs_not_sent(database_url):
     from models import Outbox
     return database_rows(database_url, lambda: Outbox.select().where(
@@ -186,6 +196,8 @@ def format_row(row):
             f"ratio {'' if ratio is None else f'{ratio:.3f}':>5}  "
             f"to floor {'' if floor is None else f'{floor:.3f}':>5}  "
             f"errors {sum(row['unexpected_statuses'].values())}"
+            + (f"  statements/webhook {row['statements_per_webhook']}"
+               if "statements_per_webhook" in row else "")
             + (f"  inbox {row['inbox']}" if row.get("inbox") else ""))
 
 
@@ -294,9 +306,12 @@ class Bench:
         third = self.args.orders // 3
         options = (lambda offset: {"start": offset}) if start is not None else (lambda _: None)
         load(scenario, port, self.args.connections, self.args.warmup, options(0))
+        statements_before = statements_sent(port)
         result = load(scenario, port, self.args.connections, self.args.duration,
                       options(third))
+        statements = statements_sent(port) - statements_before
         result.update(scenario=scenario, database=label, **self.ratios(result),
+                      statements_per_webhook=round(statements / max(1, result["requests"]), 1),
                       inbox=outcomes(database_url, scenario))
         self.record(result)
         return result
@@ -504,12 +519,13 @@ class Bench:
             json.dump(report, out, indent=2)
         with open(os.path.join(args.results, "latest.md"), "w") as out:
             out.write("| scenario | database | req/s | p50 ms | p99 ms | ratio to ceiling "
-                      "| ratio to floor |\n")
-            out.write("|---|---|---|---|---|---|---|\n")
+                      "| ratio to floor | statements per webhook |\n")
+            out.write("|---|---|---|---|---|---|---|---|\n")
             for row in self.rows:
                 out.write(f"| {row['scenario']} | {row['database']} | {row['rps']} | "
                           f"{row['p50_ms']} | {row['p99_ms']} | {row['ratio_to_ceiling']} "
-                          f"| {row['ratio_to_floor']} |\n")
+                          f"| {row['ratio_to_floor']} "
+                          f"| {row.get('statements_per_webhook', '')} |\n")
             for row in self.rows:
                 if row["scenario"] in ("drain", "2 instances"):
                     details = {k: v for k, v in row.items() if k.startswith(

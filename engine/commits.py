@@ -98,7 +98,11 @@ class GroupCommit:
         turn.add_done_callback(functools.partial(self._finish_turn, batch))
 
     def _finish_turn(self, batch, turn):
-        for (unit, future, conflicts), (result, failure) in zip(batch, turn.result()):
+        try:
+            outcomes = turn.result()
+        except BaseException as failure:  # the thread could not run the turn at all
+            outcomes = [(None, failure)] * len(batch)
+        for (unit, future, conflicts), (result, failure) in zip(batch, outcomes):
             if future.cancelled():
                 continue
             if failure is None:

@@ -291,7 +291,7 @@ async def _handle(ctx, event):
     try:
         payload = registry.decode(event.payload)
         if plugin is None:
-            _finish(ctx, event.id, "ignored")
+            await ctx.commits.run(functools.partial(_finish, ctx, event.id, "ignored"))
             return "ignored"
         if _is_async(plugin):
             effects = outbox.Effects(ctx, event)

@@ -32,6 +32,8 @@ MAX_ATTEMPTS = 12
 # Keys of the admin e-mails that say a row or an event was given up; such an e-mail
 # given up itself is only logged, not announced again.
 ADMIN_NOTICE_PREFIX = "admin-notice-"
+# A drain's batch records the outcomes of its finished sends this often.
+RECORD_EVERY_SECONDS = 0.5
 BACKOFF_BASE_SECONDS = 30
 BACKOFF_CAP_SECONDS = 6 * 3600
 # A sender holding at least this much less than a whole lease does not re-take the row
@@ -228,18 +230,18 @@ class _Take:
     async def __call__(self):
         """On the loop: a re-take is a write, made in the database thread."""
         if not _lease_ample(self.ctx, self.row):
-            self._held(await self.ctx.commits.run(
-                functools.partial(_retake, self.ctx, self.row)))
+            self._held(await self.ctx.commits.run(functools.partial(
+                _retake, self.ctx, self.row.id, self.row.next_attempt_at)))
 
     def in_thread(self):
         """In a mail thread, which may write itself."""
         if not _lease_ample(self.ctx, self.row):
-            self._held(_retake(self.ctx, self.row))
+            self._held(_retake(self.ctx, self.row.id, self.row.next_attempt_at))
 
-    @staticmethod
-    def _held(retaken):
-        if not retaken:
+    def _held(self, held_until):
+        if held_until is None:
             raise _TakenElsewhere
+        self.row.next_attempt_at = held_until
 
 
 class _TakenElsewhere(Exception):
@@ -288,18 +290,18 @@ def _lease_ample(ctx, row):
     return left >= lease(ctx) - RETAKE_SLACK and left > send_at_most + RETAKE_SLACK
 
 
-def _retake(ctx, row):
-    """Push the row's lease one lease ahead, if it still holds the lease this sender was
-    given; False when another sender has claimed it since (a send that waited for a mail
-    thread or on a slow peer past its lease), so the row goes out once."""
+def _retake(ctx, row_id, held):
+    """Push the row's lease one lease ahead, if it still holds the lease `held` this
+    sender was given: the new lease's end, or None when another sender has claimed it
+    since (a send that waited for a mail thread or on a slow peer past its lease), so
+    the row goes out once. It changes nothing but the database: run again (its turn
+    undone), it finds the row as it was."""
     now = ctx.clock()
     held_until = now + lease(ctx)
     taken = (Outbox.update(next_attempt_at=held_until, updated_at=now)
-             .where(Outbox.id == row.id, Outbox.status == "pending",
-                    Outbox.next_attempt_at == row.next_attempt_at).execute())
-    if taken:
-        row.next_attempt_at = held_until
-    return bool(taken)
+             .where(Outbox.id == row_id, Outbox.status == "pending",
+                    Outbox.next_attempt_at == held).execute())
+    return held_until if taken else None
 
 
 def record_outcomes(ctx, rows, results):
@@ -318,7 +320,13 @@ def record_outcomes(ctx, rows, results):
     sent = set(sent)
     for row, result in zip(rows, results):
         if result is not None and row not in sent:
-            record_outcome(ctx, row, result)
+            try:
+                with commits.savepoint():
+                    record_outcome(ctx, row, result)
+            except Exception as failure:  # the others' outcomes are kept all the same
+                commits.raise_if_conflict(failure)
+                log.exception("outbox %s %s: its outcome could not be recorded; it is sent "
+                              "again after its lease", row.id, row.kind)
 
 
 def record_outcome(ctx, row, result):
@@ -460,13 +468,38 @@ async def send_due(ctx):
         rows = await _claim_due(ctx)
         if not rows:
             break
-        results = await asyncio.gather(*(_attempt(ctx, row) for row in rows))
-        await ctx.commits.run(functools.partial(record_outcomes, ctx, rows, results))
+        results = await _send_batch(ctx, rows)
         succeeded = sum(1 for result in results if result is not None and result.ok)
         sent += succeeded
         if not succeeded:
             break
     return sent
+
+
+async def _send_batch(ctx, rows):
+    """Send claimed rows concurrently, recording the outcomes of those finished every
+    RECORD_EVERY_SECONDS in one unit (so a slow send holds back no other row's record
+    past its lease); their Results. A send that raises (the database gone while it
+    re-took its lease) is raised once the others' outcomes are recorded."""
+    attempts = {asyncio.ensure_future(_attempt(ctx, row)): row for row in rows}
+    pending, failure = set(attempts), None
+    try:
+        while pending:
+            done, pending = await asyncio.wait(pending, timeout=RECORD_EVERY_SECONDS)
+            finished = [attempt for attempt in done if attempt.exception() is None]
+            failure = failure or next(
+                (attempt.exception() for attempt in done if attempt.exception()), None)
+            if finished:
+                await ctx.commits.run(functools.partial(
+                    record_outcomes, ctx, [attempts[attempt] for attempt in finished],
+                    [attempt.result() for attempt in finished]))
+    finally:
+        for attempt in pending:  # only when recording failed: the database is gone
+            attempt.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    if failure is not None:
+        raise failure
+    return [attempt.result() for attempt in attempts]
 
 
 def release_waiting(ctx):

@@ -3,6 +3,7 @@ the worker's fulfilment reports (fulfillment/<status>), which share their secret
 An event its plugin rejected (a fulfilment move the order cannot make) is answered 409
 with the reason, also when it is delivered again."""
 import base64
+import functools
 import hashlib
 import hmac
 import logging
@@ -50,7 +51,9 @@ class WorkflowWebhookHandler(ApiHandler):
             self.fail(400, error)
         event, outcome = await self.accept(path, body)
         if REJECTED in (outcome, event and event.status):
-            self.fail(409, inbox.find(self.ctx, "workflow", event.dedup_key).last_error)
+            stored = await self.ctx.commits.run(
+                functools.partial(inbox.find, self.ctx, "workflow", event.dedup_key))
+            self.fail(409, stored.last_error)
         self.answer(200, {"received": True, "action": webhook.answer})
 
     def fail(self, status, message):

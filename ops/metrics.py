@@ -13,9 +13,9 @@ import os
 
 from peewee import fn
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from models import Outbox, WebhookEvent
+from models import Outbox, WebhookEvent, database
 from engine import spool
 from engine.db import UNAVAILABLE
 from engine.destinations import DESTINATION_OF
@@ -55,6 +55,7 @@ class Metrics:
             "receiver_job_last_success_timestamp_seconds", "Unix time of the job's last "
             "run that succeeded in this process (0: none yet).", ["job"],
             registry=self.registry)
+        self.registry.register(StatementCollector())
 
     def jobs_scheduled(self, names):
         """Every job's series from the start, so that `absent` or a rate sees them."""
@@ -101,6 +102,17 @@ class Metrics:
             now_registry.register(StateCollector(ctx))
             self.state = (now, generate_latest(now_registry))
         return self.state[1]
+
+
+class StatementCollector:
+    """The database's own count of the statements it was asked (models.ClassifiedErrors):
+    read at each scrape, never cached."""
+
+    def collect(self):
+        yield CounterMetricFamily(
+            "receiver_database_statements", "Statements sent to the database by this "
+            "process, BEGIN, COMMIT and ROLLBACK included (each a round trip on "
+            "PostgreSQL).", value=getattr(database.obj, "statements", 0))
 
 
 class StateCollector:

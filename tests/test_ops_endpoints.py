@@ -7,6 +7,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.statements import StatementCount
 from models import Outbox, ReconnectingPostgresqlDatabase, WebhookEvent, database
 from app.server import prepare_spool
 from engine.spool import UNSTORABLE_NAME, append as append_to_spool
@@ -234,3 +235,17 @@ async def test_quarantined_spooled_calls_show_in_readyz_and_metrics(get, ctx, sc
         "destinations": ALL_UP, "spool_quarantined": 1}
     code, response = await get("/metrics")
     assert value(samples(response.body), "receiver_spool_quarantined") == 1
+
+
+@pytest.mark.gen_test
+async def test_metrics_count_the_statements_sent_to_the_database(get, post):
+    """What `make bench` divides by the webhooks of a run: every statement, BEGIN and
+    COMMIT included, whichever thread sent it."""
+    async def sent():
+        return value(samples((await get("/metrics"))[1].body),
+                     "receiver_database_statements_total")
+    await sent()  # the gauges' own queries, counted from the next scrape on (then cached)
+    before = await sent()
+    with StatementCount().open() as count:
+        await post("/api/v1/webhooks/formation/submitted", SUBMITTED, AUTH)
+    assert count.total > 0 and await sent() - before == count.total

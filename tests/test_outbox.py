@@ -154,3 +154,21 @@ async def test_a_row_whose_lease_has_run_down_is_re_taken_before_it_is_sent(
     assert row.status == "sent" and len(worker.requests) == 1
     assert row.next_attempt_at == clock() + datetime.timedelta(
         seconds=ctx.settings.claim_lease_seconds)
+
+
+@pytest.mark.gen_test
+async def test_a_re_take_whose_turn_is_undone_and_run_again_still_takes_the_row(
+        ctx, clock, worker, new_job):
+    """The re-take is a unit of the group commit: a turn it shares with a failing unit is
+    undone and run again. It must find the row as it was the second time too, or the
+    row would be taken for someone else's and not sent."""
+    effects, row_id = new_job
+    clock.advance(seconds=2)  # more than RETAKE_SLACK of the lease is gone
+
+    def fails():
+        raise RuntimeError("this unit fails")
+    sent, failed = await asyncio.gather(outbox.send(ctx, effects.rows[0], live=True),
+                                        ctx.commits.run(fails), return_exceptions=True)
+    assert isinstance(failed, RuntimeError)
+    assert sent is not None and sent.ok and len(worker.requests) == 1
+    assert Outbox.get_by_id(row_id).status == "sent"
