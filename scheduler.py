@@ -14,8 +14,8 @@ stops answering holds that thread, never the loop.
 import asyncio
 import concurrent.futures
 import dataclasses
-import functools
 import datetime
+import functools
 import logging
 import typing
 import zlib

@@ -151,12 +151,12 @@ class CryptoProcessorWebhookHandler(ApiHandler):
         external_id = _external_id_or_none(body)
         log.warning("crypto callback for %s rejected: %s", external_id or "unknown order",
                     reason)
-        call = ((self.ctx, SOURCE, "malformed", f"rejected:{_digest(raw)}", raw),
-                dict(external_id=external_id, order_number=external_id, status="rejected",
-                     last_error=reason))
+        call = (self.ctx, SOURCE, "malformed", f"rejected:{_digest(raw)}", raw)
+        kept_as = {"external_id": external_id, "order_number": external_id,
+                   "status": "rejected", "last_error": reason}
 
         def keep_and_tell():
-            event, created = inbox.store(*call[0], **call[1])
+            event, created = inbox.store(*call, **kept_as)
             effects = outbox.Effects(self.ctx, event)
             if created and treasury.claims_paid(body):
                 self.tell_admin(effects, event, external_id, reason, raw)
@@ -165,7 +165,7 @@ class CryptoProcessorWebhookHandler(ApiHandler):
             return await self.ctx.commits.run(keep_and_tell)
         except UNAVAILABLE:
             # No transaction to be had: the inbox alone can still keep it (in the spool).
-            await inbox.record(*call[0], **call[1])
+            await inbox.record(*call, **kept_as)
             return []
 
     def tell_admin(self, effects, event, external_id, reason, raw):
