@@ -5,8 +5,8 @@ import errno
 import gc
 import logging
 import os
-import sys
 import signal
+import sys
 import time
 import weakref
 
@@ -152,6 +152,7 @@ def make_server(app, settings):
         max_body_size=settings.max_body_bytes,
         idle_connection_timeout=60,
     )
+
 
 # The database thread (engine.commits) waits on a socket for every statement and then
 # needs the GIL back from the loop; Python's default switch interval (5 ms) would be

@@ -411,7 +411,7 @@ async def retry_due(ctx):
                  & (WebhookEvent.next_attempt_at.is_null()
                     | (WebhookEvent.next_attempt_at <= now)))
     retry = (WebhookEvent.status == "failed") & (WebhookEvent.next_attempt_at <= now)
-    events = await ctx.commits.run(functools.partial(claim, ctx, WebhookEvent, abandoned | retry))
+    events = await claim(ctx, WebhookEvent, abandoned | retry)
     for event in events:
         await process(ctx, event)
     return len(events)

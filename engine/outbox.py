@@ -441,15 +441,13 @@ async def _claim_due(ctx):
     that is down and due for a probe."""
     now = ctx.clock()
     destinations = ctx.destinations
-    claims = []
+    rows = []
     up = destinations.kinds(lambda destination: destination.up)
     if up:
-        claims.append(functools.partial(claim, ctx, Outbox, _due(now, up)))
+        rows += await claim(ctx, Outbox, _due(now, up))
     for kind in destinations.kinds(lambda destination: destination.take_probe()):
-        claims.append(functools.partial(claim, ctx, Outbox, _due(now, [kind]), limit=1))
-    if not claims:
-        return []
-    return await ctx.commits.run(lambda: [row for each in claims for row in each()])
+        rows += await claim(ctx, Outbox, _due(now, [kind]), limit=1)
+    return rows
 
 
 async def send_due(ctx):

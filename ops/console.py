@@ -9,7 +9,6 @@ Longer than most: every page's queries are here, one section a page, so what the
 costs a large database can be read in one place."""
 import dataclasses
 import datetime
-import functools
 import json
 import logging
 import re
@@ -385,7 +384,7 @@ async def retry_now(ctx, row_id):
     operator.retry_outbox(ctx, row_id)
     due = ((Outbox.id == row_id) & (Outbox.status == "pending")
            & (Outbox.next_attempt_at <= ctx.clock()))
-    rows = await ctx.commits.run(functools.partial(claim, ctx, Outbox, due))
+    rows = await claim(ctx, Outbox, due)
     await outbox.deliver(ctx, rows)
     return Outbox.get_by_id(row_id)
 
