@@ -375,12 +375,14 @@ class SettlementHandler(ConsoleHandler):
 
 
 class LinksHandler(ConsoleHandler):
+    FIELDS = ("kind", "order", "cycle")
+
     def get(self):
-        self.render_page("links", kinds=links.KINDS, link=None, problem=None, form={})
+        self.render_page("links", kinds=links.KINDS, link=None, problem=None,
+                         form=dict.fromkeys(self.FIELDS, ""))
 
     def post(self):
-        form = {name: self.get_body_argument(name, "").strip()
-                for name in ("kind", "order", "cycle")}
+        form = {name: self.get_body_argument(name, "").strip() for name in self.FIELDS}
         try:
             link = links.signed_link(self.ctx.settings, form["kind"], form["order"],
                                      form["cycle"])
