@@ -7,7 +7,7 @@
     .venv/bin/python receiver.py events list|show|replay, outbox list|retry, settle, backfill,
                                           # link: the operator's commands (each has --help)
 
-Settings come from the environment (see README.md). The operator's commands open the
+Settings come from the environment (docs/SETTINGS.md). The operator's commands open the
 database from DATABASE_URL and never start the HTTP server. Exit codes: 0 done, 1 not
 done (not found, refused, failed, database unavailable), 2 bad usage or settings.
 """

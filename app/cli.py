@@ -131,7 +131,7 @@ def add_operator_commands(commands):
     show.add_argument("id", type=int)
     show.set_defaults(run=events_show)
     replay = events.add_parser(
-        "replay", help="handle an event again (see README: what replay can redo)")
+        "replay", help="handle an event again (see docs/COMMANDS.md: what replay can redo)")
     which = replay.add_mutually_exclusive_group(required=True)
     which.add_argument("id", type=int, nargs="?", help="the event's id")
     which.add_argument("--failed", action="store_true",

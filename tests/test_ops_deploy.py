@@ -1,5 +1,5 @@
 """deploy/: the systemd unit passes systemd's own checks, and the example environment file
-and README name every setting the service reads."""
+and docs/SETTINGS.md name every setting the service reads."""
 import json
 import os
 import re
@@ -163,7 +163,7 @@ def test_the_example_environment_sets_no_secret():
         assert re.search(rf"^{name}=$", example, re.MULTILINE), name
 
 
-def test_readme_documents_every_setting():
-    readme = read(ROOT, "README.md")
-    missing = sorted(name for name in setting_names() if name not in readme)
+def test_the_settings_page_documents_every_setting():
+    page = read(ROOT, "docs", "SETTINGS.md")
+    missing = sorted(name for name in setting_names() if name not in page)
     assert missing == []
