@@ -4,8 +4,10 @@ Frappe, Telegram and SMTP, and the commands to try printed once it listens.
 Orders are written by other systems, so a fresh install has none a webhook could act on.
 The demo keeps a database and a spool of its own (in --folder, var/demo by default, made
 afresh at every start) and uses nothing of the environment but where to listen: whatever
-DATABASE_URL names is never opened."""
+DATABASE_URL names is never opened. A second demo on the same folder or port stops before
+it touches the first one's database."""
 import contextlib
+import fcntl
 import json
 import os
 import shlex
@@ -14,7 +16,7 @@ import sys
 
 import migrations
 from app.logs import configure_logging
-from app.server import serve
+from app.server import CannotStart, bind, serve
 from app.standins import StandIns
 from domain.links import signed_link
 from models import ComplianceOrder, CrtcOrder, FormationOrder, BundleOrder, database, open_database
@@ -22,11 +24,14 @@ from ops.passwords import hash_password
 from settings import Settings
 
 DATABASE_FILES = ("receiver.sqlite3", "receiver.sqlite3-wal", "receiver.sqlite3-shm")
+LOCK_FILE = "demo.lock"
 WEBHOOK_SECRET = "demo-webhook-secret"
 CRYPTO_API_KEY = "demo-shkeeper-api-key"
 CONSOLE_PASSWORD = "demo-console-password"
 # Only the address is taken from the environment; everything else is the demo's own.
 FROM_ENVIRONMENT = ("RECEIVER_HOST", "RECEIVER_PORT", "RECEIVER_LOG_FORMAT")
+# What the console needs and no command does: not printed with the commands' settings.
+CONSOLE_ONLY = ("CONSOLE_PASSWORD_HASH", "COOKIE_SECRET")
 
 ORDERS = (
     (FormationOrder, {"order_number": "FO-0001", "order_name": "ORD-0001",
@@ -62,7 +67,10 @@ SUBMITTED = ('{"order_name": "ORD-0001", "order_number": "FO-0001", "state_code"
              '"entity_name": "Acme Demo LLC"}')
 
 
-def demo_settings(environ, folder, standins):
+def demo_environment(environ, folder, standins):
+    """The demo's settings as environment variables: the service runs with them, and the
+    commands it prints are given them, so that `link` signs with the demo's LINK_SECRET
+    and `spool quarantined` reads the demo's spool."""
     env = {name: environ[name] for name in FROM_ENVIRONMENT if name in environ}
     env.update(standins.settings, DATABASE_URL=f"sqlite:///{folder}/receiver.sqlite3",
                SPOOL_DIR=f"{folder}/spool", WEBHOOK_SECRET=WEBHOOK_SECRET,
@@ -72,7 +80,29 @@ def demo_settings(environ, folder, standins):
                COOKIE_SECRET="demo-cookie-secret-for-this-machine-only",
                # Short, so that what the stand-ins receive shows up at once.
                SCHEDULER_TICK_SECONDS="2")
-    return Settings.from_env(env)
+    env["PUBLIC_BASE_URL"] = Settings.from_env(env).public_base_url
+    return env
+
+
+def hold_the_folder(folder):
+    """Lock `folder` for this demo's life (the lock goes with the process), or refuse:
+    another demo there would lose its database to this one's fresh start."""
+    os.makedirs(folder, exist_ok=True)
+    lock = open(os.path.join(folder, LOCK_FILE), "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        raise CannotStart(f"another demo is running on {folder}: stop it first (Ctrl-C in "
+                          "its terminal), or give this one --folder DIR", 1) from None
+    return lock
+
+
+def check_the_port(settings):
+    """Refuse before the fresh start when the port is taken (by a demo on another folder,
+    or anything else): CannotStart says so."""
+    for sock in bind(settings):
+        sock.close()
 
 
 def fresh_database(settings, folder):
@@ -90,9 +120,11 @@ def fresh_database(settings, folder):
     db.close()
 
 
-def instructions(settings, folder, standins):
+def instructions(settings, env, folder, standins):
     base = settings.public_base_url
-    cli = f"DATABASE_URL={shlex.quote(settings.database_url)} .venv/bin/python receiver.py"
+    cli = ".venv/bin/python receiver.py"
+    exports = "\n".join(f"export {name}={shlex.quote(value)}" for name, value in sorted(env.items())
+                        if name not in CONSOLE_ONLY)
     sign = ("python3 -c 'import hashlib, hmac, sys; print(hmac.new(sys.argv[1].encode(), "
             "sys.stdin.buffer.read(), hashlib.sha256).hexdigest())' " + CRYPTO_API_KEY)
     return f"""
@@ -111,12 +143,14 @@ body='{PAID_CALLBACK}'
 ts=$(date +%s); sig=$(printf '%s.%s' "$ts" "$body" | {sign})
 curl -s -X POST {base}/api/v1/webhooks/crypto-processor -H 'Content-Type: application/json' -H 'X-Shkeeper-Api-Key: {CRYPTO_API_KEY}' -H "X-Shkeeper-Timestamp: $ts" -H "X-Shkeeper-Signature: $sig" -d "$body"
 
-# 3. What was stored and sent (the ID of `events show` is the first column of `events list`)
+# 3. The command line on the demo's database: first give that terminal the demo's settings (the export lines), then ask what was stored and sent (the ID of `events show` is the first column of `events list`)
+{exports}
 {cli} events list
 {cli} outbox list
 {cli} events show 1
+{cli} spool quarantined
 
-# 4. The "I already filed" link of an IFTA reminder for compliance order CO-20001 (open it in a browser)
+# 4. The "I already filed" link of an IFTA reminder for compliance order CO-20001 (open it in a browser; `{cli} link ifta CO-20001 2026-Q3` prints it, with the settings of step 3)
 {signed_link(settings, "ifta", "CO-20001", "2026-Q3")}
 
 # 5. The operator console (open it in a browser; log in with any name and the password {CONSOLE_PASSWORD}): what came in, what went out, CA-0001's timeline
@@ -129,10 +163,13 @@ Stop the demo with Ctrl-C; the next `make demo` starts from the sample orders ag
 async def run(environ, folder, out=sys.stdout):
     standins = StandIns()
     try:
-        settings = demo_settings(environ, folder, standins)
+        env = demo_environment(environ, folder, standins)
+        settings = Settings.from_env(env)
         configure_logging(settings)
-        fresh_database(settings, folder)
-        await serve(settings, ready=lambda: print(instructions(settings, folder, standins),
-                                                  file=out, flush=True))
+        with hold_the_folder(folder):
+            check_the_port(settings)
+            fresh_database(settings, folder)
+            await serve(settings, ready=lambda: print(
+                instructions(settings, env, folder, standins), file=out, flush=True))
     finally:
         standins.stop()

@@ -1,6 +1,7 @@
 """`receiver.py demo` as a newcomer runs it: the real command in a subprocess on free
 ports, then the commands it prints, run by a shell as they are printed."""
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -63,6 +64,16 @@ def shell(commands):
     return result.stdout
 
 
+def settings_lines(printed):
+    """The lines of step 3 that give the terminal the demo's settings (not a command)."""
+    return [line for line in step(printed, 3).splitlines() if "receiver.py" not in line]
+
+
+def command(printed, line):
+    """A command of step 3 as the newcomer runs it: after the settings lines."""
+    return "\n".join([*settings_lines(printed), line])
+
+
 def test_the_printed_crypto_callback_pays_the_demo_order_and_the_cli_shows_it(demo):
     printed, folder, log_path = demo
     assert shell(step(printed, 2)) == '{"received": true}'
@@ -70,8 +81,8 @@ def test_the_printed_crypto_callback_pays_the_demo_order_and_the_cli_shows_it(de
     with sqlite3.connect(folder / "receiver.sqlite3") as db:
         assert db.execute("SELECT payment_status FROM crtc_orders WHERE order_number = "
                           "'CA-0001'").fetchone() == ("paid",)
-    events_list = step(printed, 3).splitlines()[0]
-    listed = shell(events_list).splitlines()
+    [events_list] = [line for line in step(printed, 3).splitlines() if "events list" in line]
+    listed = shell(command(printed, events_list)).splitlines()
     assert listed[0].split()[:5] == ["ID", "RECEIVED", "(UTC)", "SOURCE", "TYPE"]
     [row] = listed[1:]
     assert row.split()[3:6] == ["crypto", "PAID", "processed"] and "CA-0001" in row
@@ -90,3 +101,57 @@ def test_the_printed_webhook_reaches_the_worker_stand_in_and_the_link_works(demo
     while "stand-in worker: job name_search for FO-0001" not in log_path.read_text():
         assert time.monotonic() < deadline, log_path.read_text()
         time.sleep(0.1)
+
+
+def test_the_printed_settings_give_the_commands_the_demos_secret_and_spool(demo):
+    """`link` signs with the demo's LINK_SECRET (the demo's page takes its link), and
+    `spool quarantined` reads the demo's spool, not var/spool."""
+    printed, folder, log_path = demo
+    result = subprocess.run(
+        ["bash", "-c", command(printed, ".venv/bin/python receiver.py link ifta CO-20001 2026-Q3")],
+        cwd=ROOT, text=True, capture_output=True, timeout=60)
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout.strip() == step(printed, 4).strip()
+    [quarantined] = [line for line in step(printed, 3).splitlines() if "spool quarantined" in line]
+    last = shell(command(printed, quarantined)).splitlines()[-1]
+    assert last == f"0 quarantined call(s) in {folder}/spool/unstorable.jsonl"
+
+
+def demo_port(printed):
+    return int(re.search(r"The demo listens on http://127\.0\.0\.1:(\d+)\.", printed)[1])
+
+
+def second_demo(folder, port):
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "RECEIVER_PORT": str(port)}
+    return subprocess.run([sys.executable, "receiver.py", "demo", "--folder", str(folder)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+
+
+def ca_0001_payment(folder):
+    with sqlite3.connect(folder / "receiver.sqlite3") as db:
+        return db.execute("SELECT payment_status FROM crtc_orders WHERE order_number = "
+                          "'CA-0001'").fetchone()[0]
+
+
+def test_a_second_demo_on_the_same_folder_leaves_the_running_one_alone(demo):
+    printed, folder, log_path = demo
+    shell(step(printed, 2))
+    assert ca_0001_payment(folder) == "paid"
+
+    second = second_demo(folder, demo_port(printed))
+    assert second.returncode == 1 and "Traceback" not in second.stderr
+    assert second.stderr.splitlines()[-1] == (
+        f"receiver: another demo is running on {folder}: stop it first (Ctrl-C in its "
+        "terminal), or give this one --folder DIR")
+    assert ca_0001_payment(folder) == "paid"
+
+
+def test_a_second_demo_on_the_same_port_stops_before_making_its_database(demo, tmp_path):
+    printed, folder, log_path = demo
+    other = tmp_path / "other"
+    port = demo_port(printed)
+    second = second_demo(other, port)
+    assert second.returncode == 1 and "Traceback" not in second.stderr
+    assert second.stderr.splitlines()[-1].startswith(
+        f"receiver: cannot listen on 127.0.0.1:{port}: the port is in use")
+    assert not (other / "receiver.sqlite3").exists()
