@@ -184,6 +184,10 @@ class Settings:
     metrics_cache_seconds: int = 5
     max_connections: int = 4000
     database_timeout_ms: int = 1000
+    # How long one inbound call may wait on the database in all (engine.commits.budget):
+    # a database slow on every reply, under DATABASE_TIMEOUT_MS each, must not hold a
+    # webhook past its sender's patience (Frappe's 5 s).
+    database_call_budget_seconds: float = 2.0
 
     @classmethod
     def from_env(cls, environ=None):
@@ -263,6 +267,8 @@ class Settings:
             metrics_cache_seconds=_int(env, "METRICS_CACHE_SECONDS", cls.metrics_cache_seconds),
             max_connections=_int(env, "MAX_CONNECTIONS", cls.max_connections),
             database_timeout_ms=_int(env, "DATABASE_TIMEOUT_MS", cls.database_timeout_ms),
+            database_call_budget_seconds=_seconds(
+                env, "DATABASE_CALL_BUDGET_SECONDS", cls.database_call_budget_seconds),
         )
         settings.check()
         return settings
@@ -285,6 +291,8 @@ class Settings:
                 raise ConfigurationError(f"{name} must be a whole number above zero")
         if not 0 < self.workflow_answer_budget_seconds < float("inf"):
             raise ConfigurationError("WORKFLOW_ANSWER_BUDGET_SECONDS must be above zero")
+        if not 0 < self.database_call_budget_seconds < float("inf"):
+            raise ConfigurationError("DATABASE_CALL_BUDGET_SECONDS must be above zero")
         if self.public_rate_limit < 0:
             raise ConfigurationError("PUBLIC_RATE_LIMIT must be zero (off) or more")
         if self.auth_failure_limit < 0:

@@ -18,7 +18,7 @@ from clients.telegram import TelegramClient
 from clients.workflow import WorkflowClient
 from clients.worker import WorkerClient
 from models import utcnow
-from engine.commits import GroupCommit
+from engine.commits import GroupCommit, without_budget
 from handlers.budget import BodyBudget
 from handlers.ratelimit import RateLimiter
 from engine.destinations import Destinations
@@ -90,9 +90,18 @@ class Context:
     def business_tz(self):
         return zoneinfo.ZoneInfo(self.settings.business_tz)
 
+    async def db(self, unit):
+        """The one door to the database: run `unit()` (plain synchronous code that reads
+        or writes, and returns what its caller needs) in the database thread, in the
+        group commit's next turn (engine.commits); returns what it returned once its
+        transaction is committed. Read-only units go the same way. Nothing on the loop
+        talks to the database otherwise (the test suite refuses it)."""
+        return await self.commits.run(unit)
+
     def background(self, coroutine):
-        """Run `coroutine` after the answer is sent; kept so shutdown can wait for it."""
-        task = asyncio.ensure_future(coroutine)
+        """Run `coroutine` after the answer is sent; kept so shutdown can wait for it.
+        It is not bound by the call's database budget (engine.commits.budget)."""
+        task = asyncio.get_running_loop().create_task(coroutine, context=without_budget())
         self.background_tasks.add(task)
         task.add_done_callback(self.background_tasks.discard)
         return task

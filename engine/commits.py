@@ -35,8 +35,10 @@ import concurrent.futures
 import contextlib
 import contextvars
 import functools
+import threading
+import time
 
-from models import database
+from models import DatabaseDown, database
 from engine.db import is_conflict
 
 MAX_CONFLICTS = 5
@@ -45,6 +47,47 @@ DATABASE_THREAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="d
 
 # False while a turn runs without savepoints.
 _careful = contextvars.ContextVar("careful", default=True)
+# When the call being served must be done with the database (time.monotonic()), if it
+# has a budget (`budget`).
+_deadline = contextvars.ContextVar("deadline", default=None)
+# Set in the database thread while it runs a turn: the thread check (`in_a_turn`).
+_turn = threading.local()
+
+
+class OverBudget(DatabaseDown):
+    """The call being served spent its budget waiting on the database: taken for an
+    outage (a webhook is spooled, a page answers 503, the circuit opens)."""
+
+
+@contextlib.contextmanager
+def budget(seconds):
+    """Every `GroupCommit.run` of the code inside (the task and what it awaits, not the
+    background work it starts) must be answered within `seconds` from now, all of them
+    together: a database slow on each reply must not hold a call for many times the
+    per-statement bound. `None`: no budget (the scheduler's jobs, background work)."""
+    token = _deadline.set(None if seconds is None else time.monotonic() + seconds)
+    try:
+        yield
+    finally:
+        _deadline.reset(token)
+
+
+def set_budget(seconds):
+    """`budget` for the rest of the current task (an inbound call's handler)."""
+    _deadline.set(time.monotonic() + seconds)
+
+
+def without_budget():
+    """A copy of the current context with no budget: for work that outlives the call
+    (asyncio.create_task(..., context=without_budget()))."""
+    context = contextvars.copy_context()
+    context.run(_deadline.set, None)
+    return context
+
+
+def in_a_turn():
+    """Whether this thread is running a turn of the group commit right now."""
+    return getattr(_turn, "running", False)
 
 
 class _PartFailed(BaseException):
@@ -79,10 +122,26 @@ class GroupCommit:
 
     async def run(self, unit):
         """Run `unit()` in a transaction shared with the other units of this turn; return
-        what it returns, or raise what it raised, once the transaction is committed."""
+        what it returns, or raise what it raised, once the transaction is committed.
+
+        Within a `budget`, past its deadline OverBudget is raised and the circuit opens;
+        a unit not started yet is then never run (one already running in the thread may
+        still commit: a caller that spools on OverBudget stores a copy the inbox's
+        dedup key recognises)."""
         future = asyncio.get_running_loop().create_future()
         self._enqueue(unit, future, conflicts=0)
-        return await future
+        deadline = _deadline.get()
+        if deadline is None:
+            return await future
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), deadline - time.monotonic())
+        except TimeoutError:
+            future.cancel()
+            failure = OverBudget("the database did not answer within the call's budget")
+            circuit = getattr(database.obj, "circuit", None)
+            if circuit is not None:
+                circuit.trip(failure)
+            raise failure from None
 
     def _enqueue(self, unit, future, conflicts):
         self._waiting.append((unit, future, conflicts))
@@ -92,7 +151,12 @@ class GroupCommit:
             asyncio.get_running_loop().call_soon(self._start_turn)
 
     def _start_turn(self):
-        batch, self._waiting = self._waiting, []
+        # A unit whose caller has given up (its budget ran out) is not run.
+        batch = [waiting for waiting in self._waiting if not waiting[1].cancelled()]
+        self._waiting = []
+        if not batch:
+            self._turn_running = False
+            return
         turn = asyncio.get_running_loop().run_in_executor(
             DATABASE_THREAD, _run_batch, [unit for unit, _, _ in batch])
         turn.add_done_callback(functools.partial(self._finish_turn, batch))
@@ -119,6 +183,7 @@ class GroupCommit:
 
 def _run_batch(units):
     """In the database thread: each unit's (result, failure), committed together."""
+    _turn.running = True
     try:
         try:
             return _run_turn(units, careful=False)
@@ -126,6 +191,8 @@ def _run_batch(units):
             return _run_turn(units, careful=True)
     except Exception as failure:  # the commit itself, or the connection, failed
         return [(None, failure)] * len(units)
+    finally:
+        _turn.running = False
 
 
 def _run_turn(units, careful):

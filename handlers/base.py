@@ -7,6 +7,7 @@ import re
 import tornado.web
 
 import lograte
+from engine.commits import set_budget
 from engine.db import UNAVAILABLE
 from engine.payload import read_json
 
@@ -60,6 +61,7 @@ class ApiHandler(tornado.web.RequestHandler):
         self.set_header("X-Content-Type-Options", "nosniff")
 
     def prepare(self):
+        set_budget(self.ctx.settings.database_call_budget_seconds)
         declared = self.request.headers.get("Content-Length")
         if declared and declared.isdigit() and int(declared) > self.max_body_bytes:
             self.fail(413, "request body too large")

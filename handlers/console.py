@@ -74,6 +74,7 @@ class ConsoleHandler(HtmlHandler):
         self.state = state
 
     def prepare(self):
+        super().prepare()
         if self.request.method == "POST":
             self.check_xsrf_cookie()
         if not self.public and self.current_user is None:

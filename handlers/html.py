@@ -3,6 +3,7 @@ operator console): headers that keep a page out of caches, search engines and ot
 sites' frames, and a database that does not answer shown as a 503 page."""
 import tornado.web
 
+from engine.commits import set_budget
 from engine.db import UNAVAILABLE
 
 
@@ -21,6 +22,9 @@ class HtmlHandler(tornado.web.RequestHandler):
         self.set_header("X-Frame-Options", "DENY")
         self.set_header("Referrer-Policy", self.referrer_policy)
         self.set_header("X-Robots-Tag", "noindex")
+
+    def prepare(self):
+        set_budget(self.ctx.settings.database_call_budget_seconds)
 
     def write_error(self, status_code, exc_info=None, **kwargs):
         if exc_info and isinstance(exc_info[1], UNAVAILABLE):

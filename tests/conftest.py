@@ -18,6 +18,7 @@ from models import UTC, open_database
 from app.server import make_app
 from app.context import Context
 from settings import Settings
+from tests.door import ThreadCheck
 from tests.peers import HttpPeer, SmtpPeer
 
 WEBHOOK_SECRET = "test-webhook-secret"
@@ -69,6 +70,25 @@ def migrated_db(database_url):
     db = open_database(database_url)
     migrations.migrate(db)
     return db
+
+
+@pytest.fixture
+def thread_check():
+    """See tests/door.py."""
+    check = ThreadCheck()
+    check.install()
+    yield check
+    check.remove()
+
+
+@pytest.fixture
+def statements_through_the_door(thread_check):
+    """A test during which the service ran a statement outside the door fails, even when
+    the service caught the refusal."""
+    thread_check.refused.clear()
+    yield
+    refused, thread_check.refused[:] = list(thread_check.refused), []
+    assert not refused, "statements outside the door:\n" + "\n".join(refused)
 
 
 @pytest.fixture(autouse=True)
