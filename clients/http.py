@@ -3,6 +3,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import re
 
 import aiohttp
 
@@ -14,6 +15,19 @@ RETRYABLE_STATUSES = {408, 425, 429}
 # default keep-alive is 2 s): a request is then never written into a connection the peer
 # is closing at that moment. Under load a connection is never idle that long.
 KEEPALIVE_SECONDS = 1.0
+# An error's text is kept on its row (last_error), shown on the console and mailed to the
+# administrator: one line of printable text, this long at most.
+MAX_ERROR_CHARS = 500
+# NUL (which PostgreSQL cannot store in text), the other control characters and the
+# line and paragraph separators: each run of them becomes one space.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]+")
+
+
+def error_text(text, limit=MAX_ERROR_CHARS):
+    """`text` fit to be stored and shown as an error: what a peer or an exception says
+    may hold anything, and a row whose error cannot be stored is never recorded."""
+    text = _UNPRINTABLE.sub(" ", str(text)).strip()
+    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +43,10 @@ class Result:
     # True when the effect was written to our log instead of being sent, as the settings
     # ask (no Telegram, no SMTP): `error` says why. Final, but not delivered.
     logged: bool = False
+
+    def __post_init__(self):
+        # Cleaned where it is made, so no caller stores or shows an error it cannot.
+        object.__setattr__(self, "error", error_text(self.error))
 
     def __bool__(self):
         return self.ok
@@ -133,5 +151,4 @@ def describe(exc):
 
 
 def _excerpt(body, limit=200):
-    text = (body or b"").decode("utf-8", "replace")
-    return text if len(text) <= limit else text[:limit] + "…"
+    return error_text((body or b"").decode("utf-8", "replace"), limit)

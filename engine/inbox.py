@@ -19,6 +19,7 @@ import time
 import peewee
 
 import lograte
+from clients.http import error_text
 from models import WebhookEvent
 from engine import outbox, spool
 from engine.claims import claim, lease
@@ -164,7 +165,8 @@ def _call(ctx, source, event_type, dedup_key, payload, external_id=None,
     return {"source": source, "event_type": event_type, "dedup_key": dedup_key,
             "also_known_as": list(also_known_as), "external_id": _storable(external_id),
             "order_number": _storable(order_number), "status": status,
-            "last_error": last_error, "payload": _storable(payload),
+            "last_error": last_error and error_text(last_error),
+            "payload": _storable(payload),
             "received_at": ctx.clock()}
 
 
@@ -311,14 +313,17 @@ async def _handle(ctx, event):
 
 
 async def deliver_committed(ctx, rows):
-    """Send effects whose cause is committed. Should the database go away while they are
-    sent or their outcome recorded, the call is still durable and its answer stands: the
-    effects are left to the scheduled sender, which takes them after their lease."""
+    """Send effects whose cause is committed; never raises. Whatever happens while they
+    are sent or their outcome recorded (the database gone, a statement refused), the call
+    is durable and its answer stands: the effects are left to the scheduled sender, which
+    takes them after their lease."""
     try:
         await outbox.deliver(ctx, rows)
     except UNAVAILABLE as exc:
         log.warning("%d effect(s) left to the scheduled sender, the database is "
                     "unavailable: %s", len(rows), why_unavailable(exc))
+    except Exception:
+        log.exception("%d effect(s) left to the scheduled sender", len(rows))
 
 
 def _handle_in_transaction(ctx, event, plugin, payload):
@@ -363,13 +368,26 @@ def _conclude(ctx, event, effects):
 def _finish(ctx, event_id, status, error=None):
     now = ctx.clock()
     FINISH.execute(id=event_id, status=status, processed_at=now, updated_at=now,
-                   last_error=error)
+                   last_error=error and error_text(error))
 
 
 async def _fail(ctx, event, error):
+    """Record the failure; should the database refuse that, the attempt is recorded all
+    the same with a reason of our own, so the event still backs off and is given up in
+    time instead of being handled again at every lease."""
     try:
         await ctx.commits.run(functools.partial(_record_failure, ctx, event, error))
-    except peewee.PeeweeException:
+        return
+    except UNAVAILABLE:
+        log.warning("could not record the failure of event #%s, the database is "
+                    "unavailable; it is retried after its lease", event.id)
+        return
+    except Exception as refused:  # a driver refuses some values with its own errors
+        log.exception("could not record the failure of event #%s", event.id)
+        unrecorded = f"its failure could not be recorded: {type(refused).__name__}"
+    try:
+        await ctx.commits.run(functools.partial(_record_failure, ctx, event, unrecorded))
+    except Exception:
         log.exception("could not record the failure of event #%s; it stays %s",
                       event.id, event.status)
 
@@ -378,7 +396,7 @@ def _record_failure(ctx, event, error):
     """Failed with a backoff retry time; dead, with one admin e-mail, at MAX_ATTEMPTS."""
     now = ctx.clock()
     attempts = event.attempts + 1
-    error = error[:2000]
+    error = error_text(error)
     if attempts >= MAX_ATTEMPTS:
         _give_up(ctx, event, attempts, error)
         return

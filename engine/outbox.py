@@ -36,6 +36,9 @@ ADMIN_NOTICE_PREFIX = "admin-notice-"
 RECORD_EVERY_SECONDS = 0.5
 BACKOFF_BASE_SECONDS = 30
 BACKOFF_CAP_SECONDS = 6 * 3600
+# Recorded in place of an outcome the database refused: the attempt still counts, so the
+# row backs off and is given up in time instead of being sent again at every lease.
+UNRECORDED = Result.failed("sent, but its outcome could not be recorded; sent again later")
 # A sender holding at least this much less than a whole lease does not re-take the row
 # (a write and a commit) before sending: the re-take would add too little to matter.
 RETAKE_SLACK = datetime.timedelta(seconds=1)
@@ -255,7 +258,14 @@ async def send(ctx, row, live=False):
     sends (engine.destinations)."""
     result = await _attempt(ctx, row, live)
     if result is not None:
-        await ctx.commits.run(functools.partial(record_outcome, ctx, row, result))
+        try:
+            await ctx.commits.run(functools.partial(record_outcome, ctx, row, result))
+        except UNAVAILABLE:
+            raise
+        except Exception:
+            log.exception("outbox %s %s: its outcome could not be recorded", row.id, row.kind)
+            await ctx.commits.run(functools.partial(
+                record_outcome, ctx, row, UNRECORDED))
     return result
 
 
@@ -325,8 +335,9 @@ def record_outcomes(ctx, rows, results):
                     record_outcome(ctx, row, result)
             except Exception as failure:  # the others' outcomes are kept all the same
                 commits.raise_if_conflict(failure)
-                log.exception("outbox %s %s: its outcome could not be recorded; it is sent "
-                              "again after its lease", row.id, row.kind)
+                log.exception("outbox %s %s: its outcome could not be recorded", row.id,
+                              row.kind)
+                record_outcome(ctx, row, UNRECORDED)
 
 
 def record_outcome(ctx, row, result):

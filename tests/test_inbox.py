@@ -103,3 +103,17 @@ async def test_a_call_is_kept_when_recording_its_failed_handling_fails_too(
     assert (created, outcome) == (True, "failed")
     assert WebhookEvent.get_by_id(event.id).status == "failed"
     assert len(calls) == 2
+
+
+@pytest.mark.gen_test
+async def test_a_failure_whose_text_has_a_nul_is_recorded_cleaned(ctx, card_plugin):
+    # PostgreSQL cannot store a NUL in text: uncleaned, the failure was never recorded.
+    def handle(ctx, event, effects):
+        raise RuntimeError("bad value 'x\x00y'\n" + "y" * 5000)
+    card_plugin("test.nul", handle)
+    event, created, outcome = await inbox.accept(ctx, "card", "test.nul", "k-nul-error", b"{}")
+    stored = WebhookEvent.get_by_id(event.id)
+    assert (created, outcome) == (True, "failed")
+    assert (stored.status, stored.attempts) == ("failed", 1)
+    assert stored.last_error.startswith("RuntimeError: bad value 'x y' yyy")
+    assert len(stored.last_error) <= 500
