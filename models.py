@@ -431,6 +431,10 @@ class CrtcOrder(OrderBase):
     payment_method = TextField(null=True)
     funds_available = BooleanField(default=False, constraints=database_default("FALSE"))
     funds_available_at = UTCDateTimeField(null=True)
+    # How often Frappe refused the funds action for this order, and when it last did:
+    # a refused order goes to the back of the settlement batch (domain.settlement).
+    funds_refusals = IntegerField(default=0, constraints=database_default("0"))
+    funds_refused_at = UTCDateTimeField(null=True)
     total_cents = BigIntegerField(null=True)
     amb_annual_price_cents = BigIntegerField(null=True)
     # The commission holdback: set once by crtc/delivered; released (the worker job sent)

@@ -84,6 +84,7 @@ def _check_url(name, value, schemes):
 POSITIVE_NUMBERS = {
     "MAX_BODY_BYTES": "max_body_bytes",
     "SETTLEMENT_INTERVAL_MINUTES": "settlement_interval_minutes",
+    "SETTLEMENT_REFUSALS_BEFORE_ALERT": "settlement_refusals_before_alert",
     "OUTBOUND_TIMEOUT_SECONDS": "outbound_timeout_seconds",
     "SCHEDULER_TICK_SECONDS": "scheduler_tick_seconds",
     "CLAIM_LEASE_SECONDS": "claim_lease_seconds",
@@ -153,6 +154,9 @@ class Settings:
     public_base_url: str = "http://127.0.0.1:8000"
     business_tz: str = "UTC"
     settlement_interval_minutes: int = 60
+    # Refusals of one CRTC order's funds action after which the administrator is told
+    # (once): a day of hourly settlement runs.
+    settlement_refusals_before_alert: int = 24
     max_body_bytes: int = 1024 * 1024
     spool_dir: str = "var/spool"
     log_format: str = "text"
@@ -229,6 +233,8 @@ class Settings:
             business_tz=text("BUSINESS_TZ", cls.business_tz),
             settlement_interval_minutes=_int(
                 env, "SETTLEMENT_INTERVAL_MINUTES", cls.settlement_interval_minutes),
+            settlement_refusals_before_alert=_int(
+                env, "SETTLEMENT_REFUSALS_BEFORE_ALERT", cls.settlement_refusals_before_alert),
             max_body_bytes=_int(env, "MAX_BODY_BYTES", cls.max_body_bytes),
             spool_dir=text("SPOOL_DIR", cls.spool_dir),
             log_format=text("RECEIVER_LOG_FORMAT", cls.log_format),

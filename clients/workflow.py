@@ -34,7 +34,7 @@ class WorkflowClient:
             "X-Workflow-Site-Name": s.workflow_site_name,
         }
 
-    async def apply_action(self, doctype, name, action, waiting_in=None):
+    async def apply_action(self, doctype, name, action):
         """POST the apply-workflow call. Frappe answers 417 for an invalid transition,
         which no retry will change; if the document is already past the action (see
         `already_past`), the action had been applied and the result is ok."""
@@ -50,28 +50,25 @@ class WorkflowClient:
             headers=self._headers(),
             timeout=s.outbound_timeout_seconds, peer="workflow system")
         if result.status == 417:
-            if await self.already_past(doctype, name, action, waiting_in):
+            if await self.already_past(doctype, name, action):
                 return Result(ok=True, status=417, body={"already_applied": True})
             return Result.failed(result.error, retryable=False, status=417)
         return result
 
-    async def already_past(self, doctype, name, action, waiting_in=None):
-        """After a 417: is the document past `action`? With `waiting_in` (the one state
-        the action applies from, when the caller knows it): it has left that state.
-        Otherwise Frappe's workflow for the doctype says: the document's state is one
-        the action leads to, directly or by later transitions. A document or workflow
-        Frappe cannot show us counts as not past (the refusal stands)."""
+    async def already_past(self, doctype, name, action):
+        """After a 417: is the document past `action`? Frappe's workflow for the doctype
+        says: the document's state is one the action leads to, directly or by later
+        transitions. A document still before the action (one that has not reached the
+        state it applies from) is not past it, and neither is a document or workflow
+        Frappe cannot show us (the refusal stands)."""
         document = await self.document(doctype, name)
         state = document.body.get("workflow_state") if document.ok else None
         if not state:
             log.warning("%s %s: Frappe refused %r and the document's state could not be "
                         "read: %s", doctype, name, action, document.error or "no state")
             return False
-        if waiting_in:
-            past = state != waiting_in
-        else:
-            transitions = await self.transitions(doctype)
-            past = state in states_after(action, transitions)
+        transitions = await self.transitions(doctype)
+        past = state in states_after(action, transitions)
         if past:
             log.warning("%s %s: %r was already applied in Frappe (now %s)",
                         doctype, name, action, state)

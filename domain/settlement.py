@@ -5,21 +5,28 @@ Called by the balance.available plugin and, as a fallback, by the scheduler. Two
 once are safe: funds_available is set under a re-check, so it is set once. Both runs may
 then have asked Frappe to apply the action; Frappe refuses the second with 417 (invalid
 transition). A 417 is not taken as final: Frappe is asked where the document stands, and
-one that has left Awaiting Funds had the action applied already (by the other run, or by
-a run that crashed before it could record it), so the order is marked settled.
+one in a state the action leads to (by the doctype's workflow) had the action applied
+already (by the other run, or by a run that crashed before it could record it), so the
+order is marked settled. One still before the action (ops have not asked for its funds
+yet) is refused: it is counted, goes to the back of the batch, and the administrator is
+told once when it has been refused SETTLEMENT_REFUSALS_BEFORE_ALERT times.
 """
 import datetime
+import functools
 import logging
 
 from models import CrtcOrder, database
 from engine.db import locked
+from engine.outbox import tell_admin
+from engine.prepared import save_changes
 from domain.orders import document_name
 
 log = logging.getLogger("receiver.settlement")
 
 BATCH_SIZE = 20
-# The workflow state a CRTC order waits in until the funds action moves it on.
-AWAITING_FUNDS = "Awaiting Funds"
+# Refusals of our credentials, not of the order: every order meets them alike, so no
+# order's count goes up for them.
+CREDENTIALS_REFUSED = (401, 403)
 # Business days (Mon-Fri, holidays not considered) a payment needs before it counts.
 BUSINESS_DAYS_TO_SETTLE = {"card": 2, "bnpl": 2, "ach": 4}
 
@@ -40,7 +47,11 @@ def waiting_orders():
                    CrtcOrder.funds_available == False,  # noqa: E712 (SQL, not Python)
                    CrtcOrder.payment_method.in_(list(BUSINESS_DAYS_TO_SETTLE)),
                    CrtcOrder.paid_at.is_null(False))
-            .order_by(CrtcOrder.paid_at, CrtcOrder.id))
+            # Orders never refused first, oldest paid first; then the refused ones, the
+            # one refused longest ago first: twenty orders Frappe refuses for good do
+            # not hold every newer order out of the batch.
+            .order_by(CrtcOrder.funds_refused_at.asc(nulls="first"), CrtcOrder.paid_at,
+                      CrtcOrder.id))
 
 
 def is_due(ctx, order, today):
@@ -65,23 +76,52 @@ def mark_funds_available(ctx, order_id):
     return True
 
 
+def record_refusal(ctx, order_id, error):
+    """Count one refusal of the funds action for the order (which moves it to the back of
+    the batch), and tell the administrator once, when the count reaches
+    SETTLEMENT_REFUSALS_BEFORE_ALERT. Returns the count."""
+    order = locked(CrtcOrder.select().where(CrtcOrder.id == order_id)).get()
+    now = ctx.clock()
+    order.funds_refusals += 1
+    order.funds_refused_at = now
+    order.updated_at = now
+    save_changes(order)
+    if order.funds_refusals == ctx.settings.settlement_refusals_before_alert:
+        subject = f"CRTC order {order.order_number}: Frappe refused settlement " \
+                  f"{order.funds_refusals} times"
+        tell_admin(ctx, f"settlement-refused-{order.order_number}", subject,
+                   "settlement_refused", order=order, action=ctx.settings.crtc_funds_action,
+                   doctype=ctx.settings.crtc_doctype, error=error)
+    return order.funds_refusals
+
+
 async def advance(ctx, order):
     """Apply the funds action in Frappe; only when it succeeds is the order marked settled,
     so a refused or failed order is tried again on the next run."""
     settings = ctx.settings
-    # After a 417, a document that has left Awaiting Funds had the action applied before
-    # and only its recording was lost (otherwise the order would hold a batch slot for
-    # good); one Frappe cannot show us counts as not applied (retried next run).
+    # After a 417, a document in a state the action leads to had the action applied
+    # before and only its recording was lost; one Frappe cannot show us, or one still
+    # before the action, counts as not applied (retried next run).
     result = await ctx.workflow.apply_action(
-        settings.crtc_doctype, document_name(order), settings.crtc_funds_action,
-        waiting_in=AWAITING_FUNDS)
-    if not result.ok:
-        raise RuntimeError(f"{settings.crtc_funds_action!r} not applied: {result.error}")
-    return mark_funds_available(ctx, order.id)
+        settings.crtc_doctype, document_name(order), settings.crtc_funds_action)
+    if result.ok:
+        return mark_funds_available(ctx, order.id)
+    if refuses_the_order(result):
+        await ctx.commits.run(functools.partial(record_refusal, ctx, order.id, result.error))
+    raise RuntimeError(f"{settings.crtc_funds_action!r} not applied: {result.error}")
+
+
+def refuses_the_order(result):
+    """Frappe answered, and refused this order's action for good (417 for a state the
+    action does not apply from, 404 for a document it does not have): not a network
+    error or a 5xx, which every order meets alike, nor a refusal of our credentials."""
+    return (not result.retryable and result.configured and 400 <= result.status < 500
+            and result.status not in CREDENTIALS_REFUSED)
 
 
 async def settle_crtc_orders(ctx):
-    """Advance up to BATCH_SIZE settled CRTC orders, oldest payment first. Returns counts:
+    """Advance up to BATCH_SIZE settled CRTC orders, oldest payment first (orders Frappe
+    refused last, see `waiting_orders`). Returns counts:
     examined, settled, not_due, failed (logged; the loop goes on)."""
     today = ctx.clock().astimezone(ctx.business_tz).date()
     counts = {"examined": 0, "settled": 0, "not_due": 0, "failed": 0}

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from models import UTC, CrtcOrder, WebhookEvent
+from models import UTC, CrtcOrder, Outbox, WebhookEvent
 from domain.settlement import business_days_after, settle_crtc_orders
 from tests import stripe_events as se
 from tests.stripe_events import RECEIVED, deliver, settings  # noqa: F401 (fixture)
@@ -31,6 +31,22 @@ def document(name, state):
 
 
 REFUSED = (417, {"exc_type": "WorkflowTransitionError"})
+# The CRTC workflow as Frappe v15 shows it (GET /api/resource/Workflow/<name>), as the
+# site of ../shared/real-frappe builds it.
+CRTC_TRANSITIONS = [
+    {"state": "New", "action": "Request Funds", "next_state": "Awaiting Funds"},
+    {"state": "Awaiting Funds", "action": "Confirm Funds", "next_state": "Client Selection"},
+    {"state": "Client Selection", "action": "Record Incorporation",
+     "next_state": "Incorporated"},
+]
+
+
+def read_back(name, state):
+    """What Frappe answers to the read-back after a 417: the document, then the doctype's
+    active workflow (listed, then read)."""
+    return [document(name, state), (200, {"data": [{"name": "CRTC Order Flow"}]}),
+            (200, {"data": {"name": "CRTC Order Flow", "document_type": "CRTC Order",
+                            "transitions": CRTC_TRANSITIONS}})]
 
 
 @pytest.mark.parametrize("start,end,days", [
@@ -160,7 +176,7 @@ async def test_two_runs_at_once_settle_an_order_once(ctx, clock, frappe):
     clock.set(2026, 11, 30, 9, 0)
     frappe.delay = 0.2
     frappe.responses = [(200, {"message": {"name": "CA-1"}}), REFUSED,
-                        document("CA-1", "Client Selection")]
+                        *read_back("CA-1", "Client Selection")]
     first, second = await asyncio.gather(settle_crtc_orders(ctx), settle_crtc_orders(ctx))
     assert len(advanced(frappe)) == 2, "both runs asked before either had an answer"
     assert first["settled"] + second["settled"] == 1
@@ -191,14 +207,15 @@ async def test_balance_available_settles_in_the_background(post, ctx, clock, fra
     assert WebhookEvent.get().status == "processed"
 
 
+@pytest.mark.parametrize("state", ["Client Selection", "Incorporated"])
 @pytest.mark.gen_test
 async def test_an_action_applied_but_not_recorded_is_marked_settled_on_the_next_run(
-        ctx, clock, frappe):
+        ctx, clock, frappe, state):
     # An earlier run had Frappe apply the action, then lost the write of funds_available:
     # every later run is refused with 417, and the order would hold a batch slot for good.
     paid_crtc("CA-1")
     clock.set(2026, 11, 30, 9, 0)
-    frappe.responses = [REFUSED, document("CA-1", "Client Selection")]
+    frappe.responses = [REFUSED, *read_back("CA-1", state)]
     counts = await settle_crtc_orders(ctx)
     assert (counts["settled"], counts["failed"]) == (1, 0)
     order = CrtcOrder.get()
@@ -209,14 +226,96 @@ async def test_an_action_applied_but_not_recorded_is_marked_settled_on_the_next_
     assert read.headers["X-Frappe-Site-Name"] == "erp.example.test"
 
 
-@pytest.mark.parametrize("reply", [document("CA-1", "Awaiting Funds"), (404, {}),
-                                   (200, {"data": {"name": "CA-1"}})],
-                         ids=["still-awaiting", "not-found", "no-state"])
+@pytest.mark.parametrize("replies", [
+    read_back("CA-1", "Awaiting Funds"),
+    # On the real site: an order ops had not yet moved to Awaiting Funds was taken for
+    # one past it, marked settled, and never tried again.
+    read_back("CA-1", "New"),
+    [(404, {})],
+    [(200, {"data": {"name": "CA-1"}})],
+    [document("CA-1", "Client Selection"), (403, {})],
+], ids=["still-awaiting", "not-yet-awaiting", "not-found", "no-state", "workflow-unreadable"])
 @pytest.mark.gen_test
-async def test_a_refused_order_still_awaiting_funds_stays_unsettled(ctx, clock, frappe, reply):
+async def test_a_refused_order_not_shown_past_the_action_stays_unsettled(ctx, clock, frappe,
+                                                                         replies):
     paid_crtc("CA-1")
     clock.set(2026, 11, 30, 9, 0)
-    frappe.responses = [REFUSED, reply]
+    frappe.responses = [REFUSED, *replies]
+    frappe.fail_with(404, {})
     counts = await settle_crtc_orders(ctx)
     assert (counts["settled"], counts["failed"]) == (0, 1)
-    assert CrtcOrder.get().funds_available is False
+    order = CrtcOrder.get()
+    assert order.funds_available is False
+    assert (order.funds_refusals, order.funds_refused_at) == (1, clock())
+
+
+def refused_numbers(number_of_orders):
+    return [f"CA-{n:02d}" for n in range(number_of_orders)]
+
+
+@pytest.mark.gen_test
+async def test_orders_frappe_refuses_for_good_do_not_starve_newer_ones(ctx, clock, frappe):
+    # Twenty orders Frappe refuses on every run (their documents were never moved to
+    # Awaiting Funds), all paid before a twenty-first it accepts.
+    for n in range(20):
+        paid_crtc(f"CA-{n:02d}", paid_at=FRIDAY - datetime.timedelta(hours=25 - n))
+    paid_crtc("CA-NEW", paid_at=FRIDAY)
+    frappe.fail_with(*REFUSED)
+    clock.set(2026, 12, 7, 9, 0)
+    first = await settle_crtc_orders(ctx)
+    assert advanced(frappe) == refused_numbers(20)
+    assert (first["examined"], first["failed"]) == (20, 20)
+
+    frappe.requests.clear()
+    frappe.responses = [(200, {"message": {"name": "CA-NEW"}})]
+    clock.advance(hours=1)
+    second = await settle_crtc_orders(ctx)
+    assert advanced(frappe) == ["CA-NEW", *refused_numbers(19)]
+    assert (second["examined"], second["settled"]) == (20, 1)
+    assert CrtcOrder.get(CrtcOrder.order_number == "CA-NEW").funds_available is True
+
+    # The one left out last time comes first now: every refused order keeps its turn.
+    frappe.requests.clear()
+    clock.advance(hours=1)
+    await settle_crtc_orders(ctx)
+    assert advanced(frappe) == ["CA-19", *refused_numbers(19)]
+
+
+@pytest.mark.gen_test
+async def test_the_administrator_is_told_once_about_an_order_refused_n_times(
+        ctx, clock, frappe):
+    ctx.settings = dataclasses.replace(ctx.settings, settlement_refusals_before_alert=3)
+    paid_crtc("CA-1", order_name="CRTC-0001")
+    frappe.fail_with(*REFUSED)
+    clock.set(2026, 11, 30, 9, 0)
+
+    def notices():
+        return list(Outbox.select().where(Outbox.kind == "email"))
+    for _ in range(2):
+        await settle_crtc_orders(ctx)
+        clock.advance(hours=1)
+    assert notices() == []
+    for _ in range(3):
+        await settle_crtc_orders(ctx)
+        clock.advance(hours=1)
+    [notice] = notices()
+    mail = json.loads(notice.payload)
+    assert mail["to"] == ["admin@example.test"]
+    assert mail["subject"] == "CRTC order CA-1: Frappe refused settlement 3 times"
+    assert "CRTC Order CRTC-0001" in mail["text"] and "HTTP 417" in mail["text"]
+    assert CrtcOrder.get().funds_refusals == 5
+
+
+@pytest.mark.parametrize("failure", [(401, {"exc_type": "AuthenticationError"}),
+                                     (403, {"exc_type": "PermissionError"}),
+                                     (500, {"exc_type": "ImportError"})],
+                         ids=["401", "403", "500"])
+@pytest.mark.gen_test
+async def test_a_failure_that_is_not_about_the_order_is_not_counted_as_its_refusal(
+        ctx, clock, frappe, failure):
+    paid_crtc("CA-1")
+    frappe.fail_with(*failure)
+    clock.set(2026, 11, 30, 9, 0)
+    assert (await settle_crtc_orders(ctx))["failed"] == 1
+    order = CrtcOrder.get()
+    assert (order.funds_refusals, order.funds_refused_at) == (0, None)

@@ -12,7 +12,8 @@ from playhouse.migrate import migrate as run
 
 import migrations
 from models import (
-    ORDER_MODELS, POSTGRES_FIELD_TYPES, SQLITE_FIELD_TYPES, ComplianceOrder, is_postgres, utcnow,
+    ORDER_MODELS, POSTGRES_FIELD_TYPES, SQLITE_FIELD_TYPES, ComplianceOrder, CrtcOrder, is_postgres,
+    utcnow,
 )
 from tests.conftest import _postgres_scratch_database
 from tests.test_models import assert_documented_defaults, insert_order_number_only
@@ -122,3 +123,24 @@ def test_0012_gives_an_old_database_the_index_of_unsent_effects_by_order(scratch
     assert indexes() == fresh
     UNSENT_BY_ORDER.apply(scratch_db, migrator_for(scratch_db))
     assert indexes() == fresh
+
+
+SETTLEMENT_REFUSALS = importlib.import_module("migrations.0014_settlement_refusals")
+
+
+def test_0014_gives_old_crtc_orders_a_refusal_count_of_zero(scratch_db):
+    def columns():  # an added column comes last, where a fresh table has it in place
+        return sorted(scratch_db.get_columns("crtc_orders"))
+    fresh = columns()
+    migrator = migrator_for(scratch_db)
+    run(migrator.drop_column("crtc_orders", "funds_refused_at"),
+        migrator.drop_column("crtc_orders", "funds_refusals"))
+    insert_order_number_only(scratch_db, CrtcOrder, "CA-OLD")
+    SETTLEMENT_REFUSALS.apply(scratch_db, migrator)
+    assert columns() == fresh
+    insert_order_number_only(scratch_db, CrtcOrder, "CA-NEW")
+    with scratch_db.bind_ctx([CrtcOrder]):
+        assert {(o.order_number, o.funds_refusals, o.funds_refused_at)
+                for o in CrtcOrder.select()} == {("CA-OLD", 0, None), ("CA-NEW", 0, None)}
+    SETTLEMENT_REFUSALS.apply(scratch_db, migrator)
+    assert columns() == fresh
