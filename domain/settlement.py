@@ -107,7 +107,7 @@ async def advance(ctx, order):
     if result.ok:
         return mark_funds_available(ctx, order.id)
     if refuses_the_order(result):
-        await ctx.commits.run(functools.partial(record_refusal, ctx, order.id, result.error))
+        await ctx.db(functools.partial(record_refusal, ctx, order.id, result.error))
     raise RuntimeError(f"{settings.crtc_funds_action!r} not applied: {result.error}")
 
 
