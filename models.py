@@ -537,6 +537,11 @@ class Outbox(BaseModel):
     next_attempt_at = UTCDateTimeField(default=utcnow)
     last_error = TextField(null=True)
     sent_at = UTCDateTimeField(null=True)
+    # The last attempt, written with its outcome; the database copies each into `attempts`.
+    last_attempt_at = UTCDateTimeField(null=True)
+    last_status_code = IntegerField(null=True)
+    last_duration_ms = IntegerField(null=True)
+    last_reply = TextField(null=True)
 
     class Meta:
         table_name = "outbox"
@@ -559,7 +564,34 @@ Outbox.add_index(Outbox.index(Outbox.order_number, Outbox.kind, Outbox.id,
                  .where(Outbox.status.in_(["pending", "waiting"])))
 
 
+
+
+class Attempt(BaseModel):
+    """One try at sending an outbox row: when, to which destination, the status code (none
+    for a connection error or a mail server's refusal), how long it took, the error, a
+    cleaned excerpt of the reply, and the row's status after it (sent, pending for a retry,
+    dead, logged). Pruned after RETENTION_DAYS.
+
+    Written by the database, not by the code: a trigger on outbox (migration 0013) copies
+    the row's last_* columns here whenever an UPDATE counts one more attempt, so the
+    attempt costs no statement of its own, and no round trip, beside its outcome's."""
+
+    outbox_id = BigIntegerField()
+    destination = TextField()
+    attempted_at = UTCDateTimeField()
+    outcome = TextField()
+    status_code = IntegerField(null=True)
+    duration_ms = IntegerField(null=True)
+    error = TextField(null=True)
+    reply = TextField(null=True)
+
+    class Meta:
+        table_name = "attempts"
+        indexes = ((("outbox_id", "id"), False), (("created_at",), False))
+
+
 ALL_MODELS = [*ORDER_MODELS.values(), TreasuryJob, LedgerEntry, WebhookEvent, Outbox]
+ATTEMPT_MODELS = [Attempt]
 
 
 

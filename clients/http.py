@@ -43,6 +43,8 @@ class Result:
     # True when the effect was written to our log instead of being sent, as the settings
     # ask (no Telegram, no SMTP): `error` says why. Final, but not delivered.
     logged: bool = False
+    # An excerpt of what the peer answered, kept with the attempt.
+    reply: str = ""
 
     def __post_init__(self):
         # Cleaned where it is made, so no caller stores or shows an error it cannot.
@@ -127,15 +129,17 @@ async def post_json(http, url, body, headers=None, timeout=10.0, peer="peer"):
         return Result.failed(describe(exc))
     if not 200 <= reply.status < 300:
         retryable = reply.status >= 500 or reply.status in RETRYABLE_STATUSES
-        return Result.failed(f"HTTP {reply.status}: {_excerpt(reply.body)}",
-                             retryable=retryable, status=reply.status)
+        return dataclasses.replace(
+            Result.failed(f"HTTP {reply.status}: {_excerpt(reply.body)}",
+                          retryable=retryable, status=reply.status),
+            reply=_excerpt(reply.body))
     try:
         parsed = json.loads(reply.body or b"null")
     except ValueError:
         log.warning("%s answered HTTP %s with a reply that is not JSON, taken as "
                     "delivered: %s", peer, reply.status, _excerpt(reply.body, 80))
         parsed = None
-    return Result(ok=True, status=reply.status, body=parsed)
+    return Result(ok=True, status=reply.status, body=parsed, reply=_excerpt(reply.body))
 
 
 def describe(exc):

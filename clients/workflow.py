@@ -6,6 +6,7 @@ answer to an action sent a second time: after a crash, an action sent just befor
 sent again one lease later, and the first one had moved the document on. So a 417 is
 not taken as final until the document is read back: one that is already past the action
 had it applied, and the send is a success."""
+import dataclasses
 import json
 import logging
 import urllib.parse
@@ -51,8 +52,9 @@ class WorkflowClient:
             timeout=s.outbound_timeout_seconds, peer="workflow system")
         if result.status == 417:
             if await self.already_past(doctype, name, action):
-                return Result(ok=True, status=417, body={"already_applied": True})
-            return Result.failed(result.error, retryable=False, status=417)
+                return Result(ok=True, status=417, body={"already_applied": True},
+                              reply=result.reply)
+            return dataclasses.replace(result, retryable=False)
         return result
 
     async def already_past(self, doctype, name, action):

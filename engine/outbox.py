@@ -13,12 +13,13 @@ import hashlib
 import json
 import logging
 import random
+import time
 
-from peewee import fn
+from peewee import Case, fn
 
 import lograte
 from clients.http import Result
-from models import Outbox
+from models import POSTGRES_FIELD_TYPES, Outbox, is_postgres
 from engine import commits
 from engine.claims import claim, lease
 from engine.db import UNAVAILABLE
@@ -72,13 +73,17 @@ def _update_of(*fields):
                     .where(Outbox.id == slot(Outbox.id)))
 
 
-# What each outcome of a send writes.
+# What each outcome of a send writes. An outcome that counts an attempt writes the
+# attempt too (LAST_ATTEMPT): the database copies it into `attempts` (models.Attempt).
+LAST_ATTEMPT = (Outbox.last_attempt_at, Outbox.last_status_code, Outbox.last_duration_ms,
+                Outbox.last_reply)
 WAITING = _update_of(Outbox.status, Outbox.last_error, Outbox.updated_at)
 SENT = _update_of(Outbox.status, Outbox.sent_at, Outbox.last_error, Outbox.attempts,
-                  Outbox.updated_at)
-GIVEN_UP = _update_of(Outbox.status, Outbox.last_error, Outbox.attempts, Outbox.updated_at)
+                  Outbox.updated_at, *LAST_ATTEMPT)
+GIVEN_UP = _update_of(Outbox.status, Outbox.last_error, Outbox.attempts, Outbox.updated_at,
+                      *LAST_ATTEMPT)
 RETRY = _update_of(Outbox.last_error, Outbox.next_attempt_at, Outbox.attempts,
-                   Outbox.updated_at)
+                   Outbox.updated_at, *LAST_ATTEMPT)
 
 
 def backoff(attempts):
@@ -272,8 +277,11 @@ async def send(ctx, row, live=False):
 async def _attempt(ctx, row, live=False):
     """`send` without recording the outcome: the Result, or None."""
     destination = ctx.destinations.of(row.kind)
+    row.last_attempt_at, started = ctx.clock(), time.monotonic()
     try:
         async with destination.slot(live):
+            # Timed from the request going out, not from the wait for a free connection.
+            row.last_attempt_at, started = ctx.clock(), time.monotonic()
             result = await SENDERS[row.kind](ctx, json.loads(row.payload), row,
                                              _Take(ctx, row))
     except _TakenElsewhere:
@@ -287,8 +295,16 @@ async def _attempt(ctx, row, live=False):
         # quote a URL with a token in it.
         log.exception("outbox %s %s: its sender raised", row.id, row.kind)
         result = Result.failed(f"{type(exc).__name__} raised while sending", retryable=False)
+    row.last_duration_ms = round((time.monotonic() - started) * 1000)
+    row.last_status_code = result.status or None
+    row.last_reply = result.reply or None
     destination.observe(result)
     return result
+
+
+def _last_attempt(row):
+    """The values of LAST_ATTEMPT for a row `_attempt` has tried."""
+    return {field.name: getattr(row, field.name) for field in LAST_ATTEMPT}
 
 
 def _lease_ample(ctx, row):
@@ -323,7 +339,8 @@ def record_outcomes(ctx, rows, results):
     if sent:
         now = ctx.clock()
         (Outbox.update(status="sent", sent_at=now, last_error=None,
-                       attempts=Outbox.attempts + 1, updated_at=now)
+                       attempts=Outbox.attempts + 1, updated_at=now,
+                       **{field.name: _by_row(field, sent) for field in LAST_ATTEMPT})
          .where(Outbox.id.in_([row.id for row in sent])).execute())
         for row in sent:
             ctx.metrics.effect_sent(row.kind, "sent")
@@ -340,6 +357,17 @@ def record_outcomes(ctx, rows, results):
                 record_outcome(ctx, row, UNRECORDED)
 
 
+def _by_row(field, rows):
+    """Each row's own value of `field`, chosen by its id, for one UPDATE of them all."""
+    case = Case(Outbox.id, [(row.id, field.db_value(getattr(row, field.name)))
+                            for row in rows])
+    if is_postgres():
+        # PostgreSQL types a CASE of text (or only NULL) parameters as text, which a
+        # timestamp or integer column refuses.
+        return case.cast(POSTGRES_FIELD_TYPES.get(field.field_type, field.field_type))
+    return case
+
+
 def record_outcome(ctx, row, result):
     now = ctx.clock()
     if not result.configured:
@@ -354,15 +382,15 @@ def record_outcome(ctx, row, result):
         # The settings say to log such effects (no Telegram, no SMTP): final, and the
         # row says that it was not sent, and why.
         GIVEN_UP.execute(id=row.id, status="logged", last_error=result.error,
-                         attempts=attempts, updated_at=now)
+                         attempts=attempts, updated_at=now, **_last_attempt(row))
         ctx.metrics.effect_sent(row.kind, "logged")
     elif result.ok:
         SENT.execute(id=row.id, status="sent", sent_at=now, last_error=None,
-                     attempts=attempts, updated_at=now)
+                     attempts=attempts, updated_at=now, **_last_attempt(row))
         ctx.metrics.effect_sent(row.kind, "sent")
     elif not result.retryable or attempts >= MAX_ATTEMPTS:
         GIVEN_UP.execute(id=row.id, status="dead", last_error=result.error,
-                         attempts=attempts, updated_at=now)
+                         attempts=attempts, updated_at=now, **_last_attempt(row))
         ctx.metrics.effect_sent(row.kind, "dead")
         log.error("outbox %s %s dead after %d attempt(s): %s",
                   row.id, row.kind, attempts, result.error)
@@ -371,7 +399,7 @@ def record_outcome(ctx, row, result):
                        "outbox_dead", row=row, attempts=attempts, error=result.error)
     else:
         RETRY.execute(id=row.id, last_error=result.error, next_attempt_at=now + backoff(attempts),
-                      attempts=attempts, updated_at=now)
+                      attempts=attempts, updated_at=now, **_last_attempt(row))
         ctx.metrics.effect_sent(row.kind, "retry")
         # A peer that is down fails every effect alike: one line, then a count.
         REPEATS.warning((row.kind, result.error), "outbox %s %s failed (attempt %d), will "

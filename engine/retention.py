@@ -1,14 +1,14 @@
-"""Pruning: handled inbox events and sent (or only logged) outbox rows are deleted after
-RETENTION_DAYS.
+"""Pruning: handled inbox events, sent (or only logged) outbox rows and the record of send
+attempts are deleted after RETENTION_DAYS.
 
 Failed, dead and rejected events and pending, waiting or dead outbox rows are kept for the
-operator whatever their age. A pruned event's dedup key goes with it, so RETENTION_DAYS
+operator whatever their age (their attempts older than RETENTION_DAYS go all the same). A pruned event's dedup key goes with it, so RETENTION_DAYS
 must stay longer than any sender's retry window (Stripe retries for 3 days).
 """
 import datetime
 import logging
 
-from models import Outbox, WebhookEvent, database
+from models import Attempt, Outbox, WebhookEvent, database
 
 log = logging.getLogger("receiver.retention")
 
@@ -31,7 +31,8 @@ def prune(ctx):
         events = (WebhookEvent.delete()
                   .where(WebhookEvent.status.in_(PRUNED_EVENT_STATUSES),
                          settled_before_cutoff).execute())
-    if events or rows:
-        log.info("pruned %d event(s) and %d sent effect(s) older than %s",
-                 events, rows, cutoff.isoformat())
+        attempts = Attempt.delete().where(Attempt.created_at < cutoff).execute()
+    if events or rows or attempts:
+        log.info("pruned %d event(s), %d sent effect(s) and %d send attempt(s) older than %s",
+                 events, rows, attempts, cutoff.isoformat())
     return events, rows

@@ -144,3 +144,30 @@ def test_0014_gives_old_crtc_orders_a_refusal_count_of_zero(scratch_db):
                 for o in CrtcOrder.select()} == {("CA-OLD", 0, None), ("CA-NEW", 0, None)}
     SETTLEMENT_REFUSALS.apply(scratch_db, migrator)
     assert columns() == fresh
+
+
+ATTEMPTS = importlib.import_module("migrations.0013_attempts")
+
+
+def test_0013_gives_an_old_database_the_attempts_and_the_trigger_that_writes_them(scratch_db):
+    def shape():
+        return (scratch_db.get_columns("outbox"), scratch_db.get_columns("attempts"),
+                sorted(index.name for index in scratch_db.get_indexes("attempts")))
+    fresh = shape()
+    drop_trigger = ("DROP TRIGGER outbox_attempt ON outbox" if is_postgres(scratch_db)
+                    else "DROP TRIGGER outbox_attempt")
+    scratch_db.execute_sql(drop_trigger)
+    scratch_db.execute_sql("DROP TABLE attempts")
+    run(*(migrator_for(scratch_db).drop_column("outbox", name) for name, _ in ATTEMPTS.COLUMNS))
+    for _ in range(2):
+        ATTEMPTS.apply(scratch_db, migrator_for(scratch_db))
+        assert shape() == fresh
+    scratch_db.execute_sql(
+        "INSERT INTO outbox (kind, payload, idempotency_key, status, attempts, "
+        "next_attempt_at, created_at, updated_at) VALUES ('job', '{}', 'k', 'pending', 0, "
+        "'2026-11-20 09:00:00+00:00', '2026-11-20 09:00:00+00:00', '2026-11-20 09:00:00+00:00')")
+    scratch_db.execute_sql("UPDATE outbox SET attempts = 1, last_status_code = 502")
+    scratch_db.execute_sql("UPDATE outbox SET attempts = 0")  # put back in line: no attempt
+    assert scratch_db.execute_sql(
+        "SELECT destination, outcome, status_code FROM attempts").fetchall() == [
+        ("job", "pending", 502)]
