@@ -132,14 +132,21 @@ def worker_stats(url):
     return stats["calls"], stats["distinct"]
 
 
-def statements_sent(port):
-    """The service's receiver_database_statements_total: divided by the webhooks of a
-    run, its statements (round trips on PostgreSQL) per webhook, the scheduler's included."""
+def database_counts(port):
+    """The service's (receiver_database_statements_total, receiver_database_turns_total):
+    over a run, the statements (round trips on PostgreSQL) per webhook and per group-commit
+    turn, the scheduler's included."""
+    wanted = ("receiver_database_statements_total", "receiver_database_turns_total")
+    found = {}
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
         for line in answer.read().decode().splitlines():
-            if line.startswith("receiver_database_statements_total "):
-                return float(line.split()[1])
-    raise RuntimeError("/metrics has no receiver_database_statements_total")
+            name, _, value = line.partition(" ")
+            if name in wanted:
+                found[name] = float(value)
+    missing = set(wanted) - set(found)
+    if missing:
+        raise RuntimeError(f"/metrics has no {', '.join(sorted(missing))}")
+    return tuple(found[name] for name in wanted)
 
 
 def jobs_not_sent(database_url):
@@ -191,13 +198,17 @@ def rss_kib(pid):
 
 def format_row(row):
     ratio, floor = row.get("ratio_to_ceiling"), row.get("ratio_to_floor")
+    own = row.get("ratio_to_database_floor")
     return (f"{row['scenario']:<11} {row['database']:<10} {row['rps']:>9.1f} req/s  "
             f"p50 {row['p50_ms']:>7.2f} ms  p99 {row['p99_ms']:>7.2f} ms  "
             f"ratio {'' if ratio is None else f'{ratio:.3f}':>5}  "
             f"to floor {'' if floor is None else f'{floor:.3f}':>5}  "
-            f"errors {sum(row['unexpected_statuses'].values())}"
+            + (f"to its database's floor {own:.3f}  " if own is not None else "")
+            + f"errors {sum(row['unexpected_statuses'].values())}"
             + (f"  statements/webhook {row['statements_per_webhook']}"
                if "statements_per_webhook" in row else "")
+            + (f"  statements/turn {row['statements_per_turn']}"
+               if "statements_per_turn" in row else "")
             + (f"  inbox {row['inbox']}" if row.get("inbox") else ""))
 
 
@@ -235,6 +246,7 @@ class Bench:
         self.processes = Processes()
         self.peer_port, self.slow_port, self.smtp_port = free_port(), free_port(), free_port()
         self.ceiling = self.floor = None
+        self.database_floors = {}
 
     def peer_url(self, slow=False):
         return f"http://127.0.0.1:{self.slow_port if slow else self.peer_port}"
@@ -245,13 +257,22 @@ class Bench:
         self.processes.start(["-m", "bench.peers", "--http-port", str(self.slow_port),
                               "--delay", str(SLOW_WORKER_SECONDS)], self.slow_port)
 
-    def measure_references(self):
-        self.ceiling = self.measure_reference("ceiling", "bench.ceiling")
+    def measure_references(self, databases):
+        """The ceiling, the SQLite floor (the reference of every ratio to the floor), and
+        the floor of each other database measured, for its rows' own reference."""
+        self.ceiling = self.measure_reference("ceiling", "-", "bench.ceiling")
         with tempfile.TemporaryDirectory() as folder:
-            self.floor = self.measure_reference("floor", "bench.floor",
+            self.floor = self.measure_reference("floor", "sqlite", "bench.floor",
                                                 os.path.join(folder, "floor.sqlite3"))
+        self.database_floors = {"sqlite": self.floor}
+        for label, scratch in databases:
+            if label == "postgres":
+                with scratch() as url:
+                    if url is not None:
+                        self.database_floors[label] = self.measure_reference(
+                            "floor", label, "bench.floor", url)
 
-    def measure_reference(self, name, module, *arguments):
+    def measure_reference(self, name, label, module, *arguments):
         """A bare app serving the ceiling scenario's requests, measured alone."""
         port = free_port()
         reference = Processes()
@@ -261,15 +282,19 @@ class Bench:
             row = load("ceiling", port, self.args.connections, self.args.duration)
         finally:
             reference.stop_all()
-        row.update(scenario=name, database="-")
+        row.update(scenario=name, database=label)
         row.update(self.ratios(row))
         self.record(row)
         return row
 
     def ratios(self, row):
-        return {"ratio_to_ceiling": round(row["rps"] / (self.ceiling or row)["rps"], 3),
-                "ratio_to_floor": round(row["rps"] / self.floor["rps"], 3)
-                if self.floor else None}
+        ratios = {"ratio_to_ceiling": round(row["rps"] / (self.ceiling or row)["rps"], 3),
+                  "ratio_to_floor": round(row["rps"] / self.floor["rps"], 3)
+                  if self.floor else None}
+        own = self.database_floors.get(row.get("database"))
+        if own is not None and own is not self.floor and row is not own:
+            ratios["ratio_to_database_floor"] = round(row["rps"] / own["rps"], 3)
+        return ratios
 
     def record(self, row):
         self.rows.append(row)
@@ -306,13 +331,17 @@ class Bench:
         third = self.args.orders // 3
         options = (lambda offset: {"start": offset}) if start is not None else (lambda _: None)
         load(scenario, port, self.args.connections, self.args.warmup, options(0))
-        statements_before = statements_sent(port)
+        statements_before, turns_before = database_counts(port)
         result = load(scenario, port, self.args.connections, self.args.duration,
                       options(third))
-        statements = statements_sent(port) - statements_before
-        result.update(scenario=scenario, database=label, **self.ratios(result),
+        statements, turns = (after - before for after, before in zip(
+            database_counts(port), (statements_before, turns_before)))
+        result.update(scenario=scenario, database=label,
                       statements_per_webhook=round(statements / max(1, result["requests"]), 1),
+                      statements_per_turn=round(statements / max(1, turns), 1),
+                      webhooks_per_turn=round(result["requests"] / max(1, turns), 1),
                       inbox=outcomes(database_url, scenario))
+        result.update(self.ratios(result))
         self.record(result)
         return result
 
@@ -519,13 +548,16 @@ class Bench:
             json.dump(report, out, indent=2)
         with open(os.path.join(args.results, "latest.md"), "w") as out:
             out.write("| scenario | database | req/s | p50 ms | p99 ms | ratio to ceiling "
-                      "| ratio to floor | statements per webhook |\n")
-            out.write("|---|---|---|---|---|---|---|---|\n")
+                      "| ratio to floor | ratio to its database's floor "
+                      "| statements per webhook | statements per turn |\n")
+            out.write("|---|---|---|---|---|---|---|---|---|---|\n")
             for row in self.rows:
                 out.write(f"| {row['scenario']} | {row['database']} | {row['rps']} | "
                           f"{row['p50_ms']} | {row['p99_ms']} | {row['ratio_to_ceiling']} "
                           f"| {row['ratio_to_floor']} "
-                          f"| {row.get('statements_per_webhook', '')} |\n")
+                          f"| {row.get('ratio_to_database_floor', '')} "
+                          f"| {row.get('statements_per_webhook', '')} "
+                          f"| {row.get('statements_per_turn', '')} |\n")
             for row in self.rows:
                 if row["scenario"] in ("drain", "2 instances"):
                     details = {k: v for k, v in row.items() if k.startswith(
@@ -571,7 +603,7 @@ def main(argv=None):
     databases = [(name, scratches[name]) for name in args.databases.split(",")]
     try:
         bench.start_peers()
-        bench.measure_references()
+        bench.measure_references(databases)
         for label, scratch in databases:
             with scratch() as url:
                 if url is None:

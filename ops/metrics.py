@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from models import Outbox, WebhookEvent, database
-from engine import spool
+from engine import commits, spool
 from engine.db import UNAVAILABLE
 from engine.destinations import DESTINATION_OF
 
@@ -113,6 +113,10 @@ class StatementCollector:
             "receiver_database_statements", "Statements sent to the database by this "
             "process, BEGIN, COMMIT and ROLLBACK included (each a round trip on "
             "PostgreSQL).", value=getattr(database.obj, "statements", 0))
+        yield CounterMetricFamily(
+            "receiver_database_turns", "Group-commit turns run by this process (one "
+            "transaction each, shared by the units asked for meanwhile).",
+            value=commits.turns_run)
 
 
 class StateCollector:

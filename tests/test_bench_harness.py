@@ -44,6 +44,12 @@ def test_make_bench_harness_runs_on_a_tiny_load(tmp_path):
     assert drain["jobs_arrived"] == drain["jobs_acknowledged"]
     assert drain["jobs_duplicated"] == 0 and drain["jobs_unsent"] == 0
     assert scenarios["workflow"]["ratio_to_floor"] > 0
+    floors = {row["database"] for row in rows if row["scenario"] == "floor"}
+    assert floors == ({"sqlite", "postgres"} if ON_POSTGRES else {"sqlite"})
+    for receiver in ("workflow", "card", "crypto"):
+        row = scenarios[receiver]
+        assert row["statements_per_turn"] > 0 and row["webhooks_per_turn"] > 0, row
+        assert ("ratio_to_database_floor" in row) == ON_POSTGRES, row
     if ON_POSTGRES:
         both = scenarios["2 instances"]
         assert both["jobs_arrived"] == both["jobs_acknowledged"] > 0

@@ -249,3 +249,15 @@ async def test_metrics_count_the_statements_sent_to_the_database(get, post):
     with StatementCount().open() as count:
         await post("/api/v1/webhooks/formation/submitted", SUBMITTED, AUTH)
     assert count.total > 0 and await sent() - before == count.total
+
+
+@pytest.mark.gen_test
+async def test_metrics_count_the_group_commit_turns(get, post):
+    """`make bench` divides the statements by this for its round trips per turn: one
+    webhook alone is stored and handled in at least one turn of its own."""
+    async def turns():
+        return value(samples((await get("/metrics"))[1].body), "receiver_database_turns_total")
+    before = await turns()
+    code, _, _ = await post("/api/v1/webhooks/formation/submitted", SUBMITTED, AUTH)
+    assert code == 200
+    assert await turns() - before >= 1
