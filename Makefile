@@ -2,13 +2,14 @@
 # make demo  - serve sample orders with local stand-ins (database in ./var/demo/), print what to try
 # make test  - the whole suite on SQLite, then on PostgreSQL (TEST_POSTGRES_URL)
 # make bench - the receivers against a bare Tornado app, results in bench/results/
+# make profile - where each receiver's time goes under load (py-spy), in bench/results/profile/
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 TEST_POSTGRES_URL ?= postgresql://postgres@127.0.0.1:5432/test
 PYTEST_ARGS ?=
 
-.PHONY: run demo migrate test test-sqlite test-postgres bench clean
+.PHONY: run demo migrate test test-sqlite test-postgres bench profile clean
 
 $(BIN)/.installed: requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +38,9 @@ test-postgres: $(BIN)/.installed
 
 bench: $(BIN)/.installed
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
+
+profile: $(BIN)/.installed
+	$(BIN)/python -m bench.profile $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) var
