@@ -35,7 +35,7 @@ def seed_ledger(database_url, count, start=0):
             "order_id": f"CO-L{n}", "order_type": "compliance", "coin": "BTC",
             "amount_coin": decimal.Decimal("0.00012345"), "amount_usd_cents": 780,
             "provider": "crypto-processor", "provider_ref": f"0xseed{n}",
-            "provider_status": "PAID", "idempotency_key": f"crypto-processor:0xseed{n}",
+            "provider_status": "PAID", "idempotency_key": f"crypto-processor:CO-L{n}:0xseed{n}",
             "acquired_at": now, "created_at": now, "updated_at": now}, count, start)
     finally:
         database.close()

@@ -306,9 +306,16 @@ def _save_treasury_job(ctx, callback, txid):
         log.info("treasury job of %s is past `received`; left untouched", callback.external_id)
 
 
+def ledger_key(order_id, txid):
+    """One entry per order and transaction: a later callback of the same invoice lists the
+    transaction again and adds nothing, while one transaction paying several invoices (an
+    exchange's batch payout: SHKeeper lists the same txid in each) is an entry for each."""
+    return f"{PROVIDER}:{order_id}:{txid}"
+
+
 def _add_ledger_entry(ctx, callback, transaction):
-    """One entry per transaction, keyed by its txid: a later callback of the same invoice
-    lists it again and adds nothing, and the entries of an order sum to the invoice."""
+    """One entry per transaction of the order (`ledger_key`): the entries of an order sum
+    to the invoice."""
     now = ctx.clock()
     txid = transaction.txid
     added = NEW_LEDGER_ENTRY.run(
@@ -316,10 +323,11 @@ def _add_ledger_entry(ctx, callback, transaction):
         movement_type="receive", amount_coin=transaction.amount_coin,
         amount_usd_cents=cents(transaction.amount_fiat), provider=PROVIDER, provider_ref=txid,
         provider_status=callback.status, state="confirmed",
-        idempotency_key=f"{PROVIDER}:{txid}", acquired_at=now,
+        idempotency_key=ledger_key(callback.external_id, txid), acquired_at=now,
         notes=(f"{callback.status}: received {transaction.amount_coin} {transaction.coin} "
                f"({transaction.amount_fiat} {callback.fiat or 'fiat'}, "
                f"fee {transaction.fee_fiat})"),
         created_at=now, updated_at=now)
     if not added:
-        log.info("ledger entry %s:%s already recorded; skipped", PROVIDER, txid)
+        log.info("ledger entry %s already recorded; skipped",
+                 ledger_key(callback.external_id, txid))

@@ -44,7 +44,7 @@ async def test_a_paid_invoice_leaves_a_job_an_entry_and_a_paid_order(post, clock
     assert dataclasses.astuple(_ledger(entry)) == (
         "CA-1001", "canada_crtc", "ETH-USDT", "receive", Decimal("7.8"), 780,
         "crypto-processor", "0x518a10b1", "PAID", "confirmed",
-        "crypto-processor:0x518a10b1", now)
+        "crypto-processor:CA-1001:0x518a10b1", now)
     assert entry.notes == "PAID: received 7.8 ETH-USDT (7.8 USD, fee 0.1529411765)"
 
     order = CrtcOrder.get()
@@ -107,8 +107,8 @@ async def test_partial_then_paid_then_overpaid(post, clock, telegram):
     await send_signed(post, clock, paid)
     # The PARTIAL transaction's entry is written now: the PAID callback lists it.
     assert ledger_of("FO-1002") == [
-        ("tx-step-1", Decimal("0.001"), 9600, "crypto-processor:tx-step-1"),
-        ("tx-step-2", Decimal("0.0024"), 23040, "crypto-processor:tx-step-2")]
+        ("tx-step-1", Decimal("0.001"), 9600, "crypto-processor:FO-1002:tx-step-1"),
+        ("tx-step-2", Decimal("0.0024"), 23040, "crypto-processor:FO-1002:tx-step-2")]
     job = TreasuryJob.get()
     assert (job.amount_coin, job.amount_usd_cents, job.state) == (
         Decimal("0.0034"), 32640, "received")
@@ -121,7 +121,7 @@ async def test_partial_then_paid_then_overpaid(post, clock, telegram):
     assert [entry[0] for entry in entries] == ["tx-step-1", "tx-step-2", "tx-step-3"]
     assert sum(entry[1] for entry in entries) == Decimal("0.0039")
     assert sum(entry[2] for entry in entries) == 37440
-    assert entries[2][3] == "crypto-processor:tx-step-3"
+    assert entries[2][3] == "crypto-processor:FO-1002:tx-step-3"
     job = TreasuryJob.get()
     assert (job.amount_coin, job.amount_usd_cents) == (Decimal("0.0039"), 37440)
     assert job.idempotency_key == "crypto-settle:FO-1002:tx-step-1"
@@ -194,11 +194,34 @@ async def test_a_ledger_entry_already_recorded_is_skipped_silently(post, telegra
     LedgerEntry.create(order_id="CA-1001", order_type="canada_crtc", coin="BTC",
                        amount_coin=Decimal("0.00012345"), amount_usd_cents=780,
                        provider="crypto-processor", provider_ref="tx-paid-1",
-                       provider_status="PAID", idempotency_key="crypto-processor:tx-paid-1")
+                       provider_status="PAID", idempotency_key="crypto-processor:CA-1001:tx-paid-1")
     await send(post, shkeeper.paid("CA-1001"))
     assert LedgerEntry.select().count() == 1 and TreasuryJob.select().count() == 1
     assert CrtcOrder.get().payment_status == "paid"
     assert WebhookEvent.get().status == "processed"
+
+
+@pytest.mark.gen_test
+async def test_one_transaction_paying_two_invoices_is_an_entry_for_each_order(post, telegram):
+    """An exchange's batch payout: one transaction pays CA-1007 and CA-1008. SHKeeper
+    lists the same txid in each invoice's callback, with the amount that invoice got."""
+    for number in ("CA-1007", "CA-1008"):
+        CrtcOrder.create(order_number=number)
+    await send(post, shkeeper.paid("CA-1007", txid="tx-batch-1", balance_crypto="0.001",
+                                   balance_fiat="96"))
+    await send(post, shkeeper.paid("CA-1008", txid="tx-batch-1", balance_crypto="0.0024",
+                                   balance_fiat="230.4"))
+    entries = [(e.order_id, e.provider_ref, e.amount_coin, e.amount_usd_cents,
+                e.idempotency_key) for e in LedgerEntry.select().order_by(LedgerEntry.id)]
+    assert entries == [
+        ("CA-1007", "tx-batch-1", Decimal("0.001"), 9600, "crypto-processor:CA-1007:tx-batch-1"),
+        ("CA-1008", "tx-batch-1", Decimal("0.0024"), 23040,
+         "crypto-processor:CA-1008:tx-batch-1")]
+    assert [o.payment_status for o in CrtcOrder.select()] == ["paid", "paid"]
+    # SHKeeper re-sends each callback until it sees 202: nothing more.
+    await send(post, shkeeper.paid("CA-1008", txid="tx-batch-1", balance_crypto="0.0024",
+                                   balance_fiat="230.4"))
+    assert LedgerEntry.select().count() == 2
 
 
 @pytest.mark.gen_test(timeout=30)
@@ -318,7 +341,7 @@ async def test_shkeepers_own_bytes_for_an_invoice_paid_in_three_transactions(
     assert sum(e.amount_coin for e in entries) == Decimal("0.0039")
     first_txid = entries[0].provider_ref
     assert first_txid.startswith("a1f3c9e2") and all(
-        e.idempotency_key == f"crypto-processor:{e.provider_ref}" for e in entries)
+        e.idempotency_key == f"crypto-processor:CA-0042:{e.provider_ref}" for e in entries)
     job = TreasuryJob.get()
     assert (job.amount_coin, job.amount_usd_cents, job.idempotency_key) == (
         Decimal("0.0039"), 37440, f"crypto-settle:CA-0042:{first_txid}")

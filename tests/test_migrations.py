@@ -12,8 +12,8 @@ from playhouse.migrate import migrate as run
 
 import migrations
 from models import (
-    ORDER_MODELS, POSTGRES_FIELD_TYPES, SQLITE_FIELD_TYPES, ComplianceOrder, CrtcOrder, is_postgres,
-    utcnow,
+    ORDER_MODELS, POSTGRES_FIELD_TYPES, SQLITE_FIELD_TYPES, ComplianceOrder, CrtcOrder, LedgerEntry,
+    is_postgres, utcnow,
 )
 from tests.conftest import _postgres_scratch_database
 from tests.test_models import assert_documented_defaults, insert_order_number_only
@@ -171,3 +171,22 @@ def test_0013_gives_an_old_database_the_attempts_and_the_trigger_that_writes_the
     assert scratch_db.execute_sql(
         "SELECT destination, outcome, status_code FROM attempts").fetchall() == [
         ("job", "pending", 502)]
+
+
+LEDGER_KEYS = importlib.import_module("migrations.0014_ledger_keys_per_order")
+
+
+def test_0014_gives_old_ledger_keys_the_order_and_leaves_new_ones_alone(scratch_db):
+    def entry(order_id, txid, key, provider="crypto-processor"):
+        return dict(order_id=order_id, order_type="canada_crtc", coin="BTC", provider=provider,
+                    provider_ref=txid, provider_status="PAID", idempotency_key=key)
+    with scratch_db.bind_ctx([LedgerEntry]):
+        LedgerEntry.insert_many([
+            entry("CA-1", "tx-old", "crypto-processor:tx-old"),
+            entry("CA-2", "tx-new", "crypto-processor:CA-2:tx-new"),
+            entry("CA-3", "tx-other", "manual:tx-other", provider="manual"),
+        ]).execute()
+        LEDGER_KEYS.apply(scratch_db, migrator_for(scratch_db))
+        LEDGER_KEYS.apply(scratch_db, migrator_for(scratch_db))
+        assert sorted(e.idempotency_key for e in LedgerEntry.select()) == [
+            "crypto-processor:CA-1:tx-old", "crypto-processor:CA-2:tx-new", "manual:tx-other"]

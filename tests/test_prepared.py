@@ -228,7 +228,7 @@ LEDGER_BY_HAND = (
     "amount_usd_cents, provider, provider_ref, provider_status, state, idempotency_key, "
     "acquired_at, notes, created_at, updated_at) VALUES ('CO-7', 'compliance', 'BTC', "
     "'receive', 0.00012345, 780, 'crypto-processor', '0xdead', 'PAID', 'confirmed', "
-    "'crypto-processor:0xdead', now(), '', now(), now())")
+    "'crypto-processor:CO-7:0xdead', now(), '', now(), now())")
 TREASURY_JOB_BY_HAND = (
     "INSERT INTO treasury_jobs (order_id, order_type, state, coin, amount_coin, "
     "amount_usd_cents, idempotency_key, received_at, created_at, updated_at) VALUES "
