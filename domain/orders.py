@@ -210,11 +210,13 @@ def _fill_in_missing(order, payment_intent_id, payment_method):
 
 def email_admin(ctx, effects, subject, template, order, key=None, **variables):
     """An e-mail to ADMIN_EMAIL about order number `order` (templates see it as `order`);
-    logged instead when no administrator is configured."""
+    logged instead when no administrator is configured. Named by `key`, or else by its
+    template among its event's effects."""
     if not ctx.settings.admin_email:
         log.warning("ADMIN_EMAIL unset; not e-mailed: %s", subject)
         return None
-    return effects.email([ctx.settings.admin_email], subject, f"email/{template}", key=key,
+    return effects.email([ctx.settings.admin_email], subject, f"email/{template}",
+                         purpose=template, key=key,
                          order_number=order, title=subject, order=order, **variables)
 
 

@@ -149,7 +149,8 @@ def _store_and_handle(ctx, call, handle_now):
     started = time.monotonic()
     try:
         with savepoint():
-            outcome, effects = _run_plain(ctx, event, plugin, registry.decode(event.payload))
+            outcome, effects = _run_plain(ctx, event, plugin, registry.decode(event.payload),
+                                          first_handling=True)
     except Exception as exc:
         raise_if_conflict(exc)
         log.exception("%s event #%s (%s) failed", event.source, event.id, event.event_type)
@@ -335,8 +336,8 @@ def _handle_in_transaction(ctx, event, plugin, payload):
     return _run_plain(ctx, event, plugin, payload)
 
 
-def _run_plain(ctx, event, plugin, payload):
-    effects = outbox.Effects(ctx, event)
+def _run_plain(ctx, event, plugin, payload, first_handling=False):
+    effects = outbox.Effects(ctx, event, first_handling)
     plugin(ctx, payload, effects)
     return _conclude(ctx, event, effects), effects
 

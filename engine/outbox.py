@@ -96,21 +96,44 @@ def stable_key(*parts):
     return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:40]
 
 
+# Until effects were named (docs/ARCHITECTURE.md, "Effects are named"), an effect without
+# a key was keyed by its position among the effects its event's handling asked for. Rows
+# stored so are still recognised, kind by kind, when their event is handled again (a
+# retry, a replay): this many positions are looked at, more than any handling asks for.
+POSITIONS_RECOGNISED = 64
+
+
+def positional_key(event, kind, position):
+    """The key an effect of `event` had when effects were keyed by position."""
+    return f"{kind}-{stable_key(event.source, event.dedup_key, kind, position)}"
+
+
 class Effects:
     """What one event asks of other systems, collected inside the event's transaction.
 
-    Every row has an idempotency key: by default derived from the event, so handling the
-    same event again adds nothing; callers pass their own where the effect belongs to
-    something wider than one event (one alert per paid order, say)."""
+    Every effect is named, so that handling the same event again adds nothing, whatever
+    order the handling asks in: by its `purpose` among its event's effects (the key is
+    derived from the event, the kind and the purpose), or by its own `key` where the
+    effect belongs to something wider than one event (one alert per paid order, say) or
+    has no event. Asking twice for one purpose in one handling is a mistake, and raises.
 
-    def __init__(self, ctx, event=None):
+    `first_handling`: the event was stored in this same unit of work, so none of its
+    effects can be stored yet (the rows stored before effects were named are not looked
+    for)."""
+
+    def __init__(self, ctx, event=None, first_handling=False):
         self.ctx = ctx
         self.event = event
         # The rows added (Outbox instances, as written): `deliver` sends them once committed.
         self.rows = []
-        # Counts every effect asked for, new or already stored, so a replay derives the
-        # same keys as the first run did.
-        self.asked = 0
+        # The keys derived from purposes in this handling, to refuse a purpose asked twice.
+        self.named = []
+        # Counts every effect asked for, as the positional keys did.
+        self.position = 0
+        # The event's rows stored under positional keys, by kind, and those an effect of
+        # this handling has been recognised as (read once, when first needed).
+        self.positional = {} if first_handling or event is None else None
+        self.recognised = set()
         self.retry_reason = None
         # Set by `reject`: the event is refused for good, with this reason.
         self.rejection = None
@@ -119,30 +142,35 @@ class Effects:
     def savepoint(self):
         """A part of the handling that may fail alone: its database changes and the
         effects it asked for are undone together, and the exception propagates."""
-        asked_before = len(self.rows)
+        rows_before, named_before = len(self.rows), len(self.named)
         try:
             with commits.savepoint():
                 yield
         except BaseException:
-            del self.rows[asked_before:]
+            del self.rows[rows_before:]
+            del self.named[named_before:]
             raise
 
     async def transaction(self, work):
         """Run `work()` in a transaction shared with concurrent requests (engine.commits)
         and return what it returns once committed; if it raises, the effects it asked for
         are undone with its changes."""
-        rows_before, asked_before = len(self.rows), self.asked
+        rows_before, named_before, position_before = (
+            len(self.rows), len(self.named), self.position)
+        recognised_before = set(self.recognised)
         retry_before, rejection_before = self.retry_reason, self.rejection
 
-        def from_the_start():  # a unit may be run again (engine.commits)
+        def run_from_the_state_before():  # a unit may be run again (engine.commits)
             del self.rows[rows_before:]
-            self.asked, self.retry_reason = asked_before, retry_before
-            self.rejection = rejection_before
+            del self.named[named_before:]
+            self.position, self.recognised = position_before, set(recognised_before)
+            self.retry_reason, self.rejection = retry_before, rejection_before
             return work()
         try:
-            return await self.ctx.commits.run(from_the_start)
+            return await self.ctx.commits.run(run_from_the_state_before)
         except Exception:
             del self.rows[rows_before:]
+            del self.named[named_before:]
             raise
 
     def retry_later(self, reason):
@@ -156,11 +184,14 @@ class Effects:
         plugin that rejects asks for nothing first)."""
         self.rejection = reason
 
-    def add(self, kind, payload, key=None, order_number=None):
+    def add(self, kind, payload, purpose=None, key=None, order_number=None):
+        """Write one effect, named by `purpose` (among its event's effects) or by `key`;
+        its row id, or None when it is stored already."""
+        position, self.position = self.position, self.position + 1
         if key is None:
-            origin = (self.event.source, self.event.dedup_key) if self.event else ("direct",)
-            key = f"{kind}-{stable_key(*origin, kind, self.asked)}"
-        self.asked += 1
+            key = self._named_key(kind, purpose)
+            if self._stored_by_position(kind, position):
+                return None
         now = self.ctx.clock()
         # While the cause's own request sends the row, the scheduler leaves it alone.
         row = NEW_EFFECT.row(
@@ -174,25 +205,58 @@ class Effects:
         self.rows.append(row)
         return row.id
 
-    def job(self, action, payload, key=None):
-        return self.add("job", {"action": action, "payload": payload}, key,
+    def _named_key(self, kind, purpose):
+        if self.event is None or not purpose:
+            raise TypeError(f"a {kind} effect needs a key, or a purpose among its event's")
+        event = self.event
+        key = f"{kind}-{stable_key(event.source, event.dedup_key, kind, 'for', purpose)}"
+        if key in self.named:
+            raise ValueError(f"two {kind} effects of one event for the same purpose "
+                             f"{purpose!r}")
+        self.named.append(key)
+        return key
+
+    def _stored_by_position(self, kind, position):
+        """Whether the event has a row of this kind stored under a positional key that no
+        other effect of this handling was recognised as: the one of this position if
+        there is one (the handling asks in the order it did then), else the first."""
+        if self.positional is None:
+            self.positional = self._positional_rows()
+        stored = [at for at in self.positional.get(kind, ())
+                  if (kind, at) not in self.recognised]
+        if not stored:
+            return False
+        self.recognised.add((kind, position if position in stored else stored[0]))
+        return True
+
+    def _positional_rows(self):
+        keys = set(Outbox.select(Outbox.kind, Outbox.idempotency_key)
+                   .where(Outbox.event == self.event.id).tuples())
+        return {kind: [position for position in range(POSITIONS_RECOGNISED)
+                       if (kind, positional_key(self.event, kind, position)) in keys]
+                for kind in {kind for kind, _ in keys}}
+
+    def job(self, action, payload, purpose=None, key=None):
+        return self.add("job", {"action": action, "payload": payload}, purpose, key,
                         payload.get("order_number"))
 
-    def workflow_action(self, doctype, name, action, order_number=None, key=None):
+    def workflow_action(self, doctype, name, action, purpose=None, key=None,
+                        order_number=None):
         return self.add("workflow_action",
                         {"doctype": doctype, "name": name, "action": action},
-                        key, order_number)
+                        purpose, key, order_number)
 
-    def email(self, to, subject, template, key=None, order_number=None, **variables):
+    def email(self, to, subject, template, purpose=None, key=None, order_number=None,
+              **variables):
         """Render `template`.txt and .html now, so what is sent is what was true then."""
         env = self.ctx.templates
         text = env.get_template(f"{template}.txt").render(**variables)
         html = env.get_template(f"{template}.html").render(**variables)
         return self.add("email", {"to": list(to), "subject": subject,
-                                  "text": text, "html": html}, key, order_number)
+                                  "text": text, "html": html}, purpose, key, order_number)
 
-    def alert(self, text, key=None, order_number=None):
-        return self.add("alert", {"text": text}, key, order_number)
+    def alert(self, text, purpose=None, key=None, order_number=None):
+        return self.add("alert", {"text": text}, purpose, key, order_number)
 
 
 # Each sender calls `await take()` right before its request goes out: it raises

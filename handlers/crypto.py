@@ -157,7 +157,7 @@ class CryptoProcessorWebhookHandler(ApiHandler):
 
         def keep_and_tell():
             event, created = inbox.store(*call, **kept_as)
-            effects = outbox.Effects(self.ctx, event)
+            effects = outbox.Effects(self.ctx, event, first_handling=created)
             if created and treasury.claims_paid(body):
                 self.tell_admin(effects, event, external_id, reason, raw)
             return effects.rows
@@ -177,8 +177,8 @@ class CryptoProcessorWebhookHandler(ApiHandler):
         order = " ".join((external_id or "unknown order").split())[:80]
         subject = f"Crypto payment callback rejected: {order}"
         effects.email([admin], subject, "email/crypto_callback_rejected",
-                      order_number=external_id, title=subject, order=order,
-                      reason=reason, event_id=event.id,
+                      purpose="crypto_callback_rejected", order_number=external_id,
+                      title=subject, order=order, reason=reason, event_id=event.id,
                       received_at=event.received_at.isoformat(timespec="seconds"),
                       body=raw.decode("utf-8", "replace")[:4000])
 

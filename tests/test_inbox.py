@@ -49,7 +49,7 @@ def card_plugin():
 @pytest.mark.gen_test
 async def test_a_plain_plugin_that_raises_leaves_its_event_stored_as_failed(ctx, card_plugin):
     def handle(ctx, event, effects):
-        effects.alert("never sent")
+        effects.alert("never sent", purpose="test")
         raise RuntimeError("cannot handle this")
     card_plugin("test.raises", handle)
     event, created, outcome = await inbox.accept(ctx, "card", "test.raises", "k-raise", b"{}")

@@ -26,7 +26,7 @@ def new_job(ctx, clock):
     """A worker job for FO-1 just written at 2026-11-20 09:00: (its Effects, its row id)."""
     clock.set(2026, 11, 20, 9, 0)
     effects = Effects(ctx)
-    return effects, effects.job("deliver", {"order_number": "FO-1"})
+    return effects, effects.job("deliver", {"order_number": "FO-1"}, key="job-FO-1-deliver")
 
 
 @pytest.fixture
@@ -47,7 +47,7 @@ async def test_a_mail_waiting_for_a_thread_past_its_lease_is_sent_once(
         ctx, clock, smtp, one_mail_thread):
     clock.set(2026, 11, 20, 9, 0)
     effects = Effects(ctx)
-    row_id = effects.add("email", mail(), order_number="FO-1")
+    row_id = effects.add("email", mail(), key="email-FO-1", order_number="FO-1")
     request = asyncio.ensure_future(outbox.deliver(ctx, effects.rows))  # its request sends it
     await asyncio.sleep(0.2)
 
@@ -83,8 +83,9 @@ async def test_a_sender_that_raises_makes_its_row_dead_not_stuck(ctx, clock, smt
     effects = Effects(ctx)
     # A line break in an address cannot go into a header: composing the mail raises.
     poison = effects.add("email", mail(to="a@example.test\nBcc: b@example.test"),
-                         order_number="FO-1")
-    later = effects.add("email", mail(subject="Next step"), order_number="FO-1")
+                         key="email-FO-1-poison", order_number="FO-1")
+    later = effects.add("email", mail(subject="Next step"), key="email-FO-1-later",
+                        order_number="FO-1")
     clock.advance(seconds=ctx.settings.claim_lease_seconds + 1)
 
     # The order's later mail is not held behind it (mails are ordered behind nothing),
@@ -105,7 +106,7 @@ async def test_a_subject_with_a_line_break_is_sent_on_one_line_without_injected_
         ctx, smtp):
     effects = Effects(ctx)
     effects.add(
-        "email", mail(subject="Your order\r\nBcc: intruder@example.test"))
+        "email", mail(subject="Your order\r\nBcc: intruder@example.test"), key="email-injected")
     [result] = await outbox.deliver(ctx, effects.rows)
 
     assert result.ok
@@ -120,8 +121,8 @@ async def test_a_mail_sent_again_after_its_outcome_was_lost_keeps_its_message_id
         ctx, clock, smtp):
     clock.set(2026, 11, 20, 9, 0)
     effects = Effects(ctx)
-    first = effects.add("email", mail())
-    effects.add("email", mail())
+    first = effects.add("email", mail(), key="email-first")
+    effects.add("email", mail(), key="email-second")
     await outbox.deliver(ctx, effects.rows)
     # The process died before it recorded the first one as sent: it goes out again.
     Outbox.update(status="pending").where(Outbox.id == first).execute()

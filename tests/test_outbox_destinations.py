@@ -87,7 +87,7 @@ async def test_a_failing_alert_holds_back_neither_the_workflow_action_nor_the_jo
     clock.set(2026, 11, 20, 9, 0)
     telegram.fail_with(500)
     alerts = Effects(ctx)
-    alerts.alert("FO-1 paid", order_number="FO-1")
+    alerts.alert("FO-1 paid", key="alert-FO-1", order_number="FO-1")
     [failed] = await outbox.deliver(ctx, alerts.rows)
     assert not failed.ok and statuses("alert") == ["pending"]
 
@@ -115,7 +115,7 @@ async def test_an_orders_jobs_keep_their_order_while_its_mail_goes_out(
     worker.fail_with(200, {"ok": True})
     mails = Effects(ctx)
     mails.add("email", {"to": ["customer@example.test"], "subject": "Your order",
-                        "text": "Hello"}, order_number="FO-1")
+                        "text": "Hello"}, key="email-FO-1", order_number="FO-1")
     [mailed] = await outbox.deliver(ctx, mails.rows)  # ordered behind nothing
     await post(webhook("formation/name-available"), submitted(1), AUTH)
 
@@ -192,8 +192,9 @@ async def test_an_alert_or_mail_with_nowhere_to_go_is_logged_and_says_so(ctx, cl
     caplog.set_level(logging.INFO)
     clock.set(2026, 11, 20, 9, 0)
     effects = Effects(ctx)
-    effects.alert("FO-1 paid", order_number="FO-1")
-    effects.add("email", {"to": ["customer@example.test"], "subject": "Hi", "text": "Hi"})
+    effects.alert("FO-1 paid", key="alert-FO-1", order_number="FO-1")
+    effects.add("email", {"to": ["customer@example.test"], "subject": "Hi", "text": "Hi"},
+                key="email-FO-1")
     results = await outbox.deliver(ctx, effects.rows)
 
     assert all(result.ok and result.logged for result in results)
@@ -217,7 +218,7 @@ async def test_a_2xx_reply_that_is_not_json_is_delivered_once_with_a_warning(
     worker.status, worker.body = status, body
     worker.content_type = content_type or "text/plain"
     effects = Effects(ctx)
-    row_id = effects.job("name_search", {"order_number": "FO-1"})
+    row_id = effects.job("name_search", {"order_number": "FO-1"}, key="job-FO-1")
     [result] = await outbox.deliver(ctx, effects.rows)
 
     assert result.ok and result.status == status

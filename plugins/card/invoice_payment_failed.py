@@ -29,5 +29,6 @@ def handle(ctx, event, effects):
                 **details)
     if nudged:
         effects.email([details["customer_email"]], NUDGE_SUBJECT,
-                      "email/invoice_payment_failed_customer", order_number=order_number,
+                      "email/invoice_payment_failed_customer", purpose="customer_nudge",
+                      order_number=order_number,
                       title=NUDGE_SUBJECT, **details)

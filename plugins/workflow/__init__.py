@@ -39,9 +39,10 @@ class WorkflowWebhook:
         remember_order_name(ctx, body["order_number"], body["order_name"])
         if self.workflow_action:
             effects.workflow_action(ctx.settings.workflow_doctype, body["order_name"],
-                                    self.workflow_action, order_number=body["order_number"])
+                                    self.workflow_action, purpose=self.workflow_action,
+                                    order_number=body["order_number"])
         if self.job:
-            effects.job(self.job, self.job_payload(ctx, body))
+            effects.job(self.job, self.job_payload(ctx, body), purpose=self.job)
 
 
 __all__ = ["WorkflowWebhook", "workflow_webhook", "ORDER_FIELDS"]
