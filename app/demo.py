@@ -84,7 +84,7 @@ def demo_environment(environ, folder, standins):
     return env
 
 
-def hold_the_folder(folder):
+def lock_demo_folder(folder):
     """Lock `folder` for this demo's life (the lock goes with the process), or refuse:
     another demo there would lose its database to this one's fresh start."""
     os.makedirs(folder, exist_ok=True)
@@ -98,7 +98,7 @@ def hold_the_folder(folder):
     return lock
 
 
-def check_the_port(settings):
+def refuse_a_taken_port(settings):
     """Refuse before the fresh start when the port is taken (by a demo on another folder,
     or anything else): CannotStart says so."""
     for sock in bind(settings):
@@ -166,8 +166,8 @@ async def run(environ, folder, out=sys.stdout):
         env = demo_environment(environ, folder, standins)
         settings = Settings.from_env(env)
         configure_logging(settings)
-        with hold_the_folder(folder):
-            check_the_port(settings)
+        with lock_demo_folder(folder):
+            refuse_a_taken_port(settings)
             fresh_database(settings, folder)
             await serve(settings, ready=lambda: print(
                 instructions(settings, env, folder, standins), file=out, flush=True))

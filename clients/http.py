@@ -63,7 +63,7 @@ class Result:
         return cls(ok=True, error=reason, logged=True)
 
     @property
-    def peer_unwell(self):
+    def peer_failed(self):
         """The peer could not be reached or failed on its side (a network error, a
         timeout, a 5xx): what tells that a destination is down. A refusal (4xx) shows a
         peer that answers."""

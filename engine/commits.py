@@ -49,7 +49,7 @@ turns_run = 0
 DATABASE_THREAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="database")
 
 # False while a turn runs without savepoints.
-_careful = contextvars.ContextVar("careful", default=True)
+_with_savepoints = contextvars.ContextVar("with_savepoints", default=True)
 # When the call being served must be done with the database (time.monotonic()), if it
 # has a budget (`budget`).
 _deadline = contextvars.ContextVar("deadline", default=None)
@@ -108,7 +108,7 @@ def savepoint():
     """A part of a unit of work that may fail alone: if it raises, its changes are undone
     and the exception propagates to the unit, which goes on. Outside a turn, or in a turn
     run with savepoints, it takes one; otherwise its failure has the turn run again so."""
-    if _careful.get():
+    if _with_savepoints.get():
         with database.atomic():
             yield
         return
@@ -191,29 +191,29 @@ def _run_batch(units):
     _turn.running = True
     try:
         try:
-            return _run_turn(units, careful=False)
+            return _run_turn(units, with_savepoints=False)
         except _TurnUndone:
-            return _run_turn(units, careful=True)
+            return _run_turn(units, with_savepoints=True)
     except Exception as failure:  # the commit itself, or the connection, failed
         return [(None, failure)] * len(units)
     finally:
         _turn.running = False
 
 
-def _run_turn(units, careful):
-    """Each unit's (result, failure), all in one transaction. Without savepoints
-    (`careful` false) any unit's failure rolls back the turn and raises _TurnUndone."""
-    token = _careful.set(careful)
+def _run_turn(units, with_savepoints):
+    """Each unit's (result, failure), all in one transaction. Without savepoints any
+    unit's failure rolls back the turn and raises _TurnUndone."""
+    token = _with_savepoints.set(with_savepoints)
     try:
         with database.atomic():
-            if careful:
+            if with_savepoints:
                 return [_attempt(unit) for unit in units]
             try:
                 return [(unit(), None) for unit in units]
             except (Exception, _PartFailed) as failure:
                 raise _TurnUndone from failure
     finally:
-        _careful.reset(token)
+        _with_savepoints.reset(token)
 
 
 def _attempt(unit):

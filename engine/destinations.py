@@ -73,7 +73,7 @@ class Destination:
         """Learn from a send's Result (None: nothing was sent)."""
         if result is None or not result.configured:
             return
-        if not result.peer_unwell:
+        if not result.peer_failed:
             self.failures = 0
             if not self.up:
                 self.up, self.probing = True, False

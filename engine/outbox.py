@@ -259,28 +259,28 @@ class Effects:
         return self.add("alert", {"text": text}, purpose, key, order_number)
 
 
-# Each sender calls `await take()` right before its request goes out: it raises
+# Each sender calls `await confirm_held()` right before its request goes out: it raises
 # _TakenElsewhere when another sender has claimed the row meanwhile.
 
-async def _send_job(ctx, payload, row, take):
-    await take()
+async def _send_job(ctx, payload, row, confirm_held):
+    await confirm_held()
     return await ctx.worker.dispatch(payload["action"], payload["payload"], row.idempotency_key)
 
 
-async def _send_workflow_action(ctx, payload, row, take):
-    await take()
+async def _send_workflow_action(ctx, payload, row, confirm_held):
+    await confirm_held()
     return await ctx.workflow.apply_action(payload["doctype"], payload["name"], payload["action"])
 
 
-async def _send_email(ctx, payload, row, take):
+async def _send_email(ctx, payload, row, confirm_held):
     # Taken in the mail thread: a message may wait for a free thread longer than a lease.
     return await ctx.mailer.send(payload["to"], payload["subject"], payload["text"],
-                                 payload.get("html"), before=take.in_thread,
+                                 payload.get("html"), before=confirm_held.in_thread,
                                  key=row.idempotency_key)
 
 
-async def _send_alert(ctx, payload, row, take):
-    await take()
+async def _send_alert(ctx, payload, row, confirm_held):
+    await confirm_held()
     return await ctx.telegram.send(payload["text"])
 
 
@@ -292,7 +292,7 @@ SENDERS = {
 }
 
 
-class _Take:
+class _LeaseCheck:
     """The last check before a row's request goes out: the sender still holds the row
     (its lease is about whole, or re-taking it succeeds), else _TakenElsewhere."""
 
@@ -347,7 +347,7 @@ async def _attempt(ctx, row, live=False):
             # Timed from the request going out, not from the wait for a free connection.
             row.last_attempt_at, started = ctx.clock(), time.monotonic()
             result = await SENDERS[row.kind](ctx, json.loads(row.payload), row,
-                                             _Take(ctx, row))
+                                             _LeaseCheck(ctx, row))
     except _TakenElsewhere:
         log.info("outbox %s %s not sent here: another sender has taken it", row.id, row.kind)
         return None

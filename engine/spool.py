@@ -54,7 +54,7 @@ def append(spool_dir, entry, name=LIVE_NAME):
         fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            if not _still_named(fd, path):
+            if not _path_still_opens(path, fd):
                 continue  # renamed by a drain between our open and our lock
             size = _cut_torn_tail(fd)
             created = size == 0
@@ -165,7 +165,7 @@ async def _store_file(path, store, drained):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return None
-        if not _still_named(fd, path):
+        if not _path_still_opens(path, fd):
             return None  # drained and deleted by another process just now
         with os.fdopen(os.dup(fd), "rb") as handle:
             entries = _entries(handle, path)
@@ -223,7 +223,8 @@ def _decode(entry):
     return {**entry, "received_at": received_at}
 
 
-def _still_named(fd, path):
+def _path_still_opens(path, fd):
+    """Whether `path` still names the file open as `fd` (not renamed away meanwhile)."""
     try:
         return os.stat(path).st_ino == os.fstat(fd).st_ino
     except FileNotFoundError:

@@ -44,8 +44,11 @@ class AwaitingIntake(FulfillmentReport):
     answer = "intake_reminders_started"
 
 
-SPECIAL = {fulfillment.READY_TO_FILE: ReadyToFile, fulfillment.AWAITING_INTAKE: AwaitingIntake}
+# The statuses whose report causes or answers more than a plain FulfillmentReport.
+REPORT_CLASS_OF_STATUS = {fulfillment.READY_TO_FILE: ReadyToFile,
+                          fulfillment.AWAITING_INTAKE: AwaitingIntake}
 
 for _status in fulfillment.STATES:
-    workflow_webhook(type(f"Fulfillment_{_status}", (SPECIAL.get(_status, FulfillmentReport),),
+    _report_class = REPORT_CLASS_OF_STATUS.get(_status, FulfillmentReport)
+    workflow_webhook(type(f"Fulfillment_{_status}", (_report_class,),
                           {"status": _status, "path": f"fulfillment/{_status}"}))
