@@ -22,6 +22,9 @@ PAYMENT_METHODS = {
     "afterpay_clearpay": "bnpl",
     "crypto": "crypto",
 }
+# The payment method of a CRTC order completed without a payment (a checkout that needed
+# none): nothing to wait for before its funds count as available.
+FREE = "free"
 
 
 # An order number's prefix tells its kind, by convention (the crypto processor's callbacks
@@ -111,12 +114,14 @@ def remember_order_name(ctx, order_number, order_name):
 
 
 def complete_payment(ctx, effects, order_id, order_type, reference, *, source,
-                     payment_intent_id=None, payment_method=None):
+                     payment_intent_id=None, payment_method=None, free_because=None):
     """Mark an order paid, once (BEHAVIOUR.md 4.2, "Completing a payment").
 
     A first completion sets payment_status `paid`, paid_at, the reference
     (stripe_session_id), the payment intent and, on CRTC orders, the payment method;
     re-dispatches a parent order with gov_fee_paid=true; and sends one order alert.
+    `free_because` (a checkout that needed no payment) completes it all the same, says
+    why in a note line and in the alert, which does not call the order paid.
     An order already paid only gets a missing payment-intent id (or CRTC payment
     method) filled in.
     Returns (order, newly_paid)."""
@@ -146,13 +151,16 @@ def complete_payment(ctx, effects, order_id, order_type, reference, *, source,
     order.stripe_payment_intent_id = payment_intent_id or order.stripe_payment_intent_id
     if order_type == "canada_crtc" and payment_method:
         order.payment_method = payment_method
+    if free_because:
+        order.append_note(f"No payment required: {free_because} "
+                          f"({now.isoformat(timespec='seconds')})")
     order.updated_at = now
     save_changes(order)
 
     if order.parent_order_number:
         _redispatch_parent(effects, order)
-    effects.alert(order_alert_text(order, source), key=f"alert-paid-{order_type}-{order_id}",
-                  order_number=order_id)
+    effects.alert(order_alert_text(order, source, free_because),
+                  key=f"alert-paid-{order_type}-{order_id}", order_number=order_id)
     log.info("%s order %s paid via %s (%s)", order_type, order_id, source, reference)
     _check_payment_method(ctx, effects, order)
     return order, True
@@ -239,8 +247,12 @@ def _redispatch_parent(effects, child):
     }, key=f"job-gov-fee-paid-{parent.order_number}-{child.order_number}")
 
 
-def order_alert_text(order, source):
-    lines = [f"New paid order {order.order_number} ({order.kind})", f"Source: {source}"]
+def order_alert_text(order, source, free_because=None):
+    if free_because:
+        lines = [f"New order {order.order_number} ({order.kind}): no payment required",
+                 f"Why: {free_because}", f"Source: {source}"]
+    else:
+        lines = [f"New paid order {order.order_number} ({order.kind})", f"Source: {source}"]
     if order.service_name:
         lines.append(f"Service: {order.service_name}")
     if order.discount_code:

@@ -19,7 +19,7 @@ from models import CrtcOrder, database
 from engine.db import locked
 from engine.outbox import tell_admin
 from engine.prepared import save_changes
-from domain.orders import document_name
+from domain.orders import FREE, document_name
 
 log = logging.getLogger("receiver.settlement")
 
@@ -28,7 +28,8 @@ BATCH_SIZE = 20
 # order's count goes up for them.
 CREDENTIALS_REFUSED = (401, 403)
 # Business days (Mon-Fri, holidays not considered) a payment needs before it counts.
-BUSINESS_DAYS_TO_SETTLE = {"card": 2, "bnpl": 2, "ach": 4}
+# An order that needed no payment (FREE) has nothing to wait for.
+BUSINESS_DAYS_TO_SETTLE = {"card": 2, "bnpl": 2, "ach": 4, FREE: 0}
 
 
 def business_days_after(start, end):

@@ -74,6 +74,25 @@ def checkout_session(order_id, order_type, payment_status="paid", mode="payment"
     }
 
 
+def checkout_session_needing_no_payment(order_id, order_type, mode="payment",
+                                        subscription=None, amount_subtotal=49900):
+    """A session Stripe completes without a payment (API 2023-08-16 on, "no-cost orders"):
+    a 100 % promotion code on a one-time payment (the subtotal discounted to 0), or a
+    subscription whose first period is a trial (nothing due at checkout). payment_status
+    is no_payment_required and there is no payment intent."""
+    session = checkout_session(order_id, order_type, payment_status="no_payment_required",
+                               mode=mode, payment_intent=None, subscription=subscription,
+                               amount_total=0)
+    discounted = amount_subtotal if mode == "payment" else 0
+    return {**session, "amount_subtotal": discounted,
+            "discounts": ([{"coupon": None, "promotion_code": _id("promo")}] if discounted
+                          else []),
+            "invoice": _id("in") if mode == "subscription" else None,
+            "payment_method_collection": "if_required",
+            "total_details": {"amount_discount": discounted, "amount_shipping": 0,
+                              "amount_tax": 0}}
+
+
 def payment_intent(order_id, order_type, intent_id=None, checkout_session_id=None,
                    payment_method_types=("card",), latest_charge=None,
                    last_payment_error=None, status="succeeded", amount=49900):

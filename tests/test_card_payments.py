@@ -12,6 +12,7 @@ import tornado.testing
 import tornado.web
 
 from models import ORDER_MODELS, BundleOrder, ComplianceOrder, CrtcOrder, FormationOrder, Outbox
+from domain import settlement
 from tests import stripe_events as se
 from tests.stripe_events import (  # noqa: F401 (fixtures)
     RECEIVED, SECRET_KEY, deliver, send, settings)
@@ -138,15 +139,64 @@ async def test_a_subscription_session_links_the_subscription_to_the_compliance_o
 
 
 @pytest.mark.gen_test
-async def test_a_trial_subscription_is_linked_though_nothing_is_paid_yet(send):
+async def test_a_free_checkout_completes_the_order_as_a_paid_one_does(send, post, clock,
+                                                                      telegram):
+    # BU-5001 bought with a 100 % promotion code: on the real Stripe it stayed
+    # pending_payment for good, and nobody was told.
+    clock.set(2026, 11, 20, 15, 0)
+    BundleOrder.create(order_number="BU-5001", discount_code="FREE100",
+                       service_name="Formation bundle")
+    session = se.checkout_session_needing_no_payment("BU-5001", "bundle")
+    assert (await send("checkout.session.completed", session)).status == "processed"
+    order = BundleOrder.get()
+    assert (order.payment_status, order.paid_at, order.stripe_session_id,
+            order.stripe_payment_intent_id) == ("paid", clock(), session["id"], None)
+    assert order.notes == ("No payment required: checkout total 0 (a 100 % discount or a "
+                           "free price) (2026-11-20T15:00:00+00:00)")
+    [alert] = telegram.requests
+    lines = alert.json["text"].splitlines()
+    assert lines[0] == "New order BU-5001 (bundle): no payment required"
+    assert "Campaign discount code: FREE100" in lines and "paid" not in lines[0]
+    # A second Event object for the same session (Stripe may send one): nothing more.
+    answer = await deliver(post, clock, se.event("checkout.session.completed", session))
+    assert answer[:2] == RECEIVED and len(telegram.requests) == 1
+
+
+@pytest.mark.gen_test
+async def test_a_free_crtc_checkout_has_nothing_to_settle(send, ctx, clock, frappe, smtp):
+    clock.set(2026, 11, 20, 15, 0)
+    CrtcOrder.create(order_number="CA-5002")
+    await send("checkout.session.completed",
+               se.checkout_session_needing_no_payment("CA-5002", "canada_crtc"))
+    order = CrtcOrder.get()
+    assert (order.payment_status, order.payment_method) == ("paid", "free")
+    assert not Outbox.select().where(Outbox.kind == "email").exists(), \
+        "no 'payment method unknown' mail for an order that needed no payment"
+    counts = await settlement.settle_crtc_orders(ctx)
+    assert counts["settled"] == 1 and CrtcOrder.get().funds_available is True
+
+
+@pytest.mark.gen_test
+async def test_a_trial_subscription_completes_the_order_and_links_it(send, clock, telegram):
+    clock.set(2026, 11, 20, 15, 0)
     ComplianceOrder.create(order_number="CO-1")
-    session = se.checkout_session("CO-1", "compliance", mode="subscription",
-                                  payment_status="no_payment_required",
-                                  subscription="sub_test_trial")
+    session = se.checkout_session_needing_no_payment(
+        "CO-1", "compliance", mode="subscription", subscription="sub_test_trial")
     await send("checkout.session.completed", session)
     order = ComplianceOrder.get()
-    assert (order.payment_status, order.stripe_subscription_id) == (
-        "pending_payment", "sub_test_trial")
+    assert (order.payment_status, order.paid_at, order.stripe_subscription_id) == (
+        "paid", clock(), "sub_test_trial")
+    assert "a trial or a discount" in order.notes
+    [alert] = telegram.requests
+    assert alert.json["text"].startswith("New order CO-1 (compliance): no payment required")
+
+
+@pytest.mark.gen_test
+async def test_a_session_in_setup_mode_completes_nothing(send, telegram):
+    ComplianceOrder.create(order_number="CO-1")
+    session = {**se.checkout_session_needing_no_payment("CO-1", "compliance"), "mode": "setup"}
+    assert (await send("checkout.session.completed", session)).status == "processed"
+    assert ComplianceOrder.get().payment_status == "pending_payment" and not telegram.requests
 
 
 @pytest.mark.gen_test

@@ -49,6 +49,37 @@ async def test_each_renewal_dispatches_the_service_with_its_cycle(send, worker, 
 
 
 @pytest.mark.gen_test
+async def test_the_first_charge_after_a_trial_is_cycle_one_of_an_order_paid_at_checkout(
+        send, worker, telegram):
+    ComplianceOrder.create(order_number="CO-7", service_slug="registered-agent")
+    await send("checkout.session.completed", se.checkout_session_needing_no_payment(
+        "CO-7", "compliance", mode="subscription", subscription="sub_test_trial"))
+    # The trial ends: Stripe charges the first period, an invoice of the subscription's
+    # cycle.
+    await send("invoice.paid", se.invoice("sub_test_trial", invoice_id="in_test_after_trial"))
+    assert [r.json["recurring_cycle"] for r in worker.requests] == [1]
+    assert ComplianceOrder.get().payment_status == "paid"
+    assert len(telegram.requests) == 1, "one alert for the order, at its checkout"
+
+
+@pytest.mark.gen_test
+async def test_a_renewal_of_an_order_still_pending_completes_its_payment(
+        send, clock, worker, telegram):
+    # A trial checkout handled before such checkouts completed the order: the first
+    # charge ran the renewal job, and the order stayed pending_payment for good.
+    clock.set(2026, 12, 4, 10, 0)
+    ComplianceOrder.create(order_number="CO-8", service_slug="registered-agent",
+                           stripe_subscription_id="sub_test_old_trial")
+    await send("invoice.paid", se.invoice("sub_test_old_trial", invoice_id="in_test_first"))
+    order = ComplianceOrder.get()
+    assert (order.payment_status, order.paid_at, order.stripe_session_id) == (
+        "paid", clock(), "in_test_first")
+    [alert] = telegram.requests
+    assert alert.json["text"].startswith("New paid order CO-8 (compliance)")
+    assert [r.json["recurring_cycle"] for r in worker.requests] == [1]
+
+
+@pytest.mark.gen_test
 async def test_cycles_are_counted_apart_from_the_inbox_which_is_pruned(
         send, worker, subscribed):
     await send("invoice.paid", se.invoice("sub_test_42", invoice_id="in_test_1"))

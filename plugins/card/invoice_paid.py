@@ -1,11 +1,13 @@
 """invoice.paid: a subscription renewed, so the compliance service runs again for the new
 cycle. Only renewals (billing_reason subscription_cycle) count; the first invoice is the
-checkout itself."""
+checkout itself. A renewal of an order still `pending_payment` (its checkout was a trial
+handled before checkouts without payment completed the order, or that event was lost)
+completes the order too: it is the first money received for it."""
 import logging
 
 from plugins.registry import card_event
 from domain.card_events import object_of, order_with_subscription, subscription_of_invoice
-from domain.orders import OrderNotFound, document_name, record_cycle
+from domain.orders import OrderNotFound, complete_payment, document_name, record_cycle
 
 log = logging.getLogger("receiver.card")
 
@@ -20,6 +22,9 @@ def handle(ctx, event, effects):
     if order is None:
         # Its checkout.session.completed may not have linked the subscription yet.
         raise OrderNotFound(f"no compliance order with subscription {subscription!r}")
+    if order.payment_status == "pending_payment":
+        complete_payment(ctx, effects, order.order_number, "compliance", invoice["id"],
+                         source="card")
     cycle = record_cycle(ctx, order, subscription, invoice["id"])
     effects.job("process_compliance_service", {
         "order_name": document_name(order),
