@@ -20,7 +20,8 @@ import sys
 import tempfile
 
 from bench import scenarios
-from bench.run import Bench, PYTHON, RECEIVERS, load, postgres_scratch, sqlite_scratch
+from bench.run import (Bench, PYTHON, RECEIVERS, ROOT, load, postgres_scratch,
+                       sqlite_scratch)
 from bench.seed import seed_orders
 
 # (category, substrings of a frame's "function (file:line)"), tried in this order.
@@ -58,20 +59,45 @@ def category(stack: str) -> tuple:
     return thread, "other"
 
 
+# The service's own code: a frame "function (handlers/base.py:12)" is in module
+# handlers/base.py.
+OWN = ("handlers/", "plugins/", "domain/", "engine/", "clients/", "app/", "ops/",
+       "models.py", "lograte.py", "scheduler.py", "settings.py")
+
+
+def own_functions(stack: str) -> set:
+    """The service's functions on a stack ("module:function"), each once."""
+    found = set()
+    for frame in stack.split(";"):
+        function, _, where = frame.rpartition(" (")
+        module = where.partition(":")[0]
+        if module.startswith(OWN):
+            found.add(f"{module}:{function.rpartition('.')[2] or function}")
+    return found
+
+
 def summarise(raw_path: str) -> dict:
     """Per thread, the share of its samples in each category, from py-spy's raw
-    (collapsed stack) output; a thread's total is the time it was sampled running."""
+    (collapsed stack) output (a thread's total is the time it was sampled running); and
+    the service's functions that took the most samples, their callees included."""
     counts = collections.defaultdict(collections.Counter)
+    inclusive = collections.Counter()
     with open(raw_path) as raw:
         for line in raw:
             stack, _, samples = line.rstrip("\n").rpartition(" ")
             if stack:
                 thread, name = category(stack)
                 counts[thread][name] += int(samples)
-    return {thread: {"samples": sum(names.values()),
-                     "share": {name: round(100 * count / sum(names.values()), 1)
-                               for name, count in names.most_common()}}
-            for thread, names in counts.items()}
+                for function in own_functions(stack):
+                    inclusive[function] += int(samples)
+    total = sum(sum(names.values()) for names in counts.values()) or 1
+    summary = {thread: {"samples": sum(names.values()),
+                        "share": {name: round(100 * count / sum(names.values()), 1)
+                                  for name, count in names.most_common()}}
+               for thread, names in counts.items()}
+    summary["functions, share of all samples"] = {
+        function: round(100 * count / total, 1) for function, count in inclusive.most_common(25)}
+    return summary
 
 
 def sample(pid: int, seconds: float, svg: str, raw: str) -> list:
@@ -103,9 +129,11 @@ def profile_receiver(bench: Bench, label: str, url: str, receiver: str, out: str
                 sampler.wait(60)
             summary = summarise(raw)
     print(f"{receiver:<9} {label:<9} {result['rps']:>7.1f} req/s", flush=True)
+    functions = summary.pop("functions, share of all samples")
     for thread, row in summary.items():
         print(f"    {thread:<16} {row['share']}", flush=True)
-    return {"rps": result["rps"], "p50_ms": result["p50_ms"], "threads": summary}
+    return {"rps": result["rps"], "p50_ms": result["p50_ms"], "threads": summary,
+            "functions": functions}
 
 
 def write(out: str, report: dict) -> None:
@@ -124,6 +152,11 @@ def write(out: str, report: dict) -> None:
                     shares = [f"{part['share'].get(name, 0.0)}" for name in names]
                     handle.write(f"| {receiver} | {label} | {row['rps']} | {thread} | "
                                  f"{part['samples']} | " + " | ".join(shares) + " |\n")
+        for key, row in report.items():
+            handle.write(f"\n{key}, the service's functions by their share of all samples "
+                         "(callees included):\n\n")
+            for function, share in row["functions"].items():
+                handle.write(f"- {share}% `{function}`\n")
 
 
 def main(argv=None) -> int:
@@ -135,6 +168,10 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--orders", type=int, default=60_000)
     parser.add_argument("--out", default=os.path.join("bench", "results", "profile"))
+    parser.add_argument("--root", default=ROOT,
+                        help="the checkout whose `receiver.py serve` is profiled (default: "
+                             "this one), to compare a commit before a change with the same "
+                             "harness and load")
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     bench = Bench(args)

@@ -65,9 +65,9 @@ class Processes:
     def __init__(self):
         self.running = []
 
-    def start(self, args, port, env=None, log=None):
+    def start(self, args, port, env=None, log=None, cwd=ROOT):
         process = subprocess.Popen(
-            [PYTHON, *args], cwd=ROOT, env={**os.environ, **(env or {})},
+            [PYTHON, *args], cwd=cwd, env={**os.environ, **(env or {})},
             stdout=subprocess.DEVNULL, stderr=log or subprocess.DEVNULL)
         self.running.append(process)
         wait_for_port(port)
@@ -322,7 +322,8 @@ class Bench:
             }
             try:
                 with open(os.path.join(folder, "service.log"), "wb") as log:
-                    yield port, processes.start(["receiver.py", "serve"], port, env, log=log)
+                    yield port, processes.start(["receiver.py", "serve"], port, env, log=log,
+                                                cwd=getattr(self.args, "root", ROOT))
             finally:
                 processes.stop_all()
 

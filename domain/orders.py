@@ -2,6 +2,7 @@
 
 Each runs inside the caller's transaction and asks for its effects through `effects`, so
 an event's changes and the mail, jobs and alerts they cause happen together, once."""
+import functools
 import logging
 
 import peewee
@@ -79,6 +80,30 @@ def find_any_kind(order_number):
     return None
 
 
+def _name_of_any_kind():
+    """One statement for every order table: (kind, order_name) of each order with that
+    number (at most one a kind)."""
+    selects = [model.select(peewee.Value(kind).alias("kind"), model.order_name)
+               .where(model.order_number == slot(model.order_number))
+               for kind, model in ORDER_MODELS.items()]
+    return functools.reduce(lambda union, select: union.union_all(select), selects)
+
+
+NAME_OF_ANY_KIND = Prepared(_name_of_any_kind)
+
+
+def order_name_of_any_kind(order_number):
+    """(kind, order_name) of the order with that number, whatever its kind, in one
+    round trip; the kind its prefix names wins (as in find_any_kind). None when no
+    order has that number."""
+    found = dict(NAME_OF_ANY_KIND.execute(order_number=order_number).fetchall())
+    if not found:
+        return None
+    first = order_type_of(order_number)
+    kind = first if first in found else next(kind for kind in ORDER_MODELS if kind in found)
+    return kind, found[kind]
+
+
 def document_name(order):
     """The name of the order's document in the workflow system: the order_name its
     webhooks gave, or, while none has come, the order number."""
@@ -100,11 +125,11 @@ def remember_order_name(ctx, order_number, order_name):
     order keeps the name it had, or its number stands in)."""
     try:
         with savepoint():
-            order = find_any_kind(order_number)
-            if order is None or order.order_name == order_name:
+            found = order_name_of_any_kind(order_number)
+            if found is None or found[1] == order_name:
                 return False
-            RENAME[order.kind].execute(order_name=order_name, updated_at=ctx.clock(),
-                                       order_number=order_number)
+            RENAME[found[0]].execute(order_name=order_name, updated_at=ctx.clock(),
+                                     order_number=order_number)
             return True
     except peewee.PeeweeException as failure:
         raise_if_conflict(failure)

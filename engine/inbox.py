@@ -257,12 +257,25 @@ def find(ctx, source, dedup_key):
 
 def find_any(source, dedup_keys):
     """The first event stored under any of `dedup_keys`, in one query (a workflow call
-    names one key per hour of its dedup window); None when there is none."""
+    names one key per hour of its dedup window); None when there is none. Built once per
+    number of keys: building it anew cost more than running it (docs/PERFORMANCE.md)."""
     if not dedup_keys:
         return None
-    return (WebhookEvent.select()
-            .where(WebhookEvent.source == source, WebhookEvent.dedup_key.in_(dedup_keys))
-            .order_by(WebhookEvent.id).first())
+    statement = _FIND_ANY.get(len(dedup_keys))
+    if statement is None:
+        statement = _FIND_ANY[len(dedup_keys)] = _first_of_keys(len(dedup_keys))
+    return statement.first(source=source, **{f"key{n}": key for n, key in enumerate(dedup_keys)})
+
+
+_FIND_ANY = {}
+
+
+def _first_of_keys(count):
+    return Prepared(lambda: WebhookEvent.select().where(
+        WebhookEvent.source == slot(WebhookEvent.source),
+        WebhookEvent.dedup_key.in_([slot(WebhookEvent.dedup_key, f"key{n}")
+                                    for n in range(count)]))
+        .order_by(WebhookEvent.id).limit(1))
 
 
 async def process(ctx, event):
