@@ -5,6 +5,7 @@ The names are fixed: other systems and operators depend on them.
 Longer than most: every setting is here, where an operator looks them up.
 """
 import dataclasses
+import ipaddress
 import logging
 import os
 import re
@@ -54,6 +55,17 @@ def _seconds(environ, name, default):
 
 def _csv(raw):
     return tuple(part.strip() for part in raw.split(",") if part.strip())
+
+
+def _networks(environ, name):
+    """Comma-separated IP addresses or networks (`127.0.0.1, 10.0.0.0/8, ::1`)."""
+    try:
+        return tuple(ipaddress.ip_network(part, strict=False)
+                     for part in _csv(environ.get(name, "")))
+    except ValueError as exc:
+        raise ConfigurationError(
+            f"{name} must be IP addresses or networks (such as 127.0.0.1 or 10.0.0.0/8), "
+            f"comma-separated: {exc}") from None
 
 
 def _days(environ, name, default):
@@ -192,6 +204,9 @@ class Settings:
     # a database slow on every reply, under DATABASE_TIMEOUT_MS each, must not hold a
     # webhook past its sender's patience (Frappe's 5 s).
     database_call_budget_seconds: float = 2.0
+    # Proxies whose X-Real-IP / X-Forwarded-For are believed (handlers.addresses): none
+    # unless set; behind the shipped nginx, 127.0.0.1 (and ::1).
+    trusted_proxies: tuple = ()
 
     @classmethod
     def from_env(cls, environ=None):
@@ -275,6 +290,7 @@ class Settings:
             database_timeout_ms=_int(env, "DATABASE_TIMEOUT_MS", cls.database_timeout_ms),
             database_call_budget_seconds=_seconds(
                 env, "DATABASE_CALL_BUDGET_SECONDS", cls.database_call_budget_seconds),
+            trusted_proxies=_networks(env, "TRUSTED_PROXIES"),
         )
         settings.check()
         return settings

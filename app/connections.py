@@ -10,10 +10,20 @@ So: connections are capped at MAX_CONNECTIONS, and below what the descriptor lim
 leaves once the service's own files are counted (the database, up to 200 outbound
 connections, the spool). At the cap, an idle connection (one with no request in
 progress: a keep-alive, or a client that has sent nothing) is closed to make room, so
-that an idle crowd cannot keep a sender out; with none idle, the new connection gets a
-canned 503 and is closed. A failed accept pauses accepting for a moment instead of
-retrying at once. Each condition is logged once, then counted (lograte).
+that an idle crowd cannot keep a sender out; with none idle, the oldest request still
+waiting for a body that has not started (complete headers, then nothing: 1,000 of them
+from one address kept every sender out) of the address with the most connections; with
+none of those either, the new connection gets a canned 503 and is closed.
+
+One address (an IPv6 one by its /64) may hold an ADDRESS_SHARE of the cap; past it, its
+own idle connection or its oldest body-less request makes room, or its new connection
+is refused. A trusted proxy (TRUSTED_PROXIES) speaks for many clients: it is not held
+to the share.
+
+A failed accept pauses accepting for a moment instead of retrying at once. Each
+condition is logged once, then counted (lograte).
 """
+import collections
 import errno
 import logging
 import resource
@@ -22,6 +32,7 @@ import tornado.httpserver
 import tornado.ioloop
 
 import lograte
+from handlers.addresses import client_key, is_trusted
 
 log = logging.getLogger("receiver.connections")
 REPEATS = lograte.Repeats(log)
@@ -34,6 +45,8 @@ OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 5\r\nContent-Length: 0\r\n"
         b"Connection: close\r\n\r\n")
 ACCEPTS_PER_TURN = 128
+# The part of the connection cap one address may hold.
+ADDRESS_SHARE = 0.25
 
 
 def descriptor_limit():
@@ -68,10 +81,23 @@ class ReceiverServer(tornado.httpserver.HTTPServer):
             self._sockets[sock.fileno()] = sock
             self._handlers[sock.fileno()] = Acceptor(self, sock).stop
 
+    @property
+    def per_address(self):
+        return max(1, int(self.max_connections * ADDRESS_SHARE))
+
     def take(self, connection, address):
-        """A connection accepted: handled, after making room if the cap is reached."""
+        """A connection accepted: handled, after making room if a cap is reached."""
         open_now = self.open_streams()
-        if len(open_now) >= self.max_connections and not self.close_an_idle_one(open_now):
+        peer = address[0] if isinstance(address, tuple) else ""
+        key = client_key(peer)
+        if not is_trusted(peer, self.request_callback.trusted_proxies):
+            own = [(stream, ip) for stream, ip in open_now if client_key(ip) == key]
+            if len(own) >= self.per_address and not self.make_room(own, own=True):
+                REPEATS.warning(("address full", key), "%d connections open from %s (its "
+                                "share of MAX_CONNECTIONS): refusing new ones", len(own), key)
+                refuse(connection)
+                return
+        if len(open_now) >= self.max_connections and not self.make_room(open_now):
             REPEATS.warning("full", "%d connections open (MAX_CONNECTIONS or the file "
                             "descriptor limit): refusing new ones", len(open_now))
             refuse(connection)
@@ -79,20 +105,36 @@ class ReceiverServer(tornado.httpserver.HTTPServer):
         self._handle_connection(connection, address)
 
     def open_streams(self):
-        """The connections' streams still open (a closed one leaves the server's set a
-        moment later)."""
-        return [conn.stream for conn in self._connections
+        """(stream, peer address) of the connections still open (a closed one leaves the
+        server's set a moment later)."""
+        return [(conn.stream, conn.context.remote_ip) for conn in self._connections
                 if conn.stream is not None and not conn.stream.closed()]
 
-    def close_an_idle_one(self, streams):
-        busy = {request.connection.stream for request in self.request_callback.requests}
-        for stream in streams:
+    def make_room(self, connections, own=False):
+        """Close an idle connection among `connections`, else the oldest request waiting
+        for its body of the address holding the most of them; False if there is none."""
+        app = self.request_callback
+        busy = {request.connection.stream for request in app.requests}
+        for stream, _ in connections:
             if stream not in busy:
-                REPEATS.warning("evict", "%d connections open: closing idle ones to let "
-                                "new ones in", len(streams))
+                REPEATS.warning("evict", "%d connections open%s: closing idle ones to let "
+                                "new ones in", len(connections), " from one address" * own)
                 stream.close()
                 return True
-        return False
+        counts = collections.Counter(client_key(ip) for _, ip in connections)
+        streams = {stream for stream, _ in connections}
+        waiting = [delegate for delegate in app.waiting_for_body
+                   if delegate.request.connection.stream in streams]
+        if not waiting:
+            return False
+        oldest = min(waiting, key=lambda delegate: (
+            -counts[client_key(delegate.request.connection.context.remote_ip)],
+            delegate.arrived))
+        REPEATS.warning("evict waiting", "%d connections open%s: closing requests whose body "
+                        "has not started to let new ones in", len(connections),
+                        " from one address" * own)
+        oldest.evict()
+        return True
 
 
 def refuse(connection):

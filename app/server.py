@@ -19,7 +19,8 @@ import lograte
 import migrations
 from app.connections import ReceiverServer, connection_cap, descriptor_limit
 from app.context import Context
-from handlers.base import ApiHandler, NotFoundHandler, log_request
+from handlers.addresses import client_key, forwarded_for, forwarded_protocol
+from handlers.base import ApiHandler, NotFoundHandler, log_request, takes_body
 from handlers.console import cookie_secret
 from handlers.routes import routes
 from engine.db import Circuit
@@ -28,17 +29,37 @@ from ops import systemd
 from scheduler import Scheduler
 
 log = logging.getLogger("receiver")
+REPEATS = lograte.Repeats(log)
 
 # How long a shutdown waits for requests in flight; below systemd's TimeoutStopSec (30 s).
 SHUTDOWN_GRACE_SECONDS = 20
 # A client that has not sent its whole body this long after its headers is cut off.
 BODY_TIMEOUT_SECONDS = 30
+# ... and one that has not started it this long after its headers: a sender's body comes
+# with its headers; a connection that holds its place without one is keeping others out.
+BODY_START_TIMEOUT_SECONDS = 5
 # What the server's own body limit becomes for a handler that keeps to a limit of its own.
 UNLIMITED = 2 ** 62
+# The body a form of the console may carry (a name, a password, a token, a few fields).
+FORM_BODY_BYTES = 4096
+REFUSALS = {413: ("Payload Too Large", b"request body too large\n"),
+            429: ("Too Many Requests", b"too many requests\n"),
+            503: ("Service Unavailable", b"temporarily unavailable\n")}
+
+
+def body_limit(handler_class):
+    """The body a route's handler may be sent: its own `body_limit` (a handler that reads
+    its body itself: None), else 0 for a route without POST, else a form's."""
+    if issubclass(handler_class, ApiHandler):
+        return None
+    if not takes_body(handler_class):
+        return 0
+    return getattr(handler_class, "body_limit", FORM_BODY_BYTES)
 
 
 class ReceiverApplication(tornado.web.Application):
-    """Counts the requests being handled, so that a shutdown can wait for them.
+    """Counts the requests being handled, so that a shutdown can wait for them; sets who
+    each comes from (TRUSTED_PROXIES); and keeps every route's body to its limit.
 
     A request counts from the moment a handler is chosen for it until the handler's
     access-log line (written once per request, also after an error or a lost client), or
@@ -47,25 +68,36 @@ class ReceiverApplication(tornado.web.Application):
     every later shutdown for the whole grace."""
 
     body_timeout = BODY_TIMEOUT_SECONDS
+    body_start_timeout = BODY_START_TIMEOUT_SECONDS
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, ctx, **kwargs):
         super().__init__(*args, **kwargs)
+        self.ctx = ctx
         # A set, not a number, so that a request ended both ways is uncounted once.
         self.requests = weakref.WeakSet()
+        # The requests whose body is awaited and has not started (app.connections).
+        self.waiting_for_body = weakref.WeakSet()
 
     @property
     def in_flight(self):
         return len(self.requests)
 
+    @property
+    def trusted_proxies(self):
+        return self.ctx.settings.trusted_proxies
+
     def get_handler_delegate(self, request, target_class, target_kwargs=None,
                              path_args=None, path_kwargs=None):
         self.requests.add(request)
-        if issubclass(target_class, ApiHandler):
-            # It refuses an oversize body itself, with 413 and its JSON error; the
-            # server's own limit would cut in first with a bare 400 or a second answer.
-            request.connection.set_max_body_size(UNLIMITED)
+        peer, proxies = request.remote_ip, self.trusted_proxies
+        request.remote_ip = forwarded_for(peer, request.headers, proxies)
+        request.protocol = forwarded_protocol(peer, request.headers, proxies, request.protocol)
+        limit = body_limit(target_class)
+        # A handler that reads its body itself refuses an oversize one with 413 and its
+        # JSON error; the server's own limit would cut in first with a bare 400.
+        request.connection.set_max_body_size(UNLIMITED if limit is None else limit)
         return _CountedDelegate(self, request, super().get_handler_delegate(
-            request, target_class, target_kwargs, path_args, path_kwargs))
+            request, target_class, target_kwargs, path_args, path_kwargs), limit)
 
     def log_request(self, handler):
         self.requests.discard(handler.request)
@@ -79,46 +111,135 @@ class ReceiverApplication(tornado.web.Application):
         return self.in_flight
 
 
+def expects_body(headers):
+    return (headers.get("Content-Length", "0").strip() not in ("", "0")
+            or "chunked" in headers.get("Transfer-Encoding", "").lower())
+
+
 class _CountedDelegate(tornado.httputil.HTTPMessageDelegate):
     """Tornado's delegate for one request, telling the application when the connection
     closed before the request was read in full (tornado calls on_connection_close then
-    only), and closing a connection whose body has not come in full in time.
+    only), closing a connection whose body has not come in time, and, for a handler that
+    lets the server read its body (`limit` not None), refusing a body over the route's
+    limit or over its address's or the process's cap (handlers.budget) before reading it.
 
-    The body's deadline is a timer of ours rather than HTTPServer's body_timeout, which
+    The body's deadlines are a timer of ours rather than HTTPServer's body_timeout, which
     wraps every body read in a task of its own: that cost 5-9% of the CPU of a webhook
     (docs/PERFORMANCE.md)."""
 
     cut_off = False
+    refused = False
+    held = 0
 
-    def __init__(self, app, request, inner):
-        self.app, self.request, self.inner = app, request, inner
-        self.deadline = asyncio.get_running_loop().call_later(app.body_timeout,
-                                                              self.body_too_slow)
+    def __init__(self, app, request, inner, limit):
+        self.app, self.request, self.inner, self.limit = app, request, inner, limit
+        self.client = client_key(request.remote_ip)
+        self.arrived = time.monotonic()
+        self.body_started = not expects_body(request.headers)
+        if not self.body_started:
+            app.waiting_for_body.add(self)
+        self.deadline = asyncio.get_running_loop().call_later(
+            min(app.body_start_timeout, app.body_timeout), self.body_too_slow)
 
     def headers_received(self, start_line, headers):
+        if self.limit is not None:
+            declared = headers.get("Content-Length", "").strip()
+            size = int(declared) if declared.isdigit() else 0
+            if size > self.limit:
+                self.refuse(413)
+                return None
+            if size and not self.hold(size):
+                return None
         return self.inner.headers_received(start_line, headers)
 
     def data_received(self, chunk):
+        if not self.body_started:
+            self.body_started = True
+            self.app.waiting_for_body.discard(self)
+        if self.refused:
+            return None
+        if (self.limit is not None and "Content-Length" not in self.request.headers
+                and not self.hold(len(chunk))):
+            return None  # a chunked body, counted as it comes
         return self.inner.data_received(chunk)
+
+    def hold(self, size):
+        """Count `size` more bytes of body against the caps; False (and refused) if over."""
+        short = self.app.ctx.bodies.take(self.client, size)
+        if short:
+            REPEATS.warning(("bodies", short), "request bodies in memory at the %s cap "
+                            "(%s): refusing more", short, self.client)
+            self.refuse(429 if short == "client" else 503)
+            return False
+        self.held += size
+        return True
+
+    def release(self):
+        self.app.ctx.bodies.give_back(self.client, self.held)
+        self.held = 0
+
+    def refuse(self, status):
+        """Answer now, before the body is read; the connection is closed once the answer is
+        out, so the rest of the body is never read, nor a handler run."""
+        self.refused = True
+        self.release()
+        self.app.requests.discard(self.request)
+        if status == 413:
+            REPEATS.warning(("too large", self.request.path), "%s %s from %s: body over the "
+                            "route's limit of %d bytes; refused", self.request.method,
+                            self.request.path, self.client, self.limit)
+        reason, body = REFUSALS[status]
+        headers = tornado.httputil.HTTPHeaders({
+            "Content-Type": "text/plain; charset=utf-8", "Content-Length": str(len(body)),
+            "Connection": "close", "Cache-Control": "no-store"})
+        if status != 413:
+            headers["Retry-After"] = "5"
+        connection = self.request.connection
+        # Nothing of the body is to be kept: what is read before the close is dropped.
+        connection.set_max_body_size(UNLIMITED)
+        connection.write_headers(
+            tornado.httputil.ResponseStartLine("HTTP/1.1", status, reason), headers, body)
+        connection.finish()
 
     def finish(self):
         self.deadline.cancel()
+        self.app.waiting_for_body.discard(self)
+        self.release()
         if self.cut_off:
             # The body's last bytes were read in the same turn of the loop as the deadline
             # ran out: the connection is closed, so nobody would get the answer.
             self.on_connection_close()
             return
-        self.inner.finish()
+        if not self.refused:
+            self.inner.finish()
 
     def on_connection_close(self):
         self.deadline.cancel()
+        self.app.waiting_for_body.discard(self)
+        self.release()
         self.app.requests.discard(self.request)
-        self.inner.on_connection_close()
+        if not self.refused:
+            self.inner.on_connection_close()
 
     def body_too_slow(self):
+        waited = time.monotonic() - self.arrived
+        if self.body_started and waited < self.app.body_timeout:
+            # Started in time: the whole body has until the full deadline.
+            self.deadline = asyncio.get_running_loop().call_later(
+                self.app.body_timeout - waited, self.body_too_slow)
+            return
         self.cut_off = True
-        log.info("request body from %s not in after %s s; connection closed",
-                 self.request.remote_ip, self.app.body_timeout)
+        if self.body_started:
+            log.info("request body from %s not in after %s s; connection closed",
+                     self.client, self.app.body_timeout)
+        else:
+            log.info("request body from %s not started after %s s; connection closed",
+                     self.client, min(self.app.body_start_timeout, self.app.body_timeout))
+        self.request.connection.close()
+
+    def evict(self):
+        """Closed to make room for another connection (app.connections)."""
+        self.cut_off = True
         self.request.connection.close()
 
 
@@ -129,6 +250,7 @@ def make_app(ctx):
                if ctx.settings.console_enabled else {})
     return ReceiverApplication(
         routes(ctx),
+        ctx=ctx,
         default_handler_class=NotFoundHandler,
         default_handler_args={"ctx": ctx},
         log_function=log_request,
@@ -146,9 +268,10 @@ def make_server(app, settings):
     return ReceiverServer(
         app,
         max_connections=cap,
-        xheaders=True,
-        # For the few handlers that let the server read their body (the pages); the
-        # JSON handlers refuse an oversize body themselves (ReceiverApplication).
+        # X-Real-IP / X-Forwarded-For are read by the application, from TRUSTED_PROXIES
+        # only (handlers.addresses).
+        xheaders=False,
+        # Each route sets its own before its body is read (ReceiverApplication).
         max_body_size=settings.max_body_bytes,
         idle_connection_timeout=60,
     )

@@ -1,6 +1,8 @@
-"""Issue 20's attacks, measured on loopback, bounded in count and time: the service's
-memory while 500 unauthenticated connections each send a 1 MiB body (minus one byte),
-and a webhook's latency while 20 clients scrape /metrics as fast as they can.
+"""Attacks on the service, measured on loopback, bounded in count and time: the
+service's memory while 500 unauthenticated connections each send a 1 MiB body (minus one
+byte) to each family of routes, a webhook's latency while 20 clients scrape /metrics as
+fast as they can, and while 20 clients try wrong console passwords (each claiming another
+address in X-Real-IP) as fast as they are answered.
 
     .venv/bin/python -m bench.hostile [--root DIR]
 
@@ -12,6 +14,7 @@ import asyncio
 import json
 import multiprocessing
 import os
+import re
 import socket
 import statistics
 import subprocess
@@ -29,6 +32,29 @@ ATTACKERS = 500
 SCRAPERS = 20
 SENDERS = 4
 PHASE_SECONDS = 8
+GUESSERS = 20
+# One route of each family, and the headers an unauthenticated caller sends to it.
+ROUTE_FAMILIES = (
+    ("workflow", "/api/v1/webhooks/formation/submitted", "X-Webhook-Secret: wrong\r\n"),
+    ("card", "/api/v1/webhooks/card-processor", "Stripe-Signature: t=1,v1=00\r\n"),
+    ("crypto", "/api/v1/webhooks/crypto-processor", "X-Shkeeper-Api-Key: wrong\r\n"),
+    ("public", "/api/v1/survey", ""),
+    ("probe", "/healthz", ""),
+    ("metrics", "/metrics", ""),
+    ("link_page", "/api/v1/ifta/filed", ""),
+    ("openapi", "/api/v1/openapi.yaml", ""),
+    ("console_login", "/console/login",
+     "Content-Type: application/x-www-form-urlencoded\r\n"),
+    ("console_page", "/console/events/1", ""),
+)
+
+
+def console_password_hash(root):
+    """Made by the measured checkout, at its production cost."""
+    return subprocess.run(
+        [sys.executable, "-c", "from ops.passwords import hash_password; "
+         "print(hash_password('bench-password'))"],
+        cwd=root, capture_output=True, text=True, check=True).stdout.strip()
 
 
 def free_port():
@@ -57,7 +83,9 @@ async def start_service(root, folder):
            "DATABASE_URL": f"sqlite:///{folder}/bench.sqlite3", "SPOOL_DIR": f"{folder}/spool",
            "WEBHOOK_SECRET": SECRET, "LINK_SECRET": "bench-link-secret",
            "STRIPE_SECRET_KEY": "sk_test_bench", "STRIPE_WEBHOOK_SECRET": "whsec_bench",
-           "CRYPTO_PROCESSOR_API_KEY": "bench-crypto-key"}
+           "CRYPTO_PROCESSOR_API_KEY": "bench-crypto-key",
+           "CONSOLE_PASSWORD_HASH": console_password_hash(root),
+           "COOKIE_SECRET": "bench-cookie-secret-0123456789abcdef0123456789"}
     log = open(f"{folder}/service.log", "wb")
     process = subprocess.Popen([sys.executable, "receiver.py", "serve"], cwd=root, env=env,
                                stdout=log, stderr=subprocess.STDOUT)
@@ -208,18 +236,57 @@ async def scrape_attack(pid, port):
     return {"quiet": quiet, "scrape_flood": flooded}
 
 
+def login_flood(port, seconds, counted):
+    """GUESSERS clients posting wrong console passwords back to back for `seconds`, each
+    try claiming a new address in X-Real-IP, in a process of their own."""
+    async def flood():
+        base = f"http://127.0.0.1:{port}/console/login"
+        deadline = time.monotonic() + seconds
+        async with aiohttp.ClientSession() as session:
+            async with session.get(base) as page:
+                token = re.search(r'name="_xsrf" value="([^"]+)"', await page.text()).group(1)
+
+            async def guesser(n):
+                tries = 0
+                while time.monotonic() < deadline:
+                    tries += 1
+                    form = {"name": "x", "password": f"guess-{n}-{tries}", "_xsrf": token}
+                    headers = {"X-Real-IP": f"10.{n}.{tries // 250 % 250}.{tries % 250}"}
+                    async with session.post(base, data=form, headers=headers,
+                                            allow_redirects=False) as response:
+                        await response.read()
+                        counted[str(response.status)] = counted.get(str(response.status), 0) + 1
+            await asyncio.gather(*(guesser(n) for n in range(GUESSERS)))
+    asyncio.run(flood())
+
+
+async def login_attack(pid, port):
+    async with aiohttp.ClientSession() as session:
+        quiet = summary(await webhook_latencies(session, port, PHASE_SECONDS))
+        with multiprocessing.Manager() as manager:
+            counted = manager.dict()
+            guessers = multiprocessing.Process(target=login_flood,
+                                               args=(port, PHASE_SECONDS + 1, counted))
+            guessers.start()
+            await asyncio.sleep(0.5)
+            cpu = cpu_seconds(pid)
+            flooded = summary(await webhook_latencies(session, port, PHASE_SECONDS))
+            flooded["service_cpu_share"] = round((cpu_seconds(pid) - cpu) / PHASE_SECONDS, 2)
+            guessers.join()
+            flooded["login_answers"] = dict(counted)
+    return {"quiet": quiet, "login_flood": flooded}
+
+
 async def main(root):
     with tempfile.TemporaryDirectory() as folder:
         process, port = await start_service(root, folder)
         try:
             results = {"root": root, "scrape_cost_ms": scrape_cost_ms(root, folder)}
             results["scrape"] = await scrape_attack(process.pid, port)
-            results["memory_workflow"] = await memory_attack(
-                process.pid, port, "/api/v1/webhooks/formation/submitted",
-                "X-Webhook-Secret: wrong\r\n")
-            results["memory_card"] = await memory_attack(
-                process.pid, port, "/api/v1/webhooks/card-processor",
-                "Stripe-Signature: t=1,v1=00\r\n")
+            results["login"] = await login_attack(process.pid, port)
+            for family, path, headers in ROUTE_FAMILIES:
+                results[f"memory_{family}"] = await memory_attack(process.pid, port, path,
+                                                                  headers)
             with open(f"{folder}/service.log", "rb") as log:
                 results["log_lines"] = log.read().count(b"\n")
         finally:

@@ -10,6 +10,7 @@ import lograte
 from engine.commits import set_budget
 from engine.db import UNAVAILABLE
 from engine.payload import read_json
+from handlers.addresses import client_key
 
 log = logging.getLogger("receiver.http")
 REPEATS = lograte.Repeats(log)
@@ -32,6 +33,11 @@ def same_secret(given, expected):
     return hmac.compare_digest(sent, wanted) | as_text
 
 
+def takes_body(handler_class):
+    """Whether a route's handler answers POST (tornado's own answers it with 405)."""
+    return handler_class.post is not tornado.web.RequestHandler.post
+
+
 @tornado.web.stream_request_body
 class ApiHandler(tornado.web.RequestHandler):
     """A JSON handler that reads its body itself, so an oversize body is refused with
@@ -41,6 +47,7 @@ class ApiHandler(tornado.web.RequestHandler):
     (app.server), so every oversize body gets the same answer and one log line."""
 
     # The largest body this endpoint's senders send; MAX_BODY_BYTES caps every endpoint.
+    # A route without POST takes no body at all.
     body_limit = None
 
     def initialize(self, ctx):
@@ -48,9 +55,19 @@ class ApiHandler(tornado.web.RequestHandler):
         self._body = bytearray()
         self._refused = False
         self._held = 0
+        # Whether the headers carried valid credentials (check_headers): the body then
+        # counts in the process's body cap only, not in its address's.
+        self.authenticated = False
+
+    @property
+    def client(self):
+        """The address's key for its allowances (handlers.addresses)."""
+        return client_key(self.request.remote_ip)
 
     @property
     def max_body_bytes(self):
+        if not takes_body(type(self)):
+            return 0
         limit = self.ctx.settings.max_body_bytes
         return limit if self.body_limit is None else min(limit, self.body_limit)
 
@@ -65,12 +82,14 @@ class ApiHandler(tornado.web.RequestHandler):
         declared = self.request.headers.get("Content-Length")
         if declared and declared.isdigit() and int(declared) > self.max_body_bytes:
             self.fail(413, "request body too large")
-        if self.request.method == "POST" and hasattr(self, "post"):
-            self.check_headers()
+        if self.request.method == "POST" and takes_body(type(self)):
+            self.authenticated = bool(self.check_headers())
 
     def check_headers(self):
         """Refuse a POST on what its headers say, before a byte of its body is read (and
-        held in memory): credentials sent in headers are checked here."""
+        held in memory): credentials sent in headers are checked here. Returns True when
+        the headers carry credentials, all of them right."""
+        return False
 
     def data_received(self, chunk):
         if self._refused:
@@ -79,11 +98,12 @@ class ApiHandler(tornado.web.RequestHandler):
             # A chunked body gone past the limit.
             self.refuse_body(413, "request body too large")
             return
-        short = self.ctx.bodies.take(self.request.remote_ip, len(chunk))
+        short = self.ctx.bodies.take(self.client, len(chunk),
+                                     per_client=not self.authenticated)
         if short:
             # This address, or all of them together, hold as much body as we keep.
             REPEATS.warning(("bodies", short), "request bodies in memory at the %s cap "
-                            "(%s): refusing more", short, self.request.remote_ip)
+                            "(%s): refusing more", short, self.client)
             self.set_header("Retry-After", "5")
             self.refuse_body(*((429, "too many requests") if short == "client"
                                else (503, "temporarily unavailable")))
@@ -99,7 +119,7 @@ class ApiHandler(tornado.web.RequestHandler):
         self.answer(status, {"error": message})
 
     def release_body(self):
-        self.ctx.bodies.give_back(self.request.remote_ip, self._held)
+        self.ctx.bodies.give_back(self.client, self._held, per_client=not self.authenticated)
         self._held = 0
         self._body = bytearray()
 
@@ -117,7 +137,7 @@ class ApiHandler(tornado.web.RequestHandler):
         refused so: a call with the right credentials is never throttled, whatever
         its address has failed before (Stripe, SHKeeper and Frappe each call from a
         few addresses, shared with whoever else is there)."""
-        client = self.request.remote_ip
+        client = self.client
         wait = self.ctx.auth_failures.acquire(client)
         if wait:
             REPEATS.warning(("throttled", client), "%s %s: too many failed authentications "

@@ -70,7 +70,7 @@ class CryptoProcessorWebhookHandler(ApiHandler):
     def check_headers(self):
         """The API key headers are checked before the body is read; SHKeeper's signature
         covers the body, so it is checked once the body is in (post)."""
-        self.authenticate_headers()
+        return self.authenticate_headers()
 
     async def post(self):
         raw = self.raw_body
@@ -91,17 +91,19 @@ class CryptoProcessorWebhookHandler(ApiHandler):
 
     def authenticate_headers(self):
         """Every credential presented must be right, and at least one presented: the
-        API key in either header, SHKeeper's signature when it sends one."""
+        API key in either header, SHKeeper's signature when it sends one. True when the
+        API key was presented (and right)."""
         api_key = self.ctx.settings.crypto_processor_api_key
         if not api_key:
             self.unkeyed_warning()
-            return
+            return False
         headers = self.request.headers
         keys = [headers[name] for name in KEY_HEADERS if name in headers]
         if not keys and not self.signed:
             self.refuse("no api key")
         if not all(same_secret(key, api_key) for key in keys):
             self.refuse("api key mismatch")
+        return bool(keys)
 
     @property
     def signed(self):

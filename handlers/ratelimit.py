@@ -8,6 +8,8 @@ deployed (one process); several processes would each allow `limit`.
 import math
 import time
 
+from handlers.addresses import client_key
+
 # Past this many addresses, buckets that have refilled completely are dropped: a full
 # bucket is the same as no bucket, so forgetting it changes nothing.
 PRUNE_ABOVE = 10_000
@@ -58,15 +60,15 @@ class RateLimited:
     Retry-After, before any work. The handler says how (`refuse_too_many`): a JSON error
     or an HTML page.
 
-    The client is `request.remote_ip`: the server runs with xheaders=True behind a local
-    proxy, which sets X-Real-IP / X-Forwarded-For to the address that connected to it."""
+    The client is `request.remote_ip` (the proxy's word for it only from TRUSTED_PROXIES),
+    an IPv6 address by its /64 (handlers.addresses)."""
 
     def initialize(self, ctx, limiter):
         super().initialize(ctx)
         self.limiter = limiter
 
     def prepare(self):
-        wait = self.limiter.acquire(self.request.remote_ip)
+        wait = self.limiter.acquire(client_key(self.request.remote_ip))
         if wait:
             self.set_header("Retry-After", str(wait))
             self.refuse_too_many()

@@ -35,6 +35,7 @@ class WorkflowWebhookHandler(ApiHandler):
         if not same_secret(given, self.ctx.settings.webhook_secret):
             self.refuse_credentials(401, "Unauthorized", "X-Webhook-Secret does not match "
                                     "WEBHOOK_SECRET" if given else "no X-Webhook-Secret")
+        return True
 
     async def post(self, path):
         webhook = self.ctx.plugins["workflow"].get(path)

@@ -27,7 +27,7 @@ def signed_path(ctx, kind, order_number, cycle):
 
 @contextlib.contextmanager
 def served(app, settings):
-    """The app behind the service's own HTTPServer (xheaders=True, as in production) on a
+    """The app behind the service's own HTTPServer (as in production) on a
     free loopback port; yields its base URL."""
     [sock] = tornado.netutil.bind_sockets(0, "127.0.0.1")
     server = make_server(app, settings)

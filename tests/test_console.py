@@ -3,6 +3,7 @@ login and session, and the refusals (no session, no xsrf token, too many attempt
 import dataclasses
 import datetime
 import decimal
+import ipaddress
 import json
 import logging
 import re
@@ -95,8 +96,12 @@ async def test_logging_in_sets_a_strict_http_only_expiring_session_and_returns_t
 
 
 @pytest.mark.gen_test(timeout=60)
-async def test_over_https_the_cookies_are_secure(app, ctx, client):
-    with served(app, ctx.settings) as base:
+async def test_over_https_the_cookies_are_secure(ctx, client):
+    """HTTPS as the trusted proxy (TRUSTED_PROXIES) reports it."""
+    settings = dataclasses.replace(ctx.settings,
+                                   trusted_proxies=(ipaddress.ip_network("127.0.0.1/32"),))
+    app = make_app(dataclasses.replace(ctx, settings=settings))
+    with served(app, settings) as base:
         operator = Operator(client, base)
         response = await operator.post("/console/login", {"name": "Dana", "password": PASSWORD},
                                        **{"X-Forwarded-Proto": "https"})

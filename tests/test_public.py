@@ -2,6 +2,7 @@
 and the per-client-address rate limit in front of them."""
 import dataclasses
 import datetime
+import ipaddress
 import json
 
 import pytest
@@ -346,8 +347,11 @@ async def test_each_public_endpoint_answers_429_with_retry_after(limited, client
 
 
 @pytest.mark.gen_test
-async def test_the_limit_is_per_client_address_as_the_local_proxy_reports_it(limited, client):
-    app, settings = limited
+async def test_the_limit_is_per_client_address_as_a_trusted_proxy_reports_it(settings, clock,
+                                                                             client):
+    settings = dataclasses.replace(settings, public_rate_limit=2,
+                                   trusted_proxies=(ipaddress.ip_network("127.0.0.1/32"),))
+    app = make_app(Context.create(settings, clock=clock))
     path = "/api/v1/dot/state-requirements?state=TX"
 
     async def codes(headers):
@@ -357,6 +361,18 @@ async def test_the_limit_is_per_client_address_as_the_local_proxy_reports_it(lim
         second = await codes({"X-Forwarded-For": "198.51.100.2"})
         real_ip = await codes({"X-Real-IP": "192.0.2.44"})
     assert first == second == real_ip == [200, 200, 429]
+
+
+@pytest.mark.gen_test
+async def test_forwarded_addresses_from_anyone_else_are_not_believed(limited, client):
+    """Without TRUSTED_PROXIES, a new X-Real-IP per call is no new allowance (on the old
+    code each was one: 3 x 200)."""
+    app, settings = limited
+    path = "/api/v1/dot/state-requirements?state=TX"
+    with served(app, settings) as base:
+        codes = [(await client.fetch(base + path, headers={"X-Real-IP": f"192.0.2.{n}"})).code
+                 for n in range(3)]
+    assert codes == [200, 200, 429]
 
 
 @pytest.mark.gen_test
