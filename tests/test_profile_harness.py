@@ -26,11 +26,12 @@ def test_make_profile_runs_on_a_tiny_load(tmp_path):
     env = {**os.environ, "BENCH_POSTGRES_URL": os.environ.get("TEST_DATABASE_URL", "")}
     result = subprocess.run(
         [sys.executable, "-m", "bench.profile", "--databases", database,
-         "--receivers", "workflow", "--duration", "2", "--warmup", "0.2",
+         "--receivers", "workflow,card", "--duration", "2", "--warmup", "0.2",
          "--connections", "2", "--orders", "300", "--out", str(tmp_path)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     report = json.loads((tmp_path / "profile.json").read_text())
-    threads = report[f"workflow/{database}"]["threads"]
-    assert threads["loop"]["samples"] > 0 and threads["database thread"]["samples"] > 0
-    assert (tmp_path / f"workflow-{database}.svg").read_text().startswith("<?xml")
+    for receiver in ("workflow", "card"):  # card: orders seeded, paid by the load
+        threads = report[f"{receiver}/{database}"]["threads"]
+        assert threads["loop"]["samples"] > 0 and threads["database thread"]["samples"] > 0
+        assert (tmp_path / f"{receiver}-{database}.svg").read_text().startswith("<?xml")
