@@ -291,6 +291,14 @@ class ReconnectingPostgresqlDatabase(ClassifiedErrors, ReconnectMixin, Postgresq
                 self.execute_sql("RESET statement_timeout")
 
 
+def sqlite_file(url):
+    """The file a sqlite:/// URL names; None for PostgreSQL or an in-memory database."""
+    if url.split(":", 1)[0] != "sqlite":
+        return None
+    path = parse(url)["database"]
+    return None if path == ":memory:" else path
+
+
 def open_database(url, timeout_ms=None):
     """Create the Database for `url` (sqlite:///path or postgresql://...) and bind the models.
 

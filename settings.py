@@ -90,6 +90,12 @@ def _check_url(name, value, schemes):
             f"got {parts.scheme + '://' if parts.scheme else 'no scheme'}")
     if parts.scheme not in ("sqlite",) and not parts.hostname:
         raise ConfigurationError(f"{name} names no host")
+    if parts.scheme == "sqlite" and parts.netloc:
+        # sqlite://var/x.sqlite3 would open x.sqlite3 in the working folder: `var` is read
+        # as a host and dropped.
+        raise ConfigurationError(
+            f"{name}: a SQLite path follows three slashes (sqlite:///var/receiver.sqlite3, "
+            "relative to the working folder) or four (sqlite:////srv/receiver.sqlite3)")
 
 
 # Settings that must be whole numbers above zero, by their environment names.
@@ -372,13 +378,18 @@ class Settings:
                 f"RECEIVER_ENV=production with the console on needs COOKIE_SECRET: "
                 f"{MIN_COOKIE_SECRET_LENGTH} random characters or more, not a placeholder")
 
+    def warn_about_link_secret(self):
+        """Said by serve and by the commands that sign links (`link`, `reminders run`):
+        the service's pages refuse a link signed with another secret."""
+        if self.link_secret == PLACEHOLDER_LINK_SECRET:
+            log.warning("LINK_SECRET is not set: 'already filed' links are signed with a "
+                        "placeholder. Set LINK_SECRET before sending reminders.")
+
     def warn_about_placeholders(self):
         if self.webhook_secret == PLACEHOLDER_WEBHOOK_SECRET:
             log.warning("WEBHOOK_SECRET is not set: the workflow webhooks accept the "
                         "built-in placeholder secret. Set WEBHOOK_SECRET before going live.")
-        if self.link_secret == PLACEHOLDER_LINK_SECRET:
-            log.warning("LINK_SECRET is not set: 'already filed' links are signed with a "
-                        "placeholder. Set LINK_SECRET before sending reminders.")
+        self.warn_about_link_secret()
         if self.console_enabled and not self.cookie_secret:
             log.warning("COOKIE_SECRET is not set: console sessions are signed with a key "
                         "of this process and end when it restarts.")

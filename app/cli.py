@@ -18,12 +18,11 @@ from app.context import Context
 from app.logs import configure_logging
 from app.server import CannotStart, serve
 from clients.stripe_api import NotConfigured
-from domain import backfill, holdback, reminders, settlement
-from domain.links import KINDS, print_signed_link
+from domain import backfill, filings, holdback, links, reminders, settlement
 from engine import spool
 from engine.db import UNAVAILABLE
 from engine.payload import read_json
-from models import open_database
+from models import open_database, sqlite_file
 from ops import operator, passwords
 from settings import ConfigurationError, Settings
 
@@ -36,9 +35,10 @@ def main(argv=None):
     commands.add_parser("serve", help="apply migrations, then serve (the default)")
     commands.add_parser("migrate", help="apply pending database migrations and exit")
     link = commands.add_parser("link", help="print a signed 'I already filed' link")
-    link.add_argument("kind", choices=KINDS)
-    link.add_argument("order", help="order number (a compliance order)")
-    link.add_argument("cycle", help="filing period, e.g. 2026-Q3 or 2027")
+    link.add_argument("kind", choices=links.KINDS)
+    link.add_argument("order", help="order number (a compliance order of that kind)")
+    link.add_argument("cycle", help="filing period: 2026-Q3 (IFTA) or 2027 (UCR)")
+    link.set_defaults(run=sign_link)
     demo = commands.add_parser(
         "demo", help="serve sample orders with stand-ins for the worker, Frappe, Telegram and "
                      "SMTP, in a database of its own, and print commands to try")
@@ -69,8 +69,12 @@ def main(argv=None):
     configure_logging(settings)
 
     if args.command == "link":
-        return print_signed_link(settings, args.kind, args.order, args.cycle,
-                                 sys.stdout, sys.stderr)
+        # A malformed link is bad usage, found before the database is opened.
+        try:
+            filings.check_link_parts(args.kind, args.order, args.cycle)
+        except links.InvalidLinkPart as exc:
+            print(f"receiver: {exc}", file=sys.stderr)
+            return 2
     if args.command == "migrate":
         try:
             applied = migrations.migrate(open_database(settings.database_url))
@@ -208,10 +212,16 @@ def time_argument(text):
 
 
 def run_operator_command(command, settings, args):
-    db = open_database(settings.database_url)
+    try:
+        db = open_migrated_database(settings.database_url)
+    except CannotStart as exc:
+        print(f"receiver: {exc}", file=sys.stderr)
+        return exc.status
+    except UNAVAILABLE as exc:
+        return database_unavailable(exc)
     try:
         return asyncio.run(_with_context(command, settings, args))
-    except (operator.NotFound, operator.Refused) as exc:
+    except (operator.NotFound, operator.Refused, filings.LinkRefused) as exc:
         print(f"receiver: {exc}", file=sys.stderr)
         return 1
     except NotConfigured as exc:
@@ -221,6 +231,28 @@ def run_operator_command(command, settings, args):
         return database_unavailable(exc)
     finally:
         db.close()
+
+
+def open_migrated_database(url):
+    """The database the operator's commands work on, made and brought up to date by
+    `migrate`: a mistyped SQLite path is refused (exit 2), not created empty with its
+    folders; a database behind the code's migrations is refused (exit 1)."""
+    path = sqlite_file(url)
+    if path is not None and not os.path.isfile(path):
+        raise CannotStart(f"no database at {os.path.abspath(path)}: check DATABASE_URL "
+                          "(`receiver.py migrate` creates one there)", 2)
+    db = open_database(url)
+    try:
+        behind = migrations.pending(db)
+    except UNAVAILABLE:
+        db.close()
+        raise
+    if behind:
+        db.close()
+        raise CannotStart(f"the database is not up to date ({len(behind)} migration(s) not "
+                          f"applied, from {behind[0]}): check DATABASE_URL, then run "
+                          "`receiver.py migrate` (starting the service applies them too)", 1)
+    return db
 
 
 def database_unavailable(exc):
@@ -370,7 +402,15 @@ async def reminders_list(ctx, args):
 
 
 async def reminders_run(ctx, args):
+    ctx.settings.warn_about_link_secret()
     print(f"queued {await reminders.send_reminders(ctx)} reminder e-mail(s)")
+    return 0
+
+
+async def sign_link(ctx, args):
+    filings.check_link(ctx.settings, args.kind, args.order, args.cycle)
+    ctx.settings.warn_about_link_secret()
+    print(links.signed_link(ctx.settings, args.kind, args.order, args.cycle))
     return 0
 
 

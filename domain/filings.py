@@ -14,10 +14,15 @@ it is still the latest one due; never after the due date.
 Who: compliance orders of an IFTA_SERVICE_SLUGS or UCR_SERVICE_SLUGS service, paid, with
 a customer e-mail, whose subscription is not cancelled, until the customer clicks that
 cycle's "I already filed" link.
+
+A link is signed (`receiver.py link`, the console) and taken (the link's page) only for
+what a reminder could be about: a cycle written as its kind writes it, and a compliance
+order of that kind; anything else would record a filing no reminder looks at.
 """
 import calendar
 import dataclasses
 import datetime
+import re
 
 from peewee import fn
 
@@ -27,6 +32,17 @@ from domain import links
 IFTA, UCR = links.KINDS
 MONTH_NAMES = {1: "January to March", 2: "April to June", 3: "July to September",
                4: "October to December"}
+CYCLE_FORMS = {IFTA: (re.compile(r"(\d{4})-Q([1-4])"), "a quarter such as 2026-Q3"),
+               UCR: (re.compile(r"(\d{4})"), "a registration year such as 2027")}
+
+
+class LinkRefused(Exception):
+    """A well-formed link that no reminder is about: the order is unknown, or is not an
+    order of that kind. The message says which."""
+
+
+class UnknownOrder(LinkRefused):
+    """No compliance order has that number."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +82,46 @@ def ucr_cycle(year):
     return Cycle(UCR, str(year), datetime.date(year - 1, 12, 31), f"registration year {year}")
 
 
+def parse_cycle(kind, label):
+    """The cycle `label` names for `kind`; InvalidLinkPart when it is not written as that
+    kind's cycles are (`2026Q3`, `2026-Q5`, or a quarter for UCR)."""
+    form, example = CYCLE_FORMS[kind]
+    match = form.fullmatch(label)
+    if match is None:
+        raise links.InvalidLinkPart(f"the {kind} period must be {example}, not {label!r}")
+    return ifta_cycle(*map(int, match.groups())) if kind == IFTA else ucr_cycle(int(label))
+
+
+def kind_of(settings, order):
+    """ifta, ucr or None: which filing reminders `order`'s service gets."""
+    slug = (order.service_slug or "").lower()
+    for kind, slugs in ((IFTA, settings.ifta_service_slugs), (UCR, settings.ucr_service_slugs)):
+        if slug in _lowered(slugs):
+            return kind
+    return None
+
+
+def check_link_parts(kind, order_number, label):
+    """InvalidLinkPart unless the link could be signed and its cycle is one of `kind`'s."""
+    links.check_parts(kind, order_number, label)
+    parse_cycle(kind, label)
+
+
+def check_link(settings, kind, order_number, label):
+    """The compliance order a link for (`kind`, `order_number`, `label`) is about, if a
+    reminder could be: InvalidLinkPart for a malformed part, LinkRefused for an unknown
+    order or one of another kind (IFTA_SERVICE_SLUGS, UCR_SERVICE_SLUGS)."""
+    check_link_parts(kind, order_number, label)
+    order = links.find_order(order_number)
+    if order is None:
+        raise UnknownOrder(f"no compliance order {order_number}")
+    if kind_of(settings, order) != kind:
+        raise LinkRefused(
+            f"order {order_number} gets no {kind.upper()} reminders: its service, "
+            f"{order.service_slug or 'none'}, is not in {kind.upper()}_SERVICE_SLUGS")
+    return order
+
+
 def cycles_near(day):
     """Every cycle whose due date could be within a year of `day`, either way."""
     for year in (day.year - 1, day.year, day.year + 1):
@@ -96,8 +152,7 @@ def due_on(settings, day):
     by_customer = {}
     for order in _reminded_orders(slugs):
         address = order.customer_email.strip().lower()
-        kind = next((kind for kind, named in slugs.items()
-                     if (order.service_slug or "").lower() in named), None)
+        kind = kind_of(settings, order)
         for cycle, before in cycles:
             if address and cycle.kind == kind:
                 by_customer.setdefault(address, []).append(Due(order, cycle, before))

@@ -108,12 +108,3 @@ def filing_key(kind, order_number, cycle):
     return ((SelfFiling.kind == kind) & (SelfFiling.order_number == order_number)
             & (SelfFiling.cycle == cycle))
 
-
-def print_signed_link(settings, kind, order_number, cycle, out, err):
-    """`receiver.py link KIND ORDER CYCLE`: print the link for a reminder e-mail."""
-    try:
-        print(signed_link(settings, kind, order_number, cycle), file=out)
-    except InvalidLinkPart as exc:
-        print(f"receiver: {exc}", file=err)
-        return 2
-    return 0

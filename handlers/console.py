@@ -20,7 +20,7 @@ import markupsafe
 import tornado.ioloop
 import tornado.web
 
-from domain import links
+from domain import filings, links
 from handlers.html import HtmlHandler
 from handlers.ratelimit import RateLimiter
 from ops import console, operator
@@ -385,9 +385,10 @@ class LinksHandler(ConsoleHandler):
     def post(self):
         form = {name: self.get_body_argument(name, "").strip() for name in self.FIELDS}
         try:
+            filings.check_link(self.ctx.settings, form["kind"], form["order"], form["cycle"])
             link = links.signed_link(self.ctx.settings, form["kind"], form["order"],
                                      form["cycle"])
-        except links.InvalidLinkPart as exc:
+        except (links.InvalidLinkPart, filings.LinkRefused) as exc:
             self.render_page("links", 400, kinds=links.KINDS, link=None, problem=str(exc),
                              form=form)
             return

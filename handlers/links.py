@@ -6,7 +6,7 @@ first time. The token is checked before the order is looked up, so a caller with
 valid link learns nothing about which orders exist."""
 import tornado.web
 
-from domain import links
+from domain import filings, links
 from handlers.html import HtmlHandler
 from handlers.ratelimit import RateLimited
 
@@ -70,13 +70,17 @@ class FiledLinkHandler(RateLimited, PageHandler):
         return KIND_TITLES[self.kind]
 
     def checked_link(self):
-        """(order, cycle) of a valid link to a known order; else the 403 or 404 page."""
+        """(order, cycle) of a valid link to a known order of this kind, for a cycle of
+        this kind; else the 403 or 404 page (what `receiver.py link` refuses to sign,
+        signed before it refused, records nothing)."""
         order_number, cycle, token = (self.get_query_argument(name, "").strip()
                                       for name in ("order", "cycle", "token"))
         if not links.token_valid(self.ctx.settings.link_secret, self.kind, order_number,
                                  cycle, token):
             self.stop_with(403, "invalid_link", title=self.title)
-        order = links.find_order(order_number)
-        if order is None:
+        try:
+            return filings.check_link(self.ctx.settings, self.kind, order_number, cycle), cycle
+        except filings.UnknownOrder:
             self.stop_with(404, "unknown_order", title=self.title)
-        return order, cycle
+        except (filings.LinkRefused, links.InvalidLinkPart):
+            self.stop_with(404, "not_reminded", title=self.title)

@@ -35,6 +35,15 @@ def available():
         if info.name[:4].isdigit())
 
 
+def pending(db):
+    """The migrations not applied to `db` yet, in order: all of them on an empty one."""
+    with db.bind_ctx([SchemaMigration]):
+        if not SchemaMigration.table_exists():
+            return available()
+        done = {row.name for row in SchemaMigration.select()}
+    return [name for name in available() if name not in done]
+
+
 def add_column_if_missing(db, migrator, table, name, field):
     from playhouse.migrate import migrate as run
     if name not in {column.name for column in db.get_columns(table)}:

@@ -10,9 +10,11 @@ from app.server import make_server
 from domain.links import link_token
 
 
-def compliance_order(order_number="CO-20001", customer_name="Dana Trucking LLC"):
+def compliance_order(order_number="CO-20001", customer_name="Dana Trucking LLC",
+                     service_slug="ifta"):
+    """An order of an IFTA service by default (IFTA_SERVICE_SLUGS); "ucr" for UCR."""
     return ComplianceOrder.create(order_number=order_number, customer_name=customer_name,
-                                  service_slug="ifta-quarterly")
+                                  service_slug=service_slug)
 
 
 def link_path(kind, order_number, cycle, token):

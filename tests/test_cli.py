@@ -354,3 +354,49 @@ def test_migrate_with_the_database_down_says_so_in_one_line_and_exits_1(database
     assert result.stderr.startswith("receiver: database unavailable: ")
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
     assert "pg-password-zz" not in result.stderr + result.stdout
+
+
+# --- a mistyped or unmigrated database: one line, an exit code, nothing created -------------
+
+def run_in(folder, *args, database_url):
+    """`receiver.py` run from `folder`, so that a relative SQLite path lands there."""
+    return subprocess.run([sys.executable, os.path.join(ROOT, "receiver.py"), *args],
+                          cwd=folder, text=True, capture_output=True, timeout=60,
+                          env={**os.environ, "DATABASE_URL": database_url})
+
+
+@pytest.mark.parametrize("url", ["sqlite:///typo/receiver.sqlite3",
+                                 "sqlite:///{tmp}/nonexistent/dir/receiver.sqlite3"],
+                         ids=["relative", "absolute"])
+@pytest.mark.parametrize("command", [("events", "list"), ("outbox", "retry", "--dead"),
+                                     ("link", "ifta", "CO-1", "2026-Q3")])
+def test_a_command_on_a_sqlite_path_with_no_database_creates_nothing(tmp_path, url, command):
+    url = url.format(tmp=tmp_path)
+    result = run_in(tmp_path, *command, database_url=url)
+    path = url.removeprefix("sqlite:///")
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == (f"receiver: no database at {os.path.join(tmp_path, path)}: check "
+                             "DATABASE_URL (`receiver.py migrate` creates one there)\n")
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_command_on_an_unmigrated_database_says_to_migrate(tmp_path):
+    (tmp_path / "empty.sqlite3").write_bytes(b"")
+    result = run_in(tmp_path, "events", "list", database_url="sqlite:///empty.sqlite3")
+    assert (result.returncode, result.stdout) == (1, "")
+    assert result.stderr.startswith("receiver: the database is not up to date (")
+    assert result.stderr.endswith("migration(s) not applied, from 0001_initial): check "
+                                  "DATABASE_URL, then run `receiver.py migrate` (starting "
+                                  "the service applies them too)\n")
+
+
+@pytest.mark.parametrize("command", [("events", "list"), ("serve",), ("migrate",)])
+def test_a_sqlite_url_with_two_slashes_is_refused_not_read_as_a_host(tmp_path, command):
+    """sqlite://var/x.sqlite3 would open x.sqlite3 in the working folder, without var/."""
+    result = run_in(tmp_path, *command, database_url="sqlite://var/x.sqlite3")
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == (
+        "receiver: DATABASE_URL: a SQLite path follows three slashes "
+        "(sqlite:///var/receiver.sqlite3, relative to the working folder) or four "
+        "(sqlite:////srv/receiver.sqlite3)\n")
+    assert os.listdir(tmp_path) == []

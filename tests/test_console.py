@@ -486,6 +486,8 @@ def test_the_due_date_counts_business_days_only():
 
 @pytest.mark.gen_test(timeout=60)
 async def test_signing_a_link_as_the_command_line_does(logged_in, ctx):
+    from tests.public_helpers import compliance_order
+    compliance_order("CO-20001", service_slug="ucr")
     page = text(await logged_in.post("/console/links", {"kind": "ucr", "order": "CO-20001",
                                                         "cycle": "2027"}))
     link = re.search(r'<code id="signed-link">([^<]+)</code>', page).group(1)
@@ -495,6 +497,14 @@ async def test_signing_a_link_as_the_command_line_does(logged_in, ctx):
     refused = await logged_in.post("/console/links", {"kind": "ucr", "order": "CO|1",
                                                       "cycle": "2027"})
     assert refused.code == 400 and "without" in text(refused)
+    for form, problem in (({"kind": "ifta", "order": "CO-20001", "cycle": "2026-Q3"},
+                           "order CO-20001 gets no IFTA reminders"),
+                          ({"kind": "ucr", "order": "CO-404", "cycle": "2027"},
+                           "no compliance order CO-404"),
+                          ({"kind": "ucr", "order": "CO-20001", "cycle": "2026-Q3"},
+                           "the ucr period must be a registration year")):
+        refused = await logged_in.post("/console/links", form)
+        assert refused.code == 400 and problem in text(refused), form
     assert SelfFiling.select().count() == 0
 
 

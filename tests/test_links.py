@@ -129,13 +129,13 @@ def html(response):
     return response.body.decode("utf-8")
 
 
-@pytest.mark.parametrize("kind,title", [("ifta", "IFTA fuel-tax return"),
-                                        ("ucr", "UCR annual registration")])
+@pytest.mark.parametrize("kind,title,cycle", [("ifta", "IFTA fuel-tax return", "2026-Q3"),
+                                              ("ucr", "UCR annual registration", "2027")])
 @pytest.mark.gen_test
-async def test_a_valid_link_records_and_confirms(get, ctx, clock, kind, title):
-    compliance_order("CO-20001", "Dana")
+async def test_a_valid_link_records_and_confirms(get, ctx, clock, kind, title, cycle):
+    compliance_order("CO-20001", "Dana", service_slug=kind)
     clock.set(2026, 10, 5, 8, 30)
-    response = await get(signed_path(ctx, kind, "CO-20001", "2026-Q3"))
+    response = await get(signed_path(ctx, kind, "CO-20001", cycle))
     assert response.code == 200
     assert response.headers["Content-Type"] == "text/html; charset=utf-8"
     assert response.headers["Cache-Control"] == "no-store"
@@ -145,7 +145,7 @@ async def test_a_valid_link_records_and_confirms(get, ctx, clock, kind, title):
     assert "Thank you, Dana: we have recorded that you filed" in page
     assert title in page and "5 October 2026 at 08:30 UTC" in page
     assert "<script" not in page
-    assert already_filed(kind, "CO-20001", "2026-Q3")
+    assert already_filed(kind, "CO-20001", cycle)
 
 
 @pytest.mark.gen_test
@@ -177,7 +177,7 @@ async def test_a_link_checker_s_head_request_records_nothing(get, ctx):
 
 @pytest.mark.gen_test
 async def test_concurrent_first_clicks_record_one_row(get, ctx):
-    compliance_order("CO-20001")
+    compliance_order("CO-20001", service_slug="ucr")
     path = signed_path(ctx, "ucr", "CO-20001", "2027")
     responses = await asyncio.gather(*(get(path) for _ in range(8)))
     assert {r.code for r in responses} == {200}
@@ -221,15 +221,42 @@ async def test_an_unknown_order_with_a_valid_token_gets_the_404_page(get, ctx):
 
 
 @pytest.mark.gen_test
-async def test_html_in_a_customer_name_or_cycle_is_shown_escaped(get, ctx):
+async def test_html_in_a_customer_name_is_shown_escaped(get, ctx):
     compliance_order("CO-20001", customer_name="<script>alert('name')</script>")
-    cycle = '<img src=x onerror="alert(1)">Q3'
-    response = await get(signed_path(ctx, "ifta", "CO-20001", cycle))
+    response = await get(signed_path(ctx, "ifta", "CO-20001", "2026-Q3"))
     page = html(response)
     assert response.code == 200
-    assert "<script>" not in page and "<img" not in page
+    assert "<script>" not in page
     assert "&lt;script&gt;alert(&#39;name&#39;)&lt;/script&gt;" in page
-    assert "&lt;img src=x onerror=&#34;alert(1)&#34;&gt;Q3" in page
+
+
+def links_no_reminder_is_about(ctx):
+    """Links signed before `receiver.py link` refused them: each token is valid."""
+    compliance_order("CO-20001")
+    compliance_order("CO-20002", service_slug="ucr")
+    compliance_order("CO-20003", service_slug="boi-report")
+    return {
+        "period written another way": signed_path(ctx, "ifta", "CO-20001", "2026Q3"),
+        "no such quarter": signed_path(ctx, "ifta", "CO-20001", "2026-Q5"),
+        "a quarter for UCR": signed_path(ctx, "ucr", "CO-20002", "2026-Q3"),
+        "HTML as the period": signed_path(ctx, "ifta", "CO-20001", '<img src=x>2026-Q3'),
+        "UCR link to an IFTA order": signed_path(ctx, "ucr", "CO-20001", "2027"),
+        "IFTA link to a UCR order": signed_path(ctx, "ifta", "CO-20002", "2026-Q3"),
+        "order of neither kind": signed_path(ctx, "ifta", "CO-20003", "2026-Q3"),
+    }
+
+
+@pytest.mark.gen_test
+async def test_a_signed_link_no_reminder_is_about_records_nothing(get, ctx):
+    """The page refuses what the command line refuses to sign: it must not tell the
+    customer that reminders stop while recording a filing no reminder looks at."""
+    for name, path in links_no_reminder_is_about(ctx).items():
+        response = await get(path)
+        assert response.code == 404, name
+        page = html(response)
+        assert "We do not remind you of this filing" in page and "<img" not in page, name
+        assert "Nothing was recorded." in page, name
+    assert SelfFiling.select().count() == 0
 
 
 @pytest.mark.parametrize("kind", ["ifta", "ucr"])
@@ -278,7 +305,7 @@ async def test_database_down_gives_a_503_page_with_retry_after(get, ctx, db):
 async def test_too_many_clicks_from_one_address_get_a_429_page(settings, clock, client):
     limited = dataclasses.replace(settings, public_rate_limit=2)
     ctx = Context.create(limited, clock=clock)
-    compliance_order("CO-20001")
+    compliance_order("CO-20001", service_slug="ucr")
     path = signed_path(ctx, "ucr", "CO-20001", "2027")
     with served(make_app(ctx), limited) as base:
         codes = [(await client.fetch(base + path)).code for _ in range(3)]
@@ -296,9 +323,10 @@ def run_cli(*args, env):
 
 
 @pytest.mark.gen_test(timeout=60)
-async def test_the_cli_prints_a_link_that_works(get, ctx, base_url):
+async def test_the_cli_prints_a_link_that_works(get, ctx, base_url, database_url):
     compliance_order("CO-20001")
-    env = {"LINK_SECRET": ctx.settings.link_secret, "PUBLIC_BASE_URL": base_url}
+    env = {"LINK_SECRET": ctx.settings.link_secret, "PUBLIC_BASE_URL": base_url,
+           "DATABASE_URL": database_url}
     result = await asyncio.to_thread(run_cli, "link", "ifta", "CO-20001", "2026-Q3", env=env)
     assert result.returncode == 0, result.stderr
     link = result.stdout.strip()
@@ -315,3 +343,40 @@ def test_the_cli_refuses_what_it_cannot_sign():
     assert bad_cycle.stdout == ""
     bad_kind = run_cli("link", "irp", "CO-1", "2027", env=env)
     assert bad_kind.returncode == 2 and "invalid choice" in bad_kind.stderr
+
+
+@pytest.mark.parametrize("kind,order,cycle,problem", [
+    ("ifta", "CO-20001", "2026Q3", "the ifta period must be a quarter such as 2026-Q3, not '2026Q3'"),
+    ("ifta", "CO-20001", "2026-Q5", "the ifta period must be a quarter such as 2026-Q3"),
+    ("ucr", "CO-20002", "2026-Q3", "the ucr period must be a registration year such as 2027"),
+])
+def test_the_cli_refuses_a_period_its_kind_never_has(database_url, kind, order, cycle, problem):
+    result = run_cli("link", kind, order, cycle,
+                     env={"LINK_SECRET": SECRET, "DATABASE_URL": database_url})
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr.startswith(f"receiver: {problem}")
+
+
+@pytest.mark.parametrize("kind,order,problem", [
+    ("ifta", "CO-404", "no compliance order CO-404"),
+    ("ucr", "CO-20001", "order CO-20001 gets no UCR reminders: its service, ifta, is not in "
+                        "UCR_SERVICE_SLUGS"),
+    ("ifta", "CO-20003", "order CO-20003 gets no IFTA reminders: its service, boi-report, "
+                         "is not in IFTA_SERVICE_SLUGS"),
+])
+def test_the_cli_refuses_a_link_no_reminder_is_about(ctx, database_url, kind, order, problem):
+    links_no_reminder_is_about(ctx)
+    cycle = "2026-Q3" if kind == "ifta" else "2027"
+    result = run_cli("link", kind, order, cycle,
+                     env={"LINK_SECRET": SECRET, "DATABASE_URL": database_url})
+    assert (result.returncode, result.stdout) == (1, "")
+    assert result.stderr == f"receiver: {problem}\n"
+
+
+def test_the_cli_warns_when_it_signs_with_the_placeholder_secret(database_url):
+    compliance_order("CO-20001")
+    result = run_cli("link", "ifta", "CO-20001", "2026-Q3",
+                     env={"LINK_SECRET": "", "DATABASE_URL": database_url})
+    assert result.returncode == 0 and result.stdout.startswith("http")
+    assert "LINK_SECRET is not set: 'already filed' links are signed with a placeholder" in (
+        result.stderr)

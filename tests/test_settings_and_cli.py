@@ -45,10 +45,11 @@ def test_the_public_base_url_defaults_to_the_address_served(env, base):
     assert Settings.from_env(env).public_base_url == base
 
 
-def test_a_printed_link_points_at_the_port_served(tmp_path):
+def test_a_printed_link_points_at_the_port_served(database_url):
+    from tests.public_helpers import compliance_order
+    compliance_order("CO-20001")
     result = run("link", "ifta", "CO-20001", "2026-Q3", env={
-        "RECEIVER_PORT": "8123", "PUBLIC_BASE_URL": "",
-        "DATABASE_URL": f"sqlite:///{tmp_path}/x.sqlite3"})
+        "RECEIVER_PORT": "8123", "PUBLIC_BASE_URL": "", "DATABASE_URL": database_url})
     assert result.returncode == 0
     assert result.stdout.startswith("http://127.0.0.1:8123/api/v1/ifta/filed?")
 
