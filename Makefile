@@ -1,6 +1,6 @@
 # make run   - serve on 127.0.0.1:8000 with an embedded SQLite database under ./var/
 # make demo  - serve sample orders with local stand-ins (database in ./var/demo/), print what to try
-# make test  - the whole suite on SQLite, then on PostgreSQL (TEST_POSTGRES_URL)
+# make test  - mypy (mypy.ini), then the whole suite on SQLite, then on PostgreSQL (TEST_POSTGRES_URL)
 # make bench - the receivers against a bare Tornado app, results in bench/results/
 # make profile - where each receiver's time goes under load (py-spy), in bench/results/profile/
 PYTHON ?= python3
@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 TEST_POSTGRES_URL ?= postgresql://postgres@127.0.0.1:5432/test
 PYTEST_ARGS ?=
 
-.PHONY: run demo migrate test test-sqlite test-postgres bench profile clean
+.PHONY: run demo migrate test typecheck test-sqlite test-postgres bench profile clean
 
 $(BIN)/.installed: requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +26,10 @@ demo: $(BIN)/.installed
 migrate: $(BIN)/.installed
 	$(BIN)/python receiver.py migrate
 
-test: test-sqlite test-postgres
+test: typecheck test-sqlite test-postgres
+
+typecheck: $(BIN)/.installed
+	$(BIN)/mypy
 
 test-sqlite: $(BIN)/.installed
 	TEST_DATABASE_URL= $(BIN)/pytest $(PYTEST_ARGS)

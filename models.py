@@ -15,8 +15,8 @@ import select
 import time
 
 from peewee import (
-    BigIntegerField, BooleanField, DatabaseError, DatabaseProxy, DateTimeField, Field,
-    ForeignKeyField, IntegerField, InterfaceError, Model, OperationalError,
+    AutoField, BigIntegerField, BooleanField, DatabaseError, DatabaseProxy, DateTimeField,
+    Field, ForeignKeyField, IntegerField, InterfaceError, Model, OperationalError,
     PeeweeException, PostgresqlDatabase, SQL, SqliteDatabase, TextField,
 )
 from playhouse.db_url import parse
@@ -356,6 +356,8 @@ def is_postgres(db=None):
 
 
 class BaseModel(Model):
+    # Peewee adds this primary key itself; declared, so that a type checker knows it.
+    id = AutoField()
     created_at = UTCDateTimeField(default=utcnow)
     updated_at = UTCDateTimeField(default=utcnow)
 

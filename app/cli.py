@@ -55,8 +55,8 @@ def main(argv=None):
     if args.command == "demo":
         # Imported only here: its stand-ins need aiosmtpd, a development requirement. It
         # reads no setting but where to listen, so a bad one elsewhere does not stop it.
-        from app import demo
-        return run_until_stopped(demo.run(os.environ, args.folder))
+        from app import demo as demo_service
+        return run_until_stopped(demo_service.run(os.environ, args.folder))
 
     if args.command == "console":
         # Needs no settings: it is how one of them is made.

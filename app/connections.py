@@ -27,8 +27,11 @@ import collections
 import errno
 import logging
 import resource
+import typing
+import weakref
 
 import tornado.httpserver
+import tornado.httputil
 import tornado.ioloop
 
 import lograte
@@ -69,11 +72,26 @@ def connection_cap(wanted, limit):
     return max(1, min(wanted, limit - min(MAX_RESERVE, limit // 4)))
 
 
+class CountingApplication(typing.Protocol):
+    """What the server asks of its application (app.server.ReceiverApplication)."""
+    requests: weakref.WeakSet
+    waiting_for_body: weakref.WeakSet
+
+    @property
+    def trusted_proxies(self) -> tuple: ...
+
+
 class ReceiverServer(tornado.httpserver.HTTPServer):
     """HTTPServer with the connection cap and the accept loop described above."""
 
-    def initialize(self, *args, max_connections, **kwargs):
-        super().initialize(*args, **kwargs)
+    # Tornado passes the constructor's arguments on to `initialize`; this server needs
+    # one more, and an application that counts its requests.
+    def initialize(  # type: ignore[override]
+            self, application: CountingApplication, *args, max_connections: int,
+            **kwargs) -> None:
+        super().initialize(typing.cast(tornado.httputil.HTTPServerConnectionDelegate,
+                                       application), *args, **kwargs)
+        self.application = application
         self.max_connections = max_connections
 
     def add_sockets(self, sockets):
@@ -90,7 +108,7 @@ class ReceiverServer(tornado.httpserver.HTTPServer):
         open_now = self.open_streams()
         peer = address[0] if isinstance(address, tuple) else ""
         key = client_key(peer)
-        if not is_trusted(peer, self.request_callback.trusted_proxies):
+        if not is_trusted(peer, self.application.trusted_proxies):
             own = [(stream, ip) for stream, ip in open_now if client_key(ip) == key]
             if len(own) >= self.per_address and not self.make_room(own, own=True):
                 REPEATS.warning(("address full", key), "%d connections open from %s (its "
@@ -107,13 +125,15 @@ class ReceiverServer(tornado.httpserver.HTTPServer):
     def open_streams(self):
         """(stream, peer address) of the connections still open (a closed one leaves the
         server's set a moment later)."""
-        return [(conn.stream, conn.context.remote_ip) for conn in self._connections
+        # Tornado types a connection's context as object; it is its request context.
+        return [(conn.stream, getattr(conn.context, "remote_ip"))
+                for conn in self._connections
                 if conn.stream is not None and not conn.stream.closed()]
 
     def make_room(self, connections, own=False):
         """Close an idle connection among `connections`, else the oldest request waiting
         for its body of the address holding the most of them; False if there is none."""
-        app = self.request_callback
+        app = self.application
         busy = {request.connection.stream for request in app.requests}
         for stream, _ in connections:
             if stream not in busy:

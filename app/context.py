@@ -48,6 +48,10 @@ class Context:
     telegram: TelegramClient
     templates: jinja2.Environment
     http: HttpClient
+    # Failed authentications per client address (handlers.base.ApiHandler).
+    auth_failures: RateLimiter
+    # The request bodies held in memory (handlers.budget).
+    bodies: BodyBudget
     clock: typing.Callable = utcnow
     background_tasks: set = dataclasses.field(default_factory=set)
     metrics: Metrics = dataclasses.field(default_factory=Metrics)
@@ -57,16 +61,11 @@ class Context:
     plugins: dict = dataclasses.field(default_factory=registries)
     # Set by `serve` once the scheduler runs (anything with `.running`); /readyz asks it.
     scheduler: typing.Any = None
-    # Failed authentications per client address (handlers.base.ApiHandler).
-    auth_failures: RateLimiter = None
-    # The request bodies held in memory (handlers.budget).
-    bodies: BodyBudget = None
     # What this process has learnt of each destination's health, and its calls in flight.
-    destinations: Destinations = None
+    destinations: Destinations = dataclasses.field(init=False)
 
     def __post_init__(self):
-        if self.destinations is None:
-            self.destinations = Destinations(self)
+        self.destinations = Destinations(self)
 
     @classmethod
     def create(cls, settings, clock=utcnow):

@@ -99,6 +99,7 @@ def secrets_of(settings):
 
 def configure_logging(settings):
     handler = logging.StreamHandler(sys.stderr)
+    formatter: logging.Formatter
     if settings.log_format == "json":
         formatter = JsonLogFormatter()
     else:

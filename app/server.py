@@ -74,9 +74,9 @@ class ReceiverApplication(tornado.web.Application):
         super().__init__(*args, **kwargs)
         self.ctx = ctx
         # A set, not a number, so that a request ended both ways is uncounted once.
-        self.requests = weakref.WeakSet()
+        self.requests: weakref.WeakSet[tornado.httputil.HTTPServerRequest] = weakref.WeakSet()
         # The requests whose body is awaited and has not started (app.connections).
-        self.waiting_for_body = weakref.WeakSet()
+        self.waiting_for_body: weakref.WeakSet[_CountedDelegate] = weakref.WeakSet()
 
     @property
     def in_flight(self):

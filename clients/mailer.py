@@ -70,6 +70,7 @@ class Mailer:
         url = urllib.parse.urlsplit(self.settings.smtp_url)
         timeout = self.settings.outbound_timeout_seconds
         try:
+            client: smtplib.SMTP
             if url.scheme == "smtps":
                 client = smtplib.SMTP_SSL(url.hostname, url.port or 465, timeout=timeout,
                                           context=ssl.create_default_context())

@@ -1,5 +1,6 @@
 """Stripe's API, asked by the backfill and when an event leaves a payment method open."""
 import stripe
+from stripe._base_address import BaseAddresses
 
 # The API version every request is made in, and the one the webhook endpoint is set to.
 # Named here rather than left to the package's default, which moves with its upgrades.
@@ -13,7 +14,8 @@ class NotConfigured(Exception):
 def stripe_client(settings):
     if not settings.stripe_secret_key:
         raise NotConfigured("STRIPE_SECRET_KEY is not set")
-    base = {"api": settings.stripe_api_base} if settings.stripe_api_base else None
+    base: BaseAddresses | None = (
+        {"api": settings.stripe_api_base} if settings.stripe_api_base else None)
     return stripe.StripeClient(
         settings.stripe_secret_key, base_addresses=base, max_network_retries=2,
         stripe_version=API_VERSION,

@@ -167,8 +167,8 @@ class GroupCommit:
     def _finish_turn(self, batch, turn):
         try:
             outcomes = turn.result()
-        except BaseException as failure:  # the thread could not run the turn at all
-            outcomes = [(None, failure)] * len(batch)
+        except BaseException as error:  # the thread could not run the turn at all
+            outcomes = [(None, error)] * len(batch)
         for (unit, future, conflicts), (result, failure) in zip(batch, outcomes):
             if future.cancelled():
                 continue

@@ -51,8 +51,9 @@ class Circuit:
         self.db = db
         self.interval = interval
         self.reason = None
-        self.opened_at = None
-        self.loop = None
+        self.opened_at = 0.0
+        # The service's loop, from `attach` on.
+        self.loop: asyncio.AbstractEventLoop
         self.prober = None
         self.threads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="db-probe")
 

@@ -43,8 +43,9 @@ class Destination:
         self.probe_max = datetime.timedelta(seconds=settings.outbound_probe_max_seconds)
         self.up = True
         self.failures = 0
-        self.probe_wait = None
-        self.probe_at = None
+        # How long a destination that is down waits between probes (set when it goes down).
+        self.probe_wait = datetime.timedelta(seconds=FIRST_PROBE_SECONDS)
+        self.probe_at: datetime.datetime | None = None
         self.probing = False
         self.in_flight = 0
         limit = settings.outbound_max_in_flight

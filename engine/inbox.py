@@ -267,7 +267,7 @@ def find_any(source, dedup_keys):
     return statement.first(source=source, **{f"key{n}": key for n, key in enumerate(dedup_keys)})
 
 
-_FIND_ANY = {}
+_FIND_ANY: dict[int, Prepared] = {}
 
 
 def _first_of_keys(count):

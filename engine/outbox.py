@@ -132,8 +132,9 @@ class Effects:
         self.position = 0
         # The event's rows stored under positional keys, by kind, and those an effect of
         # this handling has been recognised as (read once, when first needed).
-        self.positional = {} if first_handling or event is None else None
-        self.recognised = set()
+        self.positional: dict[str, list[int]] | None = (
+            {} if first_handling or event is None else None)
+        self.recognised: set[tuple[str, int]] = set()
         self.retry_reason = None
         # Set by `reject`: the event is refused for good, with this reason.
         self.rejection = None
@@ -230,8 +231,8 @@ class Effects:
         return True
 
     def _positional_rows(self):
-        keys = set(Outbox.select(Outbox.kind, Outbox.idempotency_key)
-                   .where(Outbox.event == self.event.id).tuples())
+        keys = {(row.kind, row.idempotency_key) for row in Outbox.select(
+            Outbox.kind, Outbox.idempotency_key).where(Outbox.event == self.event.id)}
         return {kind: [position for position in range(POSITIONS_RECOGNISED)
                        if (kind, positional_key(self.event, kind, position)) in keys]
                 for kind in {kind for kind, _ in keys}}
@@ -408,9 +409,9 @@ def record_outcomes(ctx, rows, results):
          .where(Outbox.id.in_([row.id for row in sent])).execute())
         for row in sent:
             ctx.metrics.effect_sent(row.kind, "sent")
-    sent = set(sent)
+    recorded = set(sent)
     for row, result in zip(rows, results):
-        if result is not None and row not in sent:
+        if result is not None and row not in recorded:
             try:
                 with commits.savepoint():
                     record_outcome(ctx, row, result)

@@ -112,7 +112,7 @@ class InsertOnce(Prepared):
         return (cursor.lastrowid or True) if cursor.rowcount == 1 else None
 
 
-_SAVES = {}
+_SAVES: dict[tuple, Prepared] = {}
 
 
 def save_changes(instance):

@@ -130,7 +130,7 @@ def quarantined(spool_dir):
             lines = handle.read().splitlines()
     except OSError:
         return []  # none yet, or no spool to read (/readyz's spool check says why)
-    entries = {}
+    entries: dict[tuple, dict] = {}
     for line in lines:
         try:
             entry = json.loads(line)
