@@ -469,7 +469,11 @@ class TreasuryJob(BaseModel):
     state = TextField(default="received")
     coin = TextField()
     amount_coin = ExactDecimalField(default=decimal.Decimal(0))
-    amount_usd_cents = BigIntegerField(default=0)
+    # The invoice's fiat amount in cents of its currency; amount_usd_cents is the same
+    # amount when that currency is USD, and null when it is not.
+    fiat_currency = TextField(default="USD", constraints=database_default("'USD'"))
+    amount_fiat_cents = BigIntegerField(default=0, constraints=database_default("0"))
+    amount_usd_cents = BigIntegerField(null=True, default=0)
     idempotency_key = TextField()
     received_at = UTCDateTimeField(default=utcnow)
 
@@ -483,7 +487,11 @@ class LedgerEntry(BaseModel):
     coin = TextField()
     movement_type = TextField(default="receive")
     amount_coin = ExactDecimalField(default=decimal.Decimal(0))
-    amount_usd_cents = BigIntegerField(default=0)
+    # As on TreasuryJob: the transaction's fiat amount in cents of the invoice's currency,
+    # and in USD cents only when that currency is USD.
+    fiat_currency = TextField(default="USD", constraints=database_default("'USD'"))
+    amount_fiat_cents = BigIntegerField(default=0, constraints=database_default("0"))
+    amount_usd_cents = BigIntegerField(null=True, default=0)
     provider = TextField()
     provider_ref = TextField()
     provider_status = TextField()

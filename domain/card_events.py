@@ -4,7 +4,6 @@ and the small vocabulary the card plugins share.
 The webhook handler and the event backfill both feed events through `accept`.
 """
 import asyncio
-import decimal
 import functools
 import hashlib
 import logging
@@ -184,8 +183,3 @@ def order_with_subscription(subscription_id, for_update=False):
              .where(ComplianceOrder.stripe_subscription_id == subscription_id))
     return (locked(query) if for_update else query).first()
 
-
-def dollars(cents):
-    """Integer cents as dollars with two decimals, exactly: 123456 -> '1234.56'."""
-    amount = decimal.Decimal(int(cents or 0)) / 100
-    return str(amount.quantize(decimal.Decimal("0.01")))

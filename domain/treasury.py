@@ -16,7 +16,7 @@ import peewee
 from models import LedgerEntry, TreasuryJob
 from engine.payload import exact_json
 from engine.commits import raise_if_conflict, savepoint
-from domain.orders import OrderNotFound, complete_payment, order_type_of
+from domain.orders import OrderNotFound, complete_payment, email_admin, order_type_of
 from engine.prepared import InsertOnce
 
 log = logging.getLogger("receiver.crypto")
@@ -25,6 +25,8 @@ PROVIDER = "crypto-processor"
 NEW_TREASURY_JOB = InsertOnce(TreasuryJob)
 NEW_LEDGER_ENTRY = InsertOnce(LedgerEntry)
 PAID_STATUSES = ("PAID", "OVERPAID")
+# An invoice naming no fiat currency is in SHKeeper's default.
+DEFAULT_FIAT = "USD"
 # Wider than any coin's precision or any invoice; anything beyond is not a payment.
 MAX_DECIMAL_PLACES = 30
 MAX_AMOUNT = decimal.Decimal(10) ** 15
@@ -195,8 +197,13 @@ class Callback:
         return order_type_of(self.external_id)
 
     @property
-    def amount_usd_cents(self):
-        return cents(self.amount_fiat)
+    def fiat_currency(self):
+        return self.fiat or DEFAULT_FIAT
+
+    def usd_cents(self, amount_fiat):
+        """`amount_fiat` in USD cents when the invoice is in USD; None when it is not
+        (no amount in another currency is recorded as USD)."""
+        return cents(amount_fiat) if self.fiat_currency == "USD" else None
 
     def txid(self, arrived_at):
         """transactions[0].txid, or `crypto-<coin>-<epoch ms>` of the callback's arrival."""
@@ -233,9 +240,8 @@ def receive_payment(ctx, payload, effects):
         log.info("crypto %s callback for %s with paid=%s: logged only",
                  callback.status, callback.external_id, callback.paid)
         return
-    if callback.fiat not in ("", "USD"):
-        log.warning("crypto invoice %s is in %s; its amount is recorded as USD cents as given",
-                    callback.external_id, callback.fiat)
+    if callback.fiat_currency != "USD":
+        tell_not_in_usd(ctx, effects, callback)
     arrival = arrived_at(ctx, effects)
     txid = callback.txid(arrival)
     record_receipt(ctx, callback, arrival)
@@ -248,6 +254,19 @@ def receive_payment(ctx, payload, effects):
         # The coins arrived: their treasury job and ledger entry stay recorded, and only
         # the completion is tried again.
         effects.retry_later(f"payment not completed: {type(failure).__name__}: {failure}")
+
+
+def tell_not_in_usd(ctx, effects, callback):
+    """The treasury job sizes its off-ramp in USD: one in another currency needs a person.
+    Once per order (the mail's key)."""
+    log.warning("crypto invoice %s is in %s, not USD: its treasury job has no USD amount",
+                callback.external_id, callback.fiat_currency)
+    email_admin(ctx, effects, f"Treasury job for order {callback.external_id} is in "
+                f"{callback.fiat_currency}, not USD", "treasury_not_usd", callback.external_id,
+                key=f"email-treasury-not-usd-{callback.external_id}",
+                currency=callback.fiat_currency,
+                amount=f"{callback.amount_fiat} {callback.fiat_currency}",
+                amount_coin=f"{callback.amount_coin} {callback.coin}")
 
 
 def log_notice(ctx, payload, effects):
@@ -291,14 +310,18 @@ def _save_treasury_job(ctx, callback, txid):
     created = NEW_TREASURY_JOB.run(
         order_id=callback.external_id, order_type=callback.order_type, state="received",
         coin=callback.coin, amount_coin=callback.amount_coin,
-        amount_usd_cents=callback.amount_usd_cents,
+        fiat_currency=callback.fiat_currency, amount_fiat_cents=cents(callback.amount_fiat),
+        amount_usd_cents=callback.usd_cents(callback.amount_fiat),
         idempotency_key=f"crypto-settle:{callback.external_id}:{txid}",
         received_at=now, created_at=now, updated_at=now)
     if created:
         return
     updated = (TreasuryJob
                .update(amount_coin=callback.amount_coin,
-                       amount_usd_cents=callback.amount_usd_cents, updated_at=now)
+                       fiat_currency=callback.fiat_currency,
+                       amount_fiat_cents=cents(callback.amount_fiat),
+                       amount_usd_cents=callback.usd_cents(callback.amount_fiat),
+                       updated_at=now)
                .where(TreasuryJob.order_id == callback.external_id,
                       TreasuryJob.state == "received")
                .execute())
@@ -321,11 +344,13 @@ def _add_ledger_entry(ctx, callback, transaction):
     added = NEW_LEDGER_ENTRY.run(
         order_id=callback.external_id, order_type=callback.order_type, coin=transaction.coin,
         movement_type="receive", amount_coin=transaction.amount_coin,
-        amount_usd_cents=cents(transaction.amount_fiat), provider=PROVIDER, provider_ref=txid,
+        fiat_currency=callback.fiat_currency, amount_fiat_cents=cents(transaction.amount_fiat),
+        amount_usd_cents=callback.usd_cents(transaction.amount_fiat), provider=PROVIDER,
+        provider_ref=txid,
         provider_status=callback.status, state="confirmed",
         idempotency_key=ledger_key(callback.external_id, txid), acquired_at=now,
         notes=(f"{callback.status}: received {transaction.amount_coin} {transaction.coin} "
-               f"({transaction.amount_fiat} {callback.fiat or 'fiat'}, "
+               f"({transaction.amount_fiat} {callback.fiat_currency}, "
                f"fee {transaction.fee_fiat})"),
         created_at=now, updated_at=now)
     if not added:

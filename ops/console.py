@@ -16,6 +16,7 @@ import re
 from peewee import fn
 
 from domain import settlement
+from domain.money import money
 from engine import outbox
 from engine.claims import claim, lease
 from models import (
@@ -302,15 +303,12 @@ def _effect_moments(order_number):
 def _money_moments(order_number):
     for job in TreasuryJob.select().where(TreasuryJob.order_id == order_number):
         yield Moment(job.received_at, "treasury job", f"{job.amount_coin} {job.coin} "
-                     f"({dollars(job.amount_usd_cents)}), {job.state}")
+                     f"({money(job.amount_fiat_cents, job.fiat_currency, places=2)}), "
+                     f"{job.state}")
     for entry in LedgerEntry.select().where(LedgerEntry.order_id == order_number):
         yield Moment(entry.acquired_at, "ledger entry",
                      f"{entry.movement_type} {entry.amount_coin} {entry.coin} via "
                      f"{entry.provider} ({entry.provider_status})")
-
-
-def dollars(cents):
-    return f"${cents // 100:,}.{cents % 100:02d}"
 
 
 def _click_moments(order_number):

@@ -424,6 +424,20 @@ async def test_a_dispute_marks_the_order_found_by_payment_intent_and_mails_the_a
 
 
 @pytest.mark.gen_test
+async def test_a_dispute_in_canadian_dollars_is_not_mailed_as_us_dollars(send, clock, smtp):
+    clock.set(2026, 11, 21, 8, 0)
+    CrtcOrder.create(order_number="CA-6", payment_status="paid",
+                     stripe_payment_intent_id="pi_test_cad")
+    await send("charge.dispute.created",
+               {**se.dispute("pi_test_cad", amount=49900), "currency": "cad"})
+    assert CrtcOrder.get().notes == (
+        "Dispute opened: fraudulent, amount CAD 499.00 (2026-11-21T08:00:00+00:00)")
+    [(_, message)] = smtp.messages
+    for body in parts(message):
+        assert "CAD 499.00" in body and "$" not in body
+
+
+@pytest.mark.gen_test
 async def test_the_exact_payment_intent_wins_over_a_substring_match(send):
     FormationOrder.create(order_number="FO-1", stripe_session_id="ref-pi_test_9-old")
     BundleOrder.create(order_number="BU-1", stripe_payment_intent_id="pi_test_9")

@@ -437,11 +437,12 @@ async def test_the_order_timeline_puts_everything_about_an_order_in_time_order(l
     Outbox.update(order_number="CA-9", sent_at=at(2026, 11, 6, 0, 0, 2),
                   created_at=at(2026, 11, 6, 0, 0, 1)).where(Outbox.id == row.id).execute()
     TreasuryJob.create(order_id="CA-9", order_type="canada_crtc", coin="BTC",
-                       amount_coin=decimal.Decimal("0.0123"), amount_usd_cents=123456,
+                       amount_coin=decimal.Decimal("0.0123"), amount_fiat_cents=123456,
+                       amount_usd_cents=123456,
                        idempotency_key="tj-1", received_at=at(2026, 11, 2, 9, 0))
     page = text(await logged_in.get("/console/orders/CA-9"))
     facts, timeline = page.split("Timeline")
-    assert "0.0123 BTC ($1,234.56), received" in timeline
+    assert "0.0123 BTC ($1234.56), received" in timeline
     assert "Rae &lt;Radio&gt; Ltd" in facts and "rae@example.test" in facts
     order_of = [what for what in ("canada_crtc order created", "paid", "funds settled",
                                   "delivered; commission holdback starts",

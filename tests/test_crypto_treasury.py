@@ -8,7 +8,8 @@ from decimal import Decimal
 
 import pytest
 
-from models import UTC, CrtcOrder, FormationOrder, LedgerEntry, TreasuryJob, WebhookEvent
+from models import (
+    UTC, CrtcOrder, FormationOrder, LedgerEntry, Outbox, TreasuryJob, WebhookEvent)
 from domain import orders, treasury
 from tests import shkeeper
 from tests.shkeeper import API_KEY, URL, key_headers
@@ -224,6 +225,35 @@ async def test_one_transaction_paying_two_invoices_is_an_entry_for_each_order(po
     assert LedgerEntry.select().count() == 2
 
 
+@pytest.mark.gen_test
+async def test_an_invoice_in_euros_is_kept_in_euros_and_the_administrator_told(
+        post, telegram, smtp):
+    # On the real SHKeeper a EUR invoice was recorded as USD cents.
+    CrtcOrder.create(order_number="CA-2001")
+    callback = shkeeper.paid("CA-2001", txid="tx-eur-1", balance_crypto="0.00107",
+                             balance_fiat="101.99", fiat="EUR")
+    await send(post, callback)
+    job, entry = TreasuryJob.get(), LedgerEntry.get()
+    assert (job.fiat_currency, job.amount_fiat_cents, job.amount_usd_cents) == (
+        "EUR", 10199, None)
+    assert (entry.fiat_currency, entry.amount_fiat_cents, entry.amount_usd_cents) == (
+        "EUR", 10199, None)
+    assert "(101.99 EUR, fee " in entry.notes
+    assert CrtcOrder.get().payment_status == "paid"
+    [notice] = [row for row in Outbox.select() if row.kind == "email"]
+    mail = json.loads(notice.payload)
+    assert mail["subject"] == "Treasury job for order CA-2001 is in EUR, not USD"
+    assert "101.99 EUR" in mail["text"] and "USD" not in mail["text"].split("Order:")[1]
+    # SHKeeper's OVERPAID top-up of the same invoice: the administrator was told already.
+    await send(post, shkeeper.invoice(
+        "CA-2001", "OVERPAID",
+        [shkeeper.transaction("tx-eur-1", "0.00107", "101.99"),
+         shkeeper.transaction("tx-eur-2", "0.0001", "9.53", trigger=True)],
+        "0.00117", "111.52", fiat="EUR", overpaid_fiat="4.42"))
+    assert [row.kind for row in Outbox.select()].count("email") == 1
+    assert TreasuryJob.get().amount_fiat_cents == 11152
+
+
 @pytest.mark.gen_test(timeout=30)
 async def test_twenty_identical_paid_callbacks_at_once(post, telegram):
     CrtcOrder.create(order_number="CA-1001")
@@ -296,7 +326,9 @@ def test_a_callback_reads_as_shkeeper_means_it():
     assert (callback.external_id, callback.status, callback.paid, callback.coin) == (
         "BU-9", "OVERPAID", True, "BTC")
     assert callback.txids == ("tx-step-1", "tx-step-2", "tx-step-3")
-    assert (callback.amount_coin, callback.amount_usd_cents) == (Decimal("0.0039"), 37440)
+    assert (callback.amount_coin, callback.amount_fiat, callback.fiat_currency) == (
+        Decimal("0.0039"), Decimal("374.4"), "USD")
+    assert callback.usd_cents(callback.amount_fiat) == 37440
     third = callback.transactions[2]
     assert (third.amount_coin, third.amount_fiat, third.fee_fiat) == (
         Decimal("0.0005"), Decimal("48"), Decimal("0.9411764706"))

@@ -13,7 +13,7 @@ from playhouse.migrate import migrate as run
 import migrations
 from models import (
     ORDER_MODELS, POSTGRES_FIELD_TYPES, SQLITE_FIELD_TYPES, ComplianceOrder, CrtcOrder, LedgerEntry,
-    is_postgres, utcnow,
+    TreasuryJob, is_postgres, utcnow,
 )
 from tests.conftest import _postgres_scratch_database
 from tests.test_models import assert_documented_defaults, insert_order_number_only
@@ -190,3 +190,42 @@ def test_0014_gives_old_ledger_keys_the_order_and_leaves_new_ones_alone(scratch_
         LEDGER_KEYS.apply(scratch_db, migrator_for(scratch_db))
         assert sorted(e.idempotency_key for e in LedgerEntry.select()) == [
             "crypto-processor:CA-1:tx-old", "crypto-processor:CA-2:tx-new", "manual:tx-other"]
+
+
+FIAT_CURRENCY = importlib.import_module("migrations.0014_fiat_currency")
+
+
+def test_0014_keeps_the_fiat_currency_of_old_treasury_jobs_and_ledger_entries(scratch_db):
+    def shape():  # an added column comes last, where a fresh table has it in place
+        return [sorted(scratch_db.get_columns(table)) for table in FIAT_CURRENCY.TABLES]
+    fresh = shape()
+    migrator = migrator_for(scratch_db)
+    for table in FIAT_CURRENCY.TABLES:
+        run(migrator.drop_column(table, "fiat_currency"),
+            migrator.drop_column(table, "amount_fiat_cents"),
+            migrator.add_not_null(table, "amount_usd_cents"))
+    notes = {"CA-USD": "PAID: received 0.001 BTC (96 USD, fee 1.88)",
+             "CA-EUR": "PAID: received 0.00107 BTC (101.99 EUR, fee 2)"}
+    for order, cents in (("CA-USD", 9600), ("CA-EUR", 10199)):
+        scratch_db.execute_sql(
+            "INSERT INTO treasury_jobs (order_id, order_type, state, coin, amount_coin, "
+            "amount_usd_cents, idempotency_key, received_at, created_at, updated_at) VALUES "
+            f"('{order}', 'canada_crtc', 'received', 'BTC', '0.001', {cents}, 'k-{order}', "
+            "'2026-11-20 09:00:00+00:00', '2026-11-20 09:00:00+00:00', "
+            "'2026-11-20 09:00:00+00:00')")
+        scratch_db.execute_sql(
+            "INSERT INTO ledger_entries (order_id, order_type, coin, movement_type, "
+            "amount_coin, amount_usd_cents, provider, provider_ref, provider_status, state, "
+            "idempotency_key, acquired_at, notes, created_at, updated_at) VALUES "
+            f"('{order}', 'canada_crtc', 'BTC', 'receive', '0.001', {cents}, "
+            f"'crypto-processor', 'tx', 'PAID', 'confirmed', 'crypto-processor:{order}:tx', "
+            f"'2026-11-20 09:00:00+00:00', '{notes[order]}', '2026-11-20 09:00:00+00:00', "
+            "'2026-11-20 09:00:00+00:00')")
+    for _ in range(2):
+        FIAT_CURRENCY.apply(scratch_db, migrator)
+        assert shape() == fresh
+    with scratch_db.bind_ctx([TreasuryJob, LedgerEntry]):
+        for model in (TreasuryJob, LedgerEntry):
+            assert {(row.order_id, row.fiat_currency, row.amount_fiat_cents,
+                     row.amount_usd_cents) for row in model.select()} == {
+                ("CA-USD", "USD", 9600, 9600), ("CA-EUR", "EUR", 10199, None)}

@@ -6,6 +6,7 @@ import pytest
 
 from models import ComplianceOrder, CrtcOrder, FormationOrder, Outbox, database
 from engine import outbox
+from domain.money import money
 from domain.orders import OrderNotFound, complete_payment, payment_method_of
 
 
@@ -154,3 +155,16 @@ def test_alert_payload_is_stored_with_its_key(ctx):
     row = Outbox.get()
     assert row.idempotency_key == "alert-paid-formation-FO-3"
     assert "crypto" in json.loads(row.payload)["text"]
+
+
+@pytest.mark.parametrize("minor_units,currency,text", [
+    (49900, "usd", "$499.00"), (49900, "cad", "CAD 499.00"), (9999, "EUR", "EUR 99.99"),
+    (5000, "jpy", "JPY 5000"), (12345, "kwd", "KWD 12.345"), (5, "usd", "$0.05"),
+    (None, "usd", "$0.00"), (49900, None, "499.00 (currency not given)"),
+])
+def test_an_amount_always_names_its_currency(minor_units, currency, text):
+    assert money(minor_units, currency) == text
+
+
+def test_an_amount_in_cents_of_any_currency():
+    assert money(10199, "JPY", places=2) == "JPY 101.99"

@@ -6,7 +6,8 @@ import logging
 
 from plugins.registry import card_event
 from domain import holdback
-from domain.card_events import dollars, email_admin, object_of
+from domain.card_events import email_admin, object_of
+from domain.money import money
 from domain.orders import find_by_payment_intent, mark_disputed
 
 log = logging.getLogger("receiver.card")
@@ -17,7 +18,7 @@ def handle(ctx, event, effects):
     dispute = object_of(event)
     payment_intent = dispute.get("payment_intent") or ""
     reason = dispute.get("reason") or "unknown"
-    amount = f"${dollars(dispute.get('amount'))}"
+    amount = money(dispute.get("amount"), dispute.get("currency"))
     order = find_by_payment_intent(payment_intent)
     commission = None
     if order is None:

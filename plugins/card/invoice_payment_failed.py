@@ -3,7 +3,8 @@ time; on the first attempt the customer, when we have their address, also gets a
 update the card. The administrator's e-mail says which of the two happened, and why not."""
 from plugins.registry import card_event
 from domain.card_events import (
-    dollars, email_admin, object_of, order_with_subscription, subscription_of_invoice)
+    email_admin, object_of, order_with_subscription, subscription_of_invoice)
+from domain.money import money
 
 FIRST_ATTEMPT = 1
 NUDGE_SUBJECT = "Your payment did not go through"
@@ -17,7 +18,7 @@ def handle(ctx, event, effects):
     details = {
         "invoice": invoice["id"],
         "attempt": invoice.get("attempt_count"),
-        "amount": f"${dollars(invoice.get('amount_due'))}",
+        "amount": money(invoice.get("amount_due"), invoice.get("currency")),
         "customer_name": (order and order.customer_name) or invoice.get("customer_name") or "",
         "customer_email": (order and order.customer_email) or invoice.get("customer_email"),
         "service_name": (order and order.service_name) or "your subscription",
