@@ -23,7 +23,7 @@ from engine import spool
 from engine.db import UNAVAILABLE
 from engine.payload import read_json
 from models import open_database, sqlite_file
-from ops import operator, passwords
+from ops import console, operator, passwords
 from settings import ConfigurationError, Settings
 
 
@@ -343,6 +343,9 @@ async def outbox_retry(ctx, args):
         print(f"{count} {args.status} row(s) back to pending, due now")
         return 0
     row = operator.retry_outbox(ctx, args.id)
+    # Kept with the console's actions, so the effect's timeline shows who retried it.
+    console.record_action(ctx, f"{getpass.getuser()} (command line)", "local",
+                          "retry effect", row.id, "back in line")
     print(f"outbox row #{row.id} ({row.kind}) back to pending, due now")
     return 0
 

@@ -30,6 +30,9 @@ def error_text(text, limit=MAX_ERROR_CHARS):
     return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
+JSON_HEADERS = {"Content-Type": "application/json", "Accept": "application/json"}
+
+
 @dataclasses.dataclass(frozen=True)
 class Result:
     ok: bool
@@ -69,6 +72,15 @@ class Result:
         peer that answers."""
         return not self.ok and self.configured and self.retryable and (
             self.status == 0 or self.status >= 500)
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """A JSON POST as a client sends it: what `post_json` is given, and what the console
+    shows of an effect (with the credentials hidden)."""
+    url: str
+    body: dict
+    headers: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,11 +132,8 @@ async def post_json(http, url, body, headers=None, timeout=10.0, peer="peer"):
     is the peer's word that it took the call (a worker answering "OK" as text, or 204),
     and asking again would only do it twice; `peer` names it in the warning."""
     try:
-        reply = await http.call(
-            "POST", url, json.dumps(body).encode(),
-            {"Content-Type": "application/json", "Accept": "application/json",
-             **(headers or {})},
-            timeout)
+        reply = await http.call("POST", url, json.dumps(body).encode(),
+                                {**JSON_HEADERS, **(headers or {})}, timeout)
     except Exception as exc:  # network errors of every kind
         return Result.failed(describe(exc))
     if not 200 <= reply.status < 300:

@@ -1,7 +1,7 @@
 """Order alerts through the Telegram Bot API (sendMessage)."""
 import logging
 
-from clients.http import Result, post_json
+from clients.http import Request, Result, post_json
 
 log = logging.getLogger("receiver.alerts")
 
@@ -22,7 +22,12 @@ class TelegramClient:
             log.info("alert not sent (TELEGRAM_BOT_TOKEN/TELEGRAM_CHAT_ID unset): %s", text)
             return Result.only_logged("TELEGRAM_BOT_TOKEN/TELEGRAM_CHAT_ID unset: "
                                       "logged, not sent")
-        return await post_json(
-            self.http, f"{s.telegram_api_url}/bot{s.telegram_bot_token}/sendMessage",
-            {"chat_id": s.telegram_chat_id, "text": text},
-            timeout=s.outbound_timeout_seconds, peer="Telegram")
+        request = self.request(text)
+        return await post_json(self.http, request.url, request.body,
+                               timeout=s.outbound_timeout_seconds, peer="Telegram")
+
+    def request(self, text):
+        """The bot's token is part of the URL."""
+        s = self.settings
+        return Request(f"{s.telegram_api_url}/bot{s.telegram_bot_token}/sendMessage",
+                       {"chat_id": s.telegram_chat_id, "text": text})

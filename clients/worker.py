@@ -1,5 +1,5 @@
 """The worker service: POST {WORKER_URL}/jobs with the action and its payload."""
-from clients.http import Result, post_json
+from clients.http import Request, Result, post_json
 
 
 class WorkerClient:
@@ -14,8 +14,10 @@ class WorkerClient:
     async def dispatch(self, action, payload, idempotency_key):
         if not self.configured:
             return Result.failed("WORKER_URL is not set", configured=False)
-        return await post_json(
-            self.http, f"{self.settings.worker_url}/jobs",
-            {"action": action, **payload},
-            headers={"Idempotency-Key": idempotency_key},
-            timeout=self.settings.outbound_timeout_seconds, peer="worker")
+        request = self.request(action, payload, idempotency_key)
+        return await post_json(self.http, request.url, request.body, request.headers,
+                               timeout=self.settings.outbound_timeout_seconds, peer="worker")
+
+    def request(self, action, payload, idempotency_key):
+        return Request(f"{self.settings.worker_url}/jobs", {"action": action, **payload},
+                       {"Idempotency-Key": idempotency_key})

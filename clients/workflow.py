@@ -11,7 +11,7 @@ import json
 import logging
 import urllib.parse
 
-from clients.http import Result, describe, post_json
+from clients.http import Request, Result, describe, post_json
 
 log = logging.getLogger("receiver.workflow")
 
@@ -42,20 +42,22 @@ class WorkflowClient:
         s = self.settings
         if not s.workflow_url:
             return Result.failed("WORKFLOW_URL is not set", configured=False)
-        result = await post_json(
-            self.http,
-            f"{s.workflow_url}/api/method/{APPLY_WORKFLOW}",
-            {"cmd": APPLY_WORKFLOW,
-             "doc": json.dumps({"doctype": doctype, "name": name}),
-             "action": action},
-            headers=self._headers(),
-            timeout=s.outbound_timeout_seconds, peer="workflow system")
+        request = self.apply_request(doctype, name, action)
+        result = await post_json(self.http, request.url, request.body, request.headers,
+                                 timeout=s.outbound_timeout_seconds, peer="workflow system")
         if result.status == 417:
             if await self.already_past(doctype, name, action):
                 return Result(ok=True, status=417, body={"already_applied": True},
                               reply=result.reply)
             return dataclasses.replace(result, retryable=False)
         return result
+
+    def apply_request(self, doctype, name, action):
+        return Request(f"{self.settings.workflow_url}/api/method/{APPLY_WORKFLOW}",
+                       {"cmd": APPLY_WORKFLOW,
+                        "doc": json.dumps({"doctype": doctype, "name": name}),
+                        "action": action},
+                       self._headers())
 
     async def already_past(self, doctype, name, action):
         """After a 417: is the document past `action`? Frappe's workflow for the doctype

@@ -11,6 +11,7 @@ rate limited per client address. Every action is recorded (ops.console.record_ac
 Longer than most: one small handler a page or action, sharing the session, xsrf and
 action-recording base defined here."""
 import datetime
+import functools
 import json
 import re
 import secrets
@@ -117,7 +118,8 @@ class ConsoleHandler(HtmlHandler):
         self.finish(page.render(
             operator=self.current_user if not self.public else None,
             xsrf=markupsafe.Markup(self.xsrf_form_html()), fmt=operator.format_time,
-            now=self.ctx.clock(), path=self.request.path, path_part=path_part, **values))
+            now=self.ctx.clock(), path=self.request.path, path_part=path_part,
+            effect_name=functools.partial(console.effect_name, self.ctx), **values))
 
     def stop_with(self, template, code, **values):
         self.render_page(template, code, **values)
@@ -326,7 +328,25 @@ class OutboxHandler(ConsoleHandler):
                          all_statuses=operator.OUTBOX_STATUSES)
 
 
-class RetryEffectHandler(OutboxHandler):
+class EffectHandler(ConsoleHandler):
+    """One effect: what it is, the request as sent, every attempt, its cause, and the
+    retry and give-up buttons."""
+
+    async def get(self, row_id):
+        await self.show_effect(int(row_id))
+
+    async def show_effect(self, row_id, notice=None, status_code=200):
+        try:
+            page = await self.ctx.db(functools.partial(console.effect_page, self.ctx, row_id))
+        except operator.NotFound:
+            raise tornado.web.HTTPError(404) from None
+        self.render_page("effect", status_code, effect=page, notice=notice,
+                         summary=console.attempt_summary)
+
+
+class RetryEffectHandler(OutboxHandler, EffectHandler):
+    """Answers with the outbox page, or with the effect's page when it came from there
+    (`back=effect`)."""
     SUPPORTED_METHODS = ("POST",)
 
     async def post(self, row_id):
@@ -334,14 +354,38 @@ class RetryEffectHandler(OutboxHandler):
             row = await console.retry_now(self.ctx, int(row_id))
         except operator.NotFound:
             raise tornado.web.HTTPError(404) from None
-        except operator.Refused:
-            self.record("retry effect", row_id, "refused: sent already")
-            self.get(notice=f"Effect #{row_id} was sent already; it is not sent twice.",
-                     status_code=409)
+        except operator.Refused as refused:
+            self.record("retry effect", row_id, f"refused: {refused}")
+            await self.answer(int(row_id), f"Not retried: {refused}.", 409)
             return
         outcome = row.status if not row.last_error else f"{row.status}: {row.last_error}"
         self.record("retry effect", row_id, outcome)
-        self.get(notice=f"Effect #{row_id} ({row.kind}) retried: now {outcome}.")
+        await self.answer(int(row_id), f"Effect #{row_id} ({row.kind}) retried: now {outcome}.")
+
+    async def answer(self, row_id, notice, status_code=200):
+        if self.get_body_argument("back", "") == "effect":
+            await self.show_effect(row_id, notice, status_code)
+        else:
+            OutboxHandler.get(self, notice=notice, status_code=status_code)
+
+
+class GiveUpHandler(EffectHandler):
+    SUPPORTED_METHODS = ("POST",)
+
+    async def post(self, row_id):
+        row_id = int(row_id)
+        try:
+            row = await self.ctx.db(functools.partial(console.give_up, self.ctx, row_id,
+                                                      self.current_user))
+        except operator.NotFound:
+            raise tornado.web.HTTPError(404) from None
+        except operator.Refused as refused:
+            self.record("give up effect", row_id, f"refused: {refused}")
+            await self.show_effect(row_id, f"Not given up: {refused}.", 409)
+            return
+        self.record("give up effect", row_id, "dead")
+        await self.show_effect(row_id, f"Effect #{row_id} given up: it is not sent "
+                                       f"unless retried (now {row.status}).")
 
 
 class RetryDeadHandler(OutboxHandler):
@@ -414,7 +458,9 @@ def console_routes(ctx):
         (r"/console/orders", OrderSearchHandler),
         (r"/console/orders/([^/]{1,300})", OrderHandler),
         (r"/console/outbox", OutboxHandler),
+        (r"/console/outbox/(\d{1,18})", EffectHandler),
         (r"/console/outbox/(\d{1,18})/retry", RetryEffectHandler),
+        (r"/console/outbox/(\d{1,18})/give-up", GiveUpHandler),
         (r"/console/outbox/retry-dead", RetryDeadHandler),
         (r"/console/outbox/due-now", DueNowHandler),
         (r"/console/settlement", SettlementHandler),

@@ -12,15 +12,17 @@ import datetime
 import json
 import logging
 import re
+import urllib.parse
 
 from peewee import fn
 
+from clients.http import JSON_HEADERS
 from domain import settlement
 from domain.money import money
 from engine import outbox
 from engine.claims import claim, lease
 from models import (
-    ORDER_MODELS, ConsoleAction, CrtcOrder, LedgerEntry, Outbox, SelfFiling,
+    ORDER_MODELS, Attempt, ConsoleAction, CrtcOrder, LedgerEntry, Outbox, SelfFiling,
     SurveyResponse, TreasuryJob, WebhookEvent,
 )
 from ops import operator
@@ -247,6 +249,158 @@ def _hide_secrets(value):
     return value
 
 
+# Effects: what each one is, what was sent, every attempt.
+
+def effect_name(ctx, row):
+    """What an effect is, in the operator's words: `Frappe: Start Name Check on ORD-1`,
+    `worker job name_search`, `alert to Telegram`, `mail to admin: Payment failed`."""
+    try:
+        payload = json.loads(row.payload)
+    except ValueError:
+        return row.kind
+    if row.kind == "workflow_action":
+        return f"Frappe: {payload.get('action')} on {payload.get('name')}"
+    if row.kind == "job":
+        return f"worker job {payload.get('action')}"
+    if row.kind == "alert":
+        return "alert to Telegram"
+    if row.kind == "email":
+        to = payload.get("to") or []
+        whom = "admin" if ctx.settings.admin_email and to == [ctx.settings.admin_email] \
+            else ", ".join(to)
+        return f"mail to {whom}: {payload.get('subject')}"
+    return row.kind
+
+
+@dataclasses.dataclass
+class SentRequest:
+    """An effect's request as its client sends it, credentials hidden."""
+    method: str
+    url: str
+    headers: dict
+    body: str
+
+
+def request_as_sent(ctx, row):
+    """The request `row` makes (each client builds it the same way when it sends), with
+    the credentials hidden: Frappe's Authorization header, the bot token in Telegram's
+    URL, the SMTP password (never part of what is shown here)."""
+    payload = json.loads(row.payload)
+    if row.kind == "email":
+        return SentRequest("SMTP", _smtp_server(ctx.settings.smtp_url),
+                           {"From": ctx.settings.mail_from, "To": ", ".join(payload["to"]),
+                            "Subject": payload["subject"]}, payload["text"])
+    if row.kind == "job":
+        request = ctx.worker.request(payload["action"], payload["payload"],
+                                     row.idempotency_key)
+    elif row.kind == "workflow_action":
+        request = ctx.workflow.apply_request(payload["doctype"], payload["name"],
+                                             payload["action"])
+    else:
+        request = ctx.telegram.request(payload["text"])
+    url = request.url
+    token = ctx.settings.telegram_bot_token
+    if token:
+        url = url.replace(token, HIDDEN)
+    headers = {name: HIDDEN if SECRET_KEY.search(name) else value
+               for name, value in {**JSON_HEADERS, **request.headers}.items()}
+    body = json.dumps(_hide_secrets(request.body), indent=2, sort_keys=True,
+                      ensure_ascii=False)
+    return SentRequest("POST", url, headers, body)
+
+
+def _smtp_server(url):
+    """The SMTP URL without its user and password."""
+    if not url:
+        return "(SMTP_URL unset)"
+    parts = urllib.parse.urlsplit(url)
+    return f"{parts.scheme}://{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+
+
+def attempts_of(row_ids):
+    """{outbox id: [Attempt, oldest first]} on the (outbox_id, id) index."""
+    found = {row_id: [] for row_id in row_ids}
+    if row_ids:
+        for attempt in (Attempt.select().where(Attempt.outbox_id.in_(list(row_ids)))
+                        .order_by(Attempt.outbox_id, Attempt.id)):
+            found[attempt.outbox_id].append(attempt)
+    return found
+
+
+def retries_of(row_ids):
+    """{outbox id: [ConsoleAction]}: the retries and give-ups operators made of these
+    rows, from the console or the command line."""
+    found = {row_id: [] for row_id in row_ids}
+    if row_ids:
+        for action in (ConsoleAction.select()
+                       .where(ConsoleAction.action.in_(EFFECT_ACTIONS),
+                              ConsoleAction.target.in_([str(i) for i in row_ids]))
+                       .order_by(ConsoleAction.id)):
+            found[int(action.target)].append(action)
+    return found
+
+
+def attempt_summary(attempt):
+    """`HTTP 503 in 120 ms, will retry: <error>`, as one line."""
+    said = f"HTTP {attempt.status_code}" if attempt.status_code else "no answer"
+    took = f" in {attempt.duration_ms} ms" if attempt.duration_ms is not None else ""
+    outcome = ATTEMPT_OUTCOMES.get(attempt.outcome, attempt.outcome)
+    error = f": {attempt.error}" if attempt.error and not attempt.status_code else ""
+    return f"{said}{took}, {outcome}{error}"
+
+
+ATTEMPT_OUTCOMES = {"sent": "sent", "pending": "will retry", "dead": "given up",
+                    "logged": "logged, not sent", "waiting": "waits for its configuration"}
+EFFECT_ACTIONS = ("retry effect", "give up effect")
+
+
+def waits_for(row, now):
+    """What an unsent effect waits for, in words; None once it is final."""
+    if row.status == "waiting":
+        return f"waits for its destination to be configured: {row.last_error}"
+    if row.status == "pending":
+        if row.next_attempt_at > now:
+            return f"next try {operator.format_time(row.next_attempt_at)} UTC"
+        return "due now: the scheduler sends it at its next run (after any earlier " \
+               "effect of its order)"
+    if row.status == "logged":
+        return f"logged, not sent (final): {row.last_error}"
+    return None
+
+
+def give_up(ctx, row_id, who):
+    """Mark a pending or waiting effect dead: it is not sent unless retried. Returns the
+    row; NotFound, or Refused for one sent, logged or dead already."""
+    row = Outbox.get_or_none(Outbox.id == row_id)
+    if row is None:
+        raise operator.NotFound(f"no outbox row #{row_id}")
+    if row.status not in ("pending", "waiting"):
+        raise operator.Refused(f"effect #{row_id} is {row.status} already")
+    now = ctx.clock()
+    (Outbox.update(status="dead", last_error=f"given up by {who}", updated_at=now)
+     .where(Outbox.id == row_id, Outbox.status.in_(("pending", "waiting"))).execute())
+    return Outbox.get_by_id(row_id)
+
+
+@dataclasses.dataclass
+class EffectPage:
+    row: Outbox
+    name: str
+    request: SentRequest
+    attempts: list
+    actions: list
+    waits_for: str
+
+
+def effect_page(ctx, row_id):
+    row = Outbox.get_or_none(Outbox.id == row_id)
+    if row is None:
+        raise operator.NotFound(f"no outbox row #{row_id}")
+    return EffectPage(row, effect_name(ctx, row), request_as_sent(ctx, row),
+                      attempts_of([row_id])[row_id], retries_of([row_id])[row_id],
+                      waits_for(row, ctx.clock()))
+
+
 # One order's timeline.
 
 @dataclasses.dataclass
@@ -256,6 +410,8 @@ class Moment:
     detail: str = ""
     event_id: int = None
     outbox_id: int = None
+    # Lines shown under this one: an effect's attempts, retries and what it waits for.
+    under: list = dataclasses.field(default_factory=list)
 
 
 def find_order(order_number):
@@ -270,11 +426,13 @@ def timeline(ctx, order_number):
     """(order or None, moments in time order): events from every source, effects sent or
     waiting, payment, settlement, holdback, reminders, link clicks, survey."""
     order = find_order(order_number)
-    moments = [*_event_moments(order_number), *_effect_moments(order_number),
+    moments = [*_event_moments(order_number), *_effect_moments(ctx, order_number),
                *_money_moments(order_number), *_click_moments(order_number)]
     if order is not None:
         moments += _order_moments(ctx, order)
-    moments.sort(key=lambda moment: (moment.at, moment.event_id or 0, moment.outbox_id or 0))
+    # At the same instant a cause comes before the effects it caused.
+    moments.sort(key=lambda moment: (moment.at, moment.outbox_id is not None,
+                                     moment.event_id or 0, moment.outbox_id or 0))
     return order, moments
 
 
@@ -287,17 +445,31 @@ def _event_moments(order_number):
                      detail, event_id=event.id)
 
 
-def _effect_moments(order_number):
-    for row in Outbox.select().where(Outbox.order_number == order_number):
-        yield Moment(row.created_at, f"effect {row.kind} caused",
-                     f"now {row.status}, {row.attempts} attempt(s)", outbox_id=row.id)
-        if row.sent_at:
-            yield Moment(row.sent_at, f"effect {row.kind} sent", outbox_id=row.id)
-        elif row.status != "sent":
-            due = ("" if row.status == "dead"
-                   else f", next try {operator.format_time(row.next_attempt_at)}")
-            yield Moment(row.updated_at, f"effect {row.kind} {row.status}",
-                         (row.last_error or "") + due, outbox_id=row.id)
+def _effect_moments(ctx, order_number):
+    """One moment per effect, when it was caused, with its attempts, the operators'
+    retries and what it still waits for under it, in time order."""
+    rows = list(Outbox.select().where(Outbox.order_number == order_number))
+    ids = [row.id for row in rows]
+    attempts, actions = attempts_of(ids), retries_of(ids)
+    now = ctx.clock()
+    for row in rows:
+        cause = f"caused by event #{row.event_id}; " if row.event_id else ""
+        # An operator's retry is recorded once its send is: at the same instant, it
+        # comes first (the sort keeps the order of equals).
+        under = [Moment(action.created_at, f"{action.action} by {action.operator}",
+                        action.outcome, outbox_id=row.id) for action in actions[row.id]]
+        under += [Moment(attempt.attempted_at, f"attempt {number}",
+                         attempt_summary(attempt), outbox_id=row.id)
+                  for number, attempt in enumerate(attempts[row.id], 1)]
+        under.sort(key=lambda moment: moment.at)
+        waiting = waits_for(row, now)
+        if waiting:
+            under.append(Moment(row.updated_at, "now", waiting, outbox_id=row.id))
+        elif row.status == "dead":
+            under.append(Moment(row.updated_at, "now dead", row.last_error or "",
+                                outbox_id=row.id))
+        yield Moment(row.created_at, effect_name(ctx, row), f"{cause}now {row.status}",
+                     outbox_id=row.id, under=under)
 
 
 def _money_moments(order_number):
@@ -311,6 +483,18 @@ def _money_moments(order_number):
                      f"{entry.provider} ({entry.provider_status})")
 
 
+def _as_created(order):
+    """The order as it was created: who, for what, how much; not what it became (its
+    payment and later states have moments of their own). An order's total is kept
+    without its currency, and so shown."""
+    parts = [part for part in (order.customer_name, order.customer_email and
+                               f"<{order.customer_email}>", order.service_name) if part]
+    total = getattr(order, "total_cents", None)
+    if total is not None:
+        parts.append(money(total, None))
+    return ", ".join(parts)
+
+
 def _click_moments(order_number):
     for filing in SelfFiling.select().where(SelfFiling.order_number == order_number):
         yield Moment(filing.self_filed_at, f"{filing.kind.upper()} link clicked",
@@ -320,8 +504,7 @@ def _click_moments(order_number):
 
 
 def _order_moments(ctx, order):
-    yield Moment(order.created_at, f"{order.kind} order created",
-                 f"payment {order.payment_status}")
+    yield Moment(order.created_at, f"{order.kind} order created", _as_created(order))
     if order.paid_at:
         yield Moment(order.paid_at, "paid", getattr(order, "payment_method", None) or "")
     for column, what in ORDER_TIMES.get(order.kind, ()):

@@ -6,6 +6,8 @@ import http.cookies
 import re
 import urllib.parse
 
+import pytest
+
 from ops.passwords import hash_password
 
 PASSWORD = "correct horse battery staple"
@@ -64,3 +66,11 @@ class Operator:
 
 def text(response):
     return response.body.decode("utf-8")
+
+
+@pytest.fixture
+def logged_in_operator(http_server, base_url, client, io_loop):
+    """An Operator with a session, for a test module whose settings have the console."""
+    operator = Operator(client, base_url)
+    assert io_loop.run_sync(operator.log_in).code == 302
+    return operator

@@ -2,6 +2,7 @@
 subprocess on the test database, talking to real peers on loopback."""
 import asyncio
 import datetime
+import getpass
 import json
 import os
 import subprocess
@@ -9,7 +10,7 @@ import sys
 
 import pytest
 
-from models import UTC, CrtcOrder, Outbox, WebhookEvent
+from models import UTC, ConsoleAction, CrtcOrder, Outbox, WebhookEvent
 from engine import spool
 from tests.ops_helpers import ROOT
 
@@ -258,6 +259,10 @@ def test_outbox_retry_puts_a_dead_row_back_in_line_due_now(database_url):
     again = Outbox.get_by_id(row.id)
     assert (again.status, again.attempts) == ("pending", 0)
     assert before <= again.next_attempt_at <= datetime.datetime.now(UTC)
+    # Kept where the console's timeline shows who retried the effect.
+    (action,) = ConsoleAction.select()
+    assert (action.operator, action.action, action.target) == (
+        f"{getpass.getuser()} (command line)", "retry effect", str(row.id))
 
 
 def test_outbox_retry_dead_requeues_every_dead_row_only(database_url):

@@ -11,7 +11,9 @@ import urllib.parse
 import pytest
 
 from models import CrtcOrder, Outbox
-from tests.console_helpers import Operator, console_settings, text
+from tests.console_helpers import (  # noqa: F401 (fixture)
+    console_settings, logged_in_operator, text,
+)
 from tests.shkeeper import API_KEY, URL as CRYPTO_URL, encode, key_headers, paid
 from tests.test_cli import at, stored_event
 
@@ -28,10 +30,8 @@ def settings(settings):
 
 
 @pytest.fixture
-def logged_in(http_server, base_url, client, io_loop):
-    operator = Operator(client, base_url)
-    assert io_loop.run_sync(operator.log_in).code == 302
-    return operator
+def logged_in(logged_in_operator):
+    return logged_in_operator
 
 
 def console_links(page):
