@@ -69,8 +69,8 @@ async def test_the_timeline_names_each_effect_with_its_attempts_and_retries(
 async def test_waiting_and_logged_effects_say_what_they_wait_for(logged_in, ctx, clock):
     ctx.settings.__dict__.update(worker_url="", telegram_bot_token="")
     effects = Effects(ctx)
-    effects.job("name_search", {"order_number": "FO-1"})
-    effects.alert("FO-1 paid", order_number="FO-1")
+    effects.job("name_search", {"order_number": "FO-1"}, key="job-FO-1")
+    effects.alert("FO-1 paid", key="alert-FO-1", order_number="FO-1")
     await outbox.deliver(ctx, effects.rows)
     assert {row.status for row in Outbox.select()} == {"waiting", "logged"}
     lines = timeline_lines(text(await logged_in.get("/console/orders/FO-1")))
@@ -110,7 +110,8 @@ async def test_the_effect_page_shows_the_request_without_credentials_and_every_a
 async def test_a_workflow_action_is_shown_without_frappes_credentials(logged_in, ctx, frappe):
     effects = Effects(ctx)
     row_id = await ctx.db(lambda: effects.workflow_action(
-        "Formation Order", "ORD-0001", "Start Name Check", order_number="FO-1"))
+        "Formation Order", "ORD-0001", "Start Name Check", key="action-FO-1",
+        order_number="FO-1"))
     shown = text(await logged_in.get(f"/console/outbox/{row_id}"))
     assert "Effect #%d: Frappe: Start Name Check on ORD-0001" % row_id in shown
     assert f"POST {frappe.url}/api/method/frappe.model.workflow.apply_workflow" in shown
@@ -121,7 +122,8 @@ async def test_a_workflow_action_is_shown_without_frappes_credentials(logged_in,
 @pytest.mark.gen_test(timeout=60)
 async def test_the_telegram_token_is_not_shown(logged_in, ctx, telegram):
     effects = Effects(ctx)
-    row_id = await ctx.db(lambda: effects.alert("FO-1 paid", order_number="FO-1"))
+    row_id = await ctx.db(lambda: effects.alert("FO-1 paid", key="alert-FO-1",
+                                                order_number="FO-1"))
     page = text(await logged_in.get(f"/console/outbox/{row_id}"))
     assert "alert to Telegram" in page and "/bot[hidden]/sendMessage" in page
     assert "bot-token" not in page
@@ -131,7 +133,7 @@ async def test_the_telegram_token_is_not_shown(logged_in, ctx, telegram):
 async def test_an_admin_mail_is_named_by_its_subject(logged_in, ctx):
     effects = Effects(ctx)
     row_id = await ctx.db(lambda: effects.email(["admin@example.test"], "Payment failed",
-                                                "email/outbox_dead", title="Payment failed",
+                                                "email/outbox_dead", key="mail-1", title="Payment failed",
                                                 row=Outbox(id=1, kind="job"), attempts=1,
                                                 error="x"))
     page = text(await logged_in.get(f"/console/outbox/{row_id}"))
