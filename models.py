@@ -695,7 +695,23 @@ class ConsoleAction(BaseModel):
         indexes = ((("created_at",), False),)
 
 
-CONSOLE_MODELS = [ConsoleAction]
+class ConsoleSession(BaseModel):
+    """A console login, until it expires or is ended (logout, `receiver.py console
+    logout-all`). The cookie carries a random token; only its SHA-256 is kept, so the
+    table's contents open no session. `password_tag` names the CONSOLE_PASSWORD_HASH it
+    was opened with: another hash ends it."""
+
+    token_hash = TextField(unique=True)
+    operator = TextField()
+    password_tag = TextField()
+    expires_at = UTCDateTimeField()
+    ended_at = UTCDateTimeField(null=True)
+
+    class Meta:
+        table_name = "console_sessions"
+
+
+CONSOLE_MODELS = [ConsoleAction, ConsoleSession]
 
 
 # Reminders (issue 14): what was sent, keyed, so that nothing is sent twice.

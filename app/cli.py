@@ -6,6 +6,7 @@ refused, failed, database unavailable), 2 bad usage or settings.
 Longer than most because the commands are many, one small function each."""
 import argparse
 import asyncio
+import functools
 import getpass
 import json
 import os
@@ -23,7 +24,7 @@ from engine import spool
 from engine.db import UNAVAILABLE
 from engine.payload import read_json
 from models import open_database, sqlite_file
-from ops import console, operator, passwords
+from ops import console, operator, passwords, sessions
 from settings import ConfigurationError, Settings
 
 
@@ -50,6 +51,9 @@ def main(argv=None):
     console.add_parser(
         "hash-password", help="read a password (twice) and print the CONSOLE_PASSWORD_HASH "
                               "that lets it log in")
+    console.add_parser("logout-all", help="end every console session (a copied cookie "
+                                          "included); everyone logs in again").set_defaults(
+        run=console_logout_all)
     parser.set_defaults(run=None)
     args = parser.parse_args(argv)
     if args.command == "demo":
@@ -58,7 +62,7 @@ def main(argv=None):
         from app import demo as demo_service
         return run_until_stopped(demo_service.run(os.environ, args.folder))
 
-    if args.command == "console":
+    if args.command == "console" and args.action == "hash-password":
         # Needs no settings: it is how one of them is made.
         return hash_password_command(sys.stdin, sys.stdout, sys.stderr)
     try:
@@ -287,6 +291,12 @@ def outbox_row(row):
     next_try = operator.format_time(row.next_attempt_at) if row.status == "pending" else ""
     return (row.id, row.event_id, row.kind, row.order_number, row.status, row.attempts,
             next_try, operator.clip(row.last_error))
+
+
+async def console_logout_all(ctx, args):
+    ended = await ctx.db(functools.partial(sessions.end_all, ctx.clock()))
+    print(f"{ended} console session(s) ended")
+    return 0
 
 
 async def events_list(ctx, args):

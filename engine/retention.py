@@ -1,5 +1,6 @@
-"""Pruning: handled inbox events, sent (or only logged) outbox rows and the record of send
-attempts are deleted after RETENTION_DAYS.
+"""Pruning: handled inbox events, sent (or only logged) outbox rows, the record of send
+attempts and the console's record of operator actions are deleted after RETENTION_DAYS;
+console sessions as soon as they are ended or expired.
 
 Failed, dead and rejected events and pending, waiting or dead outbox rows are kept for the
 operator whatever their age (their attempts older than RETENTION_DAYS go all the same). A pruned event's dedup key goes with it, so RETENTION_DAYS
@@ -8,7 +9,7 @@ must stay longer than any sender's retry window (Stripe retries for 3 days).
 import datetime
 import logging
 
-from models import Attempt, Outbox, WebhookEvent, database
+from models import Attempt, ConsoleAction, ConsoleSession, Outbox, WebhookEvent, database
 
 log = logging.getLogger("receiver.retention")
 
@@ -32,7 +33,12 @@ def prune(ctx):
                   .where(WebhookEvent.status.in_(PRUNED_EVENT_STATUSES),
                          settled_before_cutoff).execute())
         attempts = Attempt.delete().where(Attempt.created_at < cutoff).execute()
-    if events or rows or attempts:
-        log.info("pruned %d event(s), %d sent effect(s) and %d send attempt(s) older than %s",
-                 events, rows, attempts, cutoff.isoformat())
+        actions = ConsoleAction.delete().where(ConsoleAction.created_at < cutoff).execute()
+        (ConsoleSession.delete()
+         .where(ConsoleSession.ended_at.is_null(False)
+                | (ConsoleSession.expires_at <= ctx.clock())).execute())
+    if events or rows or attempts or actions:
+        log.info("pruned %d event(s), %d sent effect(s), %d send attempt(s) and %d console "
+                 "action(s) older than %s", events, rows, attempts, actions,
+                 cutoff.isoformat())
     return events, rows

@@ -12,7 +12,8 @@ Longer than most: one small handler a page or action, sharing the session, xsrf 
 action-recording base defined here."""
 import datetime
 import functools
-import json
+import hmac
+import logging
 import re
 import secrets
 import urllib.parse
@@ -21,15 +22,21 @@ import markupsafe
 import tornado.ioloop
 import tornado.web
 
+import lograte
 from domain import filings, links
 from handlers.html import HtmlHandler
-from handlers.ratelimit import RateLimiter
-from ops import console, operator
+from handlers.addresses import client_key
+from handlers.ratelimit import LoginThrottle
+from ops import console, operator, sessions
 from ops.passwords import verify_password
+
+log = logging.getLogger("receiver.console")
+REPEATS = lograte.Repeats(log)
 
 SESSION_COOKIE = "console_session"
 SESSION_LENGTH = datetime.timedelta(hours=12)
-LOGIN_ATTEMPTS, LOGIN_WINDOW_SECONDS = 5, 60
+# Wrong passwords per address, and in all, per window (handlers.ratelimit.LoginThrottle).
+LOGIN_FAILURES, LOGIN_FAILURES_TOTAL, LOGIN_WINDOW_SECONDS = 5, 30, 60
 OPERATOR_NAME = re.compile(r"[^\x00-\x1f\x7f]{1,64}")
 # No script anywhere; styles from our own stylesheet; nothing may frame a page.
 CONTENT_SECURITY_POLICY = ("default-src 'none'; style-src 'self'; img-src 'self'; "
@@ -39,7 +46,7 @@ ERROR_TEXTS = {
     403: "Refused: the form was stale or did not come from this console. Reload the page "
          "and try again.",
     404: "Nothing here.",
-    429: "Too many login attempts from your address. Wait a minute, then try again.",
+    429: "Too many wrong passwords. Wait a minute, then try again.",
     503: "The database is not answering. Try again in a minute.",
 }
 CHART_COLOURS = ("#3366cc", "#dc7633", "#2e8b57", "#8e44ad")
@@ -57,10 +64,11 @@ def path_part(value):
 
 
 class ConsoleState:
-    """What the console's handlers share: the login limiter, the chart's counts."""
+    """What the console's handlers share: the login throttle, the chart's counts."""
 
     def __init__(self):
-        self.login_limiter = RateLimiter(LOGIN_ATTEMPTS, LOGIN_WINDOW_SECONDS)
+        self.login_throttle = LoginThrottle(LOGIN_FAILURES, LOGIN_FAILURES_TOTAL,
+                                            LOGIN_WINDOW_SECONDS)
         self.event_counts = console.EventCounts()
 
 
@@ -70,12 +78,24 @@ class ConsoleHandler(HtmlHandler):
     content_security_policy = CONTENT_SECURITY_POLICY
     referrer_policy = "same-origin"
 
+    # Whether the page looks the operator's session up (the stylesheet does not).
+    needs_session = True
+
     def initialize(self, ctx, state):
         self.ctx = ctx
         self.state = state
+        self.session_token = None
+        self.current_user = None
 
-    def prepare(self):
+    async def prepare(self):
         super().prepare()
+        token = self.get_signed_cookie(SESSION_COOKIE, max_age_days=1)
+        if token and self.needs_session:
+            self.session_token = token.decode("ascii", "replace")
+            # The operator's name, from a session neither ended nor expired.
+            self.current_user = await self.ctx.db(functools.partial(
+                sessions.operator_of, self.session_token,
+                self.ctx.settings.console_password_hash, self.ctx.clock()))
         if self.request.method == "POST":
             self.check_xsrf_cookie()
         if not self.public and self.current_user is None:
@@ -85,18 +105,25 @@ class ConsoleHandler(HtmlHandler):
                 raise tornado.web.Finish()
             raise tornado.web.HTTPError(403)
 
-    def get_current_user(self):
-        """The operator's name, from an unexpired session cookie; None otherwise."""
-        raw = self.get_signed_cookie(SESSION_COOKIE, max_age_days=1)
-        if raw is None:
-            return None
-        try:
-            session = json.loads(raw)
-            until = datetime.datetime.fromtimestamp(session["until"], datetime.timezone.utc)
-            name = session["who"]
-        except (ValueError, KeyError, TypeError):
-            return None
-        return name if until > self.ctx.clock() else None
+    @property
+    def xsrf_token(self):
+        """With a session, the forms' token is derived from it: an `_xsrf` cookie planted
+        in the operator's browser (a sibling site can set one) and the same value in a
+        forged form no longer pass. Without one (the login form), Tornado's own."""
+        if self.current_user is None:
+            return super().xsrf_token
+        secret = self.application.settings["cookie_secret"].encode("utf-8")
+        return hmac.new(secret, b"xsrf:" + self.session_token.encode("utf-8"),
+                        "sha256").hexdigest().encode("ascii")
+
+    def check_xsrf_cookie(self):
+        if self.current_user is None:
+            super().check_xsrf_cookie()
+            return
+        given = (self.get_argument("_xsrf", None) or self.request.headers.get("X-Xsrftoken")
+                 or self.request.headers.get("X-Csrftoken") or "")
+        if not hmac.compare_digest(given.encode("utf-8"), self.xsrf_token):
+            raise tornado.web.HTTPError(403, "'_xsrf' argument does not match the session")
 
     def set_cookie(self, name, value, **kwargs):
         """Every console cookie (the session and the xsrf token alike) is for /console
@@ -142,6 +169,7 @@ class ConsoleHandler(HtmlHandler):
 
 class StyleHandler(ConsoleHandler):
     public = True
+    needs_session = False
 
     def get(self):
         self.set_header("Content-Type", "text/css; charset=utf-8")
@@ -157,28 +185,45 @@ class LoginHandler(ConsoleHandler):
         self.render_page("login", next=self.next_path(), problem=None)
 
     async def post(self):
-        wait = self.state.login_limiter.acquire(self.request.remote_ip)
-        if wait:
-            self.set_header("Retry-After", str(wait))
-            self.stop_with("error", 429, text=ERROR_TEXTS[429])
         name = self.get_body_argument("name", "").strip()
         password = self.get_body_argument("password", "")
         if not OPERATOR_NAME.fullmatch(name):
             self.stop_with("login", 400, next=self.next_path(),
                            problem="Give your name (up to 64 characters): it goes in the "
                                    "record of what was done.")
+        throttle = self.state.login_throttle
+        wait = throttle.take_a_check()
+        if wait:
+            self.ctx.metrics.login_failed("unchecked")
+            REPEATS.warning("unchecked", "console: the budget of wrong passwords is spent; "
+                            "logins refused unchecked for a while")
+            self.refuse_login(wait)
         # scrypt takes a tenth of a second on purpose: off the event loop.
         right = await tornado.ioloop.IOLoop.current().run_in_executor(
             None, verify_password, password, self.ctx.settings.console_password_hash)
         if not right:
-            self.record("login", outcome="refused: wrong password", who=name)
+            # Counted and logged, not recorded: the record of actions is the operators',
+            # and a name typed by a stranger has no place in it.
+            self.ctx.metrics.login_failed("wrong_password")
+            client = client_key(self.request.remote_ip)
+            REPEATS.warning(("wrong password", client), "console: wrong password from %s",
+                            client)
+            wait = throttle.wrong(client)
+            if wait:
+                self.refuse_login(wait)
             self.stop_with("login", 403, next=self.next_path(), problem="Wrong password.")
-        until = self.ctx.clock() + SESSION_LENGTH
-        self.set_signed_cookie(SESSION_COOKIE, json.dumps({"who": name,
-                                                           "until": until.timestamp()}),
-                               expires=until)
+        throttle.right()
+        now = self.ctx.clock()
+        token = await self.ctx.db(functools.partial(
+            sessions.open_session, name, self.ctx.settings.console_password_hash, now,
+            SESSION_LENGTH))
+        self.set_signed_cookie(SESSION_COOKIE, token, expires=now + SESSION_LENGTH)
         self.record("login", outcome="ok", who=name)
         self.redirect(self.next_path())
+
+    def refuse_login(self, wait):
+        self.set_header("Retry-After", str(wait))
+        self.stop_with("error", 429, text=ERROR_TEXTS[429])
 
     def next_path(self):
         """Where to go after logging in: a console page of ours, never another site."""
@@ -189,7 +234,10 @@ class LoginHandler(ConsoleHandler):
 
 
 class LogoutHandler(ConsoleHandler):
-    def post(self):
+    async def post(self):
+        # The session ends here, for every copy of its cookie.
+        await self.ctx.db(functools.partial(sessions.end_session, self.session_token,
+                                            self.ctx.clock()))
         self.record("logout", outcome="ok")
         self.clear_cookie(SESSION_COOKIE)
         self.redirect("/console/login")
@@ -471,7 +519,8 @@ def console_routes(ctx):
 
 
 class NotFoundPage(ConsoleHandler):
-    public = True
+    """For an operator only, as every page: a stranger is sent to the login page from an
+    unknown path as from a known one, and learns nothing of which exist."""
 
     def get(self):
         raise tornado.web.HTTPError(404)

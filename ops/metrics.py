@@ -55,6 +55,12 @@ class Metrics:
             "receiver_job_last_success_timestamp_seconds", "Unix time of the job's last "
             "run that succeeded in this process (0: none yet).", ["job"],
             registry=self.registry)
+        self.login_failures = Counter(
+            "receiver_console_login_failures", "Console logins refused: wrong_password "
+            "(checked), unchecked (the budget of wrong passwords was spent).", ["reason"],
+            registry=self.registry)
+        for reason in ("wrong_password", "unchecked"):
+            self.login_failures.labels(reason)
         self.registry.register(StatementCollector())
 
     def jobs_scheduled(self, names):
@@ -85,6 +91,9 @@ class Metrics:
 
     def event_duplicate(self, source, event_type):
         self.events.labels(source, event_type, "duplicate").inc()
+
+    def login_failed(self, reason):
+        self.login_failures.labels(reason).inc()
 
     def effect_sent(self, kind, result):
         self.sends.labels(kind, result).inc()

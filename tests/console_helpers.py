@@ -60,8 +60,9 @@ class Operator:
         page = await self.get("/console/login")
         return html.unescape(XSRF_FIELD.search(page.body.decode()).group(1))
 
-    async def log_in(self, name="Dana", password=PASSWORD):
-        return await self.post("/console/login", {"name": name, "password": password})
+    async def log_in(self, name="Dana", password=PASSWORD, **headers):
+        return await self.post("/console/login", {"name": name, "password": password},
+                               **headers)
 
 
 def text(response):
