@@ -17,6 +17,7 @@ import stripe
 import migrations
 from app.context import Context
 from app.logs import configure_logging
+from app.progress import TerminalProgress
 from app.server import CannotStart, serve
 from clients.stripe_api import NotConfigured
 from domain import backfill, filings, holdback, links, reminders, settlement
@@ -108,8 +109,13 @@ def hash_password_command(stdin, out, err):
     """Ask twice without echo at a terminal; read two lines when piped, so it can be
     scripted (`printf '%s\\n%s\\n' "$pw" "$pw" | receiver.py console hash-password`)."""
     if stdin.isatty():
-        first = getpass.getpass("Console password: ")
-        second = getpass.getpass("Again: ")
+        try:
+            first = getpass.getpass(f"Console password ({passwords.MIN_PASSWORD_LENGTH} "
+                                    "characters or more): ")
+            second = getpass.getpass("Again: ")
+        except (EOFError, KeyboardInterrupt):  # Ctrl-D, Ctrl-C: the operator gave up
+            print("\nreceiver: no password given; nothing printed", file=err)
+            return 1
     else:
         first, second = (stdin.readline().rstrip("\r\n") for _ in range(2))
     if first != second:
@@ -329,10 +335,13 @@ async def events_show(ctx, args):
 
 async def events_replay(ctx, args):
     if args.failed:
-        replayed = await operator.replay_failed(ctx)
+        with TerminalProgress("replaying", "event") as progress:
+            replayed = await operator.replay_failed(ctx, progress)
+        # One line per event still failing (what needs looking at), then the summary.
         for item in replayed:
-            print(f"event #{item.event.id} {item.event.source} {item.event.event_type}: "
-                  f"{item.outcome}")
+            if item.outcome == "failed":
+                print(f"event #{item.event.id} {item.event.source} {item.event.event_type}: "
+                      f"{item.outcome}")
         still_failing = sum(item.outcome == "failed" for item in replayed)
         print(f"replayed {len(replayed)} failed event(s); {still_failing} still failing")
         return 1 if still_failing else 0
@@ -429,7 +438,10 @@ async def sign_link(ctx, args):
 
 async def backfill_events(ctx, args):
     try:
-        counts = await backfill.backfill(ctx, args.since)
+        with TerminalProgress("listing from Stripe", "event") as listing, \
+                TerminalProgress("handling", "event") as handling:
+            counts = await backfill.backfill(ctx, args.since, listing=listing,
+                                             handling=handling)
     except stripe.StripeError as exc:
         reason = exc.user_message or type(exc).__name__
         print(f"receiver: Stripe refused or could not be reached: {reason}", file=sys.stderr)

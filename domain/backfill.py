@@ -7,12 +7,15 @@ order they happened."""
 import asyncio
 import dataclasses
 import json
+from typing import Callable, Optional
 
 from clients.stripe_api import stripe_client
 from domain import card_events
 from engine import inbox
 
 PAGE_SIZE = 100
+# progress(done, total): told as the work goes (total None while it is not known).
+Progress = Optional[Callable[[int, Optional[int]], None]]
 
 
 @dataclasses.dataclass
@@ -23,22 +26,33 @@ class Counts:
     unreadable: int = 0
 
 
-def undelivered_events(client, since):
+def undelivered_events(client, since, listing: Progress = None):
     """Every event created at or after `since` not yet delivered to all our endpoints,
-    as plain dicts, following Stripe's pagination to the end."""
+    as plain dicts, following Stripe's pagination to the end; `listing(count, None)`
+    after each."""
     first = client.v1.events.list(params={
         "delivery_success": False, "created": {"gte": int(since.timestamp())},
         "limit": PAGE_SIZE})
-    return [event.to_dict(for_json=True) for event in first.auto_paging_iter()]
+    events = []
+    for event in first.auto_paging_iter():
+        events.append(event.to_dict(for_json=True))
+        if listing:
+            listing(len(events), None)
+    return events
 
 
-async def backfill(ctx, since, client=None):
+async def backfill(ctx, since, client=None, listing: Progress = None,
+                   handling: Progress = None):
+    """`listing(count, None)` as Stripe's pages come, `handling(done, total)` as the
+    events are stored: the command line's progress."""
     client = client or stripe_client(ctx.settings)
     # The stripe library blocks; keep the loop free for the effects being sent.
     events = await asyncio.get_running_loop().run_in_executor(
-        None, undelivered_events, client, since)
+        None, undelivered_events, client, since, listing)
     counts = Counts(listed=len(events))
-    for event in sorted(events, key=lambda e: e.get("created") or 0):
+    if handling:
+        handling(0, counts.listed)
+    for done, event in enumerate(sorted(events, key=lambda e: e.get("created") or 0), 1):
         if card_events.problem_with(event):
             counts.unreadable += 1
         elif inbox.find(ctx, card_events.SOURCE, card_events.dedup_key(event)):
@@ -46,4 +60,6 @@ async def backfill(ctx, since, client=None):
         else:
             await card_events.accept(ctx, event, json.dumps(event).encode())
             counts.stored += 1
+        if handling:
+            handling(done, counts.listed)
     return counts

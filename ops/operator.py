@@ -15,6 +15,7 @@ takes. What it can and cannot redo:
 """
 import dataclasses
 import datetime
+from typing import Callable, Optional
 
 from models import Outbox, WebhookEvent
 from engine import inbox
@@ -89,12 +90,19 @@ class Replayed:
     outcome: str
 
 
-async def replay_failed(ctx):
+async def replay_failed(ctx, progress: Optional[Callable[[int, int], None]] = None):
     """Every failed or dead event, oldest first, one after the other (so the effects of
-    one order keep their order)."""
+    one order keep their order); `progress(done, total)` after each."""
     failed = list(WebhookEvent.select().where(WebhookEvent.status.in_(FAILURES))
                   .order_by(WebhookEvent.received_at, WebhookEvent.id))
-    return [Replayed(event, await replay(ctx, event.id)) for event in failed]
+    replayed = []
+    if progress:
+        progress(0, len(failed))
+    for event in failed:
+        replayed.append(Replayed(event, await replay(ctx, event.id)))
+        if progress:
+            progress(len(replayed), len(failed))
+    return replayed
 
 
 def list_outbox(status=None, limit=50):

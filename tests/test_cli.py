@@ -5,6 +5,7 @@ import datetime
 import getpass
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ import pytest
 from models import UTC, ConsoleAction, CrtcOrder, Outbox, WebhookEvent
 from engine import spool
 from tests.ops_helpers import ROOT
+from tests.terminal import OnATerminal
 
 SUBMITTED = {"order_name": "ORD-1", "order_number": "FO-1", "state_code": "WY",
              "entity_name": "Acme LLC"}
@@ -216,11 +218,29 @@ async def test_replay_failed_handles_each_and_reports_those_still_failing(
 
     result = await run_async(cli_env(database_url, settings), "events", "replay", "--failed")
     assert result.returncode == 1
-    assert f"event #{good.id} workflow formation/submitted: processed" in result.stdout
-    assert f"event #{broken.id} workflow formation/submitted: failed" in result.stdout
-    assert "replayed 2 failed event(s); 1 still failing" in result.stdout
+    # Not a terminal (cron, journald): no progress, the events still failing and a summary.
+    assert result.stdout.splitlines() == [
+        f"event #{broken.id} workflow formation/submitted: failed",
+        "replayed 2 failed event(s); 1 still failing"]
+    assert "%|" not in result.stderr  # no progress bar
+    assert WebhookEvent.get_by_id(good.id).status == "processed"
     assert len(worker.requests) == 1
     assert WebhookEvent.get_by_id(broken.id).attempts == 1
+
+
+@pytest.mark.gen_test(timeout=60)
+async def test_replay_failed_shows_its_progress_on_a_terminal(database_url, settings, worker):
+    for number in range(3):
+        stored_event(status="failed", order_number=f"FO-{number}")
+    async with OnATerminal("events", "replay", "--failed",
+                           env=cli_env(database_url, settings)) as terminal:
+        await terminal.finish()
+    assert terminal.returncode == 0, terminal.shown
+    # tqdm's bar: the count out of the total, the rate, the time left.
+    assert re.search(r"replaying: +\d+%\|.*\| \d/3 \[\d\d:\d\d<[^,]+, +[\d.?]+event/s\]",
+                     terminal.shown), terminal.shown
+    assert terminal.stdout == "replayed 3 failed event(s); 0 still failing\n"
+    assert len(worker.requests) == 3
 
 
 @pytest.mark.gen_test(timeout=60)

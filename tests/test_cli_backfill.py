@@ -2,6 +2,7 @@
 Tornado server playing Stripe's Events API, feeds undelivered events through the inbox."""
 import datetime
 import json
+import re
 import urllib.parse
 
 import pytest
@@ -13,6 +14,7 @@ from models import UTC, FormationOrder, Outbox, WebhookEvent
 from domain import card_events
 from tests import stripe_events as stripe_shaped
 from tests.stripe_events import SECRET_KEY
+from tests.terminal import OnATerminal
 from tests.test_cli import cli_env, run_async
 
 SINCE = datetime.datetime(2026, 11, 20, tzinfo=UTC)
@@ -133,6 +135,18 @@ async def test_backfill_stores_each_event_once_and_a_second_run_changes_nothing(
     assert "0 stored and handled, 5 already in the inbox" in second.stdout
     assert WebhookEvent.select().count() == 5 and effects() == before
     assert len(telegram.requests) == 2 and len(smtp.messages) == 1
+    assert "event/s" not in first.stderr + second.stderr  # not a terminal: no progress
+
+
+@pytest.mark.gen_test(timeout=90)
+async def test_backfill_shows_its_progress_on_a_terminal(env, stripe_api, telegram, smtp):
+    undelivered(stripe_api)
+    async with OnATerminal("backfill", "--since", "2026-11-20T00:00:00Z", env=env) as terminal:
+        await terminal.finish()
+    assert terminal.returncode == 0, terminal.shown
+    assert re.search(r"listing from Stripe: \d+event", terminal.shown), terminal.shown
+    assert re.search(r"handling: +\d+%\|.*\| \d/5 \[", terminal.shown), terminal.shown
+    assert terminal.stdout.startswith("listed 5 undelivered event(s)")
 
 
 @pytest.mark.gen_test(timeout=90)
