@@ -346,6 +346,12 @@ class Settings:
         if self.production:
             self._check_production_secrets()
             self._check_production_console()
+            if not self.admin_email:
+                # Nobody would hear of a dead effect, a rejected payment or a
+                # quarantined call: they would reach only the log.
+                raise ConfigurationError(
+                    "RECEIVER_ENV=production needs ADMIN_EMAIL: dead effects, rejected "
+                    "payments and quarantined calls are mailed there")
 
     def _check_production_secrets(self):
         missing = [name for name, is_missing in (

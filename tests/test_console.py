@@ -556,6 +556,7 @@ def test_hash_password_refuses_a_mismatch_or_a_short_password(stdin, problem):
 
 PRODUCTION = {
     "RECEIVER_ENV": "production", "WEBHOOK_SECRET": "s1", "LINK_SECRET": "s2",
+    "ADMIN_EMAIL": "ops@example.com",
     "STRIPE_SECRET_KEY": "sk_live_a", "STRIPE_WEBHOOK_SECRET": "whsec_a",
     "CRYPTO_PROCESSOR_API_KEY": "k", "CONSOLE_PASSWORD_HASH": PASSWORD_HASH,
     "COOKIE_SECRET": COOKIE_SECRET,

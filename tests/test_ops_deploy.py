@@ -116,6 +116,7 @@ def test_the_example_environment_reads_as_systemd_reads_it(tmp_path):
     example = read(DEPLOY, "receiver.env.example")
     filled = re.sub(r"^#([A-Z])", r"\1", example, flags=re.MULTILINE)
     filled = re.sub(r"^([A-Z_]+(SECRET|_KEY))=$", r"\1=s3cret", filled, flags=re.MULTILINE)
+    filled = filled.replace("\nADMIN_EMAIL=\n", "\nADMIN_EMAIL=ops@example.com\n")
     filled = filled.replace("=sqlite:///var/", f"=sqlite:///{tmp_path}/")
     (tmp_path / "receiver.env").write_text(filled)
     result = run_with_env_file(

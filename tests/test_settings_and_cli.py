@@ -12,6 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PRODUCTION = {
     "RECEIVER_ENV": "production", "WEBHOOK_SECRET": "s1", "LINK_SECRET": "s2",
+    "ADMIN_EMAIL": "ops@example.com",
     "STRIPE_SECRET_KEY": "sk_live_a", "STRIPE_WEBHOOK_SECRET": "whsec_a",
     "CRYPTO_PROCESSOR_API_KEY": "k",
 }
@@ -211,3 +212,17 @@ def test_run_without_the_venv_says_how_to_run_it():
     assert result.stderr.startswith("receiver: No module named ")
     assert "run `make run` once (it installs them into .venv), then `.venv/bin/python " \
            "receiver.py ...`" in result.stderr
+
+
+def test_production_without_admin_email_refuses_to_start_and_says_why(tmp_path):
+    """Dead effects and rejected payments would otherwise reach only the log."""
+    env = {name: value for name, value in PRODUCTION.items() if name != "ADMIN_EMAIL"}
+    with pytest.raises(ConfigurationError, match="ADMIN_EMAIL"):
+        Settings.from_env(env)
+    result = run("serve", env={**env, "ADMIN_EMAIL": "",
+                               "DATABASE_URL": f"sqlite:///{tmp_path}/x.sqlite3"})
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr == ("receiver: RECEIVER_ENV=production needs ADMIN_EMAIL: dead "
+                             "effects, rejected payments and quarantined calls are mailed "
+                             "there\n")
+    assert not (tmp_path / "x.sqlite3").exists()
