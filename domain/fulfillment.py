@@ -11,7 +11,7 @@ and changes nothing (the worker may report twice).
 """
 import logging
 
-from domain.orders import OrderNotFound, find_order
+from domain.orders import OrderNotFound, find_any_kind, find_order
 from engine.prepared import save_changes
 
 log = logging.getLogger("receiver.fulfillment")
@@ -48,10 +48,15 @@ class InvalidTransition(ValueError):
 
 def move(ctx, order_number, status):
     """Move a compliance order to `status`; returns the order, or None when it already had
-    that status. Raises InvalidTransition, or OrderNotFound (the event is retried: the
+    that status. Raises InvalidTransition (also for an order of another kind: it has no
+    fulfilment status, and never will), or OrderNotFound (the event is retried: the
     order may not be written yet)."""
     order = find_order("compliance", order_number, for_update=True)
     if order is None:
+        other = find_any_kind(order_number)
+        if other is not None:
+            raise InvalidTransition(f"order {order_number} is a {other.kind} order, not a "
+                                    "compliance order: it has no fulfilment status")
         raise OrderNotFound(f"no compliance order {order_number}")
     current = order.fulfillment_status
     if current == status:

@@ -1,10 +1,16 @@
 """What every HTML page of the service shares (the "I already filed" pages and the
 operator console): headers that keep a page out of caches, search engines and other
 sites' frames, and a database that does not answer shown as a 503 page."""
+import logging
+
 import tornado.web
 
+import lograte
 from engine.commits import set_budget
 from engine.db import UNAVAILABLE
+
+log = logging.getLogger("receiver.http")
+REPEATS = lograte.Repeats(log)
 
 
 class HtmlHandler(tornado.web.RequestHandler):
@@ -31,3 +37,12 @@ class HtmlHandler(tornado.web.RequestHandler):
             self.set_header("Retry-After", "30")
             status_code = 503
         self.show_error(status_code)
+
+    def log_exception(self, typ, value, tb):
+        if isinstance(value, UNAVAILABLE):
+            # Every page asked for in an outage fails so (4,378 traceback lines in 30 s
+            # when each was written): one line per kind of page, then a count.
+            REPEATS.error(("unavailable", type(self).__name__), "database unavailable: %s "
+                          "%s: %s", self.request.method, self.request.path, value)
+        else:
+            super().log_exception(typ, value, tb)

@@ -76,13 +76,21 @@ class ReadyHandler(ApiHandler):
         return "ok"
 
     def spool_check(self):
-        """Cheap enough for every probe: no file is written, the directory and its
-        permissions are looked at (a full disk shows in the spool's own error log)."""
+        """Cheap enough for every probe: no file is written; the directory, its
+        permissions and the room left on its filesystem are looked at. "full" when there
+        is no room for two of the largest calls (MAX_BODY_BYTES each) or no inode left:
+        the spool would refuse the next call, and with the database down every call
+        would be answered 503."""
         folder = self.ctx.settings.spool_dir
         if not os.path.isdir(folder):
             return "not a directory" if os.path.exists(folder) else "missing"
         if not os.access(folder, os.W_OK | os.X_OK):
             return "not writable"
+        room = os.statvfs(folder)
+        # A filesystem without an inode count (btrfs) says 0 of 0.
+        no_inodes = room.f_files > 0 and room.f_favail == 0
+        if no_inodes or room.f_bavail * room.f_frsize < 2 * self.ctx.settings.max_body_bytes:
+            return "full"
         return "ok"
 
     def scheduler_check(self):

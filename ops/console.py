@@ -40,6 +40,10 @@ FINAL_OUTBOX_STATUSES = ("sent", "logged", "dead")
 SECRET_KEY = re.compile(r"secret|signature|token|password|api[_-]?key|authorization",
                         re.IGNORECASE)
 HIDDEN = "[hidden]"
+# A JSON key and its plain value (a string, number, true, false or null), in a payload's
+# text.
+SECRET_IN_TEXT = re.compile(r'(?P<key>"(?:[^"\\]|\\.)*")\s*:\s*'
+                            r'(?:"(?:[^"\\]|\\.)*"|[-+0-9.eE]+|true|false|null)')
 
 
 # The record of operator actions.
@@ -232,12 +236,21 @@ def parse_cursor(text):
 
 def shown_payload(event):
     """The payload pretty-printed, with the value of every key that names a credential
-    hidden; a body that is not JSON is shown as it came."""
+    hidden; a body that is not JSON is shown as it came. One nested deeper than Python
+    follows (a hostile sender's 100,000 brackets) is shown as it came too, the plain
+    values of credential keys hidden in its text."""
     try:
-        body = json.loads(event.payload)
+        return json.dumps(_hide_secrets(json.loads(event.payload)), indent=2,
+                          sort_keys=True, ensure_ascii=False)
     except ValueError:
         return event.payload
-    return json.dumps(_hide_secrets(body), indent=2, sort_keys=True, ensure_ascii=False)
+    except RecursionError:
+        return SECRET_IN_TEXT.sub(_hidden_in_text, event.payload)
+
+
+def _hidden_in_text(match):
+    key = match.group("key")
+    return f'{key}: "{HIDDEN}"' if SECRET_KEY.search(key) else match.group(0)
 
 
 def _hide_secrets(value):

@@ -6,7 +6,7 @@ import pytest
 from domain import fulfillment
 from domain.reminders import send_reminders
 from engine.inbox import retry_due
-from models import ComplianceOrder, WebhookEvent
+from models import ComplianceOrder, FormationOrder, WebhookEvent
 from tests.conftest import WEBHOOK_SECRET
 
 AUTH = {"X-Webhook-Secret": WEBHOOK_SECRET, "Content-Type": "application/json"}
@@ -129,3 +129,14 @@ def test_completed_is_final_and_only_a_signature_resolves_an_authorization():
     assert [status for status, allowed in fulfillment.ALLOWED_FROM.items()
             if fulfillment.AUTHORIZATION_REQUIRED in allowed] == ["authorization_signed"]
     assert set(fulfillment.ALLOWED_FROM) == set(fulfillment.STATES)
+
+
+@pytest.mark.gen_test
+async def test_a_report_for_an_order_of_another_kind_is_refused_not_recorded(report):
+    """The old code answered `fulfillment_status_recorded` and retried it for ever."""
+    FormationOrder.create(order_number="FO-7", order_name="ORD-7")
+    reason = ("order FO-7 is a formation order, not a compliance order: it has no "
+              "fulfilment status")
+    assert await report("ready_to_file", number="FO-7") == (409, {"error": reason})
+    [event] = WebhookEvent.select()
+    assert (event.status, event.last_error) == ("rejected", reason)

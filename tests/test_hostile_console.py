@@ -14,8 +14,9 @@ from engine import retention
 from handlers import console as console_handlers
 from models import ConsoleAction, ConsoleSession
 from tests.console_helpers import PASSWORD, Operator, console_settings, text
-from tests.public_helpers import served
-from tests.test_cli import run
+from tests.public_helpers import served, signed_path
+from tests.service_process import database_down
+from tests.test_cli import run, stored_event
 
 LOCAL_PROXY = (ipaddress.ip_network("127.0.0.1/32"),)
 
@@ -215,3 +216,35 @@ async def test_a_stranger_cannot_tell_known_console_paths_from_unknown_ones(oper
 @pytest.mark.gen_test(timeout=60)
 async def test_an_operator_still_gets_404_for_an_unknown_page(logged_in):
     assert (await logged_in.get("/console/nonexistent")).code == 404
+
+
+# --- 7. pages during an outage -----------------------------------------------------------------
+
+@pytest.mark.gen_test(timeout=60)
+async def test_pages_in_an_outage_are_a_short_503_and_one_log_line(logged_in, db, ctx,
+                                                                   client, base_url, caplog):
+    """The old code wrote a traceback for every page asked for."""
+    signed = signed_path(ctx, "ifta", "CO-20001", "2026-Q3")
+    with database_down(db):
+        console_pages = [await logged_in.get(f"/console/events/{n}") for n in range(5)]
+        link_pages = [await client.fetch(base_url + signed) for _ in range(5)]
+    assert {page.code for page in console_pages + link_pages} == {503}
+    assert all(page.headers["Retry-After"] == "30" for page in console_pages + link_pages)
+    assert "Traceback" not in caplog.text
+    unavailable = [r for r in caplog.records if r.getMessage().startswith(
+        "database unavailable: GET")]
+    assert len(unavailable) == 2  # one for the console's event page, one for the links
+
+
+# --- 8. a stored event nested 100,000 deep -----------------------------------------------------
+
+@pytest.mark.gen_test(timeout=60)
+async def test_a_deeply_nested_stored_event_has_its_page(logged_in):
+    """The old code: 500, a RecursionError in ops.console.shown_payload."""
+    deep = "[" * 100_000 + '{"api_key": "sk_live_kept_secret", "n": 1}' + "]" * 100_000
+    event = stored_event(source="crypto", event_type="rejected", status="rejected",
+                         payload=deep)
+    page = await logged_in.get(f"/console/events/{event.id}")
+    assert page.code == 200
+    assert "sk_live_kept_secret" not in text(page)
+    assert '"api_key": "[hidden]"' in text(page).replace("&#34;", '"').replace("&quot;", '"')

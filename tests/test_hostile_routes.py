@@ -8,9 +8,11 @@ import ipaddress
 import json
 import logging
 import socket
+import subprocess
 
 import pytest
 
+from app.server import make_app, prepare_spool
 from handlers.addresses import client_key, forwarded_for
 from handlers.budget import BodyBudget
 from settings import ConfigurationError, Settings
@@ -255,3 +257,38 @@ def test_an_ipv6_client_is_counted_by_its_64():
     assert client_key("2001:db8:1:3::1") != client_key("2001:db8:1:2::1")
     assert client_key("::ffff:192.0.2.1") == "192.0.2.1"
     assert client_key("192.0.2.1") == "192.0.2.1"
+
+
+# --- 9. /readyz and a full spool ---------------------------------------------------------------
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A 4 MiB tmpfs of its own (the spool's disk, to fill); skipped where mounting is
+    not allowed."""
+    folder = tmp_path / "fs"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(folder)],
+                             capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here: " + mounted.stderr.decode().strip())
+    yield folder
+    subprocess.run(["umount", str(folder)], check=True)
+
+
+@pytest.mark.gen_test(timeout=60)
+async def test_readyz_says_the_spool_is_full_when_its_disk_is(ctx, client, small_filesystem):
+    """The old code looked at the directory's mode only: "ok" while every spooled call
+    failed with ENOSPC."""
+    settings = dataclasses.replace(ctx.settings, spool_dir=str(small_filesystem / "spool"))
+    prepare_spool(settings.spool_dir)
+    app = make_app(dataclasses.replace(ctx, settings=settings))
+    with served(app, settings) as base:
+        before = json.loads((await client.fetch(base + "/readyz")).body)["checks"]["spool"]
+        with open(small_filesystem / "filler", "wb") as filler:
+            with pytest.raises(OSError):
+                for _ in range(8):
+                    filler.write(b"x" * 1024 * 1024)
+                    filler.flush()
+        full = await client.fetch(base + "/readyz")
+    assert before == "ok"
+    assert full.code == 503 and json.loads(full.body)["checks"]["spool"] == "full"
