@@ -163,7 +163,7 @@ class ClassifiedErrors:
     @contextlib.contextmanager
     def _guarded(self):
         circuit = self.circuit
-        if circuit is not None and circuit.is_open:
+        if circuit is not None and circuit.is_open and not circuit.lets_through():
             raise DatabaseDown(f"the database is down ({circuit.reason}); not tried until "
                                "a probe finds it back")
         with _classified(circuit):

@@ -1,5 +1,7 @@
-"""The application and its HTTP server, and the serve lifecycle: migrate, listen, start
-the scheduler, tell systemd, and on SIGTERM finish the requests in flight before stopping."""
+"""The application and its HTTP server, and the serve lifecycle: migrate, drain the spool,
+listen, start the scheduler, tell systemd, and on SIGTERM finish the requests in flight
+before stopping. A database down at start does not stop it: it listens, calls go to the
+spool, and the migrations run, then the spool is drained, when the database answers."""
 import asyncio
 import errno
 import gc
@@ -23,7 +25,7 @@ from handlers.addresses import client_key, forwarded_for, forwarded_protocol
 from handlers.base import ApiHandler, NotFoundHandler, log_request, takes_body
 from handlers.console import cookie_secret
 from handlers.routes import routes
-from engine.db import Circuit
+from engine.db import UNAVAILABLE, Circuit, why_unavailable
 from models import open_database
 from ops import systemd
 from scheduler import Scheduler
@@ -287,22 +289,27 @@ async def serve(settings, ready=None):
     """Serve until SIGTERM or SIGINT; `ready()`, when given, is called once it listens."""
     sys.setswitchinterval(GIL_SWITCH_SECONDS)
     db = open_database(settings.database_url, timeout_ms=settings.database_timeout_ms)
-    with db.unbounded():
-        applied = migrations.migrate(db)
-    if applied:
-        log.info("migrations applied: %s", ", ".join(applied))
+    circuit = Circuit(db)
+    circuit.attach()
+    try:
+        run_migrations(db)
+    except UNAVAILABLE as down:
+        log.warning("database unavailable at start (%s): serving all the same, calls go to "
+                    "the spool; the migrations wait for the database", why_unavailable(down))
+        circuit.hold_until(lambda: run_migrations(db), "migrations wait for it", down)
     settings.warn_about_placeholders()
     prepare_spool(settings.spool_dir)
     sockets = bind(settings)
-    circuit = Circuit(db)
-    circuit.attach()
     ctx = Context.create(settings)
     app = make_app(ctx)
     server = make_server(app, settings)
+    ctx.scheduler = Scheduler(ctx)
+    # Drains the spool first: calls left there by an earlier run are handled before any
+    # new one (the connections that come meanwhile wait in the socket's backlog).
+    await ctx.scheduler.start()
+    circuit.when_back(lambda: ctx.scheduler.run_soon("spool"))
     server.add_sockets(sockets)
     log.info("listening on http://%s:%d", settings.host, settings.port)
-    ctx.scheduler = Scheduler(ctx)
-    await ctx.scheduler.start()
     freeze_startup_objects()
     systemd.notify(f"READY=1\nSTATUS=listening on {settings.host}:{settings.port}")
     watchdog = start_watchdog()
@@ -327,6 +334,13 @@ async def serve(settings, ready=None):
     await circuit.detach()
     db.close()
     log.info("stopped")
+
+
+def run_migrations(db):
+    with db.unbounded():
+        applied = migrations.migrate(db)
+    if applied:
+        log.info("migrations applied: %s", ", ".join(applied))
 
 
 class CannotStart(Exception):

@@ -3,6 +3,7 @@ known to be down from being tried on every call."""
 import asyncio
 import concurrent.futures
 import logging
+import threading
 import time
 
 import peewee
@@ -45,7 +46,12 @@ class Circuit:
     raises DatabaseDown at once instead of waiting on it, so webhooks go straight to the
     spool and the loop stays free. A probe in a thread of its own (a fresh connection
     that must take a write) runs every PROBE_INTERVAL_SECONDS and closes the circuit when
-    it succeeds; the spool drain's next tick stores what was spooled."""
+    it succeeds; then the callbacks given to `when_back` run (the spool drain, so what was
+    spooled is stored before anything else).
+
+    `hold_until(work, why)` keeps it open until `work()` (the migrations of a service that
+    started with its database down) has also succeeded in the probe's thread, the only
+    statements let through meanwhile."""
 
     def __init__(self, db, interval=PROBE_INTERVAL_SECONDS):
         self.db = db
@@ -56,10 +62,30 @@ class Circuit:
         self.loop: asyncio.AbstractEventLoop
         self.prober = None
         self.threads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="db-probe")
+        self.on_back = []
+        # What must succeed before the circuit closes, and what the operator is told
+        # meanwhile (/readyz).
+        self.held_by, self.held_for = None, None
+        self._letting_through = threading.local()
 
     @property
     def is_open(self):
         return self.reason is not None
+
+    def lets_through(self):
+        """Whether this thread's statements go to the database though the circuit is open:
+        the work it is held for, in the probe's thread."""
+        return getattr(self._letting_through, "on", False)
+
+    def when_back(self, callback):
+        """Call `callback()` on the loop each time a probe closes the circuit."""
+        self.on_back.append(callback)
+
+    def hold_until(self, work, why, failure):
+        """Open the circuit for `failure` and keep it open until `work()` succeeds after
+        a probe; `why` says so on /readyz."""
+        self.held_by, self.held_for = work, why
+        self.trip(failure)
 
     def attach(self):
         """From now on the database consults this circuit (call on the service's loop)."""
@@ -95,12 +121,25 @@ class Circuit:
         log.warning("database back after %.1f s: calls are stored again",
                     time.monotonic() - self.opened_at)
         self.reason = None
+        for callback in self.on_back:
+            callback()
 
     async def probe(self):
         """Whether the database answers and takes writes, asked in the probe's thread."""
         try:
-            await self.loop.run_in_executor(self.threads, self.db.probe)
+            await self.loop.run_in_executor(self.threads, self._probe_and_prepare)
         except Exception as exc:  # whatever the driver raises, the database is still down
             log.debug("database probe failed: %s", why_unavailable(exc))
             return False
         return True
+
+    def _probe_and_prepare(self):
+        self.db.probe()
+        if self.held_by is None:
+            return
+        self._letting_through.on = True
+        try:
+            self.held_by()
+        finally:
+            self._letting_through.on = False
+        self.held_by, self.held_for = None, None

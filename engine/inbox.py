@@ -66,10 +66,13 @@ async def record(ctx, *args, **kwargs):
     key, or one of `also_known_as` (earlier keys of the same call), returns the first
     copy.
 
-    While the database is unavailable the call is appended to the spool instead and
-    (None, False) is returned: it is durable, and the spool drain will store and handle
-    it. If even the spool cannot be written, the database error propagates (503)."""
+    While the database is unavailable, or calls that came earlier wait in the spool, the
+    call is appended to the spool instead and (None, False) is returned: it is durable,
+    and the spool drain will store and handle it. If even the spool cannot be written,
+    the database error propagates (503)."""
     call = _call(ctx, *args, **kwargs)
+    if _behind_the_spool(ctx, call):
+        return None, False
     try:
         return await ctx.commits.run(functools.partial(_store, ctx, call))
     except UNAVAILABLE as unavailable:
@@ -96,6 +99,8 @@ async def accept(ctx, *args, in_background=False, send_within=None, **kwargs):
     storing: one transaction, one turn of the loop. Should the plugin raise, the event
     stays stored and is recorded as failed, in that transaction too."""
     call = _call(ctx, *args, **kwargs)
+    if _behind_the_spool(ctx, call):
+        return None, False, None
     try:
         try:
             event, created, handled = await ctx.commits.run(
@@ -177,35 +182,69 @@ def _storable(text):
     return text.replace("\x00", "\ufffd") if isinstance(text, str) else text
 
 
+def _behind_the_spool(ctx, call):
+    """Arrival order (engine.spool): while calls wait in the spool, this one joins them
+    there, to be stored and handled after them. False, and the call goes to the database,
+    when nothing waits or the spool cannot take it."""
+    if not spool.backlog(ctx.settings.spool_dir):
+        return False
+    try:
+        spool.append(ctx.settings.spool_dir,
+                     {**call, "received_at": call["received_at"].isoformat()})
+    except OSError:
+        SPOOLED.exception(("unwritable",), "calls wait in the spool, and it cannot be "
+                          "written: this call goes to the database, ahead of them")
+        return False
+    SPOOLED.warning(("behind",), "calls wait in the spool: new calls join them")
+    return True
+
+
 async def drain_spool(ctx):
-    """Move every spooled call into the inbox, then handle the ones new to it.
+    """Move every spooled call into the inbox, and handle the ones new to it, file by
+    file, until no call waits (calls that come meanwhile join the spool behind them).
 
     Returns the number of calls read from the spool."""
-    try:
-        drained = await spool.store_all(
-            ctx.settings.spool_dir,
-            lambda call: ctx.commits.run(functools.partial(store_spooled, ctx, call)))
-    except spool.Unusable as exc:
-        SPOOL_UNUSABLE.warn(ctx.clock(), str(exc))
-        return 0
-    for call in drained.quarantined:
-        _tell_admin_quarantined(ctx, call)
+    read = 0
+    while True:
+        try:
+            now_read = await spool.store_all(
+                ctx.settings.spool_dir,
+                lambda call: ctx.db(functools.partial(store_spooled, ctx, call)),
+                functools.partial(_handle_drained, ctx))
+        except spool.Unusable as exc:
+            SPOOL_UNUSABLE.warn(ctx.clock(), str(exc))
+            return read
+        read += now_read
+        if not now_read or not spool.backlog(ctx.settings.spool_dir):
+            return read
+
+
+async def _handle_drained(ctx, drained):
+    """Before the spool file goes: should telling the administrator fail (the database
+    gone again), the next drain finds the file and the quarantined calls again."""
+    if drained.quarantined:
+        await ctx.db(functools.partial(_tell_admin_quarantined, ctx, drained.quarantined))
     for event in drained.created:
         await process(ctx, event)
-    return drained.read
 
 
-def _tell_admin_quarantined(ctx, call):
+def _tell_admin_quarantined(ctx, calls):
+    for call in calls:
+        _tell_admin_of(ctx, call)
+
+
+def _tell_admin_of(ctx, call):
     """Once per call (keyed by its dedup key): it was acknowledged, and nothing will
     handle it unless someone does. A quarantined line may lack any field."""
     source = str(call.get("source") or "unknown")
-    key = hashlib.sha256(f"{source}\n{call.get('dedup_key')}".encode()).hexdigest()[:32]
+    identity = call.get("raw_base64") or f"{source}\n{call.get('dedup_key')}"
+    key = hashlib.sha256(identity.encode()).hexdigest()[:32]
     outbox.tell_admin(
         ctx, f"quarantined-{key}", f"Spooled {source} call quarantined", "call_quarantined",
         source=source, event_type=str(call.get("event_type") or "-")[:80],
         order=str(call.get("order_number") or "-")[:80],
         received_at=call.get("received_at"), reason=call["unstorable"],
-        payload=str(call.get("payload") or "")[:4000])
+        payload=str(call.get("payload") or call.get("raw") or "")[:4000])
 
 
 def store_spooled(ctx, call):

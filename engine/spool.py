@@ -8,17 +8,27 @@ exclusive flock while it appends and checks that the path still names the file i
 opened (a drain may have renamed it meanwhile). A last line without its newline was torn
 by a writer that died mid-append (never acknowledged): the next append cuts it off first.
 
+Arrival order: while any file is here (`backlog`), a new call joins the spool behind the
+calls in it rather than going to the database, even when the database answers: it would
+otherwise be handled before calls that came earlier. A file goes only once its calls are
+stored and handled.
+
 Draining renames the live file to `inbox-<ns>-<pid>.draining` first, so new calls go to
-a fresh file, then stores every line in the inbox under its dedup key and deletes the
-file. A crash anywhere in between leaves the `.draining` file for the next drain, which
-stores the lines again: the dedup keys make that a no-op for the ones already stored.
+a fresh file, then stores every line in the inbox under its dedup key, has the new ones
+handled, and deletes the file. A crash anywhere in between leaves the `.draining` file
+for the next drain, which stores the lines again: the dedup keys make that a no-op for
+the ones already stored.
 
 A line the database refuses (rather than cannot take now: models.is_down) would stop the
 drain at every tick, and every call spooled after it with it. It is quarantined instead:
 appended to SPOOL_DIR/unstorable.jsonl with the reason, and the drain goes on with the
-next line. `quarantined()` reads them back for the CLI, /metrics and /readyz.
+next line. A line that cannot be read is quarantined too, its bytes kept as they were
+(`raw_base64`), with the reason: it was acknowledged. Only a last line without its newline
+was never acknowledged (torn by a writer that died mid-append), and is dropped.
+`quarantined()` reads them back for the CLI, /metrics and /readyz.
 """
 import asyncio
+import base64
 import datetime
 import fcntl
 import glob
@@ -94,7 +104,7 @@ class LastingProblem:
 
 
 class Drained:
-    """What one drain did: calls read, the events new to the inbox, and the calls
+    """What one file's drain did: calls read, the events new to the inbox, and the calls
     quarantined (each a spooled entry with its `unstorable` reason)."""
 
     def __init__(self):
@@ -103,22 +113,31 @@ class Drained:
         self.quarantined = []
 
 
-async def store_all(spool_dir, store):
-    """Hand every spooled call to `await store(entry) -> (event, is_new)`, file by file,
-    deleting each file once all its lines are stored or quarantined. STORE_BATCH calls
-    are handed over at once (the group commit stores them in one transaction); the loop
-    answers other requests between batches, so a long outage's spool does not hold it.
+def backlog(spool_dir):
+    """Whether calls wait here (a live file, or one being drained): a new call must join
+    them. One directory listing, cheap enough for every call; a spool that cannot be
+    listed holds nothing back."""
+    try:
+        names = os.listdir(spool_dir)
+    except OSError:
+        return False
+    return any(name == LIVE_NAME or name.endswith(DRAINING_SUFFIX) for name in names)
 
-    Returns a Drained. A database still down leaves the files as they are for the next
-    run."""
+
+async def store_all(spool_dir, store, handle):
+    """Hand every spooled call to `await store(entry) -> (event, is_new)`, file by file;
+    then `await handle(drained)` with what the file gave (a Drained), and delete the
+    file. STORE_BATCH calls are handed over at once (the group commit stores them in one
+    transaction); the loop answers other requests between batches, so a long outage's
+    spool does not hold it.
+
+    Returns the number of calls read. A database still down leaves the files as they are
+    for the next run."""
     _rotate(spool_dir)
-    drained = Drained()
+    read = 0
     for path in sorted(glob.glob(os.path.join(spool_dir, "*" + DRAINING_SUFFIX))):
-        drained.read += await _store_file(path, store, drained) or 0
-    if drained.read:
-        log.info("spool drained: %d call(s) read, %d new to the inbox, %d quarantined",
-                 drained.read, len(drained.created), len(drained.quarantined))
-    return drained
+        read += await _store_file(path, store, handle) or 0
+    return read
 
 
 def quarantined(spool_dir):
@@ -136,7 +155,8 @@ def quarantined(spool_dir):
             entry = json.loads(line)
         except ValueError:
             continue  # torn by a crash mid-append; cut off by the next append
-        entries.setdefault((entry.get("source"), entry.get("dedup_key")), entry)
+        key = entry.get("raw_base64") or (entry.get("source"), entry.get("dedup_key"))
+        entries.setdefault(key, entry)
     return list(entries.values())
 
 
@@ -153,9 +173,10 @@ def _rotate(spool_dir):
     _fsync_directory(spool_dir)
 
 
-async def _store_file(path, store, drained):
-    """Store the lines of one draining file, then delete it; None if another process is
-    draining it or it is gone. A database failure leaves the file in place."""
+async def _store_file(path, store, handle):
+    """Store the lines of one draining file, have them handled, then delete it; None if
+    another process is draining it or it is gone. A database failure leaves the file in
+    place."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
@@ -167,17 +188,26 @@ async def _store_file(path, store, drained):
             return None
         if not _path_still_opens(path, fd):
             return None  # drained and deleted by another process just now
-        with os.fdopen(os.dup(fd), "rb") as handle:
-            entries = _entries(handle, path)
+        with os.fdopen(os.dup(fd), "rb") as lines:
+            entries, unreadable = _entries(lines, path)
+        spool_dir, drained = os.path.dirname(path), Drained()
+        for line, reason in unreadable:
+            _quarantine(spool_dir, {"raw": line.decode("utf-8", "replace"),
+                                    "raw_base64": base64.b64encode(line).decode()},
+                        reason, drained)
         for start in range(0, len(entries), STORE_BATCH):
             batch = entries[start:start + STORE_BATCH]
             outcomes = await asyncio.gather(*(store(entry) for entry in batch),
                                             return_exceptions=True)
             for entry, outcome in zip(batch, outcomes):
-                _store_entry(os.path.dirname(path), entry, outcome, drained)
+                _store_entry(spool_dir, entry, outcome, drained)
+        drained.read = len(entries) + len(unreadable)
+        log.info("spool file drained: %d call(s) read, %d new to the inbox, %d quarantined",
+                 drained.read, len(drained.created), len(drained.quarantined))
+        await handle(drained)
         os.unlink(path)
-        _fsync_directory(os.path.dirname(path))
-        return len(entries)
+        _fsync_directory(spool_dir)
+        return drained.read
     except UNAVAILABLE as exc:
         reason = why_unavailable(exc)
         NOT_DRAINED.warning(reason, "spool not drained, the database is still unavailable: %s",
@@ -193,29 +223,40 @@ def _store_entry(spool_dir, entry, outcome, drained):
     if isinstance(outcome, UNAVAILABLE):
         raise outcome
     if isinstance(outcome, Exception):
-        reason = f"{type(outcome).__name__}: {why_unavailable(outcome)}"[:MAX_REASON_CHARS]
-        log.error("spooled %s call %.80s cannot be stored, quarantined in %s: %s",
-                  entry.get("source"), entry.get("dedup_key"), UNSTORABLE_NAME, reason)
-        kept = {**entry, "received_at": entry["received_at"].isoformat(),
-                "unstorable": reason}
-        append(spool_dir, kept, name=UNSTORABLE_NAME)
-        drained.quarantined.append(kept)
+        _quarantine(spool_dir, {**entry, "received_at": entry["received_at"].isoformat()},
+                    f"{type(outcome).__name__}: {why_unavailable(outcome)}", drained)
         return
     event, is_new = outcome
     if is_new:
         drained.created.append(event)
 
 
-def _entries(handle, path):
-    entries = []
-    for number, line in enumerate(handle, start=1):
+def _quarantine(spool_dir, entry, reason, drained):
+    reason = reason[:MAX_REASON_CHARS]
+    log.error("spooled %s call %.80s cannot be stored, quarantined in %s: %s",
+              entry.get("source", "unreadable"), entry.get("dedup_key", "-"),
+              UNSTORABLE_NAME, reason)
+    kept = {**entry, "unstorable": reason}
+    append(spool_dir, kept, name=UNSTORABLE_NAME)
+    drained.quarantined.append(kept)
+
+
+def _entries(lines, path):
+    """The calls of a spool file, and its unreadable lines with the reason each. A last
+    line without its newline was torn by a crash mid-append, and its call never
+    acknowledged (the fsync comes before the answer): it is dropped. Any other line was
+    acknowledged, whatever has become of it."""
+    entries, unreadable = [], []
+    for number, line in enumerate(lines, start=1):
+        if not line.endswith(b"\n"):
+            log.error("spool %s line %d torn by an interrupted append, dropped", path, number)
+            break
         try:
             entries.append(_decode(json.loads(line)))
-        except (ValueError, KeyError, TypeError):
-            # Only a line torn by a crash mid-append can be unreadable, and its call was
-            # never acknowledged (the fsync comes before the answer).
-            log.error("spool %s line %d unreadable, skipped", path, number)
-    return entries
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            unreadable.append((line.rstrip(b"\n"),
+                               f"unreadable line {number}: {type(exc).__name__}: {exc}"))
+    return entries, unreadable
 
 
 def _decode(entry):

@@ -61,7 +61,7 @@ class ReadyHandler(ApiHandler):
         probe every few seconds during an outage: one line, then a count."""
         db = database.obj
         if db.circuit is not None and db.circuit.is_open:
-            return "unreachable"
+            return f"unreachable; {db.circuit.held_for}" if db.circuit.held_for else "unreachable"
         try:
             await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, db.probe),
                                    READY_TIMEOUT_SECONDS)

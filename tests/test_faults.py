@@ -460,3 +460,45 @@ async def test_downstreams_down_then_back_every_effect_once_in_order_per_order(
     assert sent == 32  # 31 effects and the admin's mail
     figures("downstreams down then back", events_sent=15, acknowledged=15, handled=15,
             effects=32, delivered=sent - 1, dead=1, admin_mails=1, duplicated=0, lost=0)
+
+
+@pytest.mark.gen_test(timeout=90)
+async def test_started_with_its_database_down_it_takes_calls_then_handles_them_in_order(
+        services, service_env, database_url, db, client, worker, frappe, tmp_path):
+    """A restart during an outage: it serves from the start, calls go to the spool, and
+    once the database answers the migrations run and the spool is drained at once (the
+    scheduler's tick is an hour here: only the circuit's probe can have started it)."""
+    if ON_POSTGRES:
+        proxy, url = TcpProxy.in_front_of(database_url)
+        proxy.cut()
+        come_back = proxy.restore
+    else:
+        later = tmp_path / "later.sqlite3"
+        later.mkdir()  # a directory where the file should be: it cannot be opened
+        url = f"sqlite:///{later}"
+        come_back = later.rmdir
+    try:
+        service = await services("a", **{**service_env, "DATABASE_URL": url,
+                                          "SCHEDULER_TICK_SECONDS": "3600"}).start()
+        order = {"order_name": "ORD-DOWN", "order_number": "FO-DOWN"}
+        assert await send(client, service, "formation/submitted",
+                          {**order, "state_code": "WY", "entity_name": "Acme LLC"}) == 200
+        assert await send(client, service, "formation/name-available", order) == 200
+        ready = await client.fetch(f"{service.url}/readyz")
+        assert ready.code == 503
+        assert json.loads(ready.body)["checks"]["database"] == \
+            "unreachable; migrations wait for it"
+        assert worker.requests == [] and frappe.requests == []
+
+        come_back()
+        await eventually(lambda: len(worker.requests) == 2)
+        assert [r.json["action"] for r in worker.requests] == ["name_search", "file_entity"]
+        assert [r.json["action"] for r in frappe.requests] == ["Start Name Check",
+                                                                "Start Filing"]
+        ready = await client.fetch(f"{service.url}/readyz")
+        assert ready.code == 200
+        assert "database unavailable at start" in service.log()
+        assert await service.terminate() == 0
+    finally:
+        if ON_POSTGRES:
+            proxy.close()

@@ -1,5 +1,6 @@
 """The spool: calls accepted while the database is down are kept in an fsynced file and
 stored and handled once when it is back (docs/ARCHITECTURE.md, "One inbound call")."""
+import base64
 import dataclasses
 import glob
 import json
@@ -128,7 +129,8 @@ async def test_a_line_torn_by_a_crash_mid_append_is_skipped(post, ctx, db, worke
 
     assert await inbox.drain_spool(ctx) == 1
     assert WebhookEvent.select().count() == 1 and len(worker.requests) == 1
-    assert "line 2 unreadable" in caplog.text
+    assert "line 2 torn by an interrupted append, dropped" in caplog.text
+    assert spool.quarantined(ctx.settings.spool_dir) == []
 
 
 @pytest.mark.gen_test
@@ -330,3 +332,30 @@ async def test_an_unusable_spool_directory_is_one_line_every_ten_minutes_not_a_t
         "SPOOL_DIR or its permissions (/readyz reports it too)"]
     assert all(r.levelname == "WARNING" and not r.exc_info for r in lines)
     assert "Traceback" not in caplog.text
+
+
+@pytest.mark.gen_test
+async def test_an_unreadable_line_mid_file_is_quarantined_with_its_bytes_and_reason(
+        post, ctx, db, worker, smtp):
+    with database_down(db):
+        await post(SUBMITTED, submitted(1), AUTH)
+    [live] = spool_files(ctx)
+    # Acknowledged calls whose lines went bad on disk: a flipped byte, a bad date.
+    flipped = b'{"source": "workflow", "event_type": "formation/sub\xffmitted", "dedup'
+    with open(live, "ab") as handle:
+        handle.write(flipped + b"\n")
+        handle.write(json.dumps({**unhandled_call("bad-date"),
+                                 "received_at": "yesterday"}).encode() + b"\n")
+    with database_down(db):
+        await post(SUBMITTED, submitted(2), AUTH)
+
+    assert await inbox.drain_spool(ctx) == 4
+    assert sorted(e.order_number for e in WebhookEvent.select()) == ["FO-1", "FO-2"]
+    kept = spool.quarantined(ctx.settings.spool_dir)
+    assert [base64.b64decode(call["raw_base64"]) for call in kept] == [
+        flipped, json.dumps({**unhandled_call("bad-date"), "received_at": "yesterday"}).encode()]
+    assert kept[0]["unstorable"].startswith("unreadable line 2: ")
+    assert kept[1]["unstorable"].startswith("unreadable line 3: ValueError")
+    letters = [json.loads(row.payload) for row in Outbox.select().where(Outbox.kind == "email")]
+    assert [letter["subject"] for letter in letters] == 2 * ["Spooled unknown call quarantined"]
+    assert "formation/sub" in letters[0]["text"]
