@@ -165,14 +165,17 @@ def _store_and_handle(ctx, call, handle_now):
 
 
 def _call(ctx, source, event_type, dedup_key, payload, external_id=None,
-          order_number=None, status="received", last_error=None, also_known_as=()):
+          order_number=None, status="received", last_error=None, also_known_as=(),
+          notice=None):
+    """`notice`: an admin notice (subject, template, variables) that belongs to the call,
+    written when it is first stored, whichever way (the spool drain too)."""
     if isinstance(payload, bytes):
         payload = payload.decode("utf-8", "replace")
     return {"source": source, "event_type": event_type, "dedup_key": dedup_key,
             "also_known_as": list(also_known_as), "external_id": _storable(external_id),
             "order_number": _storable(order_number), "status": status,
             "last_error": last_error and error_text(last_error),
-            "payload": _storable(payload),
+            "payload": _storable(payload), "notice": notice,
             "received_at": ctx.clock()}
 
 
@@ -268,12 +271,21 @@ def _store(ctx, call, next_attempt_at=None):
             received_at=call["received_at"], next_attempt_at=next_attempt_at,
             created_at=now, updated_at=now)
         if event is not None:
+            if call.get("notice"):
+                _tell_admin_notice(ctx, event, call["notice"])
             return event, True
         existing = find(ctx, source, call["dedup_key"])
     ctx.metrics.event_duplicate(source, event_type)
     log.info("duplicate %s event %s (%s) ignored; first stored as #%s",
              source, event_type, call["external_id"] or call["dedup_key"], existing.id)
     return existing, False
+
+
+def _tell_admin_notice(ctx, event, notice):
+    outbox.tell_admin(ctx, f"event-notice-{event.id}", notice["subject"], notice["template"],
+                      event_id=event.id,
+                      received_at=event.received_at.isoformat(timespec="seconds"),
+                      **notice["variables"])
 
 
 def _spool(ctx, call, unavailable):

@@ -166,8 +166,10 @@ class CryptoProcessorWebhookHandler(ApiHandler):
         try:
             return await self.ctx.commits.run(keep_and_tell)
         except UNAVAILABLE:
-            # No transaction to be had: the inbox alone can still keep it (in the spool).
-            await inbox.record(*call, **kept_as)
+            # No transaction to be had: the inbox alone can still keep it (in the spool),
+            # and the admin's notice with it, written when the drain stores the call.
+            notice = _notice(external_id, reason, raw) if treasury.claims_paid(body) else None
+            await inbox.record(*call, **kept_as, notice=notice)
             return []
 
     def tell_admin(self, effects, event, external_id, reason, raw):
@@ -176,13 +178,22 @@ class CryptoProcessorWebhookHandler(ApiHandler):
             log.warning("ADMIN_EMAIL unset: nobody is told of rejected crypto callback #%s",
                         event.id)
             return
-        order = " ".join((external_id or "unknown order").split())[:80]
-        subject = f"Crypto payment callback rejected: {order}"
-        effects.email([admin], subject, "email/crypto_callback_rejected",
+        notice = _notice(external_id, reason, raw)
+        effects.email([admin], notice["subject"], f"email/{notice['template']}",
                       purpose="crypto_callback_rejected", order_number=external_id,
-                      title=subject, order=order, reason=reason, event_id=event.id,
+                      title=notice["subject"], event_id=event.id,
                       received_at=event.received_at.isoformat(timespec="seconds"),
-                      body=raw.decode("utf-8", "replace")[:4000])
+                      **notice["variables"])
+
+
+def _notice(external_id, reason, raw):
+    """The admin's mail of a rejected callback that claimed to be paid (BEHAVIOUR.md 4.3
+    rule 8), as `inbox.record` keeps it with a spooled call."""
+    order = " ".join((external_id or "unknown order").split())[:80]
+    return {"subject": f"Crypto payment callback rejected: {order}",
+            "template": "crypto_callback_rejected",
+            "variables": {"order": order, "reason": reason,
+                          "body": raw.decode("utf-8", "replace")[:4000]}}
 
 
 def _digest(raw):

@@ -13,7 +13,7 @@ from models import (
     BundleOrder, ComplianceOrder, CrtcOrder, FormationOrder, LedgerEntry, Outbox,
     TreasuryJob, WebhookEvent,
 )
-from engine import inbox
+from engine import inbox, outbox
 from tests import shkeeper
 from tests.shkeeper import API_KEY, URL, key_headers, signed_headers
 from tests.service_process import database_down
@@ -525,3 +525,31 @@ async def test_an_oversize_body_is_413(post, ctx):
                                   key_headers())
     assert (status, reply) == (413, {"error": "request body too large"})
     assert WebhookEvent.select().count() == 0
+
+
+@pytest.mark.gen_test
+async def test_a_rejected_paid_callback_taken_during_an_outage_is_told_to_the_admin_once(
+        post, ctx, db, telegram, smtp):
+    CrtcOrder.create(order_number="CA-1001")
+    raw = shkeeper.encode(shkeeper.paid("CA-1001")).replace(b'"balance_fiat":"7.8"',
+                                                            b'"balance_fiat":"abc"')
+    with database_down(db):
+        status, reply, _ = await post(URL, raw, key_headers())
+    assert (status, reply) == (202, {"received": True})
+
+    assert await inbox.drain_spool(ctx) == 1
+    [event] = WebhookEvent.select()
+    assert (event.status, event.last_error) == (
+        "rejected", "balance_fiat is not a number: 'abc'")
+    await outbox.send_due(ctx)
+    [(recipients, message)] = smtp.messages
+    assert recipients == ["admin@example.test"]
+    assert message["Subject"] == "Crypto payment callback rejected: CA-1001"
+    text = message.get_body(("plain",)).get_content()
+    assert "CA-1001" in text and "not a number" in text and "NOT completed" in text
+    # The sender's retry, stored again from the spool, tells nobody twice.
+    with database_down(db):
+        await post(URL, raw, key_headers())
+    await inbox.drain_spool(ctx)
+    await outbox.send_due(ctx)
+    assert len(smtp.messages) == 1 and unpaid()
