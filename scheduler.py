@@ -27,6 +27,7 @@ import lograte
 from models import UTC, database, is_postgres
 from domain import holdback, reminders
 from engine import inbox, outbox, retention, spool
+from engine.commits import budget
 from engine.db import UNAVAILABLE, why_unavailable
 
 log = logging.getLogger("receiver.scheduler")
@@ -176,7 +177,10 @@ class Scheduler:
         self.in_progress.add(task)
         self.running_jobs.add(job.name)
         try:
-            return await self._run_locked(job)
+            # Never a call's budget, though a run asked for by a call (`run_soon`) starts
+            # in a copy of that call's context.
+            with budget(None):
+                return await self._run_locked(job)
         finally:
             self.in_progress.discard(task)
             self.running_jobs.discard(job.name)

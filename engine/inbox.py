@@ -42,6 +42,8 @@ AWAITING_HANDLING = ("received", "failed")
 # row past about 2,700 bytes; 255 characters of UTF-8 are at most 1,020. Longer values are
 # refused where they are read, before they reach the inbox or the spool.
 MAX_KEY_LENGTH = 255
+# Orders whose drained calls are handled at once (each order's one after another).
+DRAIN_CONCURRENCY = 50
 
 # A SPOOL_DIR that cannot be used stays so until fixed: said every 10 minutes, not at
 # every tick of the drain.
@@ -224,11 +226,23 @@ async def drain_spool(ctx):
 
 async def _handle_drained(ctx, drained):
     """Before the spool file goes: should telling the administrator fail (the database
-    gone again), the next drain finds the file and the quarantined calls again."""
+    gone again), the next drain finds the file and the quarantined calls again.
+
+    Each order's calls are handled one after another in the order they came; different
+    orders' side by side (DRAIN_CONCURRENCY at once), or the drain would fall behind the
+    calls that join the spool meanwhile."""
     if drained.quarantined:
         await ctx.db(functools.partial(_tell_admin_quarantined, ctx, drained.quarantined))
+    by_order = {}
     for event in drained.created:
-        await process(ctx, event)
+        by_order.setdefault(event.order_number or ("no order", event.id), []).append(event)
+    room = asyncio.Semaphore(DRAIN_CONCURRENCY)
+
+    async def in_turn(events):
+        async with room:
+            for event in events:
+                await process(ctx, event)
+    await asyncio.gather(*(in_turn(events) for events in by_order.values()))
 
 
 def _tell_admin_quarantined(ctx, calls):
