@@ -15,7 +15,6 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import datetime
-import functools
 import logging
 import typing
 import zlib
@@ -46,9 +45,9 @@ async def settle(ctx):
 
 
 async def prune(ctx):
-    # In the database thread: on SQLite a long delete on the loop's own connection would
-    # hold the write lock the request path's turns wait for.
-    return await ctx.commits.run(functools.partial(retention.prune, ctx))
+    # In the database thread, in bounded batches: on SQLite a long delete would hold the
+    # write lock the request path's turns wait for.
+    return await retention.prune_all(ctx)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,8 +5,13 @@ console sessions as soon as they are ended or expired.
 Failed, dead and rejected events and pending, waiting or dead outbox rows are kept for the
 operator whatever their age (their attempts older than RETENTION_DAYS go all the same). A pruned event's dedup key goes with it, so RETENTION_DAYS
 must stay longer than any sender's retry window (Stripe retries for 3 days).
+
+A prune deletes PRUNE_BATCH rows of each table at most per transaction, so however much
+has piled up each statement stays short: under the service's statement timeout, and
+never holding the database thread long from the calls that wait for it.
 """
 import datetime
+import functools
 import logging
 
 from models import Attempt, ConsoleAction, ConsoleSession, Outbox, WebhookEvent, database
@@ -14,31 +19,52 @@ from models import Attempt, ConsoleAction, ConsoleSession, Outbox, WebhookEvent,
 log = logging.getLogger("receiver.retention")
 
 PRUNED_EVENT_STATUSES = ("processed", "ignored")
+PRUNE_BATCH = 1000
 
 
-def prune(ctx):
-    """Delete what is past retention; returns (events, outbox rows) deleted."""
-    cutoff = ctx.clock() - datetime.timedelta(days=ctx.settings.retention_days)
+async def prune_all(ctx, limit=PRUNE_BATCH):
+    """Prune batch after batch, each in a unit of its own, until nothing is left past
+    retention; returns (events, outbox rows) deleted."""
+    events = rows = 0
+    while True:
+        batch = await ctx.db(functools.partial(_prune_batch, ctx, limit))
+        events, rows = events + batch[0], rows + batch[1]
+        if max(batch) < limit:
+            return events, rows
+
+
+def prune(ctx, limit=PRUNE_BATCH):
+    """Delete at most `limit` rows of each table past retention; returns (events, outbox
+    rows) deleted."""
+    return _prune_batch(ctx, limit)[:2]
+
+
+def _prune_batch(ctx, limit):
+    """(events, outbox rows, attempts, console actions, console sessions) deleted."""
+    now = ctx.clock()
+    cutoff = now - datetime.timedelta(days=ctx.settings.retention_days)
+    # An event stored already settled (ignored on arrival, say) was never handled, so it
+    # has no processed_at: its age is counted from its arrival.
+    settled_before_cutoff = (
+        (WebhookEvent.processed_at < cutoff)
+        | (WebhookEvent.processed_at.is_null() & (WebhookEvent.received_at < cutoff)))
     with database.atomic():
-        rows = (Outbox.delete()
-                .where(((Outbox.status == "sent") & (Outbox.sent_at < cutoff))
-                       | ((Outbox.status == "logged") & (Outbox.updated_at < cutoff)))
-                .execute())
-        # An event stored already settled (ignored on arrival, say) was never handled,
-        # so it has no processed_at: its age is counted from its arrival.
-        settled_before_cutoff = (
-            (WebhookEvent.processed_at < cutoff)
-            | (WebhookEvent.processed_at.is_null() & (WebhookEvent.received_at < cutoff)))
-        events = (WebhookEvent.delete()
-                  .where(WebhookEvent.status.in_(PRUNED_EVENT_STATUSES),
-                         settled_before_cutoff).execute())
-        attempts = Attempt.delete().where(Attempt.created_at < cutoff).execute()
-        actions = ConsoleAction.delete().where(ConsoleAction.created_at < cutoff).execute()
-        (ConsoleSession.delete()
-         .where(ConsoleSession.ended_at.is_null(False)
-                | (ConsoleSession.expires_at <= ctx.clock())).execute())
+        rows = _delete_some(Outbox, ((Outbox.status == "sent") & (Outbox.sent_at < cutoff))
+                            | ((Outbox.status == "logged") & (Outbox.updated_at < cutoff)),
+                            limit)
+        events = _delete_some(WebhookEvent, WebhookEvent.status.in_(PRUNED_EVENT_STATUSES)
+                              & settled_before_cutoff, limit)
+        attempts = _delete_some(Attempt, Attempt.created_at < cutoff, limit)
+        actions = _delete_some(ConsoleAction, ConsoleAction.created_at < cutoff, limit)
+        sessions = _delete_some(ConsoleSession, ConsoleSession.ended_at.is_null(False)
+                                | (ConsoleSession.expires_at <= now), limit)
     if events or rows or attempts or actions:
         log.info("pruned %d event(s), %d sent effect(s), %d send attempt(s) and %d console "
                  "action(s) older than %s", events, rows, attempts, actions,
                  cutoff.isoformat())
-    return events, rows
+    return events, rows, attempts, actions, sessions
+
+
+def _delete_some(model, condition, limit):
+    oldest = model.select(model.id).where(condition).order_by(model.id).limit(limit)
+    return model.delete().where(model.id.in_(oldest)).execute()

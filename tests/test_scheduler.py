@@ -309,6 +309,21 @@ def test_pruning_deletes_only_handled_events_and_sent_effects_past_retention(ctx
     assert retention.prune(ctx) == (0, 0)
 
 
+@pytest.mark.gen_test
+async def test_pruning_deletes_in_bounded_batches_until_nothing_is_left(ctx, clock):
+    """However much has piled up, each statement deletes a bounded number of rows (a
+    transaction of its own), so none outlasts the statement timeout."""
+    clock.set(2026, 11, 20, 9, 0)
+    old = clock() - datetime.timedelta(days=ctx.settings.retention_days, minutes=1)
+    for n in range(5):
+        stored_event(ctx, f"FO-{n}", status="processed", processed_at=old)
+    assert retention.prune(ctx, limit=2) == (2, 0)
+    assert WebhookEvent.select().count() == 3
+    assert await retention.prune_all(ctx, limit=2) == (3, 0)
+    assert WebhookEvent.select().count() == 0
+    assert await JOBS_BY_NAME["retention"].run(ctx) == (0, 0)
+
+
 def test_events_stored_already_ignored_are_pruned_after_retention_from_their_arrival(
         ctx, clock):
     clock.set(2026, 11, 20, 9, 0)
