@@ -22,7 +22,7 @@ import lograte
 from clients.http import error_text
 from models import WebhookEvent
 from engine import outbox, spool
-from engine.claims import claim, lease
+from engine.claims import CLAIM_BATCH, claim, lease
 from engine.commits import raise_if_conflict, savepoint
 from engine.db import UNAVAILABLE, locked, why_unavailable
 from engine.prepared import InsertOnce, Prepared, slot
@@ -498,17 +498,27 @@ def _give_up(ctx, event, attempts, error):
 
 
 async def retry_due(ctx):
-    """Claim the events due for handling and handle each once; returns how many.
+    """Claim the events due for handling one at a time, and handle each once; returns how
+    many (CLAIM_BATCH at most per run).
+
+    One at a time, so that each lease covers the one handling it was taken for: events
+    claimed together and handled one after another would see their leases run out behind
+    a slow one (balance.available's settlements, a Stripe lookup), and another process
+    take them too.
 
     Due: stored but left unhandled for a whole lease (the process that took it died), or
     failed with its retry time come."""
-    now = ctx.clock()
-    abandoned = ((WebhookEvent.status == "received")
-                 & (WebhookEvent.received_at <= now - lease(ctx))
-                 & (WebhookEvent.next_attempt_at.is_null()
-                    | (WebhookEvent.next_attempt_at <= now)))
-    retry = (WebhookEvent.status == "failed") & (WebhookEvent.next_attempt_at <= now)
-    events = await claim(ctx, WebhookEvent, abandoned | retry)
-    for event in events:
-        await process(ctx, event)
-    return len(events)
+    handled = 0
+    while handled < CLAIM_BATCH:
+        now = ctx.clock()
+        abandoned = ((WebhookEvent.status == "received")
+                     & (WebhookEvent.received_at <= now - lease(ctx))
+                     & (WebhookEvent.next_attempt_at.is_null()
+                        | (WebhookEvent.next_attempt_at <= now)))
+        retry = (WebhookEvent.status == "failed") & (WebhookEvent.next_attempt_at <= now)
+        events = await claim(ctx, WebhookEvent, abandoned | retry, limit=1)
+        if not events:
+            break
+        await process(ctx, events[0])
+        handled += 1
+    return handled

@@ -117,3 +117,33 @@ async def test_a_failure_whose_text_has_a_nul_is_recorded_cleaned(ctx, card_plug
     assert (stored.status, stored.attempts) == ("failed", 1)
     assert stored.last_error.startswith("RuntimeError: bad value 'x y' yyy")
     assert len(stored.last_error) <= 500
+
+
+@pytest.mark.gen_test
+async def test_an_event_due_behind_a_slow_one_is_not_handled_twice(ctx, card_plugin, clock):
+    """The inbox retry's leases cover the handling being done: an event waiting behind a
+    slow one is not held under a lease that runs out while it waits, for another process
+    to take it too."""
+    clock.set(2026, 11, 23, 9, 0, 0)
+    runs = []
+
+    async def slow(ctx, event, effects):
+        runs.append("slow")
+        if len(runs) == 1:
+            # Slower than a lease; meanwhile another process's retry run comes.
+            clock.advance(seconds=ctx.settings.claim_lease_seconds + 1)
+            await inbox.retry_due(ctx)
+
+    async def quick(ctx, event, effects):  # async: nothing re-checks its status first
+        runs.append("quick")
+    card_plugin("test.slow", slow)
+    card_plugin("test.quick", quick)
+    for event_type in ("test.slow", "test.quick"):
+        event, _ = inbox.store(ctx, "card", event_type, f"k-{event_type}", b"{}",
+                               status="failed")
+        WebhookEvent.update(next_attempt_at=clock()).where(
+            WebhookEvent.id == event.id).execute()
+
+    await inbox.retry_due(ctx)
+    assert runs.count("quick") == 1
+    assert {e.status for e in WebhookEvent.select()} == {"processed"}
