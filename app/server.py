@@ -26,7 +26,7 @@ from handlers.base import ApiHandler, NotFoundHandler, log_request, takes_body
 from handlers.console import cookie_secret
 from handlers.routes import routes
 from engine.db import UNAVAILABLE, Circuit, why_unavailable
-from models import open_database
+from models import ClassifiedSqliteDatabase, ReconnectingPostgresqlDatabase, open_database
 from ops import systemd
 from scheduler import Scheduler
 
@@ -336,7 +336,7 @@ async def serve(settings, ready=None):
     log.info("stopped")
 
 
-def run_migrations(db):
+def run_migrations(db: ClassifiedSqliteDatabase | ReconnectingPostgresqlDatabase) -> None:
     with db.unbounded():
         applied = migrations.migrate(db)
     if applied:

@@ -23,7 +23,7 @@ MAX_ERROR_CHARS = 500
 _UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]+")
 
 
-def error_text(text, limit=MAX_ERROR_CHARS):
+def error_text(text: object, limit: int = MAX_ERROR_CHARS) -> str:
     """`text` fit to be stored and shown as an error: what a peer or an exception says
     may hold anything, and a row whose error cannot be stored is never recorded."""
     text = _UNPRINTABLE.sub(" ", str(text)).strip()

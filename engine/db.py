@@ -5,6 +5,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+from typing import Callable
 
 import peewee
 
@@ -72,16 +73,16 @@ class Circuit:
     def is_open(self):
         return self.reason is not None
 
-    def lets_through(self):
+    def lets_through(self) -> bool:
         """Whether this thread's statements go to the database though the circuit is open:
         the work it is held for, in the probe's thread."""
         return getattr(self._letting_through, "on", False)
 
-    def when_back(self, callback):
+    def when_back(self, callback: Callable[[], object]) -> None:
         """Call `callback()` on the loop each time a probe closes the circuit."""
         self.on_back.append(callback)
 
-    def hold_until(self, work, why, failure):
+    def hold_until(self, work: Callable[[], object], why: str, failure: Exception) -> None:
         """Open the circuit for `failure` and keep it open until `work()` succeeds after
         a probe; `why` says so on /readyz."""
         self.held_by, self.held_for = work, why

@@ -233,7 +233,7 @@ async def _handle_drained(ctx, drained):
     calls that join the spool meanwhile."""
     if drained.quarantined:
         await ctx.db(functools.partial(_tell_admin_quarantined, ctx, drained.quarantined))
-    by_order = {}
+    by_order: dict[object, list[WebhookEvent]] = {}
     for event in drained.created:
         by_order.setdefault(event.order_number or ("no order", event.id), []).append(event)
     room = asyncio.Semaphore(DRAIN_CONCURRENCY)

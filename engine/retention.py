@@ -22,7 +22,7 @@ PRUNED_EVENT_STATUSES = ("processed", "ignored")
 PRUNE_BATCH = 1000
 
 
-async def prune_all(ctx, limit=PRUNE_BATCH):
+async def prune_all(ctx, limit: int = PRUNE_BATCH) -> tuple[int, int]:
     """Prune batch after batch, each in a unit of its own, until nothing is left past
     retention; returns (events, outbox rows) deleted."""
     events = rows = 0
@@ -33,7 +33,7 @@ async def prune_all(ctx, limit=PRUNE_BATCH):
             return events, rows
 
 
-def prune(ctx, limit=PRUNE_BATCH):
+def prune(ctx, limit: int = PRUNE_BATCH) -> tuple[int, int]:
     """Delete at most `limit` rows of each table past retention; returns (events, outbox
     rows) deleted."""
     return _prune_batch(ctx, limit)[:2]

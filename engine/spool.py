@@ -113,7 +113,7 @@ class Drained:
         self.quarantined = []
 
 
-def backlog(spool_dir):
+def backlog(spool_dir: str) -> bool:
     """Whether calls wait here (a live file, or one being drained): a new call must join
     them. One directory listing, cheap enough for every call; a spool that cannot be
     listed holds nothing back."""
