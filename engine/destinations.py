@@ -31,6 +31,8 @@ ORDERED_KINDS = ("job", "workflow_action")
 # The first probe comes soon (at the scheduler's next tick, or with the next webhook's
 # effect): an outage is often a restart.
 FIRST_PROBE_SECONDS = 5
+# The answers of a peer that does not take our credentials.
+CREDENTIALS_REFUSED = (401, 403)
 
 
 class Destination:
@@ -47,6 +49,10 @@ class Destination:
         self.probe_wait = datetime.timedelta(seconds=FIRST_PROBE_SECONDS)
         self.probe_at: datetime.datetime | None = None
         self.probing = False
+        self.down_since: datetime.datetime | None = None
+        # Since when the peer has refused our credentials (401 or 403), until it takes a
+        # send again: no retry helps then, a setting must change.
+        self.credentials_refused_since: datetime.datetime | None = None
         self.in_flight = 0
         limit = settings.outbound_max_in_flight
         self._any = asyncio.Semaphore(limit)
@@ -74,16 +80,20 @@ class Destination:
         """Learn from a send's Result (None: nothing was sent)."""
         if result is None or not result.configured:
             return
+        if result.status in CREDENTIALS_REFUSED:
+            self.credentials_refused_since = self.credentials_refused_since or self.clock()
+        elif result.ok:
+            self.credentials_refused_since = None
         if not result.peer_failed:
             self.failures = 0
             if not self.up:
-                self.up, self.probing = True, False
+                self.up, self.probing, self.down_since = True, False, None
                 log.warning("destination %s is up again: sending its effects", self.name)
                 self.recovered()
             return
         self.failures += 1
         if self.up and self.failures >= self.down_after:
-            self.up, self.probing = False, False
+            self.up, self.probing, self.down_since = False, False, self.clock()
             self.probe_wait = min(datetime.timedelta(seconds=FIRST_PROBE_SECONDS),
                                   self.probe_max)
             log.error("destination %s is down after %d failed sends in a row (%s): its "

@@ -86,6 +86,10 @@ class Overview:
     jobs: dict
     settlement_queue: int
     in_holdback: int
+    # What this process has learnt of each destination (engine.destinations).
+    destinations: list
+    # One line on the last reconciliation with the workflow system, once it runs.
+    last_reconciliation: str | None = None
 
     @property
     def last_day(self):
@@ -106,6 +110,7 @@ def overview(ctx, counts):
                                  WebhookEvent.status.in_(operator.FAILURES)),
         spool_files=files, spool_bytes=size, jobs=ctx.metrics.job_status(),
         settlement_queue=settlement.waiting_orders().count(),
+        destinations=list(ctx.destinations),
         in_holdback=holdback_orders().where(CrtcOrder.commission_released_at.is_null(),
                                             CrtcOrder.commission_forfeited_at.is_null())
         .count())

@@ -167,3 +167,26 @@ async def test_giving_up_an_effect_is_a_recorded_post_with_its_token(logged_in, 
 
 def test_an_effect_whose_payload_is_not_json_is_named_by_its_kind(ctx):
     assert console.effect_name(ctx, Outbox(kind="job", payload="not json")) == "job"
+
+
+@pytest.mark.gen_test(timeout=60)
+async def test_the_overview_shows_each_destinations_health(logged_in, ctx, clock, worker,
+                                                           frappe):
+    clock.set(2026, 11, 20, 9, 0)
+    frappe.fail_with(401, {"exc_type": "AuthenticationError"})
+    worker.stop()
+    effects = Effects(ctx)
+    for number in range(ctx.settings.outbound_down_after):
+        effects.job("name_search", {"order_number": f"FO-{number}"}, key=f"job-{number}")
+    effects.workflow_action("Formation Order", "ORD-1", "Start Name Check", key="action-1")
+    await outbox.deliver(ctx, effects.rows)
+    page = text(await logged_in.get("/console/"))
+    rows = dict(re.findall(r'<span class="cell-label">Destination: </span>(\w+)</td>(.*?)</tr>',
+                           page.split('id="destinations"')[1], re.S))
+    cells = {name: re.sub(r"<[^>]+>", "", row).split() for name, row in rows.items()}
+    worker_row = " ".join(cells["worker"])
+    assert "State: down since 2026-11-20 09:00:00" in worker_row
+    assert "Next probe: 2026-11-20 09:00:05" in worker_row
+    assert "Credentials: refused since 2026-11-20 09:00:00" in " ".join(cells["workflow"])
+    assert "State: up" in " ".join(cells["workflow"])
+    assert "none recorded yet" in page.split('id="last-reconciliation"')[1]
