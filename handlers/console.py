@@ -152,9 +152,9 @@ class ConsoleHandler(HtmlHandler):
         self.render_page(template, code, **values)
         raise tornado.web.Finish()
 
-    def record(self, action, target="", outcome="", who=None):
+    def record(self, action, target="", outcome="", who=None, at=None):
         console.record_action(self.ctx, who or self.current_user, self.request.remote_ip,
-                              action, target, outcome)
+                              action, target, outcome, at)
 
     def show_error(self, status):
         self.public = True  # an error page shows no operator's data
@@ -389,7 +389,7 @@ class EffectHandler(ConsoleHandler):
         except operator.NotFound:
             raise tornado.web.HTTPError(404) from None
         self.render_page("effect", status_code, effect=page, notice=notice,
-                         summary=console.attempt_summary)
+                         outcomes=console.ATTEMPT_OUTCOMES)
 
 
 class RetryEffectHandler(OutboxHandler, EffectHandler):
@@ -398,6 +398,7 @@ class RetryEffectHandler(OutboxHandler, EffectHandler):
     SUPPORTED_METHODS = ("POST",)
 
     async def post(self, row_id):
+        asked_at = self.ctx.clock()
         try:
             row = await console.retry_now(self.ctx, int(row_id))
         except operator.NotFound:
@@ -407,7 +408,7 @@ class RetryEffectHandler(OutboxHandler, EffectHandler):
             await self.answer(int(row_id), f"Not retried: {refused}.", 409)
             return
         outcome = row.status if not row.last_error else f"{row.status}: {row.last_error}"
-        self.record("retry effect", row_id, outcome)
+        self.record("retry effect", row_id, outcome, at=asked_at)
         await self.answer(int(row_id), f"Effect #{row_id} ({row.kind}) retried: now {outcome}.")
 
     async def answer(self, row_id, notice, status_code=200):

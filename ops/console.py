@@ -48,10 +48,11 @@ SECRET_IN_TEXT = re.compile(r'(?P<key>"(?:[^"\\]|\\.)*")\s*:\s*'
 
 # The record of operator actions.
 
-def record_action(ctx, operator_name, address, action, target="", outcome=""):
-    """Keep what an operator did (also when it was refused) and log it."""
+def record_action(ctx, operator_name, address, action, target="", outcome="", at=None):
+    """Keep what an operator did (also when it was refused) and log it; `at`: when it
+    was asked for, if before now (a retry is recorded with its outcome, once sent)."""
     ConsoleAction.create(operator=operator_name, address=address, action=action,
-                         target=str(target), outcome=outcome, created_at=ctx.clock(),
+                         target=str(target), outcome=outcome, created_at=at or ctx.clock(),
                          updated_at=ctx.clock())
     log.info("console: %s from %s: %s %s: %s", operator_name, address, action, target,
              outcome)
@@ -472,8 +473,8 @@ def _effect_moments(ctx, order_number):
     now = ctx.clock()
     for row in rows:
         cause = f"caused by event #{row.event_id}; " if row.event_id else ""
-        # An operator's retry is recorded once its send is: at the same instant, it
-        # comes first (the sort keeps the order of equals).
+        # An operator's retry bears the time it was asked for, before the attempt it
+        # made; at the same instant it comes first (the sort keeps the order of equals).
         under = [Moment(action.created_at, f"{action.action} by {action.operator}",
                         action.outcome, outbox_id=row.id) for action in actions[row.id]]
         under += [Moment(attempt.attempted_at, f"attempt {number}",

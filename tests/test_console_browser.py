@@ -5,11 +5,14 @@ the test database, the worker stand-in on loopback.
 Selenium's calls block, so each runs in a thread while this test's event loop serves the
 stand-ins. Screenshots at a phone and a desktop width go to tests/artifacts/console/."""
 import os
+import re
 import struct
 
 import pytest
 
-from models import CrtcOrder, Outbox, WebhookEvent
+from selenium.webdriver.common.by import By
+
+from models import CrtcOrder, FormationOrder, Outbox, TreasuryJob, WebhookEvent
 from tests.browser_helpers import Browser, needs_selenium_chromium
 from tests.console_helpers import COOKIE_SECRET, PASSWORD, PASSWORD_HASH
 from tests.ops_helpers import ROOT, Service
@@ -107,3 +110,118 @@ async def test_an_operator_replays_a_failed_event_and_retries_a_dead_effect(
             screenshot, width = await save_screenshot(browser, f"{page}-{device}", size)
             assert png_size(screenshot)[0] == size[0]
             assert width <= size[0], f"{page} is {width} px wide on a {size[0]} px {device}"
+
+
+# What must be in sight on a phone: each list's labels, and the buttons.
+PHONE = SIZES["phone"]
+LINKS = ("return Array.from(document.querySelectorAll('a[href^=\"/console/\"]'))"
+         ".map(a => a.getAttribute('href'))")
+# The rectangles a piece of text is laid out in: more than one line's means it broke.
+LINES_OF_TEXT = """
+const wanted = arguments[0];
+const walker = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);
+const lines = [];
+while (walker.nextNode()) {
+  const at = walker.currentNode.data.indexOf(wanted);
+  if (at < 0) continue;
+  const range = document.createRange();
+  range.setStart(walker.currentNode, at);
+  range.setEnd(walker.currentNode, at + wanted.length);
+  lines.push(new Set(Array.from(range.getClientRects()).map(r => Math.round(r.top))).size);
+}
+return lines;"""
+# Elements whose text is `wanted` (case aside), shown and inside the viewport's width.
+IN_SIGHT = """
+const wanted = arguments[0].toLowerCase();
+return Array.from(document.querySelectorAll('main *')).filter(e => {
+  if (e.children.length || e.innerText.trim().replace(/:$/, '').toLowerCase() !== wanted)
+    return false;
+  const r = e.getBoundingClientRect();
+  return r.width > 0 && r.height > 0 && r.left >= 0 && r.right <= window.innerWidth;
+}).length;"""
+
+
+async def seen_at(browser, size, script, *args):
+    def run(driver):
+        driver.set_window_size(*size)
+        return driver.execute_script(script, *args)
+    return await browser.do(run)
+
+
+async def a_failed_and_retried_effect(service, client, worker, browser):
+    """FO-1's worker job fails (503), then an operator retries it from its page and it
+    is sent; FO-2's is refused (400) and dead; CA-7 is paid in crypto."""
+    FormationOrder.create(order_number="FO-1", customer_name="Ada Lovelace",
+                          customer_email="ada@example.test", service_name="Wyoming LLC",
+                          order_name="ORD-1")
+    worker.fail_with(503, {"error": "worker restarting"})
+    headers = {"X-Webhook-Secret": "test-webhook-secret"}
+    await client.fetch(service.url + "/api/v1/webhooks/formation/submitted", method="POST",
+                       body=encode(SUBMITTED), headers=headers)
+    worker.fail_with(400, {"error": "unknown state code"})
+    await client.fetch(service.url + "/api/v1/webhooks/formation/submitted", method="POST",
+                       body=encode({**SUBMITTED, "order_number": "FO-2",
+                                    "order_name": "ORD-2"}), headers=headers)
+    CrtcOrder.create(order_number="CA-7", customer_name="Rae Radio Ltd", total_cents=123456)
+    await client.fetch(service.url + CRYPTO_URL, method="POST",
+                       body=encode(paid("CA-7", balance_fiat="1234.56")), headers=key_headers())
+    assert TreasuryJob.get().amount_fiat_cents == 123456
+    job = Outbox.get(Outbox.kind == "job", Outbox.order_number == "FO-1")
+    assert job.status == "pending"
+    worker.status, worker.body = 200, {"ok": True, "job_id": "job-1"}
+    await browser.open(f"{service.url}/console/outbox/{job.id}")
+    await browser.click('form[action$="/retry"] button')
+    assert "retried: now sent" in await browser.text(".notice")
+    return job
+
+
+@pytest.mark.gen_test(timeout=300)
+async def test_every_page_at_desktop_and_phone_width(service, browser, client, worker):
+    await service.start()
+    await service.wait_ready(client)
+    await browser.open(service.url + "/console/login")
+    await browser.fill_and_submit("main form", name="Dana", password=PASSWORD)
+    await browser.arrive("console/")
+    job = await a_failed_and_retried_effect(service, client, worker, browser)
+
+    # Every page the navigation links to, and every page those link to.
+    seen, frontier = set(), {"/console/"}
+    while frontier:
+        path = sorted(frontier)[0]
+        frontier.discard(path)
+        seen.add(path)
+        await browser.open(service.url + path)
+        assert "Something went wrong" not in await browser.text("main"), path
+        name = re.sub(r"[^a-z0-9]+", "-", path[len("/console/"):].lower()).strip("-")
+        for device, size in SIZES.items():
+            shot, width = await save_screenshot(browser, f"{name or 'overview'}-{device}", size)
+            assert png_size(shot)[0] == size[0]
+            assert width <= size[0], f"{path} is {width} px wide on a {size[0]} px {device}"
+        if path.count("/") <= 2 or path.startswith("/console/orders/"):
+            links = await browser.do(lambda d: d.execute_script(LINKS))
+            frontier |= {link for link in links if link not in seen
+                         and not link.endswith(".css") and "before=" not in link}
+    assert {"/console/links", f"/console/outbox/{job.id}", "/console/orders/FO-1",
+            "/console/settlement", "/console/actions"} <= seen
+
+    # On a phone, a list's labels and buttons are in sight, not scrolled away.
+    await browser.open(service.url + "/console/events")
+    for label in ("status", "tries", "order", "last error"):
+        assert await seen_at(browser, PHONE, IN_SIGHT, label), f"{label} out of sight"
+    await browser.open(service.url + "/console/outbox?status=dead")
+    assert await seen_at(browser, PHONE, IN_SIGHT, "retry all dead")
+    assert await seen_at(browser, PHONE, IN_SIGHT, "retry now")
+    events = await browser.do(lambda d: d.find_element(By.CSS_SELECTOR, "main").text)
+    assert "STATUS: DEAD" in events.upper()
+    await browser.open(service.url + "/console/orders/CA-7")
+    # The order's total and the crypto payment's fiat amount, each on one line.
+    assert await seen_at(browser, PHONE, LINES_OF_TEXT, "1234.56") == [1, 1]
+
+    # The timeline of an order with a failed and retried effect, for the docs.
+    await browser.open(service.url + "/console/orders/FO-1")
+    timeline = await browser.text("main")
+    assert "worker job name_search" in timeline and "HTTP 503" in timeline
+    assert "retry effect by Dana" in timeline and "HTTP 200" in timeline
+    await save_screenshot(browser, "timeline-docs", (1280, 720))
+    await browser.open(service.url + "/console/")
+    await save_screenshot(browser, "overview-docs", (1280, 1000))

@@ -31,8 +31,9 @@ def logged_in(logged_in_operator):
 
 
 def timeline_lines(page):
-    """The timeline's rows as "what | detail" texts, tags stripped."""
-    table = page.split("Timeline", 1)[1]
+    """The timeline's rows as "what | detail" texts, tags and phone-width labels
+    stripped."""
+    table = re.sub(r'<span class="cell-label">.*?</span>', "", page.split("Timeline", 1)[1])
     rows = re.findall(r"<tr[^>]*>(.*?)</tr>", table, re.S)
     cells = [re.findall(r"<td[^>]*>(.*?)</td>", row, re.S) for row in rows]
     return [" | ".join(re.sub(r"<[^>]+>", "", cell).strip() for cell in row[1:3])
