@@ -222,6 +222,6 @@ async def test_every_page_at_desktop_and_phone_width(service, browser, client, w
     timeline = await browser.text("main")
     assert "worker job name_search" in timeline and "HTTP 503" in timeline
     assert "retry effect by Dana" in timeline and "HTTP 200" in timeline
-    await save_screenshot(browser, "timeline-docs", (1280, 720))
+    await save_screenshot(browser, "timeline-docs", (1280, 900))
     await browser.open(service.url + "/console/")
     await save_screenshot(browser, "overview-docs", (1280, 1000))
