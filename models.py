@@ -509,7 +509,10 @@ class WebhookEvent(BaseModel):
 
     status: received (stored, not yet handled), processed, failed (handling raised; the
     scheduler retries it), rejected (malformed; kept with the reason), ignored (nothing
-    to do for it)."""
+    to do for it).
+
+    reconciled: not delivered by its sender but found by reconciliation (a workflow state
+    change whose webhook never came, domain/reconcile.py) and handled as if it had come."""
 
     source = TextField()
     event_type = TextField()
@@ -523,6 +526,8 @@ class WebhookEvent(BaseModel):
     next_attempt_at = UTCDateTimeField(null=True)
     received_at = UTCDateTimeField(default=utcnow)
     processed_at = UTCDateTimeField(null=True)
+    # Nullable only so that adding it to a large table is one quick ALTER (migration 0016).
+    reconciled = BooleanField(default=False, null=True, constraints=database_default("FALSE"))
 
     class Meta:
         table_name = "webhook_events"
@@ -734,3 +739,22 @@ class SentReminder(BaseModel):
 
 
 REMINDER_MODELS = [SentReminder]
+
+
+# Reconciliation with the workflow system (issue 25).
+
+class ReconcileRun(BaseModel):
+    """Where reconciliation with Frappe got to, per doctype: `cursor` is the newest
+    `modified` (Frappe's own text, in its time zone) it has looked at, `succeeded_at` when
+    a run last finished, `last_error` why the last run did not (None once one does)."""
+
+    doctype = TextField(unique=True)
+    cursor = TextField(null=True)
+    succeeded_at = UTCDateTimeField(null=True)
+    last_error = TextField(null=True)
+
+    class Meta:
+        table_name = "reconcile_runs"
+
+
+RECONCILE_MODELS = [ReconcileRun]

@@ -2,7 +2,8 @@
 
 Every SCHEDULER_TICK_SECONDS: send due outbox rows, retry due inbox events, drain the
 spool. Every hour: reminders, the commission holdback's releases and pruning. Every
-SETTLEMENT_INTERVAL_MINUTES (and once at start): the settlement fallback.
+SETTLEMENT_INTERVAL_MINUTES (and once at start): the settlement fallback. Every
+WORKFLOW_RECONCILE_MINUTES (and once at start): the reconciliation with Frappe.
 
 Several processes may share one PostgreSQL: each run of a job first takes a
 PostgreSQL advisory lock named after the job, and a process that does not get it skips
@@ -24,7 +25,7 @@ from apscheduler.triggers.interval import IntervalTrigger
 
 import lograte
 from models import UTC, database, is_postgres
-from domain import holdback, reminders
+from domain import holdback, reconcile, reminders
 from engine import inbox, outbox, retention, spool
 from engine.commits import budget
 from engine.db import UNAVAILABLE, why_unavailable
@@ -70,6 +71,8 @@ JOBS = (
     Job("reminders", reminders.send_reminders, lambda s: HOURLY),
     Job("holdback", holdback.release_due, lambda s: HOURLY),
     Job("retention", prune, lambda s: HOURLY, at_start=False),
+    Job("reconcile", reconcile.reconcile_workflow,
+        lambda s: 60 * s.workflow_reconcile_minutes),
 )
 JOBS_BY_NAME = {job.name: job for job in JOBS}
 
@@ -126,6 +129,8 @@ class Scheduler:
         await self.run(JOBS_BY_NAME["spool"])
         now = datetime.datetime.now(UTC)
         for job in self.jobs:
+            if not job.every(self.ctx.settings):
+                continue  # turned off (WORKFLOW_RECONCILE_MINUTES=0)
             self.apscheduler.add_job(
                 self.run, IntervalTrigger(seconds=job.every(self.ctx.settings)), args=[job],
                 id=job.name, name=job.name, max_instances=1, coalesce=True,

@@ -80,6 +80,24 @@ def _days(environ, name, default):
     return tuple(sorted({int(part) for part in parts}, reverse=True))
 
 
+def _state_paths(raw, waiting_state):
+    """WORKFLOW_RECONCILE_STATES: `path=Frappe state` pairs, comma-separated, as a tuple
+    of (path, state); unset, the defaults (the CRTC one names CRTC_WAITING_STATE)."""
+    if not raw.strip():
+        return tuple((path, waiting_state if path == "crtc/awaiting-funds" else state)
+                     for path, state in DEFAULT_STATE_PATHS)
+    pairs = []
+    for part in _csv(raw):
+        path, equals, state = part.partition("=")
+        path, state = path.strip(), state.strip()
+        if not equals or not state or not path.startswith(RECONCILED_PATH_PREFIXES):
+            raise ConfigurationError(
+                "WORKFLOW_RECONCILE_STATES must be path=Frappe state pairs, comma-separated, "
+                f"each path starting with {' or '.join(RECONCILED_PATH_PREFIXES)}, got {part!r}")
+        pairs.append((path, state))
+    return tuple(pairs)
+
+
 def _check_url(name, value, schemes):
     if not value:
         return
@@ -121,6 +139,23 @@ POSITIVE_NUMBERS = {
     "DATABASE_TIMEOUT_MS": "database_timeout_ms",
 }
 
+# The workflow paths reconciliation looks for, with the Frappe workflow state each is
+# about (the states of docs/INTEGRATIONS.md's worked workflows). Only these path groups:
+# their doctypes are WORKFLOW_DOCTYPE and CRTC_DOCTYPE.
+RECONCILED_PATH_PREFIXES = ("formation/", "crtc/")
+DEFAULT_STATE_PATHS = (
+    ("formation/submitted", "Submitted"),
+    ("formation/name-available", "Name Available"),
+    ("formation/filed-needs-ein", "Filed Needs EIN"),
+    ("formation/filed-skip-ein", "Filed Skip EIN"),
+    ("formation/ein-obtained", "EIN Obtained"),
+    ("formation/approved", "Approved"),
+    ("formation/ready", "Ready"),
+    ("crtc/awaiting-funds", "Awaiting Funds"),
+    ("crtc/funds-available", "Client Selection"),
+    ("crtc/incorporated", "Incorporated"),
+)
+
 # URL settings, when set, and the schemes each may use.
 URL_SCHEMES = {
     "DATABASE_URL": ("database_url", ("sqlite", "postgres", "postgresql")),
@@ -161,6 +196,15 @@ class Settings:
     workflow_doctype: str = "Formation Order"
     crtc_doctype: str = "CRTC Order"
     crtc_funds_action: str = "Confirm Funds"
+    # The CRTC workflow state an order waits for its funds in (Confirm Funds applies from it).
+    crtc_waiting_state: str = "Awaiting Funds"
+    # Reconciliation with Frappe (domain/reconcile.py): (path, Frappe state) pairs, how
+    # often it runs (0: never by the scheduler), how long a change is left to its webhook,
+    # and the time zone Frappe's `modified` times are written in (its System Settings).
+    workflow_reconcile_states: tuple = tuple(DEFAULT_STATE_PATHS)
+    workflow_reconcile_minutes: int = 5
+    workflow_reconcile_settle_seconds: int = 120
+    workflow_time_zone: str = "UTC"
     worker_url: str = ""
     admin_email: str = ""
     mail_from: str = "receiver@localhost"
@@ -189,7 +233,7 @@ class Settings:
     public_rate_window_seconds: int = 60
     # Frappe gives up on a webhook after 5 s; we answer before that.
     workflow_answer_budget_seconds: float = 4.0
-    # Frappe's retries of one delivery span about 27.5 h.
+    # A body without `modified`: the same body within this many hours is one delivery.
     workflow_dedup_hours: int = 36
     console_password_hash: str = dataclasses.field(default="", repr=False)
     cookie_secret: str = dataclasses.field(default="", repr=False)
@@ -242,6 +286,15 @@ class Settings:
             workflow_doctype=text("WORKFLOW_DOCTYPE", cls.workflow_doctype),
             crtc_doctype=text("CRTC_DOCTYPE", cls.crtc_doctype),
             crtc_funds_action=text("CRTC_FUNDS_ACTION", cls.crtc_funds_action),
+            crtc_waiting_state=text("CRTC_WAITING_STATE", cls.crtc_waiting_state),
+            workflow_reconcile_states=_state_paths(
+                env.get("WORKFLOW_RECONCILE_STATES", ""),
+                text("CRTC_WAITING_STATE", cls.crtc_waiting_state)),
+            workflow_reconcile_minutes=_int(
+                env, "WORKFLOW_RECONCILE_MINUTES", cls.workflow_reconcile_minutes),
+            workflow_reconcile_settle_seconds=_int(
+                env, "WORKFLOW_RECONCILE_SETTLE_SECONDS", cls.workflow_reconcile_settle_seconds),
+            workflow_time_zone=text("WORKFLOW_TIME_ZONE", cls.workflow_time_zone),
             worker_url=text("WORKER_URL").rstrip("/"),
             admin_email=text("ADMIN_EMAIL"),
             mail_from=text("MAIL_FROM", cls.mail_from),
@@ -321,6 +374,9 @@ class Settings:
             raise ConfigurationError("WORKFLOW_ANSWER_BUDGET_SECONDS must be above zero")
         if not 0 < self.database_call_budget_seconds < float("inf"):
             raise ConfigurationError("DATABASE_CALL_BUDGET_SECONDS must be above zero")
+        if self.workflow_reconcile_minutes < 0 or self.workflow_reconcile_settle_seconds < 0:
+            raise ConfigurationError("WORKFLOW_RECONCILE_MINUTES and "
+                                     "WORKFLOW_RECONCILE_SETTLE_SECONDS must be zero or more")
         if self.public_rate_limit < 0:
             raise ConfigurationError("PUBLIC_RATE_LIMIT must be zero (off) or more")
         if self.auth_failure_limit < 0:
@@ -331,12 +387,14 @@ class Settings:
                 "CLAIM_LEASE_SECONDS must be longer than OUTBOUND_TIMEOUT_SECONDS")
         for name, (attribute, schemes) in URL_SCHEMES.items():
             _check_url(name, getattr(self, attribute), schemes)
-        try:
-            zoneinfo.ZoneInfo(self.business_tz)
-        except (zoneinfo.ZoneInfoNotFoundError, ValueError):
-            raise ConfigurationError(
-                f"BUSINESS_TZ must be an IANA time zone such as America/Toronto, "
-                f"got {self.business_tz!r}") from None
+        for name, zone in (("BUSINESS_TZ", self.business_tz),
+                           ("WORKFLOW_TIME_ZONE", self.workflow_time_zone)):
+            try:
+                zoneinfo.ZoneInfo(zone)
+            except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+                raise ConfigurationError(
+                    f"{name} must be an IANA time zone such as America/Toronto, "
+                    f"got {zone!r}") from None
         if self.console_password_hash and not PASSWORD_HASH.fullmatch(self.console_password_hash):
             # Not a hash at all (a password pasted by mistake, a placeholder): nobody could
             # log in, and a password must never sit in the environment.

@@ -15,12 +15,13 @@ import sys
 import stripe
 
 import migrations
+import scheduler
 from app.context import Context
 from app.logs import configure_logging
 from app.progress import TerminalProgress
 from app.server import CannotStart, serve
 from clients.stripe_api import NotConfigured
-from domain import backfill, filings, holdback, links, reminders, settlement
+from domain import backfill, filings, holdback, links, reconcile, reminders, settlement
 from engine import spool
 from engine.db import UNAVAILABLE
 from engine.payload import read_json
@@ -203,6 +204,16 @@ def add_operator_commands(commands):
     fill.add_argument("--since", type=time_argument, required=True,
                       help="events created at or after (ISO 8601; Stripe keeps 30 days)")
     fill.set_defaults(run=backfill_events)
+    reconciliation = commands.add_parser(
+        "reconcile", help="find state changes whose webhook never came and handle them"
+    ).add_subparsers(dest="action", metavar="ACTION", required=True)
+    workflow = reconciliation.add_parser(
+        "workflow", help="ask Frappe for documents in a state with a webhook path and "
+                         "handle each change not stored yet (as the scheduler does)")
+    workflow.add_argument("--since", type=time_argument,
+                          help="documents modified at or after (ISO 8601; UTC when no "
+                               "offset); default: where the last run got to")
+    workflow.set_defaults(run=reconcile_workflow)
 
 
 def add_command_group(commands, name, about, actions):
@@ -288,7 +299,7 @@ OUTBOX_COLUMNS = ("ID", "EVENT", "KIND", "ORDER", "STATUS", "TRIES", "NEXT TRY (
 
 
 def event_row(event):
-    return (event.id, operator.format_time(event.received_at), event.source,
+    return (event.id, operator.format_time(event.received_at), operator.source_of(event),
             event.event_type, event.status, event.attempts, event.order_number,
             event.external_id, operator.clip(event.last_error))
 
@@ -315,7 +326,8 @@ async def events_list(ctx, args):
 async def events_show(ctx, args):
     event = operator.get_event(args.id)
     for label, value in (
-            ("event", f"#{event.id}"), ("source", event.source), ("type", event.event_type),
+            ("event", f"#{event.id}"), ("source", operator.source_of(event)),
+            ("type", event.event_type),
             ("status", event.status), ("order", event.order_number or "-"),
             ("external id", event.external_id or "-"), ("attempts", event.attempts),
             ("received", operator.format_time(event.received_at)),
@@ -450,3 +462,24 @@ async def backfill_events(ctx, args):
           f"{operator.format_time(args.since)} UTC: {counts.stored} stored and handled, "
           f"{counts.already} already in the inbox, {counts.unreadable} unreadable")
     return 1 if counts.unreadable else 0
+
+
+async def reconcile_workflow(ctx, args):
+    if not ctx.settings.workflow_url:
+        print("receiver: WORKFLOW_URL is not set: no Frappe to ask", file=sys.stderr)
+        return 2
+    # One run at a time, with the scheduler's job of any process (PostgreSQL).
+    lock = scheduler.AdvisoryLock(scheduler.JOBS_BY_NAME["reconcile"].lock_id)
+    if not await lock.acquire():
+        print("receiver: a reconciliation is running in another process; try again "
+              "later", file=sys.stderr)
+        return 1
+    try:
+        counts = await reconcile.reconcile_workflow(ctx, args.since)
+    finally:
+        await lock.release()
+    print(f"looked at {counts.listed} document(s): {counts.handled} change(s) handled, "
+          f"{counts.already} already stored, {counts.unusable} not usable")
+    for doctype in counts.failed:
+        print(f"receiver: Frappe did not list {doctype} (see the log)", file=sys.stderr)
+    return 1 if counts.failed or counts.unusable else 0

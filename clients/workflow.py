@@ -84,10 +84,16 @@ class WorkflowClient:
         found = await self._get("Workflow", params={
             "filters": json.dumps([["document_type", "=", doctype], ["is_active", "=", 1]]),
             "fields": json.dumps(["name"])})
-        if not found.ok or not isinstance(found.body, list) or not found.body:
-            return []
-        workflow = await self._get("Workflow", found.body[0].get("name", ""))
+        if found.ok and isinstance(found.body, list) and found.body:
+            workflow = await self._get("Workflow", found.body[0].get("name", ""))
+        else:
+            workflow = found
         transitions = workflow.body.get("transitions") if workflow.ok else None
+        if not isinstance(transitions, list):
+            # Without it a repeated action stays refused (dead), with no other word why.
+            log.warning("the %s workflow could not be read from Frappe (%s): the API user "
+                        "needs read permission on Workflow", doctype,
+                        workflow.error or "no active workflow")
         return [t for t in transitions or () if isinstance(t, dict)]
 
     async def document(self, doctype, name):
@@ -96,6 +102,18 @@ class WorkflowClient:
         result = await self._get(doctype, name)
         if result.ok and not isinstance(result.body, dict):
             return Result.failed(f"no document in the reply for {doctype} {name}", status=200)
+        return result
+
+    async def list_documents(self, doctype: str, fields: list, filters: list, order_by: str,
+                             start: int, page_length: int) -> Result:
+        """One page of Frappe's list API (`GET /api/resource/<doctype>`): the documents
+        matching `filters`, each a dict of `fields`, in `order_by` order, from the
+        `start`-th. An ok Result's body is that list."""
+        result = await self._get(doctype, params={
+            "fields": json.dumps(fields), "filters": json.dumps(filters),
+            "order_by": order_by, "limit_start": start, "limit_page_length": page_length})
+        if result.ok and not isinstance(result.body, list):
+            return Result.failed(f"no list in the reply listing {doctype}", status=200)
         return result
 
     async def _get(self, doctype, name=None, params=None):

@@ -168,12 +168,14 @@ def _store_and_handle(ctx, call, handle_now):
 
 def _call(ctx, source, event_type, dedup_key, payload, external_id=None,
           order_number=None, status="received", last_error=None, also_known_as=(),
-          notice=None):
+          notice=None, reconciled=False):
     """`notice`: an admin notice (subject, template, variables) that belongs to the call,
-    written when it is first stored, whichever way (the spool drain too)."""
+    written when it is first stored, whichever way (the spool drain too). `reconciled`:
+    found by the reconciliation with Frappe, not delivered (domain/reconcile.py)."""
     if isinstance(payload, bytes):
         payload = payload.decode("utf-8", "replace")
     return {"source": source, "event_type": event_type, "dedup_key": dedup_key,
+            "reconciled": reconciled,
             "also_known_as": list(also_known_as), "external_id": _storable(external_id),
             "order_number": _storable(order_number), "status": status,
             "last_error": last_error and error_text(last_error),
@@ -283,7 +285,7 @@ def _store(ctx, call, next_attempt_at=None):
             order_number=call["order_number"], payload=call["payload"],
             status=call["status"], last_error=call["last_error"],
             received_at=call["received_at"], next_attempt_at=next_attempt_at,
-            created_at=now, updated_at=now)
+            reconciled=bool(call.get("reconciled")), created_at=now, updated_at=now)
         if event is not None:
             if call.get("notice"):
                 _tell_admin_notice(ctx, event, call["notice"])

@@ -3,6 +3,7 @@
 None of them needs a secret and none of them shows one: they say what is wrong in words
 an operator can act on (which part is down), never a connection string."""
 import asyncio
+import functools
 import logging
 import os
 
@@ -11,6 +12,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 import lograte
 from handlers.base import ApiHandler, same_secret
+from domain import reconcile
 from models import database
 from engine import spool
 from engine.db import why_unavailable
@@ -50,6 +52,12 @@ class ReadyHandler(ApiHandler):
         quarantined = len(spool.quarantined(self.ctx.settings.spool_dir))
         if quarantined:
             body["spool_quarantined"] = quarantined
+        if checks["database"] == "ok":
+            # When reconciliation with Frappe last finished, per doctype (null: never).
+            last = await self.ctx.commits.run(
+                functools.partial(reconcile.last_successes, self.ctx.settings))
+            body["reconciled"] = {doctype: at.isoformat() if at else None
+                                  for doctype, at in last.items()}
         self.answer(status, body)
 
     head = get

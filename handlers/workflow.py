@@ -9,15 +9,18 @@ import hmac
 import logging
 
 from handlers.base import ApiHandler, same_secret
+from domain.reconcile import change_key
 from engine import inbox
 
 log = logging.getLogger("receiver.workflow")
 
-# Frappe re-sends a failed delivery byte for byte (current versions after 5 min, 30 min,
-# 2 h, 5 h, 10 h and 10 h; older ones three times within seconds). The same body to the
-# same path within WORKFLOW_DEDUP_HOURS is that same delivery. The key names the hour the
-# body first came, and the hours of the window before it are looked up as well, so the
-# window is WORKFLOW_DEDUP_HOURS to one hour more, whatever the hour boundaries.
+# A body with the document's `modified` is one state change (domain.reconcile.change_key):
+# Frappe's re-sends of it, and the reconciliation that found it first, are that change.
+# A body without one: Frappe re-sends a failed delivery byte for byte (v15: three tries
+# within about 5 s), so the same body to the same path within WORKFLOW_DEDUP_HOURS is that
+# same delivery. That key names the hour the body first came, and the hours of the window
+# before it are looked up as well, so the window is WORKFLOW_DEDUP_HOURS to one hour more,
+# whatever the hour boundaries.
 DEDUP_BUCKET_SECONDS = 3600
 REJECTED = "rejected"
 
@@ -77,6 +80,8 @@ class WorkflowWebhookHandler(ApiHandler):
             self.fail(400, f"Idempotency-Key too long (at most {inbox.MAX_KEY_LENGTH} "
                            "characters)")
         previous = ()
+        change = (change_key(path, body["order_name"], body.get("modified"))
+                  if body.get("order_name") else None)
         if explicit:
             dedup_key = f"{path}:key:{explicit}"
         else:
@@ -85,6 +90,9 @@ class WorkflowWebhookHandler(ApiHandler):
             dedup_key = f"{path}:{digest}:h{hour}"
             previous = tuple(f"{path}:{digest}:h{earlier}" for earlier in range(
                 hour - self.ctx.settings.workflow_dedup_hours, hour))
+            if change:
+                # The body's own key too: a copy stored before state changes had keys.
+                dedup_key, previous = change, (*previous, dedup_key)
         # The earlier hours are looked up by the inbox, or by the spool drain when the
         # database is down now.
         # Frappe gives up on an answer after 5 s (its webhook timeout) and re-sends later;

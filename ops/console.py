@@ -17,7 +17,7 @@ import urllib.parse
 from peewee import fn
 
 from clients.http import JSON_HEADERS
-from domain import settlement
+from domain import reconcile, settlement
 from domain.money import money
 from engine import outbox
 from engine.claims import claim, lease
@@ -101,6 +101,16 @@ class Overview:
         return {source: sum(days) for source, days in self.events_by_day.items()}
 
 
+def last_reconciliation(settings):
+    """When each doctype's reconciliation with Frappe last finished (UTC), on one line;
+    None when no Frappe is configured."""
+    last = reconcile.last_successes(settings)
+    if not last:
+        return None
+    return "; ".join(f"{doctype} {operator.format_time(at) if at else 'never'}"
+                     for doctype, at in last.items())
+
+
 def overview(ctx, counts):
     now = ctx.clock()
     files, size = spool_usage(ctx.settings.spool_dir)
@@ -114,7 +124,7 @@ def overview(ctx, counts):
         destinations=list(ctx.destinations),
         in_holdback=holdback_orders().where(CrtcOrder.commission_released_at.is_null(),
                                             CrtcOrder.commission_forfeited_at.is_null())
-        .count())
+        .count(), last_reconciliation=last_reconciliation(ctx.settings))
 
 
 class EventCounts:

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from models import Outbox, WebhookEvent, database
+from domain import reconcile
 from engine import commits, spool
 from engine.db import UNAVAILABLE
 from engine.destinations import DESTINATION_OF
@@ -178,6 +179,13 @@ class StateCollector:
                      "waits for a retry.", failed)
         yield _gauge("receiver_events_dead", "Stored events given up on after too many "
                      "failures; see `events replay --failed`.", dead_events)
+        reconciled = GaugeMetricFamily(
+            "receiver_reconcile_last_success_timestamp_seconds", "Unix time the "
+            "reconciliation with Frappe last finished for a doctype, in any process (0: "
+            "never).", labels=["doctype"])
+        for doctype, at in reconcile.last_successes(self.ctx.settings).items():
+            reconciled.add_metric([doctype], at.timestamp() if at else 0)
+        yield reconciled
 
     def destination_families(self):
         """What this process has learnt of each destination (kept in its memory)."""

@@ -55,6 +55,11 @@ def list_events(source=None, status=None, since=None, until=None, limit=50):
                 .limit(limit))
 
 
+def source_of(event):
+    """The event's source, and how it came when not from its sender."""
+    return f"{event.source} (reconciled)" if event.reconciled else event.source
+
+
 def get_event(event_id):
     event = WebhookEvent.get_or_none(WebhookEvent.id == event_id)
     if event is None:

@@ -91,7 +91,8 @@ async def test_readyz_is_ready_with_database_scheduler_and_spool(get, ctx, sched
     assert code == 200
     assert json.loads(response.body) == {
         "status": "ready", "checks": {"database": "ok", "scheduler": "ok", "spool": "ok"},
-        "destinations": ALL_UP}
+        "destinations": ALL_UP,
+        "reconciled": {"CRTC Order": None, "Formation Order": None}}
 
 
 @pytest.mark.gen_test
@@ -232,7 +233,8 @@ async def test_quarantined_spooled_calls_show_in_readyz_and_metrics(get, ctx, sc
     code, response = await get("/readyz")
     assert code == 200 and json.loads(response.body) == {
         "status": "ready", "checks": {"database": "ok", "scheduler": "ok", "spool": "ok"},
-        "destinations": ALL_UP, "spool_quarantined": 1}
+        "destinations": ALL_UP, "spool_quarantined": 1,
+        "reconciled": {"CRTC Order": None, "Formation Order": None}}
     code, response = await get("/metrics")
     assert value(samples(response.body), "receiver_spool_quarantined") == 1
 

@@ -70,3 +70,15 @@ def test_the_states_after_an_action_stop_where_it_would_apply_again():
     assert states_after("Start Name Check", TRANSITIONS) == {"Name Check", "Filing", "EIN",
                                                             "Docs"}
     assert states_after("Unknown", TRANSITIONS) == set()
+
+
+@pytest.mark.gen_test
+async def test_a_workflow_frappe_does_not_let_us_read_is_said_in_the_log(post, frappe, worker,
+                                                                        caplog):
+    # The real v15 answer when the API user lacks read permission on Workflow.
+    frappe.responses = [REFUSED, (200, {"data": {"name": "ORD-7", "workflow_state": "Filing"}}),
+                        (403, {"exception": "frappe.exceptions.PermissionError",
+                               "exc_type": "PermissionError"})]
+    await post("/api/v1/webhooks/formation/name-available", BODY, AUTH)
+    assert ("the Formation Order workflow could not be read from Frappe (HTTP 403 reading "
+            "Workflow): the API user needs read permission on Workflow") in caplog.text
