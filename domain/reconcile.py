@@ -110,7 +110,7 @@ async def _reconcile_doctype(ctx, doctype, states, since, counts):
     settings = ctx.settings
     zone = zoneinfo.ZoneInfo(settings.workflow_time_zone)
     now = ctx.clock()
-    run = await ctx.commits.run(functools.partial(_run_of, doctype))
+    run = await ctx.db(functools.partial(_run_of, doctype))
     if since is not None:
         lower = frappe_time(since, zone)
     elif run is not None and run.cursor:
@@ -147,7 +147,7 @@ async def _reconcile_doctype(ctx, doctype, states, since, counts):
         cursor = canonical_modified(last_modified)
     else:
         cursor = frappe_time(from_frappe_time(upper, zone) - OVERLAP, zone)
-    await ctx.commits.run(functools.partial(_record_success, ctx, doctype, cursor))
+    await ctx.db(functools.partial(_record_success, ctx, doctype, cursor))
     if run is not None and run.last_error:
         log.info("reconciliation: Frappe lists %s again", doctype)
 
@@ -167,7 +167,7 @@ async def _reconcile_document(ctx, document, states, counts):
         return
     group = [other for other in ctx.plugins[SOURCE].keys()
              if other.split("/")[0] == path.split("/")[0]]
-    seen = await ctx.commits.run(functools.partial(
+    seen = await ctx.db(functools.partial(
         _latest_path_of_order, body["order_number"], group))
     if seen == path:
         counts.already += 1
@@ -214,7 +214,7 @@ async def _record_failure(ctx, doctype, run, error):
         log.warning("reconciliation: Frappe does not list %s (%s); tried again at the "
                     "next run", doctype, error)
     now = ctx.clock()
-    await ctx.commits.run(lambda: (
+    await ctx.db(lambda: (
         ReconcileRun.insert(doctype=doctype, last_error=error, created_at=now, updated_at=now)
         .on_conflict(conflict_target=[ReconcileRun.doctype],
                      update={ReconcileRun.last_error: error, ReconcileRun.updated_at: now})

@@ -54,7 +54,7 @@ class ReadyHandler(ApiHandler):
             body["spool_quarantined"] = quarantined
         if checks["database"] == "ok":
             # When reconciliation with Frappe last finished, per doctype (null: never).
-            last = await self.ctx.commits.run(
+            last = await self.ctx.db(
                 functools.partial(reconcile.last_successes, self.ctx.settings))
             body["reconciled"] = {doctype: at.isoformat() if at else None
                                   for doctype, at in last.items()}

@@ -77,7 +77,7 @@ def reconciled():
     return list(WebhookEvent.select().where(WebhookEvent.reconciled == True))  # noqa: E712
 
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=30)
 async def test_a_change_whose_webhook_never_came_is_handled_as_the_webhook_would_be(
         rctx, site, worker, post):
     document = submitted(site)
@@ -97,7 +97,7 @@ async def test_a_change_whose_webhook_never_came_is_handled_as_the_webhook_would
     assert [a["action"] for a in site.actions] == ["Start Name Check"]
 
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=30)
 async def test_the_list_call_is_frappes_list_api_in_the_sites_time_zone(rctx, site, worker):
     submitted(site)
     await reconcile.reconcile_workflow(rctx)
@@ -117,7 +117,7 @@ async def test_the_list_call_is_frappes_list_api_in_the_sites_time_zone(rctx, si
     assert site.requests[0].headers["X-Frappe-Site-Name"] == "erp.example.test"
 
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=30)
 async def test_a_webhook_first_then_reconciliation_causes_nothing_new(rctx, site, worker, post):
     document = submitted(site)
     status, _, _ = await post("/api/v1/webhooks/formation/submitted",
@@ -128,7 +128,7 @@ async def test_a_webhook_first_then_reconciliation_causes_nothing_new(rctx, site
     assert WebhookEvent.select().count() == 1 and len(worker.requests) == 1
 
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=30)
 async def test_a_document_saved_again_in_the_same_state_is_not_a_new_change(
         rctx, site, worker, post):
     document = submitted(site, minutes_ago=20)
@@ -141,7 +141,7 @@ async def test_a_document_saved_again_in_the_same_state_is_not_a_new_change(
     assert len(worker.requests) == 1 and reconciled() == []
 
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=30)
 async def test_reconciliation_first_then_the_webhook_causes_nothing_new(
         rctx, site, worker, post):
     document = submitted(site, microseconds=0)
@@ -157,7 +157,7 @@ async def test_reconciliation_first_then_the_webhook_causes_nothing_new(
     assert len(site.actions) == 1
 
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=30)
 async def test_a_second_run_and_two_runs_at_once_cause_nothing_new(rctx, site, worker):
     for n in range(3):
         submitted(site, name=f"FORM-{n:05}", number=f"FO-{n}")
@@ -169,7 +169,7 @@ async def test_a_second_run_and_two_runs_at_once_cause_nothing_new(rctx, site, w
     assert WebhookEvent.select().count() == 3 and len(worker.requests) == 3
 
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=30)
 async def test_an_order_back_in_a_state_it_had_left_is_a_new_change(rctx, site, worker, post):
     document = submitted(site, minutes_ago=60)
     await post("/api/v1/webhooks/formation/submitted",
@@ -185,7 +185,7 @@ async def test_an_order_back_in_a_state_it_had_left_is_a_new_change(rctx, site, 
     assert event.event_type == "formation/submitted"
 
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=30)
 async def test_crtc_states_map_to_their_paths_and_the_waiting_state_is_a_setting(
         rctx, site, worker):
     configure(rctx, workflow_reconcile_states=(
@@ -218,7 +218,7 @@ def test_the_state_mapping_defaults_and_its_setting():
         Settings.from_env({"WORKFLOW_TIME_ZONE": "Mars/Olympus"})
 
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=30)
 async def test_a_change_younger_than_the_settle_time_is_left_to_its_webhook(
         rctx, site, worker, clock):
     submitted(site, minutes_ago=1)
@@ -227,26 +227,28 @@ async def test_a_change_younger_than_the_settle_time_is_left_to_its_webhook(
     assert (await reconcile.reconcile_workflow(rctx)).handled == 1
 
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=60)
 async def test_runs_page_through_the_list_and_stop_at_the_cap(
         rctx, site, worker, monkeypatch):
-    monkeypatch.setattr(reconcile, "MAX_DOCUMENTS_PER_RUN", 150)
-    for n in range(230):
+    # Smaller than in service, so that few documents show the paging and the cap.
+    monkeypatch.setattr(reconcile, "PAGE_SIZE", 10)
+    monkeypatch.setattr(reconcile, "MAX_DOCUMENTS_PER_RUN", 15)
+    for n in range(23):
         site.add(FORMATION, f"FORM-{n:05}", "Ready", local(30, microseconds=n),
                  order_number=f"FO-{n}")
     first = await reconcile.reconcile_workflow(rctx)
-    assert (first.listed, first.handled) == (150, 150)
+    assert (first.listed, first.handled) == (15, 15)
     starts = [(q["limit_start"], q["limit_page_length"]) for q in site.listings()
               if "Ready" in q["filters"]]
-    assert starts == [("0", "100"), ("100", "100")]
+    assert starts == [("0", "10"), ("10", "10")]
     # The next run goes on from the last document looked at.
     second = await reconcile.reconcile_workflow(rctx)
-    assert (second.handled, second.already) == (80, 1)
-    assert WebhookEvent.select().count() == 230
-    assert len({e.order_number for e in reconciled()}) == 230
+    assert (second.handled, second.already) == (8, 1)
+    assert WebhookEvent.select().count() == 23
+    assert len({e.order_number for e in reconciled()}) == 23
 
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=30)
 async def test_later_runs_start_where_the_last_one_ended_with_an_overlap(rctx, site, worker,
                                                                         clock):
     await reconcile.reconcile_workflow(rctx)
@@ -261,7 +263,7 @@ async def test_later_runs_start_where_the_last_one_ended_with_an_overlap(rctx, s
 
 @pytest.mark.parametrize("outage", ["stopped", (401, "AuthenticationError"),
                                     (403, "PermissionError"), (500, "ImportError")])
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=30)
 async def test_frappe_down_or_refusing_is_logged_once_and_retried_next_run(
         rctx, site, worker, caplog, clock, outage):
     submitted(site)
@@ -291,7 +293,7 @@ async def test_frappe_down_or_refusing_is_logged_once_and_retried_next_run(
     assert ReconcileRun.get(ReconcileRun.doctype == FORMATION).last_error is None
 
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=30)
 async def test_a_document_without_a_required_field_is_reported_not_handled(
         rctx, site, worker, caplog):
     site.add(FORMATION, "FORM-00009", "Submitted", local(10), order_number="FO-9",
@@ -302,14 +304,14 @@ async def test_a_document_without_a_required_field_is_reported_not_handled(
     assert "missing field: state_code" in caplog.text
 
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=30)
 async def test_without_frappe_configured_nothing_is_asked(rctx, site):
     configure(rctx, workflow_url="")
     counts = await reconcile.reconcile_workflow(rctx)
     assert (counts.listed, counts.failed) == (0, []) and site.requests == []
 
 
-@pytest.mark.gen_test
+@pytest.mark.gen_test(timeout=30)
 async def test_outbox_rows_of_a_reconciled_change_are_its_events(rctx, site, worker):
     submitted(site)
     await reconcile.reconcile_workflow(rctx)
