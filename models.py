@@ -551,6 +551,10 @@ class Outbox(BaseModel):
 
     event = ForeignKeyField(WebhookEvent, null=True, on_delete="SET NULL",
                             backref="effects", column_name="event_id")
+    event_id: int | None  # the column itself, as peewee gives it
+    # Not a column: whether an earlier row of its order must be sent first, set by
+    # engine.outbox.note_whether_behind on the rows it is about to send.
+    behind: bool
     kind = TextField()
     order_number = TextField(null=True, index=True)
     payload = TextField()

@@ -10,22 +10,31 @@ On SQLite a single process is assumed and writers are serialised by the database
 """
 import datetime
 import functools
+from typing import TypeVar
 
-from models import is_postgres
+import peewee
+
+from models import Outbox, WebhookEvent, is_postgres
+from engine.contracts import EngineContext
+
+# What can be claimed: rows with a lease (next_attempt_at).
+Claimable = TypeVar("Claimable", WebhookEvent, Outbox)
 
 CLAIM_BATCH = 100
 
 
-def lease(ctx):
+def lease(ctx: EngineContext) -> datetime.timedelta:
     return datetime.timedelta(seconds=ctx.settings.claim_lease_seconds)
 
 
-async def claim(ctx, model, due, limit=CLAIM_BATCH):
+async def claim(ctx: EngineContext, model: type[Claimable], due: peewee.Expression,
+                limit: int = CLAIM_BATCH) -> list[Claimable]:
     """Claim up to `limit` rows of `model` matching `due`, oldest first; return them."""
     return await ctx.commits.run(functools.partial(_claim, ctx, model, due, limit))
 
 
-def _claim(ctx, model, due, limit):
+def _claim(ctx: EngineContext, model: type[Claimable], due: peewee.Expression,
+           limit: int) -> list[Claimable]:
     now = ctx.clock()
     query = model.select().where(due).order_by(model.id).limit(limit)
     if is_postgres():

@@ -37,9 +37,16 @@ import contextvars
 import functools
 import threading
 import time
+from typing import Callable, Iterator, TypeVar
 
 from models import DatabaseDown, database
 from engine.db import is_conflict
+
+T = TypeVar("T")
+# A unit of work: plain synchronous code, called with no arguments in the database thread
+# inside a turn's transaction, safe to run again from its start (above); what it returns
+# is handed to its caller once committed.
+Unit = Callable[[], T]
 
 MAX_CONFLICTS = 5
 # Turns run by this process (/metrics' receiver_database_turns): beside the statement
@@ -52,7 +59,8 @@ DATABASE_THREAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="d
 _with_savepoints = contextvars.ContextVar("with_savepoints", default=True)
 # When the call being served must be done with the database (time.monotonic()), if it
 # has a budget (`budget`).
-_deadline = contextvars.ContextVar("deadline", default=None)
+_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "deadline", default=None)
 # Set in the database thread while it runs a turn: the thread check (`in_a_turn`).
 _turn = threading.local()
 
@@ -63,7 +71,7 @@ class OverBudget(DatabaseDown):
 
 
 @contextlib.contextmanager
-def budget(seconds):
+def budget(seconds: float | None) -> Iterator[None]:
     """Every `GroupCommit.run` of the code inside (the task and what it awaits, not the
     background work it starts) must be answered within `seconds` from now, all of them
     together: a database slow on each reply must not hold a call for many times the
@@ -75,12 +83,12 @@ def budget(seconds):
         _deadline.reset(token)
 
 
-def set_budget(seconds):
+def set_budget(seconds: float) -> None:
     """`budget` for the rest of the current task (an inbound call's handler)."""
     _deadline.set(time.monotonic() + seconds)
 
 
-def without_budget():
+def without_budget() -> contextvars.Context:
     """A copy of the current context with no budget: for work that outlives the call
     (asyncio.create_task(..., context=without_budget()))."""
     context = contextvars.copy_context()
@@ -88,7 +96,7 @@ def without_budget():
     return context
 
 
-def in_a_turn():
+def in_a_turn() -> bool:
     """Whether this thread is running a turn of the group commit right now."""
     return getattr(_turn, "running", False)
 
@@ -104,7 +112,7 @@ class _TurnUndone(Exception):
 
 
 @contextlib.contextmanager
-def savepoint():
+def savepoint() -> Iterator[None]:
     """A part of a unit of work that may fail alone: if it raises, its changes are undone
     and the exception propagates to the unit, which goes on. Outside a turn, or in a turn
     run with savepoints, it takes one; otherwise its failure has the turn run again so."""
@@ -123,7 +131,7 @@ class GroupCommit:
         self._waiting = []
         self._turn_running = False
 
-    async def run(self, unit):
+    async def run(self, unit: Unit[T]) -> T:
         """Run `unit()` in a transaction shared with the other units of this turn; return
         what it returns, or raise what it raised, once the transaction is committed.
 
@@ -224,7 +232,7 @@ def _attempt(unit):
         return None, failure
 
 
-def raise_if_conflict(failure):
+def raise_if_conflict(failure: BaseException) -> None:
     """For code that handles a database error itself: a conflict is not its to handle,
     the unit it runs in is run again."""
     if is_conflict(failure):

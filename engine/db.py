@@ -5,7 +5,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from typing import Callable
+from typing import Callable, Optional, Protocol, TypeVar
 
 import peewee
 
@@ -24,21 +24,31 @@ CONFLICT_CLASS = "40"
 # How often a database found down is probed again.
 PROBE_INTERVAL_SECONDS = 1.0
 
+Query = TypeVar("Query", bound=peewee.Select)
 
-def why_unavailable(exc):
+
+def why_unavailable(exc: BaseException) -> str:
     """The driver's message on one log line (psycopg2's runs over several)."""
     return " ".join(str(exc).split())
 
 
-def locked(query):
+def locked(query: Query) -> Query:
     """`query` with FOR UPDATE on PostgreSQL; SQLite serialises writers by itself."""
     return query.for_update() if is_postgres() else query
 
 
-def is_conflict(failure):
+def is_conflict(failure: BaseException) -> bool:
     """peewee keeps the driver's error as `orig`; psycopg2's carries the SQLSTATE."""
     driver_error = getattr(failure, "orig", None)
     return str(getattr(driver_error, "pgcode", "") or "").startswith(CONFLICT_CLASS)
+
+
+class ProbedDatabase(Protocol):
+    """The database a Circuit watches (models.ClassifiedErrors): it consults `circuit`
+    before each statement, and `probe()` raises unless it answers and takes a write."""
+    circuit: Optional["Circuit"]
+
+    def probe(self) -> None: ...
 
 
 class Circuit:
@@ -54,23 +64,24 @@ class Circuit:
     started with its database down) has also succeeded in the probe's thread, the only
     statements let through meanwhile."""
 
-    def __init__(self, db, interval=PROBE_INTERVAL_SECONDS):
+    def __init__(self, db: ProbedDatabase, interval: float = PROBE_INTERVAL_SECONDS) -> None:
         self.db = db
         self.interval = interval
-        self.reason = None
+        self.reason: str | None = None
         self.opened_at = 0.0
         # The service's loop, from `attach` on.
         self.loop: asyncio.AbstractEventLoop
-        self.prober = None
+        self.prober: asyncio.Future | None = None
         self.threads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="db-probe")
-        self.on_back = []
+        self.on_back: list[Callable[[], object]] = []
         # What must succeed before the circuit closes, and what the operator is told
         # meanwhile (/readyz).
-        self.held_by, self.held_for = None, None
+        self.held_by: Callable[[], object] | None = None
+        self.held_for: str | None = None
         self._letting_through = threading.local()
 
     @property
-    def is_open(self):
+    def is_open(self) -> bool:
         return self.reason is not None
 
     def lets_through(self) -> bool:
@@ -88,19 +99,19 @@ class Circuit:
         self.held_by, self.held_for = work, why
         self.trip(failure)
 
-    def attach(self):
+    def attach(self) -> None:
         """From now on the database consults this circuit (call on the service's loop)."""
         self.loop = asyncio.get_running_loop()
         self.db.circuit = self
 
-    async def detach(self):
+    async def detach(self) -> None:
         self.db.circuit = None
         if self.prober is not None:
             self.prober.cancel()
             await asyncio.gather(self.prober, return_exceptions=True)
         self.threads.shutdown(wait=False)
 
-    def trip(self, failure):
+    def trip(self, failure: BaseException) -> None:
         """Called by the database class on every DatabaseDown, from any thread."""
         if self.is_open or is_conflict(failure):
             return
@@ -125,7 +136,7 @@ class Circuit:
         for callback in self.on_back:
             callback()
 
-    async def probe(self):
+    async def probe(self) -> bool:
         """Whether the database answers and takes writes, asked in the probe's thread."""
         try:
             await self.loop.run_in_executor(self.threads, self._probe_and_prepare)

@@ -18,6 +18,14 @@ import asyncio
 import contextlib
 import datetime
 import logging
+from typing import AsyncIterator, Callable, Iterator, Protocol
+
+from clients.http import Result
+from clients.mailer import Mailer
+from clients.telegram import TelegramClient
+from clients.worker import WorkerClient
+from clients.workflow import WorkflowClient
+from settings import Settings
 
 log = logging.getLogger("receiver.outbox")
 
@@ -35,8 +43,28 @@ FIRST_PROBE_SECONDS = 5
 CREDENTIALS_REFUSED = (401, 403)
 
 
+class Peer(Protocol):
+    """A client of a destination's system (clients/)."""
+
+    @property
+    def configured(self) -> bool: ...
+
+
+class Peers(Protocol):
+    """What Destinations takes from its context (app.context.Context)."""
+    settings: Settings
+    worker: WorkerClient
+    workflow: WorkflowClient
+    telegram: TelegramClient
+    mailer: Mailer
+
+    def clock(self) -> datetime.datetime: ...
+
+
 class Destination:
-    def __init__(self, name, client, settings, clock, recovered=lambda: None):
+    def __init__(self, name: str, client: Peer, settings: Settings,
+                 clock: Callable[[], datetime.datetime],
+                 recovered: Callable[[], None] = lambda: None) -> None:
         self.name = name
         self.client = client
         self.clock = clock
@@ -59,24 +87,24 @@ class Destination:
         self._backlog = asyncio.Semaphore(max(1, limit - max(1, limit // 4)))
 
     @property
-    def configured(self):
+    def configured(self) -> bool:
         return self.client.configured
 
     @property
-    def state(self):
+    def state(self) -> str:
         if not self.configured:
             return "not configured"
         return "up" if self.up else "down"
 
-    def take_probe(self):
+    def take_probe(self) -> bool:
         """True, once per probe time, while down: the caller sends one row as the probe."""
-        if self.up or self.clock() < self.probe_at:
+        if self.up or (self.probe_at is not None and self.clock() < self.probe_at):
             return False
         self.probe_at = self.clock() + self.probe_wait  # one probe at a time
         self.probing = True
         return True
 
-    def observe(self, result):
+    def observe(self, result: Result | None) -> None:
         """Learn from a send's Result (None: nothing was sent)."""
         if result is None or not result.configured:
             return
@@ -108,7 +136,7 @@ class Destination:
         self.probe_at = self.clock() + self.probe_wait
 
     @contextlib.asynccontextmanager
-    async def slot(self, live):
+    async def slot(self, live: bool) -> AsyncIterator[None]:
         """A place among the calls in flight; the backlog's sends may not take the share
         kept for live ones."""
         async with contextlib.AsyncExitStack() as stack:
@@ -125,15 +153,15 @@ class Destination:
 class Destinations:
     """The four destinations of one Context, by name."""
 
-    def __init__(self, ctx):
-        clients = {"worker": ctx.worker, "workflow": ctx.workflow, "telegram": ctx.telegram,
-                   "smtp": ctx.mailer}
+    def __init__(self, ctx: Peers) -> None:
+        clients: dict[str, Peer] = {"worker": ctx.worker, "workflow": ctx.workflow,
+                                    "telegram": ctx.telegram, "smtp": ctx.mailer}
         self.by_name = {name: Destination(name, client, ctx.settings, lambda: ctx.clock(),
                                           self._recovered)
                         for name, client in clients.items()}
-        self._when_recovered = []
+        self._when_recovered: list[Callable[[], None]] = []
 
-    def when_recovered(self, callback):
+    def when_recovered(self, callback: Callable[[], None]) -> None:
         """Call `callback()` whenever a destination that was down is found up again (the
         scheduler sends its backlog then, rather than at its next tick)."""
         self._when_recovered.append(callback)
@@ -142,12 +170,12 @@ class Destinations:
         for callback in self._when_recovered:
             callback()
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Destination]:
         return iter(self.by_name.values())
 
-    def of(self, kind):
+    def of(self, kind: str) -> Destination:
         return self.by_name[DESTINATION_OF[kind]]
 
-    def kinds(self, which):
+    def kinds(self, which: Callable[[Destination], bool]) -> list[str]:
         """The kinds of effect whose destination `which(destination)` is true."""
         return [kind for kind, name in DESTINATION_OF.items() if which(self.by_name[name])]

@@ -15,15 +15,18 @@ import hashlib
 import inspect
 import logging
 import time
+from typing import Any, Sequence, TypedDict, Unpack
 
 import peewee
 
 import lograte
 from clients.http import error_text
-from models import WebhookEvent
+from models import Outbox, WebhookEvent
 from engine import outbox, spool
 from engine.claims import CLAIM_BATCH, claim, lease
 from engine.commits import raise_if_conflict, savepoint
+from engine.contracts import Accepted, EngineContext, Stored
+from engine.spool import Entry
 from engine.db import UNAVAILABLE, locked, why_unavailable
 from engine.prepared import InsertOnce, Prepared, slot
 
@@ -63,32 +66,59 @@ FINISH = Prepared(lambda: WebhookEvent.update(
 ).where(WebhookEvent.id == slot(WebhookEvent.id)))
 
 
-async def record(ctx, *args, **kwargs):
+class Notice(TypedDict):
+    """An admin e-mail that belongs to a call (outbox.tell_admin's subject, template and
+    variables)."""
+    subject: str
+    template: str
+    variables: dict[str, Any]
+
+
+class CallFields(TypedDict, total=False):
+    """What a call may carry besides its source, event type, dedup key and payload."""
+    external_id: str | None
+    order_number: str | None
+    # "received" to be handled; "rejected" or "ignored" to be kept as it is.
+    status: str
+    last_error: str | None
+    # Earlier dedup keys of the same call (a workflow call's dedup window).
+    also_known_as: Sequence[str]
+    # Written when the call is first stored, whichever way (the spool drain too).
+    notice: Notice | None
+    # Found by the reconciliation with Frappe, not delivered (domain/reconcile.py).
+    reconciled: bool
+
+
+async def record(ctx: EngineContext, source: str, event_type: str, dedup_key: str,
+                 payload: str | bytes, **fields: Unpack[CallFields]) -> Stored | None:
     """Store the call (in the database thread); return (event, created). A known dedup
     key, or one of `also_known_as` (earlier keys of the same call), returns the first
     copy.
 
     While the database is unavailable, or calls that came earlier wait in the spool, the
-    call is appended to the spool instead and (None, False) is returned: it is durable,
-    and the spool drain will store and handle it. If even the spool cannot be written,
-    the database error propagates (503)."""
-    call = _call(ctx, *args, **kwargs)
+    call is appended to the spool instead and None is returned: it is durable, and the
+    spool drain will store and handle it. If even the spool cannot be written, the
+    database error propagates (503)."""
+    call = _call(ctx, source, event_type, dedup_key, payload, **fields)
     if _behind_the_spool(ctx, call):
-        return None, False
+        return None
     try:
         return await ctx.commits.run(functools.partial(_store, ctx, call))
     except UNAVAILABLE as unavailable:
         _spool(ctx, call, unavailable)
-        return None, False
+        return None
 
 
-def store(ctx, *args, **kwargs):
+def store(ctx: EngineContext, source: str, event_type: str, dedup_key: str,
+          payload: str | bytes, **fields: Unpack[CallFields]) -> Stored:
     """`record` inside a unit of work that goes on with the event: (event, created); the
     database errors propagate."""
-    return _store(ctx, _call(ctx, *args, **kwargs))
+    return _store(ctx, _call(ctx, source, event_type, dedup_key, payload, **fields))
 
 
-async def accept(ctx, *args, in_background=False, send_within=None, **kwargs):
+async def accept(ctx: EngineContext, source: str, event_type: str, dedup_key: str,
+                 payload: str | bytes, in_background: bool = False,
+                 send_within: float | None = None, **fields: Unpack[CallFields]) -> Accepted:
     """The request path's way in: store the call as `record` does and, when it is new,
     handle it (after the answer, when `in_background`). Returns (event, created,
     outcome); the outcome is None when the call was not handled here.
@@ -100,9 +130,9 @@ async def accept(ctx, *args, in_background=False, send_within=None, **kwargs):
     A plain plugin runs in the same unit of the group commit (engine.commits) as the
     storing: one transaction, one turn of the loop. Should the plugin raise, the event
     stays stored and is recorded as failed, in that transaction too."""
-    call = _call(ctx, *args, **kwargs)
+    call = _call(ctx, source, event_type, dedup_key, payload, **fields)
     if _behind_the_spool(ctx, call):
-        return None, False, None
+        return Accepted(None, False, None)
     try:
         try:
             event, created, handled = await ctx.commits.run(
@@ -118,19 +148,19 @@ async def accept(ctx, *args, in_background=False, send_within=None, **kwargs):
             handled = None
     except UNAVAILABLE as unavailable:
         _spool(ctx, call, unavailable)
-        return None, False, None
+        return Accepted(None, False, None)
     if handled is not None:
         outcome, effects, started = handled
         if effects is not None:
             await _deliver(ctx, effects.rows, send_within)
         _report(ctx, event, outcome, started)
-        return event, created, outcome
+        return Accepted(event, created, outcome)
     if not created or event.status not in AWAITING_HANDLING:
-        return event, created, None
+        return Accepted(event, created, None)
     if in_background:
         ctx.background(process(ctx, event))
-        return event, created, None
-    return event, created, await process(ctx, event)
+        return Accepted(event, created, None)
+    return Accepted(event, created, await process(ctx, event))
 
 
 async def _deliver(ctx, rows, within):
@@ -166,9 +196,11 @@ def _store_and_handle(ctx, call, handle_now):
     return event, created, (outcome, effects, started)
 
 
-def _call(ctx, source, event_type, dedup_key, payload, external_id=None,
-          order_number=None, status="received", last_error=None, also_known_as=(),
-          notice=None, reconciled=False):
+def _call(ctx: EngineContext, source: str, event_type: str, dedup_key: str,
+          payload: str | bytes, external_id: str | None = None,
+          order_number: str | None = None, status: str = "received",
+          last_error: str | None = None, also_known_as: Sequence[str] = (),
+          notice: Notice | None = None, reconciled: bool = False) -> Entry:
     """`notice`: an admin notice (subject, template, variables) that belongs to the call,
     written when it is first stored, whichever way (the spool drain too). `reconciled`:
     found by the reconciliation with Frappe, not delivered (domain/reconcile.py)."""
@@ -206,7 +238,7 @@ def _behind_the_spool(ctx, call):
     return True
 
 
-async def drain_spool(ctx):
+async def drain_spool(ctx: EngineContext) -> int:
     """Move every spooled call into the inbox, and handle the ones new to it, file by
     file, until no call waits (calls that come meanwhile join the spool behind them).
 
@@ -266,7 +298,7 @@ def _tell_admin_of(ctx, call):
         payload=str(call.get("payload") or call.get("raw") or "")[:4000])
 
 
-def store_spooled(ctx, call):
+def store_spooled(ctx: EngineContext, call: Entry) -> Stored:
     """Store a call read back from the spool; the database errors propagate.
 
     Its received_at may be older than a lease (the outage lasted): leased from now, so
@@ -274,7 +306,8 @@ def store_spooled(ctx, call):
     return _store(ctx, call, next_attempt_at=ctx.clock() + lease(ctx))
 
 
-def _store(ctx, call, next_attempt_at=None):
+def _store(ctx: EngineContext, call: Entry,
+           next_attempt_at: datetime.datetime | None = None) -> Stored:
     source, event_type = call["source"], call["event_type"]
     existing = find_any(source, call["also_known_as"])
     if existing is None:
@@ -289,12 +322,14 @@ def _store(ctx, call, next_attempt_at=None):
         if event is not None:
             if call.get("notice"):
                 _tell_admin_notice(ctx, event, call["notice"])
-            return event, True
+            return Stored(event, True)
         existing = find(ctx, source, call["dedup_key"])
+        # The insert found the key taken, in this transaction: the row is there to read.
+        assert existing is not None
     ctx.metrics.event_duplicate(source, event_type)
     log.info("duplicate %s event %s (%s) ignored; first stored as #%s",
              source, event_type, call["external_id"] or call["dedup_key"], existing.id)
-    return existing, False
+    return Stored(existing, False)
 
 
 def _tell_admin_notice(ctx, event, notice):
@@ -318,11 +353,11 @@ def _spool(ctx, call, unavailable):
     log.debug("%s event %s spooled", call["source"], call["event_type"])
 
 
-def find(ctx, source, dedup_key):
+def find(ctx: EngineContext, source: str, dedup_key: str) -> WebhookEvent | None:
     return EVENT_BY_KEY.first(source=source, dedup_key=dedup_key)
 
 
-def find_any(source, dedup_keys):
+def find_any(source: str, dedup_keys: Sequence[str]) -> WebhookEvent | None:
     """The first event stored under any of `dedup_keys`, in one query (a workflow call
     names one key per hour of its dedup window); None when there is none. Built once per
     number of keys: building it anew cost more than running it (docs/PERFORMANCE.md)."""
@@ -345,7 +380,7 @@ def _first_of_keys(count):
         .order_by(WebhookEvent.id).limit(1))
 
 
-async def process(ctx, event):
+async def process(ctx: EngineContext, event: WebhookEvent) -> str:
     """Handle a stored event once. Never raises: a failure is logged and recorded on the
     event, which the scheduler retries with backoff. One log line per event says how it
     went, keyed by the event's id."""
@@ -393,7 +428,7 @@ async def _handle(ctx, event):
     return outcome
 
 
-async def deliver_committed(ctx, rows):
+async def deliver_committed(ctx: EngineContext, rows: list[Outbox]) -> None:
     """Send effects whose cause is committed; never raises. Whatever happens while they
     are sent or their outcome recorded (the database gone, a statement refused), the call
     is durable and its answer stands: the effects are left to the scheduled sender, which
@@ -499,7 +534,7 @@ def _give_up(ctx, event, attempts, error):
         "event_dead", event=event, attempts=attempts, error=error)
 
 
-async def retry_due(ctx):
+async def retry_due(ctx: EngineContext) -> int:
     """Claim the events due for handling one at a time, and handle each once; returns how
     many (CLAIM_BATCH at most per run).
 

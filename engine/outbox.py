@@ -14,14 +14,17 @@ import json
 import logging
 import random
 import time
+from typing import Any, Iterable, Iterator, TypeVar
 
 from peewee import Case, fn
 
 import lograte
 from clients.http import Result
-from models import POSTGRES_FIELD_TYPES, Outbox, is_postgres
+from models import POSTGRES_FIELD_TYPES, Outbox, WebhookEvent, is_postgres
 from engine import commits
 from engine.claims import claim, lease
+from engine.commits import Unit
+from engine.contracts import EngineContext, SendOutcome
 from engine.db import UNAVAILABLE
 from engine.destinations import ORDERED_KINDS
 from engine.prepared import InsertOnce, Prepared, slot
@@ -44,6 +47,7 @@ UNRECORDED = Result.failed("sent, but its outcome could not be recorded; sent ag
 # (a write and a commit) before sending: the re-take would add too little to matter.
 RETAKE_SLACK = datetime.timedelta(seconds=1)
 
+T = TypeVar("T")
 NEW_EFFECT = InsertOnce(Outbox)
 # A row is pending (to send at next_attempt_at) or waiting (its destination is not
 # configured: it is sent once the service starts with it configured); either holds the
@@ -86,13 +90,13 @@ RETRY = _update_of(Outbox.last_error, Outbox.next_attempt_at, Outbox.attempts,
                    Outbox.updated_at, *LAST_ATTEMPT)
 
 
-def backoff(attempts):
+def backoff(attempts: int) -> datetime.timedelta:
     """Exponential with full jitter: 30 s, 60 s, 2 min ... capped at 6 h."""
     ceiling = min(BACKOFF_CAP_SECONDS, BACKOFF_BASE_SECONDS * 2 ** max(attempts - 1, 0))
     return datetime.timedelta(seconds=random.uniform(ceiling / 2, ceiling))
 
 
-def stable_key(*parts):
+def stable_key(*parts: object) -> str:
     return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:40]
 
 
@@ -103,9 +107,18 @@ def stable_key(*parts):
 POSITIONS_RECOGNISED = 64
 
 
-def positional_key(event, kind, position):
+def positional_key(event: WebhookEvent, kind: str, position: int) -> str:
     """The key an effect of `event` had when effects were keyed by position."""
     return f"{kind}-{stable_key(event.source, event.dedup_key, kind, position)}"
+
+
+def _positional_rows(event: WebhookEvent) -> dict[str, list[int]]:
+    """The positions of the event's rows stored under positional keys, by kind."""
+    keys = {(row.kind, row.idempotency_key) for row in Outbox.select(
+        Outbox.kind, Outbox.idempotency_key).where(Outbox.event == event.id)}
+    return {kind: [position for position in range(POSITIONS_RECOGNISED)
+                   if (kind, positional_key(event, kind, position)) in keys]
+            for kind in {kind for kind, _ in keys}}
 
 
 class Effects:
@@ -121,13 +134,14 @@ class Effects:
     effects can be stored yet (the rows stored before effects were named are not looked
     for)."""
 
-    def __init__(self, ctx, event=None, first_handling=False):
+    def __init__(self, ctx: EngineContext, event: WebhookEvent | None = None,
+                 first_handling: bool = False) -> None:
         self.ctx = ctx
         self.event = event
         # The rows added (Outbox instances, as written): `deliver` sends them once committed.
-        self.rows = []
+        self.rows: list[Outbox] = []
         # The keys derived from purposes in this handling, to refuse a purpose asked twice.
-        self.named = []
+        self.named: list[str] = []
         # Counts every effect asked for, as the positional keys did.
         self.position = 0
         # The event's rows stored under positional keys, by kind, and those an effect of
@@ -135,12 +149,12 @@ class Effects:
         self.positional: dict[str, list[int]] | None = (
             {} if first_handling or event is None else None)
         self.recognised: set[tuple[str, int]] = set()
-        self.retry_reason = None
+        self.retry_reason: str | None = None
         # Set by `reject`: the event is refused for good, with this reason.
-        self.rejection = None
+        self.rejection: str | None = None
 
     @contextlib.contextmanager
-    def savepoint(self):
+    def savepoint(self) -> Iterator[None]:
         """A part of the handling that may fail alone: its database changes and the
         effects it asked for are undone together, and the exception propagates."""
         rows_before, named_before = len(self.rows), len(self.named)
@@ -152,7 +166,7 @@ class Effects:
             del self.named[named_before:]
             raise
 
-    async def transaction(self, work):
+    async def transaction(self, work: Unit[T]) -> T:
         """Run `work()` in a transaction shared with concurrent requests (engine.commits)
         and return what it returns once committed; if it raises, the effects it asked for
         are undone with its changes."""
@@ -174,18 +188,19 @@ class Effects:
             del self.named[named_before:]
             raise
 
-    def retry_later(self, reason):
+    def retry_later(self, reason: str) -> None:
         """Keep what the handling has done so far, and handle the event again later (it
         ends `failed` with a retry time instead of `processed`)."""
         self.retry_reason = reason
 
-    def reject(self, reason):
+    def reject(self, reason: str) -> None:
         """The event asks for something that cannot be (a move its order cannot make):
         it ends `rejected` with the reason, and what the handling asked for is kept (a
         plugin that rejects asks for nothing first)."""
         self.rejection = reason
 
-    def add(self, kind, payload, purpose=None, key=None, order_number=None):
+    def add(self, kind: str, payload: dict[str, Any], purpose: str | None = None,
+            key: str | None = None, order_number: str | None = None) -> int | None:
         """Write one effect, named by `purpose` (among its event's effects) or by `key`;
         its row id, or None when it is stored already."""
         position, self.position = self.position, self.position + 1
@@ -206,7 +221,7 @@ class Effects:
         self.rows.append(row)
         return row.id
 
-    def _named_key(self, kind, purpose):
+    def _named_key(self, kind: str, purpose: str | None) -> str:
         if self.event is None or not purpose:
             raise TypeError(f"a {kind} effect needs a key, or a purpose among its event's")
         event = self.event
@@ -217,38 +232,35 @@ class Effects:
         self.named.append(key)
         return key
 
-    def _stored_by_position(self, kind, position):
+    def _stored_by_position(self, kind: str, position: int) -> bool:
         """Whether the event has a row of this kind stored under a positional key that no
         other effect of this handling was recognised as: the one of this position if
         there is one (the handling asks in the order it did then), else the first."""
-        if self.positional is None:
-            self.positional = self._positional_rows()
-        stored = [at for at in self.positional.get(kind, ())
+        if self.positional is None and self.event is not None:
+            self.positional = _positional_rows(self.event)
+        stored = [at for at in (self.positional or {}).get(kind, ())
                   if (kind, at) not in self.recognised]
         if not stored:
             return False
         self.recognised.add((kind, position if position in stored else stored[0]))
         return True
 
-    def _positional_rows(self):
-        keys = {(row.kind, row.idempotency_key) for row in Outbox.select(
-            Outbox.kind, Outbox.idempotency_key).where(Outbox.event == self.event.id)}
-        return {kind: [position for position in range(POSITIONS_RECOGNISED)
-                       if (kind, positional_key(self.event, kind, position)) in keys]
-                for kind in {kind for kind, _ in keys}}
 
-    def job(self, action, payload, purpose=None, key=None):
+    def job(self, action: str, payload: dict[str, Any], purpose: str | None = None,
+            key: str | None = None) -> int | None:
         return self.add("job", {"action": action, "payload": payload}, purpose, key,
                         payload.get("order_number"))
 
-    def workflow_action(self, doctype, name, action, purpose=None, key=None,
-                        order_number=None):
+    def workflow_action(self, doctype: str, name: str, action: str,
+                        purpose: str | None = None, key: str | None = None,
+                        order_number: str | None = None) -> int | None:
         return self.add("workflow_action",
                         {"doctype": doctype, "name": name, "action": action},
                         purpose, key, order_number)
 
-    def email(self, to, subject, template, purpose=None, key=None, order_number=None,
-              **variables):
+    def email(self, to: Iterable[str], subject: str, template: str,
+              purpose: str | None = None, key: str | None = None,
+              order_number: str | None = None, **variables: Any) -> int | None:
         """Render `template`.txt and .html now, so what is sent is what was true then."""
         env = self.ctx.templates
         text = env.get_template(f"{template}.txt").render(**variables)
@@ -256,7 +268,8 @@ class Effects:
         return self.add("email", {"to": list(to), "subject": subject,
                                   "text": text, "html": html}, purpose, key, order_number)
 
-    def alert(self, text, purpose=None, key=None, order_number=None):
+    def alert(self, text: str, purpose: str | None = None, key: str | None = None,
+              order_number: str | None = None) -> int | None:
         return self.add("alert", {"text": text}, purpose, key, order_number)
 
 
@@ -321,7 +334,7 @@ class _TakenElsewhere(Exception):
     """Another sender claimed the row after this one was given it."""
 
 
-async def send(ctx, row, live=False):
+async def send(ctx: EngineContext, row: Outbox, live: bool = False) -> SendOutcome:
     """Send one outbox row and record the outcome; returns the Result, or None when
     another sender took the row over before it went out (that one sends it). `live`: the
     request that caused the row sends it, in the share of calls in flight kept for such
@@ -339,7 +352,7 @@ async def send(ctx, row, live=False):
     return result
 
 
-async def _attempt(ctx, row, live=False):
+async def _attempt(ctx: EngineContext, row: Outbox, live: bool = False) -> SendOutcome:
     """`send` without recording the outcome: the Result, or None."""
     destination = ctx.destinations.of(row.kind)
     row.last_attempt_at, started = ctx.clock(), time.monotonic()
@@ -395,7 +408,8 @@ def _retake(ctx, row_id, held):
     return held_until if taken else None
 
 
-def record_outcomes(ctx, rows, results):
+def record_outcomes(ctx: EngineContext, rows: list[Outbox],
+                    results: list[SendOutcome]) -> None:
     """A batch's outcomes in one unit: the rows sent in one statement (a drain sends
     hundreds a second, and one statement each would hold the database thread, and the
     live requests' turns behind it, for as long), the others one by one."""
@@ -433,7 +447,7 @@ def _by_row(field, rows):
     return case
 
 
-def record_outcome(ctx, row, result):
+def record_outcome(ctx: EngineContext, row: Outbox, result: Result) -> None:
     now = ctx.clock()
     if not result.configured:
         # Nothing was tried: the effect waits for its peer to be configured, without
@@ -471,7 +485,7 @@ def record_outcome(ctx, row, result):
                         "retry: %s", row.id, row.kind, attempts, result.error)
 
 
-async def deliver(ctx, rows):
+async def deliver(ctx: EngineContext, rows: list[Outbox]) -> list[SendOutcome]:
     """Send the rows an Effects has just added, once committed, concurrently; each outcome
     is recorded, none raises. They are as written: nobody else sends a row during the
     lease it was created with (or claimed, for rows read back).
@@ -506,7 +520,7 @@ def _sendable_now(ctx, row):
     return destination.up or destination.take_probe()
 
 
-def note_whether_behind(row):
+def note_whether_behind(row: Outbox) -> Outbox:
     """Set `row.behind`: whether an earlier job or workflow action of its order is still
     unsent (from an earlier event), so that this one must wait for the scheduled sender.
     Read in the transaction that writes the row (Effects.add), in the database thread,
@@ -554,7 +568,7 @@ async def _claim_due(ctx):
     return rows
 
 
-async def send_due(ctx):
+async def send_due(ctx: EngineContext) -> int:
     """The scheduled sender: claim the due rows, send them, and go on while sends succeed
     (the next effect of an order becomes due when the one before it is sent). Returns the
     number sent. Waiting rows whose destination is configured now (the service was
@@ -604,7 +618,7 @@ async def _send_batch(ctx, rows):
     return [attempt.result() for attempt in attempts]
 
 
-def release_waiting(ctx):
+def release_waiting(ctx: EngineContext) -> int:
     """Make due now every waiting row whose destination is configured now: one update on
     the status index, finding rows only after a start with a new setting. Returns how
     many."""
@@ -620,7 +634,8 @@ def release_waiting(ctx):
     return released
 
 
-def tell_admin(ctx, key, subject, template, **variables):
+def tell_admin(ctx: EngineContext, key: str, subject: str, template: str,
+               **variables: Any) -> int | None:
     """One e-mail to the administrator, keyed so it exists once; the scheduled sender
     sends it on its next run. Without ADMIN_EMAIL it is only logged."""
     admin = ctx.settings.admin_email

@@ -36,9 +36,11 @@ import json
 import logging
 import os
 import time
+from typing import Any, Awaitable, Callable
 
 import lograte
-from models import UTC
+from models import UTC, WebhookEvent
+from engine.contracts import Stored
 from engine.db import UNAVAILABLE, why_unavailable
 
 log = logging.getLogger("receiver.spool")
@@ -55,7 +57,11 @@ MAX_REASON_CHARS = 500
 STORE_BATCH = 50
 
 
-def append(spool_dir, entry, name=LIVE_NAME):
+# A spooled call: the inbox's fields of it (engine.inbox), JSON-ready.
+Entry = dict[str, Any]
+
+
+def append(spool_dir: str, entry: Entry, name: str = LIVE_NAME) -> None:
     """Append `entry` (a JSON-ready dict) durably; raises OSError if it could not be."""
     os.makedirs(spool_dir, exist_ok=True)
     line = (json.dumps(entry, separators=(",", ":")) + "\n").encode()
@@ -92,11 +98,12 @@ class LastingProblem:
     """Logs a problem that lasts on one line: the first time, then again only when it
     changes or `interval` has passed, instead of at every scheduler tick."""
 
-    def __init__(self, logger, interval):
+    def __init__(self, logger: logging.Logger, interval: datetime.timedelta) -> None:
         self.logger, self.interval = logger, interval
-        self.said, self.said_at = None, None
+        self.said: str | None = None
+        self.said_at = datetime.datetime.min.replace(tzinfo=UTC)
 
-    def warn(self, now, message):
+    def warn(self, now: datetime.datetime, message: str) -> None:
         if message == self.said and now - self.said_at < self.interval:
             return
         self.said, self.said_at = message, now
@@ -107,10 +114,10 @@ class Drained:
     """What one file's drain did: calls read, the events new to the inbox, and the calls
     quarantined (each a spooled entry with its `unstorable` reason)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.read = 0
-        self.created = []
-        self.quarantined = []
+        self.created: list[WebhookEvent] = []
+        self.quarantined: list[Entry] = []
 
 
 def backlog(spool_dir: str) -> bool:
@@ -124,7 +131,8 @@ def backlog(spool_dir: str) -> bool:
     return any(name == LIVE_NAME or name.endswith(DRAINING_SUFFIX) for name in names)
 
 
-async def store_all(spool_dir, store, handle):
+async def store_all(spool_dir: str, store: Callable[[Entry], Awaitable[Stored]],
+                    handle: Callable[[Drained], Awaitable[None]]) -> int:
     """Hand every spooled call to `await store(entry) -> (event, is_new)`, file by file;
     then `await handle(drained)` with what the file gave (a Drained), and delete the
     file. STORE_BATCH calls are handed over at once (the group commit stores them in one
@@ -140,7 +148,7 @@ async def store_all(spool_dir, store, handle):
     return read
 
 
-def quarantined(spool_dir):
+def quarantined(spool_dir: str) -> list[Entry]:
     """The quarantined calls, oldest first, as they were written (received_at as text).
     A drain that stopped mid-file (the database went away again) quarantines the same
     call again on its next run: it is listed once."""
