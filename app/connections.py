@@ -87,8 +87,8 @@ class ReceiverServer(tornado.httpserver.HTTPServer):
     # Tornado passes the constructor's arguments on to `initialize`; this server needs
     # one more, and an application that counts its requests.
     def initialize(  # type: ignore[override]
-            self, application: CountingApplication, *args, max_connections: int,
-            **kwargs) -> None:
+            self, application: CountingApplication, *args: typing.Any,
+            max_connections: int, **kwargs: typing.Any) -> None:
         super().initialize(typing.cast(tornado.httputil.HTTPServerConnectionDelegate,
                                        application), *args, **kwargs)
         self.application = application

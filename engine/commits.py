@@ -126,9 +126,15 @@ def savepoint() -> Iterator[None]:
         raise _PartFailed from failure
 
 
+# A unit waiting for its turn: the unit, its caller's future, the conflicts it met.
+Waiting = tuple[Unit, "asyncio.Future", int]
+# What a unit came to in its turn: its result, or what it raised.
+Outcome = tuple[object, BaseException | None]
+
+
 class GroupCommit:
-    def __init__(self):
-        self._waiting = []
+    def __init__(self) -> None:
+        self._waiting: list[Waiting] = []
         self._turn_running = False
 
     async def run(self, unit: Unit[T]) -> T:
@@ -154,14 +160,14 @@ class GroupCommit:
                 circuit.trip(failure)
             raise failure from None
 
-    def _enqueue(self, unit, future, conflicts):
+    def _enqueue(self, unit: Unit, future: asyncio.Future, conflicts: int) -> None:
         self._waiting.append((unit, future, conflicts))
         if not self._turn_running:
             self._turn_running = True
             # At the loop's next turn: the units asked for until then join this one.
             asyncio.get_running_loop().call_soon(self._start_turn)
 
-    def _start_turn(self):
+    def _start_turn(self) -> None:
         # A unit whose caller has given up (its budget ran out) is not run.
         batch = [waiting for waiting in self._waiting if not waiting[1].cancelled()]
         self._waiting = []
@@ -172,7 +178,7 @@ class GroupCommit:
             DATABASE_THREAD, _run_batch, [unit for unit, _, _ in batch])
         turn.add_done_callback(functools.partial(self._finish_turn, batch))
 
-    def _finish_turn(self, batch, turn):
+    def _finish_turn(self, batch: list[Waiting], turn: asyncio.Future) -> None:
         try:
             outcomes = turn.result()
         except BaseException as error:  # the thread could not run the turn at all
@@ -192,7 +198,7 @@ class GroupCommit:
             self._turn_running = False
 
 
-def _run_batch(units):
+def _run_batch(units: list[Unit]) -> list[Outcome]:
     """In the database thread: each unit's (result, failure), committed together."""
     global turns_run
     turns_run += 1
@@ -208,7 +214,7 @@ def _run_batch(units):
         _turn.running = False
 
 
-def _run_turn(units, with_savepoints):
+def _run_turn(units: list[Unit], with_savepoints: bool) -> list[Outcome]:
     """Each unit's (result, failure), all in one transaction. Without savepoints any
     unit's failure rolls back the turn and raises _TurnUndone."""
     token = _with_savepoints.set(with_savepoints)
@@ -224,7 +230,7 @@ def _run_turn(units, with_savepoints):
         _with_savepoints.reset(token)
 
 
-def _attempt(unit):
+def _attempt(unit: Unit) -> Outcome:
     try:
         with database.atomic():
             return unit(), None

@@ -121,11 +121,11 @@ class Circuit:
                     self.reason, self.interval)
         self.loop.call_soon_threadsafe(self._start_probing)
 
-    def _start_probing(self):
+    def _start_probing(self) -> None:
         if self.prober is None or self.prober.done():
             self.prober = asyncio.ensure_future(self._probe_until_back())
 
-    async def _probe_until_back(self):
+    async def _probe_until_back(self) -> None:
         while True:
             await asyncio.sleep(self.interval)
             if await self.probe():
@@ -145,7 +145,7 @@ class Circuit:
             return False
         return True
 
-    def _probe_and_prepare(self):
+    def _probe_and_prepare(self) -> None:
         self.db.probe()
         if self.held_by is None:
             return

@@ -166,7 +166,7 @@ class Destinations:
         scheduler sends its backlog then, rather than at its next tick)."""
         self._when_recovered.append(callback)
 
-    def _recovered(self):
+    def _recovered(self) -> None:
         for callback in self._when_recovered:
             callback()
 

@@ -15,6 +15,7 @@ import functools
 import logging
 
 from models import Attempt, ConsoleAction, ConsoleSession, Outbox, WebhookEvent, database
+from engine.contracts import EngineContext
 
 log = logging.getLogger("receiver.retention")
 
@@ -22,7 +23,7 @@ PRUNED_EVENT_STATUSES = ("processed", "ignored")
 PRUNE_BATCH = 1000
 
 
-async def prune_all(ctx, limit: int = PRUNE_BATCH) -> tuple[int, int]:
+async def prune_all(ctx: EngineContext, limit: int = PRUNE_BATCH) -> tuple[int, int]:
     """Prune batch after batch, each in a unit of its own, until nothing is left past
     retention; returns (events, outbox rows) deleted."""
     events = rows = 0
@@ -33,7 +34,7 @@ async def prune_all(ctx, limit: int = PRUNE_BATCH) -> tuple[int, int]:
             return events, rows
 
 
-def prune(ctx, limit: int = PRUNE_BATCH) -> tuple[int, int]:
+def prune(ctx: EngineContext, limit: int = PRUNE_BATCH) -> tuple[int, int]:
     """Delete at most `limit` rows of each table past retention; returns (events, outbox
     rows) deleted."""
     return _prune_batch(ctx, limit)[:2]
