@@ -5,6 +5,7 @@ clock."""
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import os
 import typing
@@ -22,6 +23,7 @@ from engine.commits import GroupCommit, without_budget
 from handlers.budget import BodyBudget
 from handlers.ratelimit import RateLimiter
 from engine.destinations import Destinations
+from engine.outbox import tell_credentials_refused
 from ops.metrics import Metrics
 from plugins import registries
 from settings import Settings
@@ -66,6 +68,7 @@ class Context:
 
     def __post_init__(self):
         self.destinations = Destinations(self)
+        self.destinations.when_refused(functools.partial(tell_credentials_refused, self))
 
     @classmethod
     def create(cls, settings, clock=utcnow):

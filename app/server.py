@@ -310,6 +310,8 @@ async def serve(settings, ready=None):
     circuit.when_back(lambda: ctx.scheduler.run_soon("spool"))
     server.add_sockets(sockets)
     log.info("listening on http://%s:%d", settings.host, settings.port)
+    # Frappe's credentials and doctypes, checked now rather than by the first webhook.
+    ctx.background(ctx.destinations.check())
     freeze_startup_objects()
     systemd.notify(f"READY=1\nSTATUS=listening on {settings.host}:{settings.port}")
     watchdog = start_watchdog()

@@ -48,6 +48,12 @@ class Result:
     logged: bool = False
     # An excerpt of what the peer answered, kept with the attempt.
     reply: str = ""
+    # The peer refused our credentials (its client says so): every call to it will be
+    # refused alike until they are fixed.
+    credentials_refused: bool = False
+    # The peer says our settings name something it does not have (a doctype): no retry
+    # of this call will change that, and the peer itself is well.
+    misconfigured: bool = False
 
     def __post_init__(self):
         # Cleaned where it is made, so no caller stores or shows an error it cannot.
@@ -126,11 +132,13 @@ class HttpClient:
         self._session = None
 
 
-async def post_json(http, url, body, headers=None, timeout=10.0, peer="peer"):
+async def post_json(http, url, body, headers=None, timeout=10.0, peer="peer", refusal=None):
     """POST `body` as JSON; a 2xx is ok (its JSON reply as the body), anything else is a
     failed Result. A 2xx whose reply is not JSON is delivered all the same: the status
     is the peer's word that it took the call (a worker answering "OK" as text, or 204),
-    and asking again would only do it twice; `peer` names it in the warning."""
+    and asking again would only do it twice; `peer` names it in the warning.
+    `refusal(failed, body)`, when given, reads the peer's own account of a refusal in its
+    reply and returns the failed Result it makes of it."""
     try:
         reply = await http.call("POST", url, json.dumps(body).encode(),
                                 {**JSON_HEADERS, **(headers or {})}, timeout)
@@ -138,10 +146,11 @@ async def post_json(http, url, body, headers=None, timeout=10.0, peer="peer"):
         return Result.failed(describe(exc))
     if not 200 <= reply.status < 300:
         retryable = reply.status >= 500 or reply.status in RETRYABLE_STATUSES
-        return dataclasses.replace(
-            Result.failed(f"HTTP {reply.status}: {_excerpt(reply.body)}",
-                          retryable=retryable, status=reply.status),
-            reply=_excerpt(reply.body))
+        failed = Result.failed(f"HTTP {reply.status}: {_excerpt(reply.body)}",
+                               retryable=retryable, status=reply.status)
+        if refusal is not None:
+            failed = refusal(failed, reply.body)
+        return dataclasses.replace(failed, reply=_excerpt(reply.body))
     try:
         parsed = json.loads(reply.body or b"null")
     except ValueError:

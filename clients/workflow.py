@@ -5,10 +5,18 @@ Frappe refuses an action the document's state does not allow with 417. That is a
 answer to an action sent a second time: after a crash, an action sent just before it is
 sent again one lease later, and the first one had moved the document on. So a 417 is
 not taken as final until the document is read back: one that is already past the action
-had it applied, and the send is a success."""
+had it applied, and the send is a success.
+
+A refusal keeps Frappe's own reason (its exc_type and messages) in the Result's error, and
+says what kind it is: our credentials refused (401, 403), which every call meets until
+they are fixed, so the call waits rather than being given up; or our settings naming a
+doctype Frappe does not have (its controller cannot be imported: a 500 with ImportError),
+which no retry changes and which is no sign of a sick Frappe."""
 import dataclasses
+import html
 import json
 import logging
+import re
 import urllib.parse
 
 from clients.http import Request, Result, describe, post_json
@@ -16,6 +24,17 @@ from clients.http import Request, Result, describe, post_json
 log = logging.getLogger("receiver.workflow")
 
 APPLY_WORKFLOW = "frappe.model.workflow.apply_workflow"
+# Whitelisted for every signed-in user: the cheapest call that needs our credentials.
+LOGGED_USER = "frappe.auth.get_logged_user"
+# Our credentials refused: 401 (AuthenticationError: a key or secret Frappe does not
+# know) or 403 (PermissionError: the API user may not do it; a call whose key Frappe
+# could not match runs as Guest and is refused so).
+CREDENTIALS_REFUSED = (401, 403)
+# Frappe's exception types for a doctype it does not have: the controller of a
+# misspelled doctype cannot be imported (500), or the DocType is not found.
+MISCONFIGURATION = ("ImportError", "ModuleNotFoundError", "DoesNotExistError")
+# Frappe writes markup into its messages (<b>, <br>); the reason is kept as text.
+_MARKUP = re.compile(r"<[^>]*>")
 
 
 class WorkflowClient:
@@ -44,7 +63,8 @@ class WorkflowClient:
             return Result.failed("WORKFLOW_URL is not set", configured=False)
         request = self.apply_request(doctype, name, action)
         result = await post_json(self.http, request.url, request.body, request.headers,
-                                 timeout=s.outbound_timeout_seconds, peer="workflow system")
+                                 timeout=s.outbound_timeout_seconds, peer="workflow system",
+                                 refusal=refusal)
         if result.status == 417:
             if await self.already_past(doctype, name, action):
                 return Result(ok=True, status=417, body={"already_applied": True},
@@ -116,32 +136,105 @@ class WorkflowClient:
             return Result.failed(f"no list in the reply listing {doctype}", status=200)
         return result
 
+    async def check(self) -> Result:
+        """Whether Frappe takes our credentials and shows us the doctypes our settings
+        name (WORKFLOW_DOCTYPE, CRTC_DOCTYPE): who we are (one authenticated GET), then
+        one row of each doctype's list. A failed Result says what is wrong:
+        `credentials_refused`, or `misconfigured` naming the doctype Frappe does not have
+        or does not let us read; or Frappe is unwell."""
+        if not self.settings.workflow_url:
+            return Result.failed("WORKFLOW_URL is not set", configured=False)
+        who = await self._read(f"api/method/{LOGGED_USER}", "who we are", "message")
+        if who.ok and who.body in (None, "", "Guest"):
+            return dataclasses.replace(
+                Result.failed("Frappe takes our calls as Guest: the API key is not known",
+                              status=200), credentials_refused=True)
+        if not who.ok:
+            return who
+        for doctype in (self.settings.workflow_doctype, self.settings.crtc_doctype):
+            listed = await self._get(doctype, params={"fields": json.dumps(["name"]),
+                                                      "limit_page_length": 1})
+            if listed.status in (403, 404) or listed.misconfigured:
+                # Our user may call Frappe, but this doctype is not there or not ours to
+                # read: a setting (or the user's roles) to fix.
+                return dataclasses.replace(listed, error=f"{doctype}: {listed.error}",
+                                           misconfigured=True, credentials_refused=False,
+                                           retryable=False)
+            if not listed.ok:
+                return listed
+        return Result(ok=True, status=200, body=who.body)
+
     async def _get(self, doctype, name=None, params=None):
         """GET Frappe's REST resource: one document, or (no `name`) a list; an ok
         Result's body is the reply's `data`."""
+        what = doctype if name is None else f"{doctype} {name}"
+        parts = (doctype,) if name is None else (doctype, name)
+        path = "api/resource/" + "/".join(urllib.parse.quote(part, safe="") for part in parts)
+        if params:
+            path += "?" + urllib.parse.urlencode(params)
+        return await self._read(path, what, "data")
+
+    async def _read(self, path, what, field):
+        """GET `path` of Frappe's API; an ok Result's body is the reply's `field`."""
         s = self.settings
         if not s.workflow_url:
             return Result.failed("WORKFLOW_URL is not set", configured=False)
-        what = doctype if name is None else f"{doctype} {name}"
-        parts = (doctype,) if name is None else (doctype, name)
-        url = f"{s.workflow_url}/api/resource/" + "/".join(
-            urllib.parse.quote(part, safe="") for part in parts)
-        if params:
-            url += "?" + urllib.parse.urlencode(params)
         try:
             reply = await self.http.call(
-                "GET", url, headers={"Accept": "application/json", **self._headers()},
+                "GET", f"{s.workflow_url}/{path}",
+                headers={"Accept": "application/json", **self._headers()},
                 timeout=s.outbound_timeout_seconds)
         except Exception as exc:  # network errors of every kind
             return Result.failed(describe(exc))
         if reply.status != 200:
-            return Result.failed(f"HTTP {reply.status} reading {what}",
-                                 retryable=reply.status >= 500, status=reply.status)
+            return refusal(Result.failed(f"HTTP {reply.status} reading {what}",
+                                         retryable=reply.status >= 500, status=reply.status),
+                           reply.body)
         try:
-            data = json.loads(reply.body)["data"]
+            data = json.loads(reply.body)[field]
         except (ValueError, TypeError, KeyError):
             return Result.failed(f"unreadable reply reading {what}", status=200)
         return Result(ok=True, status=200, body=data)
+
+
+def refusal(failed, body):
+    """`failed` (a refusal or error Frappe answered) with Frappe's reason, and what kind of
+    refusal it is (see the module's docstring)."""
+    exc_type, reason = frappe_reason(body)
+    said = reason if not exc_type or reason.startswith(exc_type) else f"{exc_type}: {reason}"
+    heading = failed.error.split(":", 1)[0] if failed.error.startswith("HTTP") else failed.error
+    error = f"{heading}: {said or exc_type}" if said or exc_type else failed.error
+    if failed.status in CREDENTIALS_REFUSED:
+        return dataclasses.replace(failed, error=error, retryable=True,
+                                   credentials_refused=True)
+    if exc_type in MISCONFIGURATION:
+        return dataclasses.replace(failed, error=error, retryable=False, misconfigured=True)
+    return dataclasses.replace(failed, error=error)
+
+
+def frappe_reason(body):
+    """(exc_type, what Frappe says) from an error reply: its `_server_messages` (a JSON
+    list of JSON objects, each with a message), else its `exception` line; markup
+    removed. Empty strings for what the reply does not say."""
+    try:
+        reply = json.loads(body or b"null")
+    except ValueError:
+        return "", ""
+    if not isinstance(reply, dict):
+        return "", ""
+    exc_type = reply.get("exc_type") if isinstance(reply.get("exc_type"), str) else ""
+    messages = []
+    try:
+        for item in json.loads(reply.get("_server_messages") or "[]"):
+            message = json.loads(item).get("message") if isinstance(item, str) else None
+            if isinstance(message, str):
+                messages.append(message)
+    except (ValueError, TypeError, AttributeError):
+        pass  # a reply without messages, or not in Frappe's shape: the exception line
+    exception = reply.get("exception") if isinstance(reply.get("exception"), str) else ""
+    exception = exception.removeprefix("frappe.exceptions.")
+    text = "; ".join(messages) or exception
+    return exc_type, " ".join(html.unescape(_MARKUP.sub(" ", text)).split())
 
 
 def states_after(action, transitions):

@@ -9,6 +9,15 @@ comes back under traffic is found back within the probe's backoff. Kept in this
 process's memory: each process learns on its own, which costs at most
 OUTBOUND_DOWN_AFTER sends per process.
 
+Misconfiguration is told apart from a sick peer (the client says which, clients.http.Result):
+- `credentials refused`: the peer refused our credentials (a rotated API key). Every
+  call would be refused alike, so the destination is taken out of use at once, as a down
+  one is (its rows wait, a probe now and then), and the administrator is told once; the
+  first call the peer takes again (a probe, the start-up or readiness check) ends it.
+- `misconfigured`: our settings name something the peer does not have (a misspelled
+  doctype). The call is given up at once and not counted as the peer failing; the state
+  is shown until a call goes through.
+
 In flight: at most OUTBOUND_MAX_IN_FLIGHT calls to one destination at once, so a peer
 coming back is not flooded by the backlog. A quarter of them (at least one) are kept for
 the request path's own sends: the scheduled sender's backlog never holds them all, so a
@@ -41,6 +50,9 @@ ORDERED_KINDS = ("job", "workflow_action")
 FIRST_PROBE_SECONDS = 5
 # The answers of a peer that does not take our credentials.
 CREDENTIALS_REFUSED = (401, 403)
+# How long the answer of a configuration check (`Destination.check`) stands: /readyz
+# asks again at most this often, so a probe every few seconds costs the peer nothing.
+CHECK_SECONDS = 60
 
 
 class Peer(Protocol):
@@ -82,6 +94,13 @@ class Destination:
         # send again: no retry helps then, a setting must change.
         self.credentials_refused_since: datetime.datetime | None = None
         self.in_flight = 0
+        # What the peer said when it refused our credentials, or named our settings wrong.
+        self.credentials_refused: str | None = None
+        self.misconfigured: str | None = None
+        self.refused_credentials = lambda destination: None
+        # The configuration check: its client's `check()`, when it has one.
+        self.checked_at: datetime.datetime | None = None
+        self.checking: asyncio.Future | None = None
         limit = settings.outbound_max_in_flight
         self._any = asyncio.Semaphore(limit)
         self._backlog = asyncio.Semaphore(max(1, limit - max(1, limit // 4)))
@@ -94,7 +113,16 @@ class Destination:
     def state(self) -> str:
         if not self.configured:
             return "not configured"
+        if self.credentials_refused:
+            return "credentials refused"
+        if self.misconfigured:
+            return "misconfigured"
         return "up" if self.up else "down"
+
+    @property
+    def problem(self) -> str | None:
+        """What the peer said of our configuration, while it stands."""
+        return self.credentials_refused or self.misconfigured
 
     def take_probe(self) -> bool:
         """True, once per probe time, while down: the caller sends one row as the probe."""
@@ -108,12 +136,25 @@ class Destination:
         """Learn from a send's Result (None: nothing was sent)."""
         if result is None or not result.configured:
             return
-        if result.status in CREDENTIALS_REFUSED:
+        if result.status in CREDENTIALS_REFUSED or result.credentials_refused:
             self.credentials_refused_since = self.credentials_refused_since or self.clock()
         elif result.ok:
             self.credentials_refused_since = None
+        if result.credentials_refused:
+            self._refuse(result)
+            return
+        if result.misconfigured:
+            if self.misconfigured is None:
+                log.error("destination %s: our settings name what it does not have: %s",
+                          self.name, result.error)
+            self.misconfigured = result.error
+        elif result.ok:
+            self.misconfigured = None
         if not result.peer_failed:
             self.failures = 0
+            if self.credentials_refused:
+                self.credentials_refused = None
+                log.warning("destination %s takes our credentials again", self.name)
             if not self.up:
                 self.up, self.probing, self.down_since = True, False, None
                 log.warning("destination %s is up again: sending its effects", self.name)
@@ -133,6 +174,49 @@ class Destination:
             self.probe_wait = min(self.probe_wait * 2, self.probe_max)
         else:
             return  # still up; or a send that was in flight when it went down
+        self.probe_at = self.clock() + self.probe_wait
+
+    async def check(self, within: float | None = None) -> None:
+        """Ask the peer whether our configuration works (credentials, the names our
+        settings give it), when its client can (`check()`), and learn from the answer.
+        An answer younger than CHECK_SECONDS stands. Waits at most `within` seconds:
+        a check still running then goes on, and its answer is learnt when it comes."""
+        if not self.configured or not hasattr(self.client, "check"):
+            return
+        if self.checking is None or self.checking.done():
+            fresh = datetime.timedelta(seconds=CHECK_SECONDS)
+            if self.checked_at is not None and self.clock() - self.checked_at < fresh:
+                return
+            self.checking = asyncio.ensure_future(self._check())
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self.checking), within)
+
+    async def _check(self):
+        result = await self.client.check()
+        self.checked_at = self.clock()
+        if result.ok:
+            log.info("destination %s: its configuration check passed", self.name)
+        elif not (result.credentials_refused or result.misconfigured):
+            log.warning("destination %s: configuration not checked: %s", self.name,
+                        result.error)
+        self.observe(result)
+
+    def _refuse(self, result):
+        """Out of use until the peer takes our credentials again; probed like a down
+        destination."""
+        self.failures = 0
+        if self.credentials_refused is None:
+            self.credentials_refused = result.error
+            self.up, self.probing = False, False
+            self.down_since = self.down_since or self.clock()
+            self.probe_wait = min(datetime.timedelta(seconds=FIRST_PROBE_SECONDS),
+                                  self.probe_max)
+            log.error("destination %s refuses our credentials (%s): its effects wait until "
+                      "they are fixed", self.name, result.error)
+            self.refused_credentials(self)
+        elif self.probing:
+            self.probing = False
+            self.probe_wait = min(self.probe_wait * 2, self.probe_max)
         self.probe_at = self.clock() + self.probe_wait
 
     @contextlib.asynccontextmanager
@@ -160,6 +244,22 @@ class Destinations:
                                           self._recovered)
                         for name, client in clients.items()}
         self._when_recovered: list[Callable[[], None]] = []
+        self._when_refused: list[Callable[[Destination], None]] = []
+        for destination in self:
+            destination.refused_credentials = self._refused
+
+    async def check(self, within: float | None = None) -> None:
+        """Every destination's configuration check (`Destination.check`), at once."""
+        await asyncio.gather(*(destination.check(within) for destination in self))
+
+    def when_refused(self, callback: Callable[[Destination], None]) -> None:
+        """Call `callback(destination)` whenever a destination starts refusing our
+        credentials (the administrator is told)."""
+        self._when_refused.append(callback)
+
+    def _refused(self, destination: Destination) -> None:
+        for callback in self._when_refused:
+            callback(destination)
 
     def when_recovered(self, callback: Callable[[], None]) -> None:
         """Call `callback()` whenever a destination that was down is found up again (the

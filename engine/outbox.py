@@ -647,3 +647,14 @@ def tell_admin(ctx: EngineContext, key: str, subject: str, template: str,
     if row_id:
         _hand_to_scheduler(ctx, [row_id])
     return row_id
+
+
+def tell_credentials_refused(ctx, destination):
+    """One e-mail to the administrator each time a destination starts refusing our
+    credentials (engine.destinations), written in the background."""
+    started = ctx.clock().strftime("%Y%m%dT%H%M%S")
+    subject = f"Destination {destination.name} refuses our credentials"
+    ctx.background(ctx.db(functools.partial(
+        tell_admin, ctx, f"credentials-refused-{destination.name}-{started}", subject,
+        "credentials_refused", destination=destination.name,
+        reason=destination.credentials_refused)))

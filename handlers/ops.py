@@ -42,11 +42,18 @@ class ReadyHandler(ApiHandler):
     async def get(self):
         checks = {"database": await self.database_check(),
                   "scheduler": self.scheduler_check(), "spool": self.spool_check()}
+        # The destinations' configuration (Frappe's credentials and doctypes): asked at
+        # most every CHECK_SECONDS, waited for only briefly.
+        await self.ctx.destinations.check(within=READY_TIMEOUT_SECONDS)
         problems = {name: problem for name, problem in checks.items() if problem != "ok"}
         status = 503 if problems else 200
         body = {"status": "ready" if not problems else "not ready", "checks": checks,
                 "destinations": {destination.name: destination.state
                                  for destination in self.ctx.destinations}}
+        misconfigured = {destination.name: destination.problem
+                         for destination in self.ctx.destinations if destination.problem}
+        if misconfigured:
+            body["destination_problems"] = misconfigured
         # Calls the database refused: worth an operator's look, no reason to take this
         # process out of service.
         quarantined = len(spool.quarantined(self.ctx.settings.spool_dir))

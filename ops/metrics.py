@@ -196,11 +196,18 @@ class StateCollector:
         in_flight = GaugeMetricFamily(
             "receiver_destination_in_flight", "Calls to a destination in flight now.",
             labels=["destination"])
+        refused = GaugeMetricFamily(
+            "receiver_destination_credentials_refused", "1 while a destination refuses our "
+            "credentials (its effects wait until they are fixed).", labels=["destination"])
+        misconfigured = GaugeMetricFamily(
+            "receiver_destination_misconfigured", "1 while a destination says our settings "
+            "name what it does not have (a doctype).", labels=["destination"])
         for destination in self.ctx.destinations:
             up.add_metric([destination.name], 1 if destination.up else 0)
             in_flight.add_metric([destination.name], destination.in_flight)
-        yield up
-        yield in_flight
+            refused.add_metric([destination.name], 1 if destination.credentials_refused else 0)
+            misconfigured.add_metric([destination.name], 1 if destination.misconfigured else 0)
+        yield from (up, in_flight, refused, misconfigured)
 
     def spool_families(self):
         files, size = spool_usage(self.ctx.settings.spool_dir)

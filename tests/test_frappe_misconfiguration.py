@@ -1,0 +1,170 @@
+"""Frappe misconfigured, as the real v15 site showed it: a rotated API key (401 on every
+call), a misspelled WORKFLOW_DOCTYPE (500 ImportError), and Frappe's own reason for a
+refusal. Each is its own signal: the actions wait (credentials) or are given up at once
+(doctype), Frappe is not taken for down, and last_error says what Frappe said. Frappe is
+a real HTTP peer on loopback answering with v15's error replies; a controlled clock."""
+import json
+
+import pytest
+
+from engine import outbox
+from models import Outbox
+from tests.conftest import WEBHOOK_SECRET
+from tests.test_ops_endpoints import get, samples, scheduled, spool, value  # noqa: F401 (fixtures)
+
+AUTH = {"X-Webhook-Secret": WEBHOOK_SECRET, "Content-Type": "application/json"}
+# Frappe v15's error replies (frappe.utils.response.report_error): the exception's type,
+# its last line, the messages it showed as JSON strings inside a JSON list, and the
+# traceback.
+CREDENTIALS_REFUSED = (401, {
+    "exception": "frappe.exceptions.AuthenticationError", "exc_type": "AuthenticationError",
+    "exc": json.dumps(["Traceback (most recent call last): ... AuthenticationError"])})
+DOCTYPE_MISSPELLED = (500, {
+    "exception": "ImportError: Module import failed for Formation Ordr, the DocType you're "
+                 "trying to open might be deleted.",
+    "exc_type": "ImportError",
+    "exc": json.dumps(["Traceback (most recent call last):\n  File \"apps/frappe/frappe/"
+                       "model/base_document.py\", line 76, in import_controller\n" * 8])})
+TRANSITION_REFUSED = (417, {
+    "exception": "frappe.model.workflow.WorkflowTransitionError: Not a valid Workflow Action",
+    "exc_type": "WorkflowTransitionError",
+    "_server_messages": json.dumps([json.dumps({
+        "message": "Not a valid Workflow Action: <strong>Start Name Check</strong>",
+        "title": "Message", "indicator": "red", "raise_exception": 1})]),
+    "exc": json.dumps(["Traceback (most recent call last): ..." * 20])})
+WHO = (200, {"message": "receiver@erp.test"})
+LISTED = (200, {"data": [{"name": "FORM-00001"}]})
+
+
+def submitted(number):
+    return {"order_name": f"ORD-{number}", "order_number": f"FO-{number}",
+            "state_code": "WY", "entity_name": "Acme LLC"}
+
+
+async def submit(post, number):
+    status, _, _ = await post("/api/v1/webhooks/formation/submitted", submitted(number), AUTH)
+    assert status == 200
+
+
+def actions():
+    return list(Outbox.select().where(Outbox.kind == "workflow_action").order_by(Outbox.id))
+
+
+def admin_notices():
+    return [json.loads(row.payload)["subject"] for row in
+            Outbox.select().where(Outbox.kind == "email").order_by(Outbox.id)]
+
+
+@pytest.mark.gen_test
+async def test_a_rotated_api_key_holds_the_actions_and_tells_the_administrator_once(
+        post, ctx, clock, frappe, worker):
+    clock.set(2026, 11, 20, 9, 0)
+    frappe.fail_with(*CREDENTIALS_REFUSED)
+    for number in range(1, 4):
+        await submit(post, number)
+    await ctx.drain_background()
+    workflow = ctx.destinations.by_name["workflow"]
+    assert workflow.state == "credentials refused"
+    rows = actions()
+    # The first was refused; the others wait behind the refusal, untried.
+    assert [row.status for row in rows] == ["pending"] * 3
+    assert rows[0].last_error == "HTTP 401: AuthenticationError"
+    assert len(frappe.requests) == 1
+    assert admin_notices() == ["Destination workflow refuses our credentials"]
+    metrics = samples(ctx.metrics.exposition(ctx))
+    assert value(metrics, "receiver_destination_credentials_refused",
+                 destination="workflow") == 1
+
+    # The key is fixed on Frappe's side: the next probe goes through, the rest follow.
+    frappe.fail_with(200, {"message": {"name": "ORD-1"}})
+    for _ in range(6):
+        clock.advance(seconds=30)
+        await outbox.send_due(ctx)
+    assert [row.status for row in actions()] == ["sent"] * 3
+    assert workflow.state == "up"
+    assert admin_notices() == ["Destination workflow refuses our credentials"]
+
+
+@pytest.mark.gen_test
+async def test_a_misspelled_doctype_is_given_up_at_once_and_frappe_is_not_taken_for_down(
+        post, ctx, clock, frappe, worker):
+    clock.set(2026, 11, 20, 9, 0)
+    frappe.fail_with(*DOCTYPE_MISSPELLED)
+    sends = ctx.settings.outbound_down_after + 2
+    for number in range(1, sends + 1):
+        await submit(post, number)
+    rows = actions()
+    assert [(row.status, row.attempts) for row in rows] == [("dead", 1)] * sends
+    assert rows[0].last_error == (
+        "HTTP 500: ImportError: Module import failed for Formation Ordr, the DocType you're "
+        "trying to open might be deleted.")
+    workflow = ctx.destinations.by_name["workflow"]
+    assert workflow.up and workflow.state == "misconfigured"
+    assert workflow.problem == rows[0].last_error
+
+
+@pytest.mark.gen_test
+async def test_a_refusal_keeps_frappes_own_message_not_its_traceback(
+        post, ctx, clock, frappe, worker):
+    frappe.responses = [TRANSITION_REFUSED, (404, {"exc_type": "DoesNotExistError"})]
+    await submit(post, 1)
+    [row] = actions()
+    assert row.status == "dead"
+    assert row.last_error == ("HTTP 417: WorkflowTransitionError: Not a valid Workflow "
+                              "Action: Start Name Check")
+
+
+@pytest.mark.gen_test
+async def test_readyz_checks_frappes_credentials_and_caches_the_answer(
+        get, ctx, clock, frappe, spool, scheduled):
+    clock.set(2026, 11, 20, 9, 0)
+    frappe.fail_with(*CREDENTIALS_REFUSED)
+    code, response = await get("/readyz")
+    body = json.loads(response.body)
+    assert code == 503  # no scheduler in this test; Frappe's state is not a reason
+    assert body["destinations"]["workflow"] == "credentials refused"
+    assert body["destination_problems"] == {"workflow": "HTTP 401 reading who we are: "
+                                                        "AuthenticationError"}
+    [asked] = frappe.requests
+    assert asked.path == "/api/method/frappe.auth.get_logged_user"
+    assert asked.headers["Authorization"] == "token wf-key:wf-secret"
+    await ctx.drain_background()
+    assert admin_notices() == ["Destination workflow refuses our credentials"]
+
+    # Probed every few seconds, /readyz asks Frappe again only once its answer is old.
+    frappe.fail_with(*WHO)
+    frappe.responses = [WHO, LISTED, LISTED]
+    clock.advance(seconds=30)
+    await get("/readyz")
+    assert len(frappe.requests) == 1
+    clock.advance(seconds=31)
+    code, response = await get("/readyz")
+    assert [r.path for r in frappe.requests[1:]] == [
+        "/api/method/frappe.auth.get_logged_user", "/api/resource/Formation%20Order",
+        "/api/resource/CRTC%20Order"]
+    body = json.loads(response.body)
+    assert body["destinations"]["workflow"] == "up" and "destination_problems" not in body
+
+
+@pytest.mark.parametrize("listing,problem", [
+    (DOCTYPE_MISSPELLED, "Formation Order: HTTP 500 reading Formation Order: ImportError: "
+                         "Module import failed for Formation Ordr, the DocType you're trying "
+                         "to open might be deleted."),
+    ((404, {"exc_type": "DoesNotExistError", "exception": "frappe.exceptions."
+            "DoesNotExistError: DocType Formation Order not found"}),
+     "Formation Order: HTTP 404 reading Formation Order: DoesNotExistError: DocType "
+     "Formation Order not found"),
+    ((403, {"exc_type": "PermissionError", "exception": "frappe.exceptions.PermissionError"}),
+     "Formation Order: HTTP 403 reading Formation Order: PermissionError"),
+], ids=["misspelled", "not-found", "not-readable"])
+@pytest.mark.gen_test
+async def test_the_check_names_a_doctype_frappe_does_not_show_us(
+        get, ctx, clock, frappe, spool, listing, problem):
+    frappe.responses = [WHO, listing]
+    code, response = await get("/readyz")
+    body = json.loads(response.body)
+    assert body["destinations"]["workflow"] == "misconfigured"
+    assert body["destination_problems"] == {"workflow": problem}
+    metrics = samples(ctx.metrics.exposition(ctx))
+    assert value(metrics, "receiver_destination_misconfigured", destination="workflow") == 1
+    assert admin_notices() == []
