@@ -231,8 +231,8 @@ def frappe_reason(body):
                 messages.append(message)
     except (ValueError, TypeError, AttributeError):
         pass  # a reply without messages, or not in Frappe's shape: the exception line
-    exception = reply.get("exception") if isinstance(reply.get("exception"), str) else ""
-    exception = exception.removeprefix("frappe.exceptions.")
+    exception = reply.get("exception")
+    exception = exception.removeprefix("frappe.exceptions.") if isinstance(exception, str) else ""
     text = "; ".join(messages) or exception
     return exc_type, " ".join(html.unescape(_MARKUP.sub(" ", text)).split())
 

@@ -191,8 +191,8 @@ class Destination:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(asyncio.shield(self.checking), within)
 
-    async def _check(self):
-        result = await self.client.check()
+    async def _check(self) -> None:
+        result = await getattr(self.client, "check")()
         self.checked_at = self.clock()
         if result.ok:
             log.info("destination %s: its configuration check passed", self.name)

@@ -81,4 +81,5 @@ async def test_a_workflow_frappe_does_not_let_us_read_is_said_in_the_log(post, f
                                "exc_type": "PermissionError"})]
     await post("/api/v1/webhooks/formation/name-available", BODY, AUTH)
     assert ("the Formation Order workflow could not be read from Frappe (HTTP 403 reading "
-            "Workflow): the API user needs read permission on Workflow") in caplog.text
+            "Workflow: PermissionError): the API user needs read permission on Workflow"
+            ) in caplog.text
