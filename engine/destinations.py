@@ -201,7 +201,7 @@ class Destination:
                         result.error)
         self.observe(result)
 
-    def _refuse(self, result):
+    def _refuse(self, result: Result) -> None:
         """Out of use until the peer takes our credentials again; probed like a down
         destination."""
         self.failures = 0
