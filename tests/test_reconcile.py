@@ -5,6 +5,7 @@ it, a second run, or two runs at once cause nothing new."""
 import asyncio
 import dataclasses
 import datetime
+import hashlib
 import json
 import logging
 import zoneinfo
@@ -390,3 +391,27 @@ def test_the_scheduler_runs_reconciliation_unless_turned_off():
     assert job.run is reconcile.reconcile_workflow and job.at_start
     assert job.every(Settings()) == 300
     assert job.every(Settings.from_env({"WORKFLOW_RECONCILE_MINUTES": "0"})) == 0
+
+
+@pytest.mark.gen_test(timeout=30)
+async def test_a_change_sent_again_after_the_old_window_is_still_the_same_change(
+        rctx, site, worker, post, clock):
+    body = webhook_body(submitted(site), "state_code", "entity_name")
+    await post("/api/v1/webhooks/formation/submitted", body, AUTH)
+    clock.advance(hours=40)  # past WORKFLOW_DEDUP_HOURS, which bodies without modified keep
+    status, reply, _ = await post("/api/v1/webhooks/formation/submitted", body, AUTH)
+    assert (status, reply) == (200, {"received": True, "action": "name_search_dispatched"})
+    assert WebhookEvent.select().count() == 1 and len(worker.requests) == 1
+
+
+@pytest.mark.gen_test(timeout=30)
+async def test_a_copy_stored_under_the_hourly_key_before_still_matches(
+        rctx, site, worker, post, clock):
+    body = webhook_body(submitted(site), "state_code", "entity_name")
+    hour = int(clock().timestamp()) // 3600
+    digest = hashlib.sha256(body.encode()).hexdigest()
+    WebhookEvent.create(source="workflow", event_type="formation/submitted",
+                        dedup_key=f"formation/submitted:{digest}:h{hour - 1}",
+                        order_number="FO-9001", payload=body, status="processed")
+    await post("/api/v1/webhooks/formation/submitted", body, AUTH)
+    assert WebhookEvent.select().count() == 1 and worker.requests == []
