@@ -10,6 +10,7 @@ import pytest
 from engine import outbox
 from models import Outbox
 from tests.conftest import WEBHOOK_SECRET
+from tests.console_helpers import console_settings, logged_in_operator, text  # noqa: F401
 from tests.test_ops_endpoints import get, samples, scheduled, spool, value  # noqa: F401 (fixtures)
 
 AUTH = {"X-Webhook-Secret": WEBHOOK_SECRET, "Content-Type": "application/json"}
@@ -33,6 +34,12 @@ TRANSITION_REFUSED = (417, {
         "title": "Message", "indicator": "red", "raise_exception": 1})]),
     "exc": json.dumps(["Traceback (most recent call last): ..." * 20])})
 WHO = (200, {"message": "receiver@erp.test"})
+
+
+@pytest.fixture
+def settings(settings):
+    """With the console, for the overview's test."""
+    return console_settings(settings)
 LISTED = (200, {"data": [{"name": "FORM-00001"}]})
 
 
@@ -168,3 +175,13 @@ async def test_the_check_names_a_doctype_frappe_does_not_show_us(
     metrics = samples(ctx.metrics.exposition(ctx))
     assert value(metrics, "receiver_destination_misconfigured", destination="workflow") == 1
     assert admin_notices() == []
+
+
+@pytest.mark.gen_test
+async def test_the_console_overview_says_what_frappe_said_of_our_configuration(
+        ctx, frappe, logged_in_operator):
+    frappe.responses = [WHO, DOCTYPE_MISSPELLED]
+    await ctx.destinations.check()
+    page = text(await logged_in_operator.get("/console"))
+    assert ("workflow misconfigured: Formation Order: HTTP 500 reading Formation Order: "
+            "ImportError: Module import failed for Formation Ordr") in page
