@@ -475,7 +475,8 @@ async def reconcile_workflow(ctx, args):
               "later", file=sys.stderr)
         return 1
     try:
-        counts = await reconcile.reconcile_workflow(ctx, args.since)
+        with TerminalProgress("looking at Frappe's documents", "document") as progress:
+            counts = await reconcile.reconcile_workflow(ctx, args.since, progress)
     finally:
         await lock.release()
     print(f"looked at {counts.listed} document(s): {counts.handled} change(s) handled, "

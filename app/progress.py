@@ -1,7 +1,7 @@
-"""Progress of a long command (`backfill`, `events replay --failed`): on a terminal, a
-tqdm bar on stderr with the count, the rate and what is left, the log lines written above
-it; when stderr is not a terminal (journald, cron, a pipe), nothing but the command's
-own summary line at the end."""
+"""Progress of a long command (`backfill`, `events replay --failed`, `reconcile
+workflow`): on a terminal, a tqdm bar on stderr with the count, the rate and what is
+left, the log lines written above it; when stderr is not a terminal (journald, cron, a
+pipe), nothing but the command's own summary line at the end."""
 import contextlib
 import sys
 from typing import Optional, TextIO

@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import zoneinfo
+from typing import Callable, Optional
 
 from models import UTC, ReconcileRun, WebhookEvent
 from engine import inbox
@@ -94,19 +95,22 @@ def from_frappe_time(text: str, zone: zoneinfo.ZoneInfo) -> datetime.datetime:
     return datetime.datetime.fromisoformat(text).replace(tzinfo=zone).astimezone(UTC)
 
 
-async def reconcile_workflow(ctx, since: datetime.datetime | None = None) -> Counts:
+async def reconcile_workflow(
+        ctx, since: datetime.datetime | None = None,
+        progress: Optional[Callable[[int, Optional[int]], None]] = None) -> Counts:
     """One run over every configured doctype; `since` (aware) instead of where the last
     run got to. Frappe not answering, or refusing, is logged once (when it starts) and
-    recorded; the next run tries again from the same place."""
+    recorded; the next run tries again from the same place. `progress(looked at, None)`
+    after each document (how many there are is not known before the last page)."""
     counts = Counts()
     if not ctx.settings.workflow_url:
         return counts
     for doctype, states in doctype_states(ctx.settings).items():
-        await _reconcile_doctype(ctx, doctype, states, since, counts)
+        await _reconcile_doctype(ctx, doctype, states, since, counts, progress)
     return counts
 
 
-async def _reconcile_doctype(ctx, doctype, states, since, counts):
+async def _reconcile_doctype(ctx, doctype, states, since, counts, progress):
     settings = ctx.settings
     zone = zoneinfo.ZoneInfo(settings.workflow_time_zone)
     now = ctx.clock()
@@ -137,6 +141,8 @@ async def _reconcile_doctype(ctx, doctype, states, since, counts):
             looked_at += 1
             await _reconcile_document(ctx, document, states, counts)
             last_modified = document.get("modified")
+            if progress:
+                progress(counts.listed + looked_at, None)
         if len(page.body) < PAGE_SIZE:
             break
         start += PAGE_SIZE

@@ -237,7 +237,7 @@ async def test_replay_failed_shows_its_progress_on_a_terminal(database_url, sett
         await terminal.finish()
     assert terminal.returncode == 0, terminal.shown
     # tqdm's bar: the count out of the total, the rate, the time left.
-    assert re.search(r"replaying: +\d+%\|.*\| \d/3 \[\d\d:\d\d<[^,]+, +[\d.?]+event/s\]",
+    assert re.search(r"replaying: +100%\|.*\| 3/3 \[\d\d:\d\d<[^,]+, +[\d.?]+event/s\]",
                      terminal.shown), terminal.shown
     assert terminal.stdout == "replayed 3 failed event(s); 0 still failing\n"
     assert len(worker.requests) == 3

@@ -144,8 +144,8 @@ async def test_backfill_shows_its_progress_on_a_terminal(env, stripe_api, telegr
     async with OnATerminal("backfill", "--since", "2026-11-20T00:00:00Z", env=env) as terminal:
         await terminal.finish()
     assert terminal.returncode == 0, terminal.shown
-    assert re.search(r"listing from Stripe: \d+event", terminal.shown), terminal.shown
-    assert re.search(r"handling: +\d+%\|.*\| \d/5 \[", terminal.shown), terminal.shown
+    assert re.search(r"listing from Stripe: 5event", terminal.shown), terminal.shown
+    assert re.search(r"handling: +100%\|.*\| 5/5 \[", terminal.shown), terminal.shown
     assert terminal.stdout.startswith("listed 5 undelivered event(s)")
 
 

@@ -8,6 +8,7 @@ import datetime
 import hashlib
 import json
 import logging
+import re
 import zoneinfo
 
 import pytest
@@ -20,6 +21,7 @@ from tests.console_helpers import Operator, console_settings, text
 from tests.test_cli import cli_env, run_async
 from tests.test_ops_endpoints import samples, value
 from tests.frappe_site import FrappeSite, frappe_text
+from tests.terminal import OnATerminal
 
 FORMATION, CRTC = "Formation Order", "CRTC Order"
 FIELDS = {FORMATION: ["order_number", "state_code", "entity_name", "notes"],
@@ -371,6 +373,23 @@ async def test_reconciled_events_are_marked_in_the_command_line_and_the_console(
     assert "(reconciled)</h1>" in text(await operator.get(f"/console/events/{event.id}"))
     again = await run_async(env, "reconcile", "workflow", "--since", "2026-11-25T00:00Z")
     assert "0 change(s) handled, 1 already stored" in again.stdout
+    assert "document/s" not in ran.stderr + again.stderr  # not a terminal: no progress
+
+
+@pytest.mark.gen_test(timeout=60)
+async def test_the_command_shows_its_progress_on_a_terminal(
+        rctx, site, worker, database_url, settings):
+    submitted(site)
+    env = {**cli_env(database_url, settings), "WORKFLOW_TIME_ZONE": "Asia/Kolkata",
+           "WORKFLOW_API_KEY": "wf-key", "WORKFLOW_API_SECRET": "wf-secret"}
+    async with OnATerminal("reconcile", "workflow", "--since", "2026-11-25T00:00Z",
+                           env=env) as terminal:
+        await terminal.finish()
+    assert terminal.returncode == 0, terminal.shown
+    # The count so far and the rate (Frappe's pages do not say how many there are).
+    assert re.search(r"looking at Frappe's documents: 1document \[\d\d:\d\d, +[\d.?]+document/s\]",
+                     terminal.shown), terminal.shown
+    assert terminal.stdout.startswith("looked at 1 document(s): 1 change(s) handled")
 
 
 @pytest.mark.gen_test(timeout=60)
