@@ -1,9 +1,12 @@
-"""The operator console's pages with 1M events and 1M outbox rows: `make bench
-BENCH_ARGS=--console`, or alone: `python -m bench.console [--rows N] [--sqlite-only]`.
+"""The operator console's pages with 1M events, 1M outbox rows and 1M send attempts, and
+what recording attempts costs: `make bench BENCH_ARGS=--console`, or alone:
+`python -m bench.console [--rows N] [--sqlite-only]`.
 
 Seeds a scratch database as 30 days of traffic (the retention period) would leave it,
 starts `receiver.py serve` with the console on, logs in as a browser does, and times
-each page from this process over loopback (the whole request, HTML included)."""
+each page from this process over loopback (the whole request, HTML included). Then, on
+the same database, times the UPDATEs that record send outcomes with the trigger that
+copies each attempt into `attempts` (migration 0013) and without it."""
 import argparse
 import contextlib
 import datetime
@@ -17,7 +20,7 @@ import time
 
 import requests
 
-from models import Outbox, WebhookEvent, database, is_postgres, open_database, utcnow
+from models import Attempt, Outbox, WebhookEvent, database, is_postgres, open_database, utcnow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PASSWORD = "bench console password"
@@ -29,6 +32,10 @@ SOURCES = (("workflow", "formation/submitted", 600), ("card", "checkout.session.
 KINDS = ("job", "job", "workflow_action", "email")
 REPEAT = 20
 DEPTH = 200
+# Outcomes recorded per timing of the attempts' cost: as a drain records them (batches
+# of this many sent rows in one UPDATE), and one by one as a live request's are.
+OUTCOME_BATCH = 100
+OUTCOMES = 1000
 
 
 def source_of(n):
@@ -61,6 +68,7 @@ def seed(database_url, rows):
             with database.atomic():
                 WebhookEvent.insert_many([event_row(n, at) for n, at in times.items()]).execute()
                 Outbox.insert_many([effect_row(n, at) for n, at in times.items()]).execute()
+                Attempt.insert_many([attempt_row(n, at) for n, at in times.items()]).execute()
         # What autovacuum does on a live PostgreSQL (statistics, and the visibility map
         # index-only scans need); SQLite's planner reads the same statistics.
         db.execute_sql("VACUUM ANALYZE" if is_postgres(db) else "ANALYZE")
@@ -79,13 +87,33 @@ def event_row(n, at):
             "last_error": "OrderNotFound" if status == "failed" else None}
 
 
+PAYLOADS = {
+    "job": lambda order: {"action": "name_search", "payload": {"order_number": order}},
+    "workflow_action": lambda order: {"doctype": "Formation Order", "name": f"ORD-{order}",
+                                      "action": "Start Name Check"},
+    "email": lambda order: {"to": ["customer@example.test"], "subject": f"Order {order}",
+                            "text": "Thank you.", "html": "<p>Thank you.</p>"},
+}
+
+
 def effect_row(n, at):
     status = effect_status(n)
-    return {"event": n + 1, "kind": KINDS[n % len(KINDS)], "order_number": order_of(n),
-            "payload": "{}", "idempotency_key": f"seed-{n}", "status": status,
+    kind = KINDS[n % len(KINDS)]
+    return {"event": n + 1, "kind": kind, "order_number": order_of(n),
+            "payload": json.dumps(PAYLOADS[kind](order_of(n))), "idempotency_key": f"seed-{n}", "status": status,
             "attempts": 1, "next_attempt_at": at, "created_at": at, "updated_at": at,
             "sent_at": at if status == "sent" else None,
             "last_error": "HTTP 400" if status == "dead" else None}
+
+
+def attempt_row(n, at):
+    """Each effect's last attempt (outbox ids are n + 1: the seed fills an empty table)."""
+    status = effect_status(n)
+    return {"outbox_id": n + 1, "destination": KINDS[n % len(KINDS)], "attempted_at": at,
+            "outcome": status, "status_code": 400 if status == "dead" else
+            503 if status == "pending" else 200, "duration_ms": 40 + n % 50,
+            "error": "HTTP 400" if status == "dead" else None,
+            "reply": '{"ok": true}', "created_at": at, "updated_at": at}
 
 
 def order_of(n):
@@ -155,15 +183,82 @@ def pages(session, base, rows):
         "events, source=crypto": "/console/events?source=crypto",
         "events, search by external id": f"/console/events?q=evt_{rows // 2 + 1}",
         "order timeline": f"/console/orders/{middle}",
+        "effect page": f"/console/outbox/{rows // 2 + 1}",
         "outbox, dead": "/console/outbox?status=dead",
         "settlement": "/console/settlement",
     }
 
 
+def attempt_cost(database_url):
+    """Microseconds per recorded outcome, {with the trigger, without}: a drain's batch of
+    sent rows in one UPDATE, and a live send's retry outcome, one UPDATE each."""
+    import importlib
+
+    from app.context import Context
+    from clients.http import Result
+    from engine import outbox
+    from settings import Settings
+    attempts_migration = importlib.import_module("migrations.0013_attempts")
+    db = open_database(database_url)
+    ctx = Context.create(Settings())
+    now = utcnow()
+    with database.atomic():
+        Outbox.insert_many([{
+            "kind": "job", "order_number": f"COST-{n}", "payload": "{}",
+            "idempotency_key": f"cost-{n}", "status": "pending", "attempts": 0,
+            "next_attempt_at": now, "created_at": now, "updated_at": now}
+            for n in range(OUTCOMES)]).execute()
+    rows = list(Outbox.select().where(Outbox.idempotency_key.startswith("cost-"))
+                .order_by(Outbox.id))
+    for row in rows:
+        row.last_attempt_at, row.last_duration_ms = now, 42
+        row.last_status_code, row.last_reply = 200, '{"ok": true}'
+    sent, failed = Result(ok=True, status=200), Result.failed("HTTP 503: busy", status=503)
+
+    def put_back():  # an UPDATE to fewer attempts: no attempt kept
+        Outbox.update(status="pending", attempts=0).where(
+            Outbox.idempotency_key.startswith("cost-")).execute()
+        for row in rows:
+            row.attempts = 0
+
+    def timed_outcomes():
+        put_back()
+        started = time.perf_counter()
+        for at in range(0, OUTCOMES, OUTCOME_BATCH):
+            batch = rows[at:at + OUTCOME_BATCH]
+            with database.atomic():
+                outbox.record_outcomes(ctx, batch, [sent] * len(batch))
+        batched = time.perf_counter() - started
+        put_back()
+        started = time.perf_counter()
+        for row in rows:
+            with database.atomic():
+                outbox.record_outcome(ctx, row, failed)
+        one_by_one = time.perf_counter() - started
+        return {"batch_us_per_outcome": round(1e6 * batched / OUTCOMES, 1),
+                "one_by_one_us_per_outcome": round(1e6 * one_by_one / OUTCOMES, 1)}
+    drop_trigger = ("DROP TRIGGER outbox_attempt ON outbox" if is_postgres(db)
+                    else "DROP TRIGGER outbox_attempt")
+    figures = {"with attempts kept": [], "without": []}
+    try:
+        # Each way twice, alternately, so that neither has the warmer cache; the lower.
+        for _ in range(2):
+            figures["with attempts kept"].append(timed_outcomes())
+            db.execute_sql(drop_trigger)
+            figures["without"].append(timed_outcomes())
+            attempts_migration.apply(db, None)  # the trigger back as it was
+        kept = Attempt.select().where(Attempt.outbox_id >= rows[0].id).count()
+        assert kept == 4 * OUTCOMES, kept
+    finally:
+        database.close()
+    return {way: {name: min(run[name] for run in runs) for name in runs[0]}
+            for way, runs in figures.items()}
+
+
 def measure(label, database_url, rows):
     started = time.monotonic()
     seed(database_url, rows)
-    print(f"console    {label:<10} seeded {rows} events and {rows} outbox rows in "
+    print(f"console    {label:<10} seeded {rows} events, outbox rows and attempts in "
           f"{time.monotonic() - started:.0f} s", flush=True)
     results = {}
     with console_service(database_url) as base:
@@ -172,6 +267,8 @@ def measure(label, database_url, rows):
             results[name] = timed(session, base + path)
             print(f"console    {label:<10} {name:<32} p50 {results[name]['p50_ms']:>7.1f} ms"
                   f"  max {results[name]['max_ms']:>7.1f} ms", flush=True)
+    results["recording outcomes"] = cost = attempt_cost(database_url)
+    print(f"console    {label:<10} recording outcomes, us each: {json.dumps(cost)}", flush=True)
     return results
 
 

@@ -313,8 +313,16 @@ class SentRequest:
 def request_as_sent(ctx, row):
     """The request `row` makes (each client builds it the same way when it sends), with
     the credentials hidden: Frappe's Authorization header, the bot token in Telegram's
-    URL, the SMTP password (never part of what is shown here)."""
-    payload = json.loads(row.payload)
+    URL, the SMTP password (never part of what is shown here). A payload that cannot be
+    read as its kind's request is shown as stored."""
+    try:
+        return _request_of(ctx, row, json.loads(row.payload))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return SentRequest("", "(the stored payload: it does not read as a request)", {},
+                           shown_payload(row))
+
+
+def _request_of(ctx, row, payload):
     if row.kind == "email":
         return SentRequest("SMTP", _smtp_server(ctx.settings.smtp_url),
                            {"From": ctx.settings.mail_from, "To": ", ".join(payload["to"]),

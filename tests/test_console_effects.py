@@ -191,3 +191,13 @@ async def test_the_overview_shows_each_destinations_health(logged_in, ctx, clock
     assert "Credentials: refused since 2026-11-20 09:00:00" in " ".join(cells["workflow"])
     assert "State: up" in " ".join(cells["workflow"])
     assert "none recorded yet" in page.split('id="last-reconciliation"')[1]
+
+
+@pytest.mark.gen_test(timeout=60)
+async def test_an_effect_whose_payload_does_not_read_as_a_request_is_shown_as_stored(
+        logged_in):
+    row = Outbox.create(kind="job", payload='{"token": "t0ps3cret"}', idempotency_key="odd",
+                        order_number="FO-1")
+    response = await logged_in.get(f"/console/outbox/{row.id}")
+    assert response.code == 200 and "it does not read as a request" in text(response)
+    assert "t0ps3cret" not in text(response) and "[hidden]" in text(response)
