@@ -48,8 +48,6 @@ ORDERED_KINDS = ("job", "workflow_action")
 # The first probe comes soon (at the scheduler's next tick, or with the next webhook's
 # effect): an outage is often a restart.
 FIRST_PROBE_SECONDS = 5
-# The answers of a peer that does not take our credentials.
-CREDENTIALS_REFUSED = (401, 403)
 # How long the answer of a configuration check (`Destination.check`) stands: /readyz
 # asks again at most this often, so a probe every few seconds costs the peer nothing.
 CHECK_SECONDS = 60
@@ -90,9 +88,6 @@ class Destination:
         self.probe_at: datetime.datetime | None = None
         self.probing = False
         self.down_since: datetime.datetime | None = None
-        # Since when the peer has refused our credentials (401 or 403), until it takes a
-        # send again: no retry helps then, a setting must change.
-        self.credentials_refused_since: datetime.datetime | None = None
         self.in_flight = 0
         # What the peer said when it refused our credentials, or named our settings wrong.
         self.credentials_refused: str | None = None
@@ -136,10 +131,6 @@ class Destination:
         """Learn from a send's Result (None: nothing was sent)."""
         if result is None or not result.configured:
             return
-        if result.status in CREDENTIALS_REFUSED or result.credentials_refused:
-            self.credentials_refused_since = self.credentials_refused_since or self.clock()
-        elif result.ok:
-            self.credentials_refused_since = None
         if result.credentials_refused:
             self._refuse(result)
             return

@@ -188,9 +188,10 @@ async def test_the_overview_shows_each_destinations_health(logged_in, ctx, clock
     worker_row = " ".join(cells["worker"])
     assert "State: down since 2026-11-20 09:00:00" in worker_row
     assert "Next probe: 2026-11-20 09:00:05" in worker_row
-    assert "Credentials: refused since 2026-11-20 09:00:00" in " ".join(cells["workflow"])
-    assert "State: up" in " ".join(cells["workflow"])
-    assert "none recorded yet" in page.split('id="last-reconciliation"')[1]
+    workflow_row = " ".join(cells["workflow"])
+    assert "State: credentials refused since 2026-11-20 09:00:00" in workflow_row
+    assert "Credentials: refused: HTTP 401" in workflow_row
+    assert 'id="last-reconciliation"' in page
 
 
 @pytest.mark.gen_test(timeout=60)
