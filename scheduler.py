@@ -34,9 +34,8 @@ log = logging.getLogger("receiver.scheduler")
 REPEATS = lograte.Repeats(log)
 
 HOURLY = 3600
-# How long a stop waits for job runs in progress before cancelling them. After the 20 s
-# given to requests in flight (receiver.SHUTDOWN_GRACE_SECONDS) this still ends within
-# systemd's TimeoutStopSec (30 s), so the process exits by itself rather than by SIGKILL.
+# How long a stop waits for job runs in progress before cancelling them, at most: less
+# when the requests in flight took most of the stop budget (app.server, STOP_TIMEOUT_SECONDS).
 STOP_GRACE_SECONDS = 5
 
 

@@ -124,6 +124,9 @@ POSITIVE_NUMBERS = {
     "OUTBOUND_TIMEOUT_SECONDS": "outbound_timeout_seconds",
     "SCHEDULER_TICK_SECONDS": "scheduler_tick_seconds",
     "CLAIM_LEASE_SECONDS": "claim_lease_seconds",
+    "INBOX_MAX_ATTEMPTS": "inbox_max_attempts",
+    "OUTBOX_MAX_ATTEMPTS": "outbox_max_attempts",
+    "STOP_TIMEOUT_SECONDS": "stop_timeout_seconds",
     "RETENTION_DAYS": "retention_days",
     "OUTBOUND_MAX_IN_FLIGHT": "outbound_max_in_flight",
     "OUTBOUND_DOWN_AFTER": "outbound_down_after",
@@ -225,6 +228,12 @@ class Settings:
     outbound_timeout_seconds: int = 10
     scheduler_tick_seconds: int = 10
     claim_lease_seconds: int = 60
+    # Tries of an inbox event's handling, and of an outbox effect's send, before it is
+    # given up (`dead`) and the administrator told (engine.retry).
+    inbox_max_attempts: int = 10
+    outbox_max_attempts: int = 12
+    # How long a stop may take in all, as systemd's TimeoutStopSec gives it (deploy/).
+    stop_timeout_seconds: int = 30
     outbound_max_in_flight: int = 16
     outbound_down_after: int = 5
     outbound_probe_max_seconds: int = 300
@@ -317,6 +326,9 @@ class Settings:
             scheduler_tick_seconds=_int(
                 env, "SCHEDULER_TICK_SECONDS", cls.scheduler_tick_seconds),
             claim_lease_seconds=_int(env, "CLAIM_LEASE_SECONDS", cls.claim_lease_seconds),
+            inbox_max_attempts=_int(env, "INBOX_MAX_ATTEMPTS", cls.inbox_max_attempts),
+            outbox_max_attempts=_int(env, "OUTBOX_MAX_ATTEMPTS", cls.outbox_max_attempts),
+            stop_timeout_seconds=_int(env, "STOP_TIMEOUT_SECONDS", cls.stop_timeout_seconds),
             outbound_max_in_flight=_int(
                 env, "OUTBOUND_MAX_IN_FLIGHT", cls.outbound_max_in_flight),
             outbound_down_after=_int(env, "OUTBOUND_DOWN_AFTER", cls.outbound_down_after),

@@ -112,7 +112,18 @@ class Context:
         while self.background_tasks:
             await asyncio.gather(*list(self.background_tasks), return_exceptions=True)
 
-    async def close(self):
-        """After the background work: the peers' connections are closed."""
-        await self.drain_background()
+    async def close(self, within: float | None = None) -> None:
+        """After the background work (`within` seconds at most: what is still running
+        then is cancelled, and what it had leased is taken again after the lease, as
+        after a crash), the peers' connections are closed."""
+        if within is None:
+            await self.drain_background()
+        elif self.background_tasks:
+            _, left = await asyncio.wait(set(self.background_tasks), timeout=max(within, 0))
+            if left:
+                log.warning("stopping: %d background task(s) still busy; cancelling them",
+                            len(left))
+                for task in left:
+                    task.cancel()
+                await asyncio.gather(*left, return_exceptions=True)
         await self.http.close()

@@ -28,13 +28,16 @@ from handlers.routes import routes
 from engine.db import UNAVAILABLE, Circuit, why_unavailable
 from models import ClassifiedSqliteDatabase, ReconnectingPostgresqlDatabase, open_database
 from ops import systemd
-from scheduler import Scheduler
+from scheduler import STOP_GRACE_SECONDS, Scheduler
 
 log = logging.getLogger("receiver")
 REPEATS = lograte.Repeats(log)
 
-# How long a shutdown waits for requests in flight; below systemd's TimeoutStopSec (30 s).
+# How long a shutdown waits for requests in flight, at most; all of the stop keeps within
+# STOP_TIMEOUT_SECONDS (systemd's TimeoutStopSec) less STOP_MARGIN_SECONDS, left for
+# closing the connections and the database and exiting.
 SHUTDOWN_GRACE_SECONDS = 20
+STOP_MARGIN_SECONDS = 2
 # A client that has not sent its whole body this long after its headers is cut off.
 BODY_TIMEOUT_SECONDS = 30
 # ... and one that has not started it this long after its headers: a sender's body comes
@@ -319,17 +322,24 @@ async def serve(settings, ready=None):
         ready()
 
     await stop_requested()
+    # Everything below ends within the stop budget (systemd's TimeoutStopSec), so the
+    # process exits by itself rather than by SIGKILL.
+    deadline = time.monotonic() + settings.stop_timeout_seconds - STOP_MARGIN_SECONDS
+
+    def remaining(at_most):
+        return max(0.0, min(at_most, deadline - time.monotonic()))
     systemd.notify("STOPPING=1")
     log.info("stopping: no new connections; finishing requests in flight")
     server.stop()
-    left = await app.wait_idle(SHUTDOWN_GRACE_SECONDS)
+    grace = remaining(SHUTDOWN_GRACE_SECONDS)
+    left = await app.wait_idle(grace)
     if left:
-        log.warning("%d request(s) still running after %d s; cutting them off",
-                    left, SHUTDOWN_GRACE_SECONDS)
+        log.warning("%d request(s) still running after %.0f s; cutting them off",
+                    left, grace)
     # What is left are idle keep-alive connections (or the requests given up on above).
     await server.close_all_connections()
-    await ctx.scheduler.stop()
-    await ctx.close()
+    await ctx.scheduler.stop(grace=remaining(STOP_GRACE_SECONDS))
+    await ctx.close(within=remaining(settings.stop_timeout_seconds))
     lograte.flush_all()
     if watchdog:
         watchdog.stop()

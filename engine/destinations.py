@@ -3,7 +3,8 @@
 Health: after OUTBOUND_DOWN_AFTER consecutive sends that found the peer unwell (a
 network error, a timeout, a 5xx) a destination is `down`: its rows are left alone, and
 one of them is tried (a probe) after a backoff of 5 s that doubles up to
-OUTBOUND_PROBE_MAX_SECONDS. The first send that reaches the peer (any answer but a
+OUTBOUND_PROBE_MAX_SECONDS (engine.retry.probes; the first comes soon, at the scheduler's
+next tick or with the next webhook's effect: an outage is often a restart). The first send that reaches the peer (any answer but a
 5xx) makes it `up` again. A webhook's own effect may be the probe, so a destination that
 comes back under traffic is found back within the probe's backoff. Kept in this
 process's memory: each process learns on its own, which costs at most
@@ -36,6 +37,8 @@ from clients.worker import WorkerClient
 from clients.workflow import WorkflowClient
 from settings import Settings
 
+from engine import retry
+
 log = logging.getLogger("receiver.outbox")
 
 # Which destination each kind of effect goes to.
@@ -45,9 +48,6 @@ DESTINATION_OF = {"job": "worker", "workflow_action": "workflow", "alert": "tele
 # job must not overtake an earlier one, nor a workflow action an earlier action. Alerts
 # and mails are independent messages, ordered behind or ahead of nothing.
 ORDERED_KINDS = ("job", "workflow_action")
-# The first probe comes soon (at the scheduler's next tick, or with the next webhook's
-# effect): an outage is often a restart.
-FIRST_PROBE_SECONDS = 5
 # How long the answer of a configuration check (`Destination.check`) stands: /readyz
 # asks again at most this often, so a probe every few seconds costs the peer nothing.
 CHECK_SECONDS = 60
@@ -80,11 +80,12 @@ class Destination:
         self.clock = clock
         self.recovered = recovered
         self.down_after = settings.outbound_down_after
-        self.probe_max = datetime.timedelta(seconds=settings.outbound_probe_max_seconds)
+        self.probes = retry.probes(settings)
+        self.failed_probes = 0
         self.up = True
         self.failures = 0
         # How long a destination that is down waits between probes (set when it goes down).
-        self.probe_wait = datetime.timedelta(seconds=FIRST_PROBE_SECONDS)
+        self.probe_wait = self.probes.delay(1)
         self.probe_at: datetime.datetime | None = None
         self.probing = False
         self.down_since: datetime.datetime | None = None
@@ -154,15 +155,16 @@ class Destination:
         self.failures += 1
         if self.up and self.failures >= self.down_after:
             self.up, self.probing, self.down_since = False, False, self.clock()
-            self.probe_wait = min(datetime.timedelta(seconds=FIRST_PROBE_SECONDS),
-                                  self.probe_max)
+            self.failed_probes = 0
+            self.probe_wait = self.probes.delay(1)
             log.error("destination %s is down after %d failed sends in a row (%s): its "
                       "effects wait, one is tried every %s s or so",
                       self.name, self.failures, result.error,
                       int(self.probe_wait.total_seconds()))
         elif not self.up and self.probing:
             self.probing = False
-            self.probe_wait = min(self.probe_wait * 2, self.probe_max)
+            self.failed_probes += 1
+            self.probe_wait = self.probes.delay(self.failed_probes + 1)
         else:
             return  # still up; or a send that was in flight when it went down
         self.probe_at = self.clock() + self.probe_wait
@@ -200,14 +202,15 @@ class Destination:
             self.credentials_refused = result.error
             self.up, self.probing = False, False
             self.down_since = self.down_since or self.clock()
-            self.probe_wait = min(datetime.timedelta(seconds=FIRST_PROBE_SECONDS),
-                                  self.probe_max)
+            self.failed_probes = 0
+            self.probe_wait = self.probes.delay(1)
             log.error("destination %s refuses our credentials (%s): its effects wait until "
                       "they are fixed", self.name, result.error)
             self.refused_credentials(self)
         elif self.probing:
             self.probing = False
-            self.probe_wait = min(self.probe_wait * 2, self.probe_max)
+            self.failed_probes += 1
+            self.probe_wait = self.probes.delay(self.failed_probes + 1)
         self.probe_at = self.clock() + self.probe_wait
 
     @contextlib.asynccontextmanager

@@ -22,7 +22,7 @@ import peewee
 import lograte
 from clients.http import error_text
 from models import Outbox, WebhookEvent
-from engine import outbox, spool
+from engine import outbox, retry, spool
 from engine.claims import CLAIM_BATCH, claim, lease
 from engine.commits import raise_if_conflict, savepoint
 from engine.contracts import Accepted, EngineContext, Stored
@@ -34,10 +34,6 @@ log = logging.getLogger("receiver.events")
 # During an outage every call is spooled: one line per minute and reason, with a count.
 SPOOLED = lograte.Repeats(log)
 
-RETRY_BASE_SECONDS = 60
-RETRY_CAP_SECONDS = 6 * 3600
-# Handling that failed this many times is given up as `dead`, and the admin is told once.
-MAX_ATTEMPTS = 10
 FINAL_STATUSES = ("processed", "ignored", "rejected", "dead")
 AWAITING_HANDLING = ("received", "failed")
 # The longest text a sender may put in a column we index (order numbers, external ids,
@@ -509,16 +505,17 @@ async def _fail(ctx, event, error):
 
 
 def _record_failure(ctx, event, error):
-    """Failed with a backoff retry time; dead, with one admin e-mail, at MAX_ATTEMPTS."""
+    """Failed with a retry time; dead, with one admin e-mail, once the retry policy gives
+    up (engine.retry)."""
     now = ctx.clock()
     attempts = event.attempts + 1
     error = error_text(error)
-    if attempts >= MAX_ATTEMPTS:
+    policy = retry.inbox(ctx.settings)
+    if policy.gives_up(attempts):
         _give_up(ctx, event, attempts, error)
         return
-    delay = min(RETRY_CAP_SECONDS, RETRY_BASE_SECONDS * 2 ** (attempts - 1))
     (WebhookEvent.update(status="failed", attempts=attempts, updated_at=now, last_error=error,
-                         next_attempt_at=now + datetime.timedelta(seconds=delay))
+                         next_attempt_at=now + policy.delay(attempts))
      .where(WebhookEvent.id == event.id).execute())
 
 

@@ -12,7 +12,6 @@ import functools
 import hashlib
 import json
 import logging
-import random
 import time
 from typing import Any, Iterable, Iterator, TypeVar
 
@@ -21,7 +20,7 @@ from peewee import Case, fn
 import lograte
 from clients.http import Result
 from models import POSTGRES_FIELD_TYPES, Outbox, WebhookEvent, is_postgres
-from engine import commits
+from engine import commits, retry
 from engine.claims import claim, lease
 from engine.commits import Unit
 from engine.contracts import EngineContext, SendOutcome
@@ -32,14 +31,11 @@ from engine.prepared import InsertOnce, Prepared, slot
 log = logging.getLogger("receiver.outbox")
 REPEATS = lograte.Repeats(log)
 
-MAX_ATTEMPTS = 12
 # Keys of the admin e-mails that say a row or an event was given up; such an e-mail
 # given up itself is only logged, not announced again.
 ADMIN_NOTICE_PREFIX = "admin-notice-"
 # A drain's batch records the outcomes of its finished sends this often.
 RECORD_EVERY_SECONDS = 0.5
-BACKOFF_BASE_SECONDS = 30
-BACKOFF_CAP_SECONDS = 6 * 3600
 # Recorded in place of an outcome the database refused: the attempt still counts, so the
 # row backs off and is given up in time instead of being sent again at every lease.
 UNRECORDED = Result.failed("sent, but its outcome could not be recorded; sent again later")
@@ -88,12 +84,6 @@ GIVEN_UP = _update_of(Outbox.status, Outbox.last_error, Outbox.attempts, Outbox.
                       *LAST_ATTEMPT)
 RETRY = _update_of(Outbox.last_error, Outbox.next_attempt_at, Outbox.attempts,
                    Outbox.updated_at, *LAST_ATTEMPT)
-
-
-def backoff(attempts: int) -> datetime.timedelta:
-    """Exponential with full jitter: 30 s, 60 s, 2 min ... capped at 6 h."""
-    ceiling = min(BACKOFF_CAP_SECONDS, BACKOFF_BASE_SECONDS * 2 ** max(attempts - 1, 0))
-    return datetime.timedelta(seconds=random.uniform(ceiling / 2, ceiling))
 
 
 def stable_key(*parts: object) -> str:
@@ -467,7 +457,7 @@ def record_outcome(ctx: EngineContext, row: Outbox, result: Result) -> None:
         SENT.execute(id=row.id, status="sent", sent_at=now, last_error=None,
                      attempts=attempts, updated_at=now, **_last_attempt(row))
         ctx.metrics.effect_sent(row.kind, "sent")
-    elif not result.retryable or attempts >= MAX_ATTEMPTS:
+    elif not result.retryable or retry.outbox(ctx.settings).gives_up(attempts):
         GIVEN_UP.execute(id=row.id, status="dead", last_error=result.error,
                          attempts=attempts, updated_at=now, **_last_attempt(row))
         ctx.metrics.effect_sent(row.kind, "dead")
@@ -477,7 +467,7 @@ def record_outcome(ctx: EngineContext, row: Outbox, result: Result) -> None:
             tell_admin(ctx, f"outbox-{row.id}", f"Outbox effect #{row.id} given up",
                        "outbox_dead", row=row, attempts=attempts, error=result.error)
     else:
-        RETRY.execute(id=row.id, last_error=result.error, next_attempt_at=now + backoff(attempts),
+        RETRY.execute(id=row.id, last_error=result.error, next_attempt_at=now + retry.outbox(ctx.settings).delay(attempts),
                       attempts=attempts, updated_at=now, **_last_attempt(row))
         ctx.metrics.effect_sent(row.kind, "retry")
         # A peer that is down fails every effect alike: one line, then a count.

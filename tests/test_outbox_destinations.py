@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.context import Context
-from engine import destinations, outbox
+from engine import outbox, retry
 from engine.outbox import Effects
 from models import Outbox
 from scheduler import Scheduler
@@ -273,7 +273,7 @@ async def test_a_worker_down_is_left_alone_but_for_one_probe_on_a_backoff(
             await outbox.deliver(ctx, [Outbox.get_by_id(row) for row in jobs(ctx, 1, live)])
         return len(worker.requests) - before
 
-    first_probe = destinations.FIRST_PROBE_SECONDS
+    first_probe = retry.probes(ctx.settings).base_seconds
     assert await tried_after(first_probe - 1, live=100) == 0  # a webhook's job waits too
     assert await tried_after(2) == 1  # one probe, which fails
     assert await tried_after(2 * first_probe - 1) == 0  # the next waits twice as long

@@ -2,12 +2,14 @@
 is cleaned where it is made, a failure to record an outcome still counts as an attempt,
 and nothing after the commit changes the answer of a stored call."""
 import contextlib
+import dataclasses
 import datetime
 
 import pytest
 
 from models import Outbox, WebhookEvent, is_postgres
-from engine import outbox
+from engine import inbox, outbox, retry
+from settings import Settings
 from tests.conftest import WEBHOOK_SECRET
 
 AUTH = {"X-Webhook-Secret": WEBHOOK_SECRET, "Content-Type": "application/json"}
@@ -81,3 +83,41 @@ async def test_an_outcome_the_database_refuses_still_counts_as_an_attempt(
     assert (job.status, job.attempts) == ("pending", 2)
     assert job.next_attempt_at > clock() + datetime.timedelta(seconds=10)
     assert len(worker.requests) == 2
+
+
+def test_the_policy_doubles_its_delay_with_jitter_up_to_its_cap_and_gives_up_at_its_bound():
+    policy = retry.Policy(base_seconds=30, cap_seconds=300, max_attempts=4)
+    for attempts, ceiling in ((1, 30), (2, 60), (3, 120), (4, 240), (5, 300), (9, 300)):
+        for _ in range(20):
+            assert ceiling / 2 <= policy.delay(attempts).total_seconds() <= ceiling
+    assert [policy.gives_up(n) for n in (1, 3, 4, 5)] == [False, False, True, True]
+    probes = retry.probes(Settings(outbound_probe_max_seconds=60))
+    assert [probes.delay(n).total_seconds() for n in range(1, 6)] == [5, 10, 20, 40, 60]
+    assert not probes.gives_up(10 ** 6)
+
+
+@pytest.mark.gen_test
+async def test_the_operator_sets_how_many_tries_an_effect_and_an_event_get(
+        post, worker, clock, ctx, smtp):
+    ctx.settings = dataclasses.replace(ctx.settings, outbox_max_attempts=3,
+                                       inbox_max_attempts=2)
+    clock.set(2026, 11, 23, 9, 0, 0)
+    worker.fail_with(503)
+    await post("/api/v1/webhooks/formation/ready", ORDER, AUTH)
+    for _ in range(5):
+        clock.advance(hours=7)
+        await outbox.send_due(ctx)
+    job = Outbox.get(Outbox.kind == "job")
+    assert (job.status, job.attempts) == ("dead", 3) and len(worker.requests) == 3
+
+    event, _ = inbox.store(ctx, "workflow", "formation/ready", "k-no-name",
+                           b'{"order_number": "FO-5"}')  # no order_name: handling fails
+    for _ in range(4):
+        await inbox.process(ctx, WebhookEvent.get_by_id(event.id))
+        clock.advance(hours=7)
+    stored = WebhookEvent.get_by_id(event.id)
+    assert (stored.status, stored.attempts) == ("dead", 2)
+    await outbox.send_due(ctx)
+    subjects = sorted(message["Subject"] for _, message in smtp.messages)
+    assert subjects == [f"Outbox effect #{job.id} given up",
+                        f"Webhook event #{event.id} given up"]

@@ -75,8 +75,8 @@ async def test_after_the_last_attempt_the_row_is_dead_and_the_admin_gets_one_mai
     await run_sender_until_quiet(ctx, clock)
 
     job = Outbox.get(Outbox.kind == "job")
-    assert (job.status, job.attempts) == ("dead", outbox.MAX_ATTEMPTS)
-    assert len(worker.requests) == outbox.MAX_ATTEMPTS
+    assert (job.status, job.attempts) == ("dead", ctx.settings.outbox_max_attempts)
+    assert len(worker.requests) == ctx.settings.outbox_max_attempts
     [mail] = admin_mail(smtp)
     assert mail["Subject"] == f"Outbox effect #{job.id} given up"
     assert "FO-7" in mail.get_body(("plain",)).get_content()
@@ -162,13 +162,13 @@ async def test_a_failing_event_is_retried_then_dead_with_one_mail(ctx, clock, sm
     assert (event.status, event.attempts) == ("failed", 1)
     assert "order_name" in event.last_error
 
-    for _ in range(inbox.MAX_ATTEMPTS + 3):
+    for _ in range(ctx.settings.inbox_max_attempts + 3):
         clock.advance(hours=7)
         await inbox.retry_due(ctx)
         await outbox.send_due(ctx)
 
     event = WebhookEvent.get_by_id(event.id)
-    assert (event.status, event.attempts) == ("dead", inbox.MAX_ATTEMPTS)
+    assert (event.status, event.attempts) == ("dead", ctx.settings.inbox_max_attempts)
     [mail] = admin_mail(smtp)
     assert mail["Subject"] == f"Webhook event #{event.id} given up"
     assert "FO-5" in mail.get_body(("plain",)).get_content()

@@ -126,3 +126,33 @@ async def test_an_upload_abandoned_mid_body_does_not_hold_up_the_stop(service, c
     assert await service.wait_exit() == 0
     assert time.monotonic() - signalled < 5, service.log()
     assert "still running" not in service.log()
+
+
+@pytest.mark.gen_test(timeout=120)
+async def test_a_stop_while_a_peer_holds_a_send_ends_within_the_stop_budget(
+        tmp_path, database_url, worker, frappe, client):
+    """The worker never answers and may take 10 minutes to time out; the stop does not
+    wait for it past STOP_TIMEOUT_SECONDS. The job stays leased, and goes again after the
+    lease, as after a crash."""
+    worker.hold = asyncio.Event()  # never set: the job's send waits on it
+    service = Service(tmp_path / "service.log", {
+        "DATABASE_URL": database_url, "WEBHOOK_SECRET": WEBHOOK_SECRET,
+        "WORKER_URL": worker.url, "WORKFLOW_URL": frappe.url,
+        "SPOOL_DIR": str(tmp_path / "spool"), "OUTBOUND_TIMEOUT_SECONDS": "600",
+        "CLAIM_LEASE_SECONDS": "1200", "STOP_TIMEOUT_SECONDS": "6",
+        "WORKFLOW_ANSWER_BUDGET_SECONDS": "0.5"})
+    try:
+        await service.start()
+        await service.wait_ready(client)
+        response = await client.fetch(
+            service.url + "/api/v1/webhooks/formation/submitted", method="POST",
+            body=json.dumps(BODY), request_timeout=30,
+            headers={"X-Webhook-Secret": WEBHOOK_SECRET, "Content-Type": "application/json"})
+        assert response.code == 200  # answered; the job's send goes on in the background
+        assert len(worker.requests) == 1
+        service.process.send_signal(signal.SIGTERM)
+        assert await service.wait_exit(timeout=90) == 0
+        assert "background task(s) still busy; cancelling them" in service.log()
+    finally:
+        worker.hold.set()
+        service.kill()
