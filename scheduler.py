@@ -156,20 +156,24 @@ class Scheduler:
         """No new runs; wait up to `grace` seconds for the runs in progress, then cancel
         those left (a long outbox pass, say). Cancelling is safe: what a run had claimed
         stays leased, and a later run, here or in another process, takes it after the
-        lease, as after a crash; each effect keeps its idempotency key."""
+        lease, as after a crash; each effect keeps its idempotency key.
+
+        Paused first, shut down last: APScheduler's shutdown cancels the runs in progress
+        at once, which would leave no grace at all."""
+        if self.apscheduler.running:
+            self.apscheduler.pause()
+        if self.in_progress:
+            _done, left = await asyncio.wait(set(self.in_progress), timeout=grace)
+            if left:
+                log.warning("stopping: %d job run(s) still busy after %s s; cancelling "
+                            "them", len(left), grace)
+                for task in left:
+                    task.cancel()
+                await asyncio.gather(*left, return_exceptions=True)
         if self.apscheduler.running:
             self.apscheduler.shutdown(wait=False)
         while self.apscheduler.running:  # AsyncIOScheduler shuts down on the next loop turn
             await asyncio.sleep(0.01)
-        if not self.in_progress:
-            return
-        _done, left = await asyncio.wait(set(self.in_progress), timeout=grace)
-        if left:
-            log.warning("stopping: %d job run(s) still busy after %s s; cancelling them",
-                        len(left), grace)
-            for task in left:
-                task.cancel()
-            await asyncio.gather(*left, return_exceptions=True)
 
     async def run(self, job):
         """One run of `job` if this process gets its lock; returns the job's result, or

@@ -116,3 +116,21 @@ def test_the_stop_ends_before_systemd_kills_the_service():
     unit = open(os.path.join(ROOT, "deploy", "receiver.service"), encoding="utf-8").read()
     timeout_stop = int(re.search(r"^TimeoutStopSec=(\d+)$", unit, re.MULTILINE).group(1))
     assert SHUTDOWN_GRACE_SECONDS + STOP_GRACE_SECONDS < timeout_stop
+
+
+@pytest.mark.gen_test(timeout=30)
+async def test_stop_gives_a_run_apscheduler_started_its_grace_too(ctx):
+    """APScheduler's own shutdown cancels the runs it started at once: the stop pauses it
+    first, and shuts it down only once the runs are done or their grace is over."""
+    ended = asyncio.Event()
+
+    async def short(ctx):
+        await asyncio.sleep(0.3)
+        ended.set()
+
+    scheduler = Scheduler(ctx, jobs=(Job("short", short, lambda s: 3600),))
+    await scheduler.start()  # runs it at once
+    while not scheduler.running_jobs:
+        await asyncio.sleep(0.01)
+    await scheduler.stop(grace=5)
+    assert ended.is_set() and not scheduler.running
