@@ -16,6 +16,7 @@ import functools
 import logging
 
 from models import CrtcOrder, database
+from engine import retry
 from engine.db import locked
 from engine.outbox import tell_admin
 from engine.prepared import save_changes
@@ -87,7 +88,7 @@ def record_refusal(ctx, order_id, error):
     order.funds_refused_at = now
     order.updated_at = now
     save_changes(order)
-    if order.funds_refusals == ctx.settings.settlement_refusals_before_alert:
+    if retry.settlement(ctx.settings).tells_admin_at(order.funds_refusals):
         subject = f"CRTC order {order.order_number}: Frappe refused settlement " \
                   f"{order.funds_refusals} times"
         tell_admin(ctx, f"settlement-refused-{order.order_number}", subject,

@@ -10,10 +10,11 @@ up: `dead`, and the administrator is told once (`outbox.tell_admin`, keyed by wh
 given up). A try counts even when its outcome cannot be recorded as it is (the row then
 records that instead). Probes never give up: a destination is tried until it is back.
 
-What does not retry on a timer: a spooled call the database refuses is quarantined at
-once (no later try can change a refusal), and settlement tries each waiting order at
-every run, telling the administrator once after SETTLEMENT_REFUSALS_BEFORE_ALERT
-refusals (domain.settlement).
+Settlement (`settlement`) tries each waiting order at every run and never gives it up
+(Frappe's document may yet move), but tells the administrator once, at
+SETTLEMENT_REFUSALS_BEFORE_ALERT refusals of one order (domain.settlement). A spooled
+call the database refuses does not retry: it is quarantined at once (no later try can
+change a refusal).
 """
 import dataclasses
 import datetime
@@ -36,6 +37,10 @@ class Policy:
         """Whether `attempts` tries made are all there will be."""
         return self.max_attempts is not None and attempts >= self.max_attempts
 
+    def tells_admin_at(self, attempts: int) -> bool:
+        """Whether the administrator is told now: at the try that reaches the bound, once."""
+        return self.max_attempts is not None and attempts == self.max_attempts
+
     def delay(self, attempts: int) -> datetime.timedelta:
         """How long after the `attempts`-th failed try the next one comes."""
         ceiling = min(self.cap_seconds, self.base_seconds * 2 ** max(attempts - 1, 0))
@@ -51,6 +56,14 @@ def inbox(settings: Settings) -> Policy:
 def outbox(settings: Settings) -> Policy:
     """An effect whose send failed: 30 s, 1 min, 2 min ... 6 h."""
     return Policy(30, 6 * HOUR, settings.outbox_max_attempts)
+
+
+def settlement(settings: Settings) -> Policy:
+    """A CRTC order whose funds action Frappe refused: tried again at every settlement
+    run; the administrator told at SETTLEMENT_REFUSALS_BEFORE_ALERT refusals."""
+    every_run = 60 * settings.settlement_interval_minutes
+    return Policy(every_run, every_run, settings.settlement_refusals_before_alert,
+                  jitter=False)
 
 
 def probes(settings: Settings) -> Policy:

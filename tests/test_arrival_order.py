@@ -2,11 +2,12 @@
 new call joins them there, so it is handled after them, not before. The service itself,
 started with its database down: tests/test_faults.py."""
 import asyncio
+import os
 
 import pytest
 
 from models import ComplianceOrder, WebhookEvent
-from engine import inbox
+from engine import inbox, spool
 from tests.conftest import WEBHOOK_SECRET
 from tests.service_process import database_down
 
@@ -82,3 +83,17 @@ async def test_a_call_that_comes_while_the_spool_drains_waits_behind_it(
     worker.hold.set()
     assert await draining == 2
     assert [r.json["order_number"] for r in worker.requests] == ["FO-1", "FO-2"]
+
+
+@pytest.mark.gen_test
+async def test_a_spool_that_holds_calls_but_cannot_take_more_lets_a_call_reach_the_database(
+        post, ctx, worker, caplog):
+    # The live file's name is taken by a directory: the spool holds "calls" it can
+    # neither drain nor append to. Refusing every call would stop the service; the call
+    # goes to the database instead, and the log says it went ahead.
+    os.makedirs(os.path.join(ctx.settings.spool_dir, spool.LIVE_NAME))
+    status, _, _ = await post(webhook("formation/ready"), ORDER, AUTH)
+    assert status == 200
+    assert [e.status for e in WebhookEvent.select()] == ["processed"]
+    assert len(worker.requests) == 1
+    assert "this call goes to the database, ahead of them" in caplog.text

@@ -94,6 +94,9 @@ def test_the_policy_doubles_its_delay_with_jitter_up_to_its_cap_and_gives_up_at_
     probes = retry.probes(Settings(outbound_probe_max_seconds=60))
     assert [probes.delay(n).total_seconds() for n in range(1, 6)] == [5, 10, 20, 40, 60]
     assert not probes.gives_up(10 ** 6)
+    settlement = retry.settlement(Settings(settlement_refusals_before_alert=3))
+    assert [settlement.tells_admin_at(n) for n in (1, 2, 3, 4, 30)] == [
+        False, False, True, False, False]
 
 
 @pytest.mark.gen_test
