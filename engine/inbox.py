@@ -55,11 +55,20 @@ EVENT_BY_KEY = Prepared(lambda: WebhookEvent.select().where(
     WebhookEvent.dedup_key == slot(WebhookEvent.dedup_key)))
 STATUS_FOR_UPDATE = Prepared(lambda: locked(
     WebhookEvent.select(WebhookEvent.status).where(WebhookEvent.id == slot(WebhookEvent.id))))
-FINISH = Prepared(lambda: WebhookEvent.update(
-    status=slot(WebhookEvent.status), processed_at=slot(WebhookEvent.processed_at),
-    updated_at=slot(WebhookEvent.updated_at), last_error=slot(WebhookEvent.last_error),
-    attempts=WebhookEvent.attempts + 1, next_attempt_at=None,
-).where(WebhookEvent.id == slot(WebhookEvent.id)))
+def _finishing(count_the_attempt):
+    counted = {WebhookEvent.attempts: WebhookEvent.attempts + 1} if count_the_attempt else {}
+    return Prepared(lambda: WebhookEvent.update({
+        WebhookEvent.status: slot(WebhookEvent.status),
+        WebhookEvent.processed_at: slot(WebhookEvent.processed_at),
+        WebhookEvent.updated_at: slot(WebhookEvent.updated_at),
+        WebhookEvent.last_error: slot(WebhookEvent.last_error),
+        WebhookEvent.next_attempt_at: None, **counted,
+    }).where(WebhookEvent.id == slot(WebhookEvent.id)))
+
+
+FINISH = _finishing(count_the_attempt=True)
+# For an event written as processed in the same transaction: its attempt is counted.
+FINISH_COUNTED = _finishing(count_the_attempt=False)
 
 
 class Notice(TypedDict):
@@ -171,14 +180,21 @@ async def _deliver(ctx, rows, within):
 
 
 def _store_and_handle(ctx, call, handle_now):
-    """(event, created, (outcome, effects, started) or None when not handled)."""
-    event, created = _store(ctx, call)
-    if not (handle_now and created and event.status == "received"):
+    """(event, created, (outcome, effects, started) or None when not handled).
+
+    A new call whose plain plugin runs here is stored as `processed`, what the plugin's
+    success makes it, in the same transaction: the row is written once, and updated only
+    when the handling ends otherwise (rejected, failed, or the plugin raised)."""
+    registry = ctx.plugins[call["source"]]
+    plugin = registry.get(call["event_type"])
+    handling = (handle_now and call["status"] == "received" and plugin is not None
+                and not _is_async(plugin))
+    event, created = _store(ctx, call, as_processed=handling)
+    if not (handling and created):
         return event, created, None
-    registry = ctx.plugins[event.source]
-    plugin = registry.get(event.event_type)
-    if plugin is None or _is_async(plugin):
-        return event, created, None
+    # The row counts the attempt under way; should it fail, `_record_failure` counts it
+    # from the attempts made before.
+    event.attempts = 0
     started = time.monotonic()
     try:
         with savepoint():
@@ -303,7 +319,10 @@ def store_spooled(ctx: EngineContext, call: Entry) -> Stored:
 
 
 def _store(ctx: EngineContext, call: Entry,
-           next_attempt_at: datetime.datetime | None = None) -> Stored:
+           next_attempt_at: datetime.datetime | None = None,
+           as_processed: bool = False) -> Stored:
+    """`as_processed`: the caller handles the call in this same transaction, and stored
+    so it needs no UPDATE when that goes well (`_store_and_handle`)."""
     source, event_type = call["source"], call["event_type"]
     existing = find_any(source, call["also_known_as"])
     if existing is None:
@@ -312,7 +331,9 @@ def _store(ctx: EngineContext, call: Entry,
             source=source, event_type=event_type, dedup_key=call["dedup_key"],
             external_id=call["external_id"],
             order_number=call["order_number"], payload=call["payload"],
-            status=call["status"], last_error=call["last_error"],
+            status="processed" if as_processed else call["status"],
+            processed_at=now if as_processed else None, attempts=1 if as_processed else 0,
+            last_error=call["last_error"],
             received_at=call["received_at"], next_attempt_at=next_attempt_at,
             reconciled=bool(call.get("reconciled")), created_at=now, updated_at=now)
         if event is not None:
@@ -448,9 +469,10 @@ def _handle_in_transaction(ctx, event, plugin, payload):
 
 
 def _run_plain(ctx, event, plugin, payload, first_handling=False):
+    """`first_handling`: the event was stored in this same unit, as processed."""
     effects = outbox.Effects(ctx, event, first_handling)
     plugin(ctx, payload, effects)
-    return _conclude(ctx, event, effects), effects
+    return _conclude(ctx, event, effects, stored_processed=first_handling), effects
 
 
 def _is_async(plugin):
@@ -459,28 +481,32 @@ def _is_async(plugin):
         getattr(plugin, "__call__", None))
 
 
-def _conclude(ctx, event, effects):
+def _conclude(ctx, event, effects, stored_processed=False):
     """Processed; rejected with the reason when the plugin refused the event (no retry
     could change that); or, when the plugin kept part of its work and asked for the rest
-    later, failed with a retry time, in the same transaction as that work."""
+    later, failed with a retry time, in the same transaction as that work.
+    `stored_processed`: the event was written as processed in this transaction."""
     if effects.rejection:
         log.warning("%s event #%s (%s) rejected: %s", event.source, event.id,
                     event.event_type, effects.rejection)
-        _finish(ctx, event.id, "rejected", effects.rejection)
+        _finish(ctx, event.id, "rejected", effects.rejection, counted=stored_processed)
         return "rejected"
     if effects.retry_reason:
         log.warning("%s event #%s (%s) partly handled, retried later: %s", event.source,
                     event.id, event.event_type, effects.retry_reason)
         _record_failure(ctx, event, effects.retry_reason)
         return "failed"
-    _finish(ctx, event.id, "processed")
+    if not stored_processed:
+        _finish(ctx, event.id, "processed")
     return "processed"
 
 
-def _finish(ctx, event_id, status, error=None):
+def _finish(ctx, event_id, status, error=None, counted=False):
+    """`counted`: the row already counts this attempt (written as processed)."""
     now = ctx.clock()
-    FINISH.execute(id=event_id, status=status, processed_at=now, updated_at=now,
-                   last_error=error and error_text(error))
+    (FINISH_COUNTED if counted else FINISH).execute(
+        id=event_id, status=status, processed_at=now, updated_at=now,
+        last_error=error and error_text(error))
 
 
 async def _fail(ctx, event, error):
@@ -515,6 +541,7 @@ def _record_failure(ctx, event, error):
         _give_up(ctx, event, attempts, error)
         return
     (WebhookEvent.update(status="failed", attempts=attempts, updated_at=now, last_error=error,
+                         processed_at=None,
                          next_attempt_at=now + policy.delay(attempts))
      .where(WebhookEvent.id == event.id).execute())
 
@@ -522,7 +549,7 @@ def _record_failure(ctx, event, error):
 def _give_up(ctx, event, attempts, error):
     now = ctx.clock()
     (WebhookEvent.update(status="dead", attempts=attempts, updated_at=now, last_error=error,
-                         next_attempt_at=None)
+                         processed_at=None, next_attempt_at=None)
      .where(WebhookEvent.id == event.id).execute())
     log.error("%s event #%s (%s) dead after %d attempts: %s",
               event.source, event.id, event.event_type, attempts, error)

@@ -57,8 +57,24 @@ async def test_a_plain_plugin_that_raises_leaves_its_event_stored_as_failed(ctx,
     assert (created, outcome) == (True, "failed")
     assert (stored.status, stored.attempts) == ("failed", 1)
     assert stored.last_error == "RuntimeError: cannot handle this"
-    assert stored.next_attempt_at is not None
+    assert stored.next_attempt_at is not None and stored.processed_at is None
     assert not Outbox.select().exists()  # the plugin's effects went with its changes
+
+
+@pytest.mark.gen_test
+async def test_a_new_call_handled_at_once_is_written_once_as_processed(ctx, card_plugin):
+    """Stored as processed in the transaction that handles it: no UPDATE of the row
+    when the handling goes well (tests/test_round_trips.py counts the statements); a
+    rejection still ends it rejected."""
+    card_plugin("test.fine", lambda ctx, event, effects: None)
+    card_plugin("test.refused", lambda ctx, event, effects: effects.reject("no such move"))
+    fine = (await inbox.accept(ctx, "card", "test.fine", "k-fine", b"{}"))[0]
+    refused = (await inbox.accept(ctx, "card", "test.refused", "k-refused", b"{}"))[0]
+    stored = WebhookEvent.get_by_id(fine.id)
+    assert (stored.status, stored.attempts) == ("processed", 1)
+    assert stored.processed_at >= stored.received_at
+    stored = WebhookEvent.get_by_id(refused.id)
+    assert (stored.status, stored.last_error, stored.attempts) == ("rejected", "no such move", 1)
 
 
 @pytest.mark.gen_test
