@@ -177,6 +177,7 @@ async def test_the_login_page_goes_back_only_to_a_console_page(operator):
 # --- refusals: no token, no session ---------------------------------------------------------
 
 ACTIONS = [("/console/events/1/replay", {}), ("/console/outbox/1/retry", {}),
+           ("/console/outbox/1/give-up", {}),
            ("/console/outbox/retry-dead", {"kind": "job"}),
            ("/console/outbox/due-now", {"kind": "job"}),
            ("/console/links", {"kind": "ifta", "order": "CO-1", "cycle": "2026-Q3"}),
@@ -599,7 +600,7 @@ async def test_the_stylesheet_is_served_to_the_login_page_too(operator):
 
 
 @pytest.mark.parametrize("path", ["/console/events/1/replay", "/console/outbox/1/retry",
-                                  "/console/outbox/retry-dead", "/console/outbox/due-now",
+                                  "/console/outbox/1/give-up", "/console/outbox/retry-dead", "/console/outbox/due-now",
                                   "/console/logout"])
 @pytest.mark.gen_test(timeout=60)
 async def test_an_action_is_never_a_get(logged_in, path):
