@@ -371,7 +371,7 @@ class OutboxHandler(ConsoleHandler):
         counts = console.outbox_counts()
         kinds = sorted({kind for kind, _ in counts})
         self.render_page("outbox", status_code, page=page, counts=counts, kinds=kinds,
-                         statuses=[s for s in operator.OUTBOX_STATUSES if s != "sent"],
+                         statuses=console.COUNTED_OUTBOX_STATUSES,
                          status=status, kind=kind, notice=notice,
                          all_statuses=operator.OUTBOX_STATUSES)
 
