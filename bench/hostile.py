@@ -242,7 +242,9 @@ def login_flood(port, seconds, counted):
     async def flood():
         base = f"http://127.0.0.1:{port}/console/login"
         deadline = time.monotonic() + seconds
-        async with aiohttp.ClientSession() as session:
+        # The console's cookies come from 127.0.0.1: a jar that keeps cookies of an
+        # address, not only of a name.
+        async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as session:
             async with session.get(base) as page:
                 token = re.search(r'name="_xsrf" value="([^"]+)"', await page.text()).group(1)
 

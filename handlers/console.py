@@ -10,6 +10,7 @@ rate limited per client address. Every action is recorded (ops.console.record_ac
 
 Longer than most: one small handler a page or action, sharing the session, xsrf and
 action-recording base defined here."""
+import concurrent.futures
 import datetime
 import functools
 import hmac
@@ -32,6 +33,11 @@ from ops.passwords import verify_password
 
 log = logging.getLogger("receiver.console")
 REPEATS = lograte.Repeats(log)
+
+# Password checks, one at a time in a thread of their own: 20 guesses at once were 20
+# scrypts at once, taking every core from the webhooks (and the default executor from
+# the readiness probe).
+PASSWORD_CHECKS = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="password")
 
 SESSION_COOKIE = "console_session"
 SESSION_LENGTH = datetime.timedelta(hours=12)
@@ -198,9 +204,10 @@ class LoginHandler(ConsoleHandler):
             REPEATS.warning("unchecked", "console: the budget of wrong passwords is spent; "
                             "logins refused unchecked for a while")
             self.refuse_login(wait)
-        # scrypt takes a tenth of a second on purpose: off the event loop.
+        # scrypt takes a tenth of a second (and 32 MiB) on purpose: off the event loop,
+        # one at a time.
         right = await tornado.ioloop.IOLoop.current().run_in_executor(
-            None, verify_password, password, self.ctx.settings.console_password_hash)
+            PASSWORD_CHECKS, verify_password, password, self.ctx.settings.console_password_hash)
         if not right:
             # Counted and logged, not recorded: the record of actions is the operators',
             # and a name typed by a stranger has no place in it.

@@ -175,6 +175,35 @@ async def test_at_the_cap_a_bodiless_request_makes_room(capped, io_loop):
 
 
 @pytest.mark.gen_test(timeout=60)
+async def test_the_room_is_made_at_the_address_holding_the_most(ctx, app, io_loop):
+    """12 connections, 3 per address: two addresses hold 3 body-less requests each,
+    three hold 2. A newcomer's room is taken from one of the two."""
+    settings = dataclasses.replace(ctx.settings, max_connections=12)
+    with served(app, settings) as url:
+        port = port_of(url)
+        held = []
+        for source, count in (("127.0.0.1", 3), ("127.0.0.2", 3), ("127.0.0.3", 2),
+                              ("127.0.0.4", 2), ("127.0.0.5", 2)):
+            held += await io_loop.run_in_executor(None, bodiless, port, count, source)
+        try:
+            for _ in range(500):
+                if len(app.waiting_for_body) == 12:
+                    break
+                await asyncio.sleep(0.01)
+            status = await io_loop.run_in_executor(None, webhook_from, port, "127.0.0.6")
+            for _ in range(500):
+                evicted = [n for n, sock in enumerate(held) if closed(sock)]
+                if evicted:
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            for sock in held:
+                sock.close()
+    assert status == 200
+    assert len(evicted) == 1 and evicted[0] < 6
+
+
+@pytest.mark.gen_test(timeout=60)
 async def test_a_body_that_never_starts_is_cut_off_before_the_body_deadline(
         app, ctx, io_loop, caplog):
     caplog.set_level(logging.INFO, "receiver")
