@@ -15,7 +15,7 @@ import logging
 import time
 from typing import Any, Iterable, Iterator, TypeVar
 
-from peewee import Case, fn
+from peewee import SQL, Case, fn
 
 import lograte
 from clients.http import Result
@@ -66,6 +66,28 @@ def _earlier_unsent(of_other_events):
 
 EARLIER_UNSENT = _earlier_unsent(of_other_events=False)
 EARLIER_UNSENT_OF_OTHER_EVENTS = _earlier_unsent(of_other_events=True)
+
+
+def _earlier_unsent_exists(of_other_events):
+    """`_earlier_unsent` as an expression of the row being inserted (in its RETURNING):
+    whether an unsent row of its order and kind was written before it."""
+    earlier = Outbox.alias("earlier")
+    query = earlier.select(earlier.id).where(
+        earlier.order_number == slot(Outbox.order_number), earlier.kind == slot(Outbox.kind),
+        # Literals, not parameters: every parameter of a prepared insert is a slot.
+        earlier.status.in_([SQL(f"'{status}'") for status in UNSENT]),
+        earlier.id < Outbox.id)
+    if of_other_events:
+        query = query.where(earlier.event.is_null() | (earlier.event != slot(Outbox.event)))
+    return fn.EXISTS(query)
+
+
+# NEW_EFFECT for a job or workflow action of an order: the insert also says whether it is
+# behind an earlier unsent one (`note_whether_behind`), in the same round trip.
+NEW_ORDERED_EFFECT = {
+    of_other_events: InsertOnce(Outbox, also_returning=(
+        ("behind", functools.partial(_earlier_unsent_exists, of_other_events)),))
+    for of_other_events in (False, True)}
 
 
 def _update_of(*fields):
@@ -199,15 +221,17 @@ class Effects:
             if self._stored_by_position(kind, position):
                 return None
         now = self.ctx.clock()
+        ordered = order_number is not None and kind in ORDERED_KINDS
+        insert = NEW_ORDERED_EFFECT[self.event is not None] if ordered else NEW_EFFECT
         # While the cause's own request sends the row, the scheduler leaves it alone.
-        row = NEW_EFFECT.row(
+        row = insert.row(
             event=self.event.id if self.event else None, kind=kind,
             order_number=order_number, payload=json.dumps(payload),
             idempotency_key=key, next_attempt_at=now + lease(self.ctx),
             created_at=now, updated_at=now)
         if row is None:
             return None
-        note_whether_behind(row)
+        row.behind = bool(getattr(row, "behind", False))
         self.rows.append(row)
         return row.id
 

@@ -79,37 +79,53 @@ class InsertOnce(Prepared):
     nothing, so an enclosing transaction goes on). Every column but the id is written; a
     value left out is the field's default, computed at each run."""
 
-    def __init__(self, model):
+    def __init__(self, model, also_returning=()):
+        """`also_returning`: (name, build) pairs, expressions (build() gives one) the insert
+        returns beside the new row's id, set on the row `row()` gives under `name`: what
+        would otherwise be a read of its own after the insert, in the same round trip."""
         self.fields = [field for field in model._meta.sorted_fields
                        if not isinstance(field, peewee.AutoField)]
-        super().__init__(lambda: model.insert({field: slot(field) for field in self.fields})
-                         .on_conflict("nothing"))
+        self.also_returning = tuple(also_returning)
+
+        def build():
+            query = model.insert({field: slot(field) for field in self.fields}).on_conflict(
+                "nothing")
+            if self.also_returning:
+                query = query.returning(model._meta.primary_key, *(
+                    expression().alias(name) for name, expression in self.also_returning))
+            return query
+        super().__init__(build)
 
     def run(self, **values):
         """The new row's id (True for a table without one), or None when it was there."""
-        return self._insert(values)
+        returned = self._insert(values)
+        return None if returned is None else returned[0]
 
     def row(self, **values):
         """The new row as a model instance, or None when it was there. Every column was
         written from `values`, so the row is not read back."""
-        new_id = self._insert(values)
-        if new_id is None:
+        returned = self._insert(values)
+        if returned is None:
             return None
         model = self._statement()[3]
-        instance = model(__no_default__=1, **{model._meta.primary_key.name: new_id}, **values)
+        instance = model(__no_default__=1, **{model._meta.primary_key.name: returned[0]},
+                         **values)
         instance._dirty.clear()
+        for (name, _), value in zip(self.also_returning, returned[1:]):
+            setattr(instance, name, value)
         return instance
 
     def _insert(self, values):
+        """The RETURNING row (the new id first), or None when the row was there."""
         for field in self.fields:
             if field.name not in values:
                 default = field.default
                 values[field.name] = default() if callable(default) else default
         cursor = self.execute(**values)
-        if cursor.description:  # PostgreSQL's RETURNING
+        if cursor.description:  # RETURNING: PostgreSQL's always, SQLite's when asked
             row = cursor.fetchone()
-            return row[0] if row else None
-        return (cursor.lastrowid or True) if cursor.rowcount == 1 else None
+            return tuple(row) if row else None
+        return ((cursor.lastrowid or True),) if cursor.rowcount == 1 else None
 
 
 _SAVES: dict[tuple, Prepared] = {}
