@@ -11,8 +11,8 @@ traffic, then back: how fast the backlog empties, the live p99 meanwhile, every 
 on PostgreSQL, 2 instances of the service on one database against 1; with --scale, the
 per-event cost of a card payment and a dispute with 1k and with 1M rows (--scale-rows) in
 the order and ledger tables; with --memory N, the service's RSS over N events; with
---console, the operator console's pages with 1M (--console-rows) events and outbox rows
-(bench/console.py).
+--console, the operator console's pages with 1M (--console-rows) events, outbox rows and
+send attempts, and what recording the attempts costs (bench/console.py).
 
 It is one module so that `make bench` reads top to bottom as the run it makes, one
 method a scenario; that is why it is longer than the others.
