@@ -79,6 +79,7 @@ class Circuit:
         self.held_by: Callable[[], object] | None = None
         self.held_for: str | None = None
         self._letting_through = threading.local()
+        self._held_failure: str | None = None
 
     @property
     def is_open(self) -> bool:
@@ -152,6 +153,15 @@ class Circuit:
         self._letting_through.on = True
         try:
             self.held_by()
+        except UNAVAILABLE:
+            raise
+        except Exception as failure:  # the database answers, and refuses the work
+            said = why_unavailable(failure)
+            if said != self._held_failure:  # said once, not at every probe
+                self._held_failure = said
+                log.exception("the database answers, but the work the service waits for "
+                              "(%s) failed; tried again at every probe", self.held_for)
+            raise
         finally:
             self._letting_through.on = False
         self.held_by, self.held_for = None, None

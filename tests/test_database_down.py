@@ -110,3 +110,36 @@ async def test_readyz_does_not_wait_on_a_database_known_to_be_down(get, db, ctx)
     finally:
         await circuit.detach()
         circuit.reason = None
+
+
+@pytest.mark.gen_test
+async def test_a_circuit_held_for_work_the_database_refuses_stays_open_and_says_so_once(
+        locked_sqlite, caplog):
+    """A service started with its database down runs its migrations when a probe finds the
+    database back; a migration the database refuses keeps the circuit open (calls go on
+    to the spool) and is logged once, not at every probe."""
+    path, holder = locked_sqlite
+    holder.execute("ROLLBACK")
+    db = ClassifiedSqliteDatabase(path, pragmas={"busy_timeout": 50})
+    circuit = Circuit(db, interval=0.05)
+    circuit.attach()
+    tries, back = [], []
+    circuit.when_back(lambda: back.append(True))
+
+    def migrate():
+        tries.append(True)
+        if len(tries) < 4:
+            db.execute_sql("SELECT no_such_column FROM t")  # refused, not down
+        db.execute_sql("INSERT INTO t VALUES (1)")  # let through while the circuit is open
+    try:
+        circuit.hold_until(migrate, "migrations wait for it", DatabaseDown("down at start"))
+        assert circuit.is_open and circuit.held_for == "migrations wait for it"
+        with pytest.raises(DatabaseDown):
+            db.execute_sql("SELECT 1")  # anything else is refused meanwhile
+        await eventually(lambda: not circuit.is_open)
+        assert len(tries) == 4 and back == [True] and circuit.held_for is None
+        assert db.execute_sql("SELECT count(*) FROM t").fetchone() == (1,)
+    finally:
+        await circuit.detach()
+        db.close()
+    assert caplog.text.count("the database answers, but the work the service waits for") == 1
