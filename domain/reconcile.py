@@ -127,10 +127,10 @@ async def _reconcile_doctype(ctx, doctype, states, since, counts, progress):
     fields = sorted({"name", "modified", "workflow_state"} | {
         field for path in states.values() for field in registry.get(path).fields
         if field != "order_name"})
-    filters = [["modified", ">=", lower], ["modified", "<=", upper],
-               ["workflow_state", "in", sorted(states)]]
-    start, looked_at, last_modified = 0, 0, None
+    start, looked_at, last_modified, page_from = 0, 0, None, lower
     while looked_at < MAX_DOCUMENTS_PER_RUN:
+        filters = [["modified", ">=", page_from], ["modified", "<=", upper],
+                   ["workflow_state", "in", sorted(states)]]
         page = await ctx.workflow.list_documents(
             doctype, fields, filters, "modified asc, name asc", start, PAGE_SIZE)
         if not page.ok:
@@ -145,7 +145,7 @@ async def _reconcile_doctype(ctx, doctype, states, since, counts, progress):
                 progress(counts.listed + looked_at, None)
         if len(page.body) < PAGE_SIZE:
             break
-        start += PAGE_SIZE
+        start, page_from = _next_page(page.body, start, page_from)
     counts.listed += looked_at
     if looked_at >= MAX_DOCUMENTS_PER_RUN and canonical_modified(last_modified):
         # More to do: the next run goes on from the last document looked at (at it: the
@@ -156,6 +156,20 @@ async def _reconcile_doctype(ctx, doctype, states, since, counts, progress):
     await ctx.db(functools.partial(_record_success, ctx, doctype, cursor))
     if run is not None and run.last_error:
         log.info("reconciliation: Frappe lists %s again", doctype)
+
+
+def _next_page(documents: list, start: int, page_from: str) -> tuple[int, str]:
+    """(start, page_from) of the page after `documents`: it begins at the last `modified`
+    they reach, not at an offset (a document saved again while the pages are read leaves
+    the window, and every later offset would skip one document that no later run looks
+    at); only the documents of that very time already read are skipped by count."""
+    newest = canonical_modified(documents[-1].get("modified"))
+    if newest is None:
+        return start + len(documents), page_from
+    read_at_newest = sum(canonical_modified(d.get("modified")) == newest for d in documents)
+    if newest == canonical_modified(page_from):
+        return start + read_at_newest, page_from
+    return read_at_newest, newest
 
 
 async def _reconcile_document(ctx, document, states, counts):

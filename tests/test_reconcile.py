@@ -241,14 +241,53 @@ async def test_runs_page_through_the_list_and_stop_at_the_cap(
                  order_number=f"FO-{n}")
     first = await reconcile.reconcile_workflow(rctx)
     assert (first.listed, first.handled) == (15, 15)
-    starts = [(q["limit_start"], q["limit_page_length"]) for q in site.listings()
-              if "Ready" in q["filters"]]
-    assert starts == [("0", "10"), ("10", "10")]
+    pages = [(json.loads(q["filters"])[0][2], q["limit_start"], q["limit_page_length"])
+             for q in site.listings() if "Ready" in q["filters"]]
+    # The second page begins at the tenth document's time, past the one read there.
+    assert pages[1] == (frappe_text(local(30, microseconds=9)), "1", "10")
+    assert [page[1:] for page in pages] == [("0", "10"), ("1", "10")]
     # The next run goes on from the last document looked at.
     second = await reconcile.reconcile_workflow(rctx)
     assert (second.handled, second.already) == (8, 1)
     assert WebhookEvent.select().count() == 23
     assert len({e.order_number for e in reconciled()}) == 23
+
+
+@pytest.mark.gen_test(timeout=60)
+async def test_a_document_saved_again_while_paging_does_not_hide_another(
+        rctx, site, worker, monkeypatch):
+    # A document of the first page saved again before the second page is asked for
+    # leaves the listed window (its modified is now past it): a page asked by offset
+    # would start one document too far and never see the one it skipped.
+    monkeypatch.setattr(reconcile, "PAGE_SIZE", 10)
+    documents = [site.add(FORMATION, f"FORM-{n:05}", "Ready", local(30, microseconds=n),
+                          order_number=f"FO-{n}") for n in range(23)]
+    list_documents = rctx.workflow.list_documents
+
+    async def saved_again_after_the_first_page(*args):
+        page = await list_documents(*args)
+        documents[0]["modified"] = local(0)
+        return page
+    monkeypatch.setattr(rctx.workflow, "list_documents", saved_again_after_the_first_page)
+    counts = await reconcile.reconcile_workflow(rctx)
+    assert (counts.listed, counts.handled) == (23, 23)
+    assert len({e.order_number for e in reconciled()}) == 23
+
+
+@pytest.mark.gen_test(timeout=60)
+async def test_documents_of_one_time_are_paged_through_by_count(rctx, site, worker,
+                                                                monkeypatch):
+    monkeypatch.setattr(reconcile, "PAGE_SIZE", 10)
+    for n in range(23):
+        site.add(FORMATION, f"FORM-{n:05}", "Ready", local(30, microseconds=0),
+                 order_number=f"FO-{n}")
+    counts = await reconcile.reconcile_workflow(rctx)
+    assert (counts.listed, counts.handled) == (23, 23)
+    pages = [(json.loads(q["filters"])[0][2], q["limit_start"]) for q in site.listings()
+             if "Ready" in q["filters"]]
+    same_time = reconcile.canonical_modified(frappe_text(local(30, microseconds=0)))
+    assert [start for _, start in pages] == ["0", "10", "20"]
+    assert {lower for lower, _ in pages[1:]} == {same_time}
 
 
 @pytest.mark.gen_test(timeout=30)
