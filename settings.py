@@ -207,6 +207,10 @@ class Settings:
     workflow_reconcile_states: tuple = tuple(DEFAULT_STATE_PATHS)
     workflow_reconcile_minutes: int = 5
     workflow_reconcile_settle_seconds: int = 120
+    # The time one reconciliation run may wait on the database in all (engine.commits
+    # .allowance): past it the run stops, and the next goes on from where the last
+    # finished one left off.
+    workflow_reconcile_database_seconds: float = 60.0
     workflow_time_zone: str = "UTC"
     worker_url: str = ""
     admin_email: str = ""
@@ -303,6 +307,9 @@ class Settings:
                 env, "WORKFLOW_RECONCILE_MINUTES", cls.workflow_reconcile_minutes),
             workflow_reconcile_settle_seconds=_int(
                 env, "WORKFLOW_RECONCILE_SETTLE_SECONDS", cls.workflow_reconcile_settle_seconds),
+            workflow_reconcile_database_seconds=_seconds(
+                env, "WORKFLOW_RECONCILE_DATABASE_SECONDS",
+                cls.workflow_reconcile_database_seconds),
             workflow_time_zone=text("WORKFLOW_TIME_ZONE", cls.workflow_time_zone),
             worker_url=text("WORKER_URL").rstrip("/"),
             admin_email=text("ADMIN_EMAIL"),
@@ -386,6 +393,8 @@ class Settings:
             raise ConfigurationError("WORKFLOW_ANSWER_BUDGET_SECONDS must be above zero")
         if not 0 < self.database_call_budget_seconds < float("inf"):
             raise ConfigurationError("DATABASE_CALL_BUDGET_SECONDS must be above zero")
+        if not 0 < self.workflow_reconcile_database_seconds < float("inf"):
+            raise ConfigurationError("WORKFLOW_RECONCILE_DATABASE_SECONDS must be above zero")
         if self.workflow_reconcile_minutes < 0 or self.workflow_reconcile_settle_seconds < 0:
             raise ConfigurationError("WORKFLOW_RECONCILE_MINUTES and "
                                      "WORKFLOW_RECONCILE_SETTLE_SECONDS must be zero or more")

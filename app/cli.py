@@ -483,4 +483,8 @@ async def reconcile_workflow(ctx, args):
           f"{counts.already} already stored, {counts.unusable} not usable")
     for doctype in counts.failed:
         print(f"receiver: Frappe did not list {doctype} (see the log)", file=sys.stderr)
-    return 1 if counts.failed or counts.unusable else 0
+    if counts.stopped:
+        print("receiver: stopped before the end: the run waited on the database for "
+              "WORKFLOW_RECONCILE_DATABASE_SECONDS in all; run it again to go on",
+              file=sys.stderr)
+    return 1 if counts.failed or counts.unusable or counts.stopped else 0

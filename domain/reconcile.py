@@ -16,6 +16,12 @@ its change; so a run also counts a change as stored when the newest workflow eve
 that order among its doctype's paths is of the path of its current state (the order has
 not been seen leaving that state since). Changes younger than
 WORKFLOW_RECONCILE_SETTLE_SECONDS are left to their webhook.
+
+A run waits on the database for WORKFLOW_RECONCILE_DATABASE_SECONDS in all at most
+(engine.commits.allowance): a slow database stops it between two documents' units, each
+document's change stored and handled whole or not at all, and the doctype's cursor left
+where the last finished run put it, so the next run looks at that span again (what was
+done is found stored). It is not taken for the database being down: see `allowance`.
 """
 import dataclasses
 import datetime
@@ -28,6 +34,7 @@ from typing import Callable, Optional
 
 from models import UTC, ReconcileRun, WebhookEvent
 from engine import inbox
+from engine.commits import AllowanceSpent, allowance
 
 log = logging.getLogger("receiver.reconcile")
 
@@ -53,6 +60,13 @@ class Counts:
     already: int = 0
     unusable: int = 0
     failed: list = dataclasses.field(default_factory=list)  # doctypes Frappe did not list
+    # The run spent WORKFLOW_RECONCILE_DATABASE_SECONDS and stopped before its end.
+    stopped: bool = False
+
+
+# Whether this process's last run stopped at its allowance: said when runs start
+# stopping, and when one finishes again, not at every run.
+_stopping = False
 
 
 def canonical_modified(text: object) -> str | None:
@@ -102,11 +116,27 @@ async def reconcile_workflow(
     run got to. Frappe not answering, or refusing, is logged once (when it starts) and
     recorded; the next run tries again from the same place. `progress(looked at, None)`
     after each document (how many there are is not known before the last page)."""
+    global _stopping
     counts = Counts()
     if not ctx.settings.workflow_url:
         return counts
-    for doctype, states in doctype_states(ctx.settings).items():
-        await _reconcile_doctype(ctx, doctype, states, since, counts, progress)
+    seconds = ctx.settings.workflow_reconcile_database_seconds
+    try:
+        with allowance(seconds):
+            for doctype, states in doctype_states(ctx.settings).items():
+                await _reconcile_doctype(ctx, doctype, states, since, counts, progress)
+    except AllowanceSpent:
+        counts.stopped = True
+        if not _stopping:
+            log.warning("reconciliation stopped after %d document(s): it waited on the "
+                        "database for WORKFLOW_RECONCILE_DATABASE_SECONDS (%g s); the next "
+                        "run goes on from where the last finished one left off",
+                        counts.listed, seconds)
+        _stopping = True
+        return counts
+    if _stopping:
+        log.info("reconciliation finished within WORKFLOW_RECONCILE_DATABASE_SECONDS again")
+    _stopping = False
     return counts
 
 
@@ -138,15 +168,15 @@ async def _reconcile_doctype(ctx, doctype, states, since, counts, progress):
             counts.failed.append(doctype)
             return
         for document in page.body[:MAX_DOCUMENTS_PER_RUN - looked_at]:
-            looked_at += 1
             await _reconcile_document(ctx, document, states, counts)
+            looked_at += 1
+            counts.listed += 1
             last_modified = document.get("modified")
             if progress:
-                progress(counts.listed + looked_at, None)
+                progress(counts.listed, None)
         if len(page.body) < PAGE_SIZE:
             break
         start, page_from = _next_page(page.body, start, page_from)
-    counts.listed += looked_at
     if looked_at >= MAX_DOCUMENTS_PER_RUN and canonical_modified(last_modified):
         # More to do: the next run goes on from the last document looked at (at it: the
         # documents of that same time are looked at again, and found stored).

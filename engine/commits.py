@@ -61,6 +61,10 @@ _with_savepoints = contextvars.ContextVar("with_savepoints", default=True)
 # has a budget (`budget`).
 _deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar(
     "deadline", default=None)
+# The time on the database left to the background run being done, if it has one
+# (`allowance`).
+_allowance: contextvars.ContextVar["Allowance | None"] = contextvars.ContextVar(
+    "allowance", default=None)
 # Set in the database thread while it runs a turn: the thread check (`in_a_turn`).
 _turn = threading.local()
 
@@ -68,6 +72,34 @@ _turn = threading.local()
 class OverBudget(DatabaseDown):
     """The call being served spent its budget waiting on the database: taken for an
     outage (a webhook is spooled, a page answers 503, the circuit opens)."""
+
+
+class AllowanceSpent(DatabaseDown):
+    """A background run spent its allowance of time on the database (`allowance`): it
+    stops there. Not taken for an outage: the circuit stays as it is, and a call is not
+    spooled for it."""
+
+
+class Allowance:
+    """Seconds of waiting on the database left to a background run."""
+
+    def __init__(self, seconds: float) -> None:
+        self.left = seconds
+
+
+@contextlib.contextmanager
+def allowance(seconds: float) -> Iterator[None]:
+    """The waits of every `GroupCommit.run` of the code inside, added up, may come to
+    `seconds`; the one that would pass that raises AllowanceSpent. Unlike `budget`, only
+    the time waiting on the database counts (not a run's calls to other systems), and the
+    circuit is left alone: a background run that had its share of the database thread
+    (shared with the request path) says nothing about the database being down, which
+    the statements' own bound (DATABASE_TIMEOUT_MS) and the calls' budgets find."""
+    token = _allowance.set(Allowance(seconds))
+    try:
+        yield
+    finally:
+        _allowance.reset(token)
 
 
 @contextlib.contextmanager
@@ -93,6 +125,7 @@ def without_budget() -> contextvars.Context:
     (asyncio.create_task(..., context=without_budget()))."""
     context = contextvars.copy_context()
     context.run(_deadline.set, None)
+    context.run(_allowance.set, None)
     return context
 
 
@@ -142,23 +175,34 @@ class GroupCommit:
         what it returns, or raise what it raised, once the transaction is committed.
 
         Within a `budget`, past its deadline OverBudget is raised and the circuit opens;
-        a unit not started yet is then never run (one already running in the thread may
+        within an `allowance`, once it is spent AllowanceSpent is raised, and the circuit
+        is left alone. Either way a unit not started yet is then never run (one already running in the thread may
         still commit: a caller that spools on OverBudget stores a copy the inbox's
         dedup key recognises)."""
         future = asyncio.get_running_loop().create_future()
         self._enqueue(unit, future, conflicts=0)
-        deadline = _deadline.get()
-        if deadline is None:
+        deadline, allowed = _deadline.get(), _allowance.get()
+        if deadline is None and allowed is None:
             return await future
+        started = time.monotonic()
+        to_deadline = float("inf") if deadline is None else deadline - started
+        allowed_now = float("inf") if allowed is None else allowed.left
         try:
-            return await asyncio.wait_for(asyncio.shield(future), deadline - time.monotonic())
+            return await asyncio.wait_for(asyncio.shield(future),
+                                          min(to_deadline, allowed_now))
         except TimeoutError:
             future.cancel()
+            if allowed_now < to_deadline:
+                raise AllowanceSpent("the run spent its allowance of time on the "
+                                     "database") from None
             failure = OverBudget("the database did not answer within the call's budget")
             circuit = getattr(database.obj, "circuit", None)
             if circuit is not None:
                 circuit.trip(failure)
             raise failure from None
+        finally:
+            if allowed is not None:
+                allowed.left -= time.monotonic() - started
 
     def _enqueue(self, unit: Unit, future: asyncio.Future, conflicts: int) -> None:
         self._waiting.append((unit, future, conflicts))

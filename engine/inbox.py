@@ -24,7 +24,7 @@ from clients.http import error_text
 from models import Outbox, WebhookEvent
 from engine import outbox, retry, spool
 from engine.claims import CLAIM_BATCH, claim, lease
-from engine.commits import raise_if_conflict, savepoint
+from engine.commits import AllowanceSpent, raise_if_conflict, savepoint
 from engine.contracts import Accepted, EngineContext, Stored
 from engine.spool import Entry
 from engine.db import UNAVAILABLE, locked, why_unavailable
@@ -151,6 +151,8 @@ async def accept(ctx: EngineContext, source: str, event_type: str, dedup_key: st
                           call["source"], call["event_type"])
             event, created = await ctx.commits.run(functools.partial(_store, ctx, call))
             handled = None
+    except AllowanceSpent:
+        raise  # a background run's own limit, not an outage: the run finds the call again
     except UNAVAILABLE as unavailable:
         _spool(ctx, call, unavailable)
         return Accepted(None, False, None)

@@ -5,15 +5,19 @@ it, a second run, or two runs at once cause nothing new."""
 import asyncio
 import dataclasses
 import datetime
+import functools
 import hashlib
 import json
 import logging
 import re
+import threading
 import zoneinfo
 
 import pytest
 
 from domain import reconcile
+from engine import spool
+from engine.db import Circuit
 from models import UTC, Outbox, ReconcileRun, WebhookEvent
 from settings import ConfigurationError, Settings
 from tests.conftest import WEBHOOK_SECRET
@@ -473,3 +477,75 @@ async def test_a_copy_stored_under_the_hourly_key_before_still_matches(
                         order_number="FO-9001", payload=body, status="processed")
     await post("/api/v1/webhooks/formation/submitted", body, AUTH)
     assert WebhookEvent.select().count() == 1 and worker.requests == []
+
+
+@pytest.mark.gen_test(timeout=120)
+async def test_a_slow_database_stops_a_run_cleanly_and_the_next_goes_on(
+        rctx, site, worker, caplog, clock, db):
+    """The database thread held after the first document, as a frozen database holds it
+    (tests/test_door.py): the run waits WORKFLOW_RECONCILE_DATABASE_SECONDS in all, then
+    stops; the unit it was waiting on never runs, the cursor stays, nothing is spooled,
+    the circuit stays closed, and it is said once. Released, the next run goes on."""
+    circuit = Circuit(db)
+    circuit.attach()
+    try:
+        configure(rctx, workflow_reconcile_database_seconds=3)
+        await reconcile.reconcile_workflow(rctx)  # a first run, to keep its cursor
+        cursor = ReconcileRun.get(ReconcileRun.doctype == FORMATION).cursor
+        for n in range(3):
+            submitted(site, name=f"FORM-{n:05}", number=f"FO-{n}", minutes_ago=6 - n)
+        clock.advance(minutes=5)
+        caplog.set_level(logging.INFO, logger="receiver.reconcile")
+        release = threading.Event()
+        held = []
+
+        def hold_the_database(looked_at, _total):
+            if looked_at == 1:
+                held.append(rctx.background(rctx.db(functools.partial(release.wait, 20))))
+
+        stopped = await reconcile.reconcile_workflow(rctx, progress=hold_the_database)
+        assert stopped.stopped and (stopped.listed, stopped.handled) == (1, 1)
+        assert not circuit.is_open and not spool.backlog(rctx.settings.spool_dir)
+        # Held again from the start: stopped again, and not said again.
+        held.append(rctx.background(rctx.db(functools.partial(release.wait, 20))))
+        again = await reconcile.reconcile_workflow(rctx)
+        assert again.stopped and again.listed == 0 and not circuit.is_open
+        release.set()
+        await asyncio.gather(*held)
+        assert WebhookEvent.select().count() == 1 and len(worker.requests) == 1
+        run = ReconcileRun.get(ReconcileRun.doctype == FORMATION)
+        assert run.cursor == cursor and run.succeeded_at == NOW
+        said = [r for r in caplog.records if "reconciliation stopped" in r.getMessage()]
+        assert len(said) == 1 and "after 1 document(s)" in said[0].getMessage()
+
+        going_on = await reconcile.reconcile_workflow(rctx)
+        assert not going_on.stopped and (going_on.handled, going_on.already) == (2, 1)
+        assert "within WORKFLOW_RECONCILE_DATABASE_SECONDS again" in caplog.text
+        assert sorted(r.json["order_number"] for r in worker.requests) == [
+            "FO-0", "FO-1", "FO-2"]
+        assert ReconcileRun.get(ReconcileRun.doctype == FORMATION).cursor != cursor
+    finally:
+        await circuit.detach()
+
+
+@pytest.mark.gen_test(timeout=60)
+async def test_the_command_says_when_the_run_stopped_at_its_database_allowance(
+        rctx, site, worker, database_url, settings):
+    submitted(site)
+    env = {**cli_env(database_url, settings), "WORKFLOW_TIME_ZONE": "Asia/Kolkata",
+           "WORKFLOW_API_KEY": "wf-key", "WORKFLOW_API_SECRET": "wf-secret",
+           # Spent at the first wait: a database slower than any allowance.
+           "WORKFLOW_RECONCILE_DATABASE_SECONDS": "0.000001"}
+    ran = await run_async(env, "reconcile", "workflow", "--since", "2026-11-25T00:00Z")
+    assert ran.returncode == 1
+    assert "stopped before the end" in ran.stderr and "Traceback" not in ran.stderr
+    assert WebhookEvent.select().count() == 0 and worker.requests == []
+
+
+def test_the_database_allowance_of_a_run_is_a_setting():
+    assert Settings().workflow_reconcile_database_seconds == 60
+    assert Settings.from_env({"WORKFLOW_RECONCILE_DATABASE_SECONDS": "2.5"}) \
+        .workflow_reconcile_database_seconds == 2.5
+    for wrong in ("0", "-1", "inf"):
+        with pytest.raises(ConfigurationError, match="WORKFLOW_RECONCILE_DATABASE_SECONDS"):
+            Settings.from_env({"WORKFLOW_RECONCILE_DATABASE_SECONDS": wrong})
