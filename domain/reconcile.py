@@ -183,6 +183,11 @@ async def _reconcile_doctype(ctx, doctype, states, since, counts, progress):
         cursor = canonical_modified(last_modified)
     else:
         cursor = frappe_time(from_frappe_time(upper, zone) - OVERLAP, zone)
+    if (since is not None and run is not None and run.cursor
+            and canonical_modified(lower) > canonical_modified(run.cursor)):
+        # A run from later than where the last one got to (`--since`) did not look at
+        # what lies between: the next run still starts there.
+        cursor = run.cursor
     await ctx.db(functools.partial(_record_success, ctx, doctype, cursor))
     if run is not None and run.last_error:
         log.info("reconciliation: Frappe lists %s again", doctype)

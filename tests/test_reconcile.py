@@ -66,6 +66,12 @@ def local(minutes_ago, microseconds=123456):
         tzinfo=None, microsecond=microseconds)
 
 
+def ready(site, n, minutes_ago=30, microseconds=0):
+    """The n-th of many documents in Ready (names and order numbers numbered by n)."""
+    return site.add(FORMATION, f"FORM-{n:05}", "Ready", local(minutes_ago, microseconds),
+                    order_number=f"FO-{n}")
+
+
 def submitted(site, name="FORM-00001", number="FO-9001", minutes_ago=10, **extra):
     return site.add(FORMATION, name, "Submitted", local(minutes_ago), order_number=number,
                     state_code="DE", entity_name='Probe "Quote" LLC', **extra)
@@ -241,8 +247,7 @@ async def test_runs_page_through_the_list_and_stop_at_the_cap(
     monkeypatch.setattr(reconcile, "PAGE_SIZE", 10)
     monkeypatch.setattr(reconcile, "MAX_DOCUMENTS_PER_RUN", 15)
     for n in range(23):
-        site.add(FORMATION, f"FORM-{n:05}", "Ready", local(30, microseconds=n),
-                 order_number=f"FO-{n}")
+        ready(site, n, microseconds=n)
     first = await reconcile.reconcile_workflow(rctx)
     assert (first.listed, first.handled) == (15, 15)
     pages = [(json.loads(q["filters"])[0][2], q["limit_start"], q["limit_page_length"])
@@ -264,8 +269,7 @@ async def test_a_document_saved_again_while_paging_does_not_hide_another(
     # leaves the listed window (its modified is now past it): a page asked by offset
     # would start one document too far and never see the one it skipped.
     monkeypatch.setattr(reconcile, "PAGE_SIZE", 10)
-    documents = [site.add(FORMATION, f"FORM-{n:05}", "Ready", local(30, microseconds=n),
-                          order_number=f"FO-{n}") for n in range(23)]
+    documents = [ready(site, n, microseconds=n) for n in range(23)]
     list_documents = rctx.workflow.list_documents
 
     async def saved_again_after_the_first_page(*args):
@@ -283,8 +287,7 @@ async def test_documents_of_one_time_are_paged_through_by_count(rctx, site, work
                                                                 monkeypatch):
     monkeypatch.setattr(reconcile, "PAGE_SIZE", 10)
     for n in range(23):
-        site.add(FORMATION, f"FORM-{n:05}", "Ready", local(30, microseconds=0),
-                 order_number=f"FO-{n}")
+        ready(site, n)
     counts = await reconcile.reconcile_workflow(rctx)
     assert (counts.listed, counts.handled) == (23, 23)
     pages = [(json.loads(q["filters"])[0][2], q["limit_start"]) for q in site.listings()
@@ -292,6 +295,24 @@ async def test_documents_of_one_time_are_paged_through_by_count(rctx, site, work
     same_time = reconcile.canonical_modified(frappe_text(local(30, microseconds=0)))
     assert [start for _, start in pages] == ["0", "10", "20"]
     assert {lower for lower, _ in pages[1:]} == {same_time}
+
+
+@pytest.mark.gen_test(timeout=60)
+async def test_a_run_since_a_later_time_does_not_skip_what_the_cursor_had_left(
+        rctx, site, worker, monkeypatch):
+    monkeypatch.setattr(reconcile, "PAGE_SIZE", 10)
+    monkeypatch.setattr(reconcile, "MAX_DOCUMENTS_PER_RUN", 10)
+    for n in range(15):
+        ready(site, n, minutes_ago=60 - n)
+    assert (await reconcile.reconcile_workflow(rctx)).handled == 10  # capped: 5 left
+    # The operator asks for the last half hour only: FORM-00010..14 (50 to 46 minutes
+    # ago) lie before it, and the next scheduled run must still look at them.
+    since = await reconcile.reconcile_workflow(rctx, since=NOW - datetime.timedelta(
+        minutes=30))
+    assert since.listed == 0
+    after = await reconcile.reconcile_workflow(rctx)
+    assert after.handled == 5
+    assert len({e.order_number for e in reconciled()}) == 15
 
 
 @pytest.mark.gen_test(timeout=30)
