@@ -92,6 +92,12 @@ class HttpPeer:
         sock, self.port = tornado.testing.bind_unused_port()
         self.listen([sock])
 
+
+    @property
+    def posts(self):
+        """The POSTs received: a workflow action or a job, not the service's checks of
+        the peer (Frappe's start-up check of credentials and doctypes reads with GETs)."""
+        return [request for request in self.requests if request.method == "POST"]
     def listen(self, sockets):
         self.server = _ClosableServer(
             tornado.web.Application([(r".*", _Record, {"peer": self})]))

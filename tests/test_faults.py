@@ -23,7 +23,7 @@ AUTH = {"X-Webhook-Secret": WEBHOOK_SECRET, "Content-Type": "application/json"}
 def actions_sent(frappe):
     """The workflow actions Frappe was asked to apply, in order (not the service's
     start-up check of Frappe, which only reads)."""
-    return [r.json["action"] for r in frappe.requests if r.method == "POST"]
+    return [r.json["action"] for r in frappe.posts]
 
 
 def submitted(number):

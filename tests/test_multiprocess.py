@@ -36,11 +36,11 @@ async def test_the_same_50_deliveries_to_two_processes_cause_one_effect_each(
         deliveries += [send(client, first, "formation/submitted", submitted(number)),
                        send(client, second, "formation/submitted", submitted(number))]
     codes = await asyncio.gather(*deliveries)
-    await eventually(lambda: len(worker.requests) >= 50 and len(frappe.requests) >= 50)
+    await eventually(lambda: len(worker.requests) >= 50 and len(frappe.posts) >= 50)
     await a.a_lease_later()  # nothing else goes out
 
     keys = collections.Counter(r.headers["Idempotency-Key"] for r in worker.requests)
-    actions = collections.Counter(json.loads(r.json["doc"])["name"] for r in frappe.requests)
+    actions = collections.Counter(json.loads(r.json["doc"])["name"] for r in frappe.posts)
     assert codes == [200] * 100
     assert WebhookEvent.select().count() == 50
     assert len(keys) == 50 and set(keys.values()) == {1}
@@ -61,11 +61,11 @@ async def test_the_settlement_job_runs_in_one_process_at_a_time(two_services, fr
     frappe.delay = 1.2  # a run takes 3.6 s: both processes start within it
 
     await asyncio.gather(*(service.start() for service in two_services))
-    assert len(frappe.requests) < 3  # the first run is still going on
-    await eventually(lambda: len(frappe.requests) == 3)
+    assert len(frappe.posts) < 3  # the first run is still going on
+    await eventually(lambda: len(frappe.posts) == 3)
     await ServiceProcess.a_lease_later()
 
-    names = sorted(json.loads(r.json["doc"])["name"] for r in frappe.requests)
+    names = sorted(json.loads(r.json["doc"])["name"] for r in frappe.posts)
     assert names == ["CR-0", "CR-1", "CR-2"]
     assert CrtcOrder.select().where(CrtcOrder.funds_available == True).count() == 3  # noqa: E712
     settled_in = [s for s in two_services if "funds settled" in s.log()]
