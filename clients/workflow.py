@@ -31,8 +31,10 @@ LOGGED_USER = "frappe.auth.get_logged_user"
 # could not match runs as Guest and is refused so).
 CREDENTIALS_REFUSED = (401, 403)
 # Frappe's exception types for a doctype it does not have: the controller of a
-# misspelled doctype cannot be imported (500), or the DocType is not found.
-MISCONFIGURATION = ("ImportError", "ModuleNotFoundError", "DoesNotExistError")
+# misspelled doctype cannot be imported (500). Not DoesNotExistError: on an action that
+# is the document missing (apply_workflow loads it), which says nothing of our settings;
+# `check` takes a list call's 404 (the DocType not found) for what it is.
+MISCONFIGURATION = ("ImportError", "ModuleNotFoundError")
 # Frappe writes markup into its messages (<b>, <br>); the reason is kept as text.
 _MARKUP = re.compile(r"<[^>]*>")
 

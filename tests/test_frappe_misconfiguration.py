@@ -122,6 +122,28 @@ async def test_a_refusal_keeps_frappes_own_message_not_its_traceback(
 
 
 @pytest.mark.gen_test
+async def test_an_action_on_a_document_frappe_does_not_have_is_not_a_misconfiguration(
+        post, ctx, frappe, worker):
+    # apply_workflow loads the document: one deleted (or never made) is a 404
+    # DoesNotExistError naming it. Our settings are fine (a misspelled doctype is a 500
+    # ImportError there): that action is given up, the destination stays up.
+    frappe.responses = [(404, {
+        "exception": "frappe.exceptions.DoesNotExistError: Formation Order ORD-1 not found",
+        "exc_type": "DoesNotExistError",
+        "_server_messages": json.dumps([json.dumps({
+            "message": "Formation Order ORD-1 not found", "title": "Message",
+            "indicator": "red", "raise_exception": 1})])})]
+    await submit(post, 1)
+    [row] = actions()
+    assert (row.status, row.last_error) == (
+        "dead", "HTTP 404: DoesNotExistError: Formation Order ORD-1 not found")
+    workflow = ctx.destinations.by_name["workflow"]
+    assert (workflow.state, workflow.problem) == ("up", None)
+    metrics = samples(ctx.metrics.exposition(ctx))
+    assert value(metrics, "receiver_destination_misconfigured", destination="workflow") == 0
+
+
+@pytest.mark.gen_test
 async def test_readyz_checks_frappes_credentials_and_caches_the_answer(
         get, ctx, clock, frappe, spool, scheduled):
     clock.set(2026, 11, 20, 9, 0)

@@ -387,6 +387,14 @@ async def test_outbox_rows_of_a_reconciled_change_are_its_events(rctx, site, wor
     assert kinds == ["job", "workflow_action"]
 
 
+def test_a_page_ending_in_a_document_without_a_time_is_followed_by_offset():
+    # Not a page Frappe v15 gives (every document has its modified), but one that does
+    # not say where it ended must not start the next page over again.
+    lower = "2026-11-25 18:18:00.000000"
+    page = [{"name": f"FORM-{n}", "modified": None} for n in range(3)]
+    assert reconcile._next_page(page, 10, lower) == (13, lower)
+
+
 def test_change_keys_are_one_per_document_state_and_time():
     key = reconcile.change_key("formation/ready", "FORM-1", "2026-11-25 18:00:00")
     assert key == reconcile.change_key("formation/ready", "FORM-1",
