@@ -25,6 +25,7 @@ from tests.console_helpers import Operator, console_settings, text
 from tests.test_cli import cli_env, run_async
 from tests.test_ops_endpoints import samples, value
 from tests.frappe_site import FrappeSite, frappe_text
+from tests.service_process import postgres_only
 from tests.terminal import OnATerminal
 
 FORMATION, CRTC = "Formation Order", "CRTC Order"
@@ -474,6 +475,28 @@ async def test_the_command_says_when_frappe_does_not_list(rctx, site, database_u
     assert "Frappe did not list Formation Order" in ran.stderr
     no_frappe = await run_async({**env, "WORKFLOW_URL": ""}, "reconcile", "workflow")
     assert no_frappe.returncode == 2 and "WORKFLOW_URL is not set" in no_frappe.stderr
+
+
+@postgres_only
+@pytest.mark.gen_test(timeout=60)
+async def test_the_command_waits_for_no_run_another_process_holds(
+        rctx, site, database_url, settings, other_connection):
+    import scheduler
+    submitted(site)
+    lock_id = scheduler.JOBS_BY_NAME["reconcile"].lock_id
+    cursor = other_connection.cursor()
+    cursor.execute("SELECT pg_advisory_lock(%s)", (lock_id,))
+    other_connection.commit()
+    env = {**cli_env(database_url, settings), "WORKFLOW_TIME_ZONE": "Asia/Kolkata",
+           "WORKFLOW_API_KEY": "wf-key", "WORKFLOW_API_SECRET": "wf-secret"}
+    ran = await run_async(env, "reconcile", "workflow")
+    assert ran.returncode == 1
+    assert "a reconciliation is running in another process" in ran.stderr
+    assert site.requests == [] and reconciled() == []
+    cursor.execute("SELECT pg_advisory_unlock(%s)", (lock_id,))
+    other_connection.commit()
+    assert (await run_async(env, "reconcile", "workflow")).returncode == 0
+    assert len(reconciled()) == 1
 
 
 def test_the_scheduler_runs_reconciliation_unless_turned_off():
