@@ -15,7 +15,9 @@ or after the run. A document saved again in the same state has a later `modified
 its change; so a run also counts a change as stored when the newest workflow event of
 that order among its doctype's paths is of the path of its current state (the order has
 not been seen leaving that state since). Changes younger than
-WORKFLOW_RECONCILE_SETTLE_SECONDS are left to their webhook.
+WORKFLOW_RECONCILE_SETTLE_SECONDS are left to their webhook. The other way round, a
+webhook older than that, of a document saved again since its change, names an earlier
+`modified` than the run's copy: the webhook path asks `handled_since` (`came_late`).
 
 A run waits on the database for WORKFLOW_RECONCILE_DATABASE_SECONDS in all at most
 (engine.commits.allowance): a slow database stops it between two documents' units, each
@@ -35,6 +37,7 @@ from typing import Callable, Optional
 from models import UTC, ReconcileRun, WebhookEvent
 from engine import inbox
 from engine.commits import AllowanceSpent, allowance
+from engine.prepared import Prepared, slot
 
 log = logging.getLogger("receiver.reconcile")
 
@@ -89,6 +92,45 @@ def change_key(path: str, name: str, modified: object) -> str | None:
         return None
     digest = hashlib.sha256(f"{name}\n{moment}".encode()).hexdigest()[:40]
     return f"{path}:change:{digest}"
+
+
+# The newest event of one workflow path for one order (the order_number index).
+NEWEST_OF_PATH = Prepared(lambda: WebhookEvent.select().where(
+    WebhookEvent.order_number == slot(WebhookEvent.order_number),
+    WebhookEvent.source == SOURCE,
+    WebhookEvent.event_type == slot(WebhookEvent.event_type))
+    .order_by(WebhookEvent.id.desc()).limit(1))
+
+
+def came_late(settings, modified: str, now: datetime.datetime) -> bool:
+    """Whether a webhook's change (its `modified`, a change key's) is older than the
+    settle time: only then can a run have listed the document, since saved again, and
+    handled the change first under a later `modified`."""
+    moment = canonical_modified(modified)
+    assert moment is not None, "a webhook with a change key has a `modified`"
+    changed = from_frappe_time(moment, zoneinfo.ZoneInfo(settings.workflow_time_zone))
+    return now - changed >= datetime.timedelta(
+        seconds=settings.workflow_reconcile_settle_seconds)
+
+
+def handled_since(path: str, order_name: str, order_number: str,
+                  modified: str) -> WebhookEvent | None:
+    """The order's newest event of `path` when it is of the same document and its
+    `modified` is this one's or later: this path's state was already handled at or
+    after this change (the same stay in that state, the document saved again since; or
+    a later one, which this older change adds nothing to). None otherwise. One indexed
+    statement."""
+    newest = NEWEST_OF_PATH.first(order_number=order_number, event_type=path)
+    if newest is None:
+        return None
+    try:
+        stored = json.loads(newest.payload)
+    except ValueError:
+        return None
+    if not isinstance(stored, dict) or stored.get("order_name") != order_name:
+        return None
+    theirs, ours = canonical_modified(stored.get("modified")), canonical_modified(modified)
+    return newest if theirs is not None and ours is not None and theirs >= ours else None
 
 
 def doctype_states(settings) -> dict:

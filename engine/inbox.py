@@ -15,7 +15,7 @@ import hashlib
 import inspect
 import logging
 import time
-from typing import Any, Sequence, TypedDict, Unpack
+from typing import Any, Callable, Sequence, TypedDict, Unpack
 
 import peewee
 
@@ -123,7 +123,9 @@ def store(ctx: EngineContext, source: str, event_type: str, dedup_key: str,
 
 async def accept(ctx: EngineContext, source: str, event_type: str, dedup_key: str,
                  payload: str | bytes, in_background: bool = False,
-                 send_within: float | None = None, **fields: Unpack[CallFields]) -> Accepted:
+                 send_within: float | None = None,
+                 handled_by: Callable[[], WebhookEvent | None] | None = None,
+                 **fields: Unpack[CallFields]) -> Accepted:
     """The request path's way in: store the call as `record` does and, when it is new,
     handle it (after the answer, when `in_background`). Returns (event, created,
     outcome); the outcome is None when the call was not handled here.
@@ -134,14 +136,19 @@ async def accept(ctx: EngineContext, source: str, event_type: str, dedup_key: st
 
     A plain plugin runs in the same unit of the group commit (engine.commits) as the
     storing: one transaction, one turn of the loop. Should the plugin raise, the event
-    stays stored and is recorded as failed, in that transaction too."""
+    stays stored and is recorded as failed, in that transaction too.
+
+    `handled_by`: run in the storing's transaction when no key of the call is stored, it
+    returns an event that already handled what the call asks for under another key (a
+    late workflow webhook, domain.reconcile.handled_since); the call is then that event's
+    duplicate. A call spooled meanwhile is stored by the drain without it."""
     call = _call(ctx, source, event_type, dedup_key, payload, **fields)
     if _behind_the_spool(ctx, call):
         return Accepted(None, False, None)
     try:
         try:
             event, created, handled = await ctx.commits.run(
-                functools.partial(_store_and_handle, ctx, call, not in_background))
+                functools.partial(_store_and_handle, ctx, call, not in_background, handled_by))
         except UNAVAILABLE:
             raise
         except Exception:
@@ -149,7 +156,8 @@ async def accept(ctx: EngineContext, source: str, event_type: str, dedup_key: st
             # storing with it: the call is stored alone, and handled as a stored event.
             log.exception("%s %s: storing and handling it together failed; storing it alone",
                           call["source"], call["event_type"])
-            event, created = await ctx.commits.run(functools.partial(_store, ctx, call))
+            event, created = await ctx.commits.run(
+                functools.partial(_store, ctx, call, handled_by=handled_by))
             handled = None
     except AllowanceSpent:
         raise  # a background run's own limit, not an outage: the run finds the call again
@@ -181,7 +189,7 @@ async def _deliver(ctx, rows, within):
         sending.result()
 
 
-def _store_and_handle(ctx, call, handle_now):
+def _store_and_handle(ctx, call, handle_now, handled_by=None):
     """(event, created, (outcome, effects, started) or None when not handled).
 
     A new call whose plain plugin runs here is stored as `processed`, what the plugin's
@@ -191,7 +199,7 @@ def _store_and_handle(ctx, call, handle_now):
     plugin = registry.get(call["event_type"])
     handling = (handle_now and call["status"] == "received" and plugin is not None
                 and not _is_async(plugin))
-    event, created = _store(ctx, call, as_processed=handling)
+    event, created = _store(ctx, call, as_processed=handling, handled_by=handled_by)
     if not (handling and created):
         return event, created, None
     # The row counts the attempt under way; should it fail, `_record_failure` counts it
@@ -322,11 +330,15 @@ def store_spooled(ctx: EngineContext, call: Entry) -> Stored:
 
 def _store(ctx: EngineContext, call: Entry,
            next_attempt_at: datetime.datetime | None = None,
-           as_processed: bool = False) -> Stored:
+           as_processed: bool = False,
+           handled_by: Callable[[], WebhookEvent | None] | None = None) -> Stored:
     """`as_processed`: the caller handles the call in this same transaction, and stored
-    so it needs no UPDATE when that goes well (`_store_and_handle`)."""
+    so it needs no UPDATE when that goes well (`_store_and_handle`). `handled_by`: see
+    `accept`."""
     source, event_type = call["source"], call["event_type"]
     existing = find_any(source, call["also_known_as"])
+    if existing is None and handled_by is not None:
+        existing = handled_by()
     if existing is None:
         now = ctx.clock()
         event = NEW_EVENT.row(

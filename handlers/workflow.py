@@ -9,6 +9,7 @@ import hmac
 import logging
 
 from handlers.base import ApiHandler, same_secret
+from domain import reconcile
 from domain.reconcile import change_key
 from engine import inbox
 
@@ -79,7 +80,7 @@ class WorkflowWebhookHandler(ApiHandler):
         if len(explicit) > inbox.MAX_KEY_LENGTH:
             self.fail(400, f"Idempotency-Key too long (at most {inbox.MAX_KEY_LENGTH} "
                            "characters)")
-        previous = ()
+        previous, handled_by = (), None
         change = (change_key(path, body["order_name"], body.get("modified"))
                   if body.get("order_name") else None)
         if explicit:
@@ -93,6 +94,12 @@ class WorkflowWebhookHandler(ApiHandler):
             if change:
                 # The body's own key too: a copy stored before state changes had keys.
                 dedup_key, previous = change, (*previous, dedup_key)
+                if reconcile.came_late(self.ctx.settings, body["modified"], self.ctx.clock()):
+                    # A run may have handled this change first, under a later `modified`
+                    # (BEHAVIOUR.md 4.1.1): one lookup more, for a late webhook only.
+                    handled_by = functools.partial(
+                        reconcile.handled_since, path, body["order_name"],
+                        body["order_number"], body["modified"])
         # The earlier hours are looked up by the inbox, or by the spool drain when the
         # database is down now.
         # Frappe gives up on an answer after 5 s (its webhook timeout) and re-sends later;
@@ -101,5 +108,5 @@ class WorkflowWebhookHandler(ApiHandler):
         event, _created, outcome = await inbox.accept(
             self.ctx, "workflow", path, dedup_key, self.raw_body,
             order_number=body["order_number"], also_known_as=previous,
-            send_within=self.ctx.settings.workflow_answer_budget_seconds)
+            handled_by=handled_by, send_within=self.ctx.settings.workflow_answer_budget_seconds)
         return event, outcome

@@ -27,6 +27,7 @@ from tests.test_ops_endpoints import samples, value
 from tests.frappe_site import FrappeSite, frappe_text
 from tests.service_process import postgres_only
 from tests.terminal import OnATerminal
+from tests.service_process import database_down
 
 FORMATION, CRTC = "Formation Order", "CRTC Order"
 FIELDS = {FORMATION: ["order_number", "state_code", "entity_name", "notes"],
@@ -601,3 +602,42 @@ def test_the_database_allowance_of_a_run_is_a_setting():
     for wrong in ("0", "-1", "inf"):
         with pytest.raises(ConfigurationError, match="WORKFLOW_RECONCILE_DATABASE_SECONDS"):
             Settings.from_env({"WORKFLOW_RECONCILE_DATABASE_SECONDS": wrong})
+
+
+@pytest.mark.gen_test(timeout=30)
+async def test_a_webhook_held_past_the_settle_time_of_a_document_saved_since_is_not_handled_again(
+        rctx, site, worker, post):
+    """The webhook of the change to Submitted waits in Frappe's queue; meanwhile the
+    document is saved again in the same state, and a run finds it (under the later
+    `modified`). The webhook that comes at last names the earlier `modified`."""
+    held = webhook_body(submitted(site, minutes_ago=20), "state_code", "entity_name")
+    submitted(site, minutes_ago=10, notes="called the customer")
+    assert (await reconcile.reconcile_workflow(rctx)).handled == 1
+    status, reply, _ = await post("/api/v1/webhooks/formation/submitted", held, AUTH)
+    assert (status, reply) == (200, {"received": True, "action": "name_search_dispatched"})
+    assert WebhookEvent.select().count() == 1
+    assert len(worker.requests) == 1 and len(site.actions) == 1
+
+
+@pytest.mark.gen_test(timeout=30)
+async def test_a_late_webhook_of_a_later_return_to_the_state_is_a_new_change(
+        rctx, site, worker, post):
+    submitted(site, minutes_ago=40)
+    assert (await reconcile.reconcile_workflow(rctx)).handled == 1
+    moved = site.add(FORMATION, "FORM-00001", "Name Available", local(30),
+                     order_number="FO-9001")
+    await post("/api/v1/webhooks/formation/name-available", webhook_body(moved), AUTH)
+    back = webhook_body(submitted(site, minutes_ago=20), "state_code", "entity_name")
+    status, _, _ = await post("/api/v1/webhooks/formation/submitted", back, AUTH)
+    assert status == 200
+    assert [r.json["action"] for r in worker.requests].count("name_search") == 2
+
+
+@pytest.mark.gen_test(timeout=30)
+async def test_a_late_webhook_while_the_database_is_down_is_spooled_as_any_other(
+        rctx, site, worker, post, db):
+    held = webhook_body(submitted(site, minutes_ago=20), "state_code", "entity_name")
+    with database_down(db):
+        status, reply, _ = await post("/api/v1/webhooks/formation/submitted", held, AUTH)
+    assert (status, reply) == (200, {"received": True, "action": "name_search_dispatched"})
+    assert spool.backlog(rctx.settings.spool_dir)

@@ -2,6 +2,7 @@
 trip the loop waits on. The counts are deterministic, so each receiver's is held to an
 upper bound here; a change that adds a statement to a webhook's path fails this file."""
 import dataclasses
+import datetime
 
 import pytest
 
@@ -38,6 +39,23 @@ async def test_a_workflow_webhook_stays_within_its_statements(path, stored, post
                                   FRAPPE_HEADERS)
     assert status == 200
     assert count.total <= WORKFLOW_BOUNDS[path]
+
+
+@pytest.mark.gen_test
+@pytest.mark.parametrize("minutes_late", [0, 10], ids=["in time", "past the settle time"])
+async def test_a_webhook_naming_its_change_pays_one_lookup_more_only_when_late(
+        minutes_late, post, worker, frappe, clock):
+    """A body with `modified` within WORKFLOW_RECONCILE_SETTLE_SECONDS (120) of its change
+    costs what one without costs; a later one, one SELECT more: whether a reconciliation
+    run handled its change first (domain.reconcile.handled_since)."""
+    modified = clock() - datetime.timedelta(minutes=minutes_late)
+    body = {"order_name": "FORM-7", "order_number": "FO-7",
+            "modified": modified.strftime("%Y-%m-%d %H:%M:%S.%f")}
+    with StatementCount().open() as count:
+        status, _, _ = await post("/api/v1/webhooks/formation/ready", frappe_body(body),
+                                  FRAPPE_HEADERS)
+    assert status == 200
+    assert count.total <= WORKFLOW_BOUNDS["formation/ready"] + (1 if minutes_late else 0)
 
 
 @pytest.fixture
