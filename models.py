@@ -599,9 +599,10 @@ class Attempt(BaseModel):
     cleaned excerpt of the reply, and the row's status after it (sent, pending for a retry,
     dead, logged). Pruned after RETENTION_DAYS.
 
-    Written by the database, not by the code: a trigger on outbox (migration 0013) copies
-    the row's last_* columns here whenever an UPDATE counts one more attempt, so the
-    attempt costs no statement of its own, and no round trip, beside its outcome's."""
+    Written by the database, not by the code: a trigger on outbox (ATTEMPT_TRIGGER, made
+    by migration 0013) copies the row's last_* columns here whenever an UPDATE counts one
+    more attempt, so the attempt costs no statement of its own, and no round trip, beside
+    its outcome's."""
 
     outbox_id = BigIntegerField()
     destination = TextField()
@@ -616,6 +617,27 @@ class Attempt(BaseModel):
         table_name = "attempts"
         indexes = ((("outbox_id", "id"), False), (("created_at",), False))
 
+
+# An UPDATE of outbox that counts one more attempt is one attempt made (a retry put back
+# in line sets the count to 0; a row waiting for its destination's configuration keeps it).
+_ATTEMPT_COPIED = (
+    "(outbox_id, destination, attempted_at, outcome, status_code, duration_ms, error, "
+    "reply, created_at, updated_at) VALUES (NEW.id, NEW.kind, "
+    "COALESCE(NEW.last_attempt_at, NEW.updated_at), NEW.status, NEW.last_status_code, "
+    "NEW.last_duration_ms, NEW.last_error, NEW.last_reply, NEW.updated_at, NEW.updated_at)")
+# The statements that make the trigger (each safe to run again), by database.
+ATTEMPT_TRIGGER = {
+    "postgres": (
+        "CREATE OR REPLACE FUNCTION outbox_attempt() RETURNS trigger LANGUAGE plpgsql AS $$ "
+        f"BEGIN INSERT INTO attempts {_ATTEMPT_COPIED}; RETURN NULL; END $$",
+        "DROP TRIGGER IF EXISTS outbox_attempt ON outbox",
+        "CREATE TRIGGER outbox_attempt AFTER UPDATE ON outbox FOR EACH ROW "
+        "WHEN (NEW.attempts > OLD.attempts) EXECUTE FUNCTION outbox_attempt()"),
+    "sqlite": (
+        "CREATE TRIGGER IF NOT EXISTS outbox_attempt AFTER UPDATE OF attempts ON outbox "
+        "FOR EACH ROW WHEN NEW.attempts > OLD.attempts "
+        f"BEGIN INSERT INTO attempts {_ATTEMPT_COPIED}; END",),
+}
 
 ALL_MODELS = [*ORDER_MODELS.values(), TreasuryJob, LedgerEntry, WebhookEvent, Outbox]
 ATTEMPT_MODELS = [Attempt]
