@@ -317,14 +317,14 @@ async def console_logout_all(ctx, args):
 
 
 async def events_list(ctx, args):
-    events = operator.list_events(args.source, args.status, args.since, args.until,
-                                  args.limit)
+    events = await ctx.db(functools.partial(
+        operator.list_events, args.source, args.status, args.since, args.until, args.limit))
     print(operator.table(EVENT_COLUMNS, [event_row(event) for event in events]))
     return 0
 
 
 async def events_show(ctx, args):
-    event = operator.get_event(args.id)
+    event, effects = await ctx.db(functools.partial(operator.event_with_effects, args.id))
     for label, value in (
             ("event", f"#{event.id}"), ("source", operator.source_of(event)),
             ("type", event.event_type),
@@ -341,7 +341,7 @@ async def events_show(ctx, args):
     except ValueError:
         print(event.payload)
     print("outbox:")
-    print(operator.table(OUTBOX_COLUMNS, [outbox_row(row) for row in operator.effects_of(event)]))
+    print(operator.table(OUTBOX_COLUMNS, [outbox_row(row) for row in effects]))
     return 0
 
 
@@ -363,20 +363,21 @@ async def events_replay(ctx, args):
 
 
 async def outbox_list(ctx, args):
-    rows = operator.list_outbox(args.status, args.limit)
+    rows = await ctx.db(functools.partial(operator.list_outbox, args.status, args.limit))
     print(operator.table(OUTBOX_COLUMNS, [outbox_row(row) for row in rows]))
     return 0
 
 
 async def outbox_retry(ctx, args):
     if args.status:
-        count = operator.retry_all(ctx, args.status)
+        count = await ctx.db(functools.partial(operator.retry_all, ctx, args.status))
         print(f"{count} {args.status} row(s) back to pending, due now")
         return 0
-    row = operator.retry_outbox(ctx, args.id)
+    row = await ctx.db(functools.partial(operator.retry_outbox, ctx, args.id))
     # Kept with the console's actions, so the effect's timeline shows who retried it.
-    console.record_action(ctx, f"{getpass.getuser()} (command line)", "local",
-                          "retry effect", row.id, "back in line")
+    await ctx.db(functools.partial(console.record_action, ctx,
+                                   f"{getpass.getuser()} (command line)", "local",
+                                   "retry effect", row.id, "back in line"))
     print(f"outbox row #{row.id} ({row.kind}) back to pending, due now")
     return 0
 
@@ -409,7 +410,7 @@ async def holdback_list(ctx, args):
     rows = [(order.order_number, operator.format_time(order.delivered_at),
              operator.format_time(order.holdback_ends_at),
              "due" if order.holdback_ends_at <= now else "holding")
-            for order in holdback.holding()]
+            for order in await ctx.db(lambda: list(holdback.holding()))]
     print(operator.table(HOLDBACK_COLUMNS, rows))
     return 0
 
@@ -425,7 +426,7 @@ REMINDER_COLUMNS = ("CUSTOMER", "KIND", "ORDER", "PERIOD", "DUE", "GOES OUT")
 
 async def reminders_list(ctx, args):
     rows = []
-    for entry in reminders.plan(ctx, reminders.today(ctx)):
+    for entry in await ctx.db(functools.partial(reminders.plan, ctx, reminders.today(ctx))):
         when = "tomorrow (mailed today)" if entry.mailed_today else "next run"
         rows += [(entry.email, "intake", order.order_number, "", "", when)
                  for order in entry.intake]

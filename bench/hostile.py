@@ -202,7 +202,7 @@ async def main():
     ctx = Context.create(Settings(spool_dir=sys.argv[1] + "/spool"))
     started = time.perf_counter()
     for _ in range(200):
-        ctx.metrics.exposition(ctx)
+        await ctx.metrics.exposition(ctx)
     print(1000 * (time.perf_counter() - started) / 200)
 asyncio.run(main())
 """

@@ -14,9 +14,10 @@ sees what it did.
 """
 import dataclasses
 import datetime
+import functools
 import logging
 
-from models import CrtcOrder, database
+from models import CrtcOrder
 from domain.orders import document_name
 from engine import outbox
 from engine.db import locked
@@ -89,12 +90,12 @@ async def release_due(ctx):
     now = ctx.clock()
     counts = Released()
     effects = Effects(ctx)
-    for order in list(holding()):
+    for order in await ctx.db(lambda: list(holding())):
         if order.holdback_ends_at > now:
             counts.not_due += 1
             continue
-        with database.atomic():
-            counts.released += _release(ctx, effects, order.id, now)
+        counts.released += await effects.transaction(
+            functools.partial(_release, ctx, effects, order.id, now))
     await outbox.deliver(ctx, effects.rows)
     return counts
 

@@ -15,9 +15,10 @@ transaction, then finds its row). A customer mailed today gets anything new tomo
 """
 import collections
 import dataclasses
+import functools
 import logging
 
-from models import ComplianceOrder, SentReminder, database
+from models import ComplianceOrder, SentReminder
 from domain import filings, links
 from engine import outbox
 from engine.outbox import Effects, stable_key
@@ -50,7 +51,7 @@ def today(ctx):
 
 
 def plan(ctx, day):
-    """Every customer with a reminder due on `day`, by address."""
+    """Every customer with a reminder due on `day`, by address. A unit of work (ctx.db)."""
     intake = _waiting_by_customer()
     due = filings.due_on(ctx.settings, day)
     planned = []
@@ -66,10 +67,9 @@ async def send_reminders(ctx):
     """Queue today's reminder e-mails and send them; returns how many were queued."""
     day = today(ctx)
     effects = Effects(ctx)
-    for entry in plan(ctx, day):
+    for entry in await ctx.db(functools.partial(plan, ctx, day)):
         if not entry.mailed_today:
-            with database.atomic():
-                _remind(ctx, effects, entry, day)
+            await effects.transaction(functools.partial(_remind, ctx, effects, entry, day))
     await outbox.deliver(ctx, effects.rows)
     return len(effects.rows)
 

@@ -15,7 +15,7 @@ import datetime
 import functools
 import logging
 
-from models import CrtcOrder, database
+from models import CrtcOrder
 from engine import retry
 from engine.db import locked
 from engine.outbox import tell_admin
@@ -66,15 +66,15 @@ def still_waiting(order_id):
 
 
 def mark_funds_available(ctx, order_id):
-    """Set funds_available once; False when another run got there first."""
+    """Set funds_available once; False when another run got there first. A unit of
+    work (ctx.db)."""
     now = ctx.clock()
-    with database.atomic():
-        current = locked(CrtcOrder.select(CrtcOrder.funds_available)
-                         .where(CrtcOrder.id == order_id)).get()
-        if current.funds_available:
-            return False
-        (CrtcOrder.update(funds_available=True, funds_available_at=now, updated_at=now)
-         .where(CrtcOrder.id == order_id).execute())
+    current = locked(CrtcOrder.select(CrtcOrder.funds_available)
+                     .where(CrtcOrder.id == order_id)).get()
+    if current.funds_available:
+        return False
+    (CrtcOrder.update(funds_available=True, funds_available_at=now, updated_at=now)
+     .where(CrtcOrder.id == order_id).execute())
     return True
 
 
@@ -107,7 +107,7 @@ async def advance(ctx, order):
     result = await ctx.workflow.apply_action(
         settings.crtc_doctype, document_name(order), settings.crtc_funds_action)
     if result.ok:
-        return mark_funds_available(ctx, order.id)
+        return await ctx.db(functools.partial(mark_funds_available, ctx, order.id))
     if refuses_the_order(result):
         await ctx.db(functools.partial(record_refusal, ctx, order.id, result.error))
     raise RuntimeError(f"{settings.crtc_funds_action!r} not applied: {result.error}")
@@ -127,13 +127,14 @@ async def settle_crtc_orders(ctx):
     examined, settled, not_due, failed (logged; the loop goes on)."""
     today = ctx.clock().astimezone(ctx.business_tz).date()
     counts = {"examined": 0, "settled": 0, "not_due": 0, "failed": 0}
-    for order in list(waiting_orders().limit(BATCH_SIZE)):
+    for order in await ctx.db(lambda: list(waiting_orders().limit(BATCH_SIZE))):
         counts["examined"] += 1
         if not is_due(ctx, order, today):
             counts["not_due"] += 1
             continue
         try:
-            if still_waiting(order.id) and await advance(ctx, order):
+            if (await ctx.db(functools.partial(still_waiting, order.id))
+                    and await advance(ctx, order)):
                 counts["settled"] += 1
                 log.info("CRTC order %s: funds settled (%s), advanced",
                          order.order_number, order.payment_method)

@@ -134,6 +134,25 @@ def in_a_turn() -> bool:
     return getattr(_turn, "running", False)
 
 
+def on_commit(callback):
+    """Call `callback()` once the current unit's changes are committed, and never if they
+    are undone: what counts them (the metrics) counts each once, although a turn may
+    run a unit twice. Outside a turn: now."""
+    if in_a_turn():
+        _turn.on_commit.append(callback)
+    else:
+        callback()
+
+
+def _counted_so_far():
+    return len(_turn.on_commit) if in_a_turn() else 0
+
+
+def _forget_since(kept):
+    if in_a_turn():
+        del _turn.on_commit[kept:]
+
+
 class _PartFailed(BaseException):
     """A part that may fail alone failed in a turn run without savepoints. Not an
     Exception: the unit's own handler for the part's failure must not take it for that
@@ -150,8 +169,13 @@ def savepoint() -> Iterator[None]:
     and the exception propagates to the unit, which goes on. Outside a turn, or in a turn
     run with savepoints, it takes one; otherwise its failure has the turn run again so."""
     if _with_savepoints.get():
-        with database.atomic():
-            yield
+        kept = _counted_so_far()
+        try:
+            with database.atomic():
+                yield
+        except BaseException:
+            _forget_since(kept)
+            raise
         return
     try:
         yield
@@ -262,23 +286,30 @@ def _run_turn(units: list[Unit], with_savepoints: bool) -> list[Outcome]:
     """Each unit's (result, failure), all in one transaction. Without savepoints any
     unit's failure rolls back the turn and raises _TurnUndone."""
     token = _with_savepoints.set(with_savepoints)
+    _turn.on_commit = []
     try:
         with database.atomic():
             if with_savepoints:
-                return [_attempt(unit) for unit in units]
-            try:
-                return [(unit(), None) for unit in units]
-            except (Exception, _PartFailed) as failure:
-                raise _TurnUndone from failure
+                outcomes = [_attempt(unit) for unit in units]
+            else:
+                try:
+                    outcomes = [(unit(), None) for unit in units]
+                except (Exception, _PartFailed) as failure:
+                    raise _TurnUndone from failure
     finally:
         _with_savepoints.reset(token)
+    for callback in _turn.on_commit:
+        callback()
+    return outcomes
 
 
 def _attempt(unit: Unit) -> Outcome:
+    kept = _counted_so_far()
     try:
         with database.atomic():
             return unit(), None
     except Exception as failure:
+        _forget_since(kept)
         return None, failure
 
 

@@ -301,7 +301,11 @@ async def _send_workflow_action(ctx, payload, row, confirm_held):
 
 
 async def _send_email(ctx, payload, row, confirm_held):
-    # Taken in the mail thread: a message may wait for a free thread longer than a lease.
+    if not ctx.mailer.configured:  # only logged, on the loop
+        await confirm_held()
+        return await ctx.mailer.send(payload["to"], payload["subject"], payload["text"],
+                                     payload.get("html"), key=row.idempotency_key)
+    # Confirmed from the mail thread: a message may wait for a thread longer than a lease.
     return await ctx.mailer.send(payload["to"], payload["subject"], payload["text"],
                                  payload.get("html"), before=confirm_held.in_thread,
                                  key=row.idempotency_key)
@@ -326,6 +330,7 @@ class _LeaseCheck:
 
     def __init__(self, ctx, row):
         self.ctx, self.row = ctx, row
+        self.loop = asyncio.get_running_loop()
 
     async def __call__(self):
         """On the loop: a re-take is a write, made in the database thread."""
@@ -334,9 +339,10 @@ class _LeaseCheck:
                 _retake, self.ctx, self.row.id, self.row.next_attempt_at)))
 
     def in_thread(self):
-        """In a mail thread, which may write itself."""
+        """In a mail thread: the re-take is asked of the loop, and made in the database
+        thread like any other write; the mail thread waits for it."""
         if not _lease_ample(self.ctx, self.row):
-            self._held(_retake(self.ctx, self.row.id, self.row.next_attempt_at))
+            asyncio.run_coroutine_threadsafe(self(), self.loop).result()
 
     def _held(self, held_until):
         if held_until is None:

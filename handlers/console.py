@@ -158,9 +158,10 @@ class ConsoleHandler(HtmlHandler):
         self.render_page(template, code, **values)
         raise tornado.web.Finish()
 
-    def record(self, action, target="", outcome="", who=None, at=None):
-        console.record_action(self.ctx, who or self.current_user, self.request.remote_ip,
-                              action, target, outcome, at)
+    async def record(self, action, target="", outcome="", who=None, at=None):
+        await self.ctx.db(functools.partial(
+            console.record_action, self.ctx, who or self.current_user,
+            self.request.remote_ip, action, target, outcome, at))
 
     def show_error(self, status):
         self.public = True  # an error page shows no operator's data
@@ -225,7 +226,7 @@ class LoginHandler(ConsoleHandler):
             sessions.open_session, name, self.ctx.settings.console_password_hash, now,
             SESSION_LENGTH))
         self.set_signed_cookie(SESSION_COOKIE, token, expires=now + SESSION_LENGTH)
-        self.record("login", outcome="ok", who=name)
+        await self.record("login", outcome="ok", who=name)
         self.redirect(self.next_path())
 
     def refuse_login(self, wait):
@@ -245,16 +246,17 @@ class LogoutHandler(ConsoleHandler):
         # The session ends here, for every copy of its cookie.
         await self.ctx.db(functools.partial(sessions.end_session, self.session_token,
                                             self.ctx.clock()))
-        self.record("logout", outcome="ok")
+        await self.record("logout", outcome="ok")
         self.clear_cookie(SESSION_COOKIE)
         self.redirect("/console/login")
 
 
 class OverviewHandler(ConsoleHandler):
-    def get(self):
-        overview = console.overview(self.ctx, self.state.event_counts)
+    async def get(self):
+        overview, actions = await self.ctx.db(lambda: (
+            console.overview(self.ctx, self.state.event_counts), console.recent_actions(10)))
         self.render_page("overview", overview=overview, chart=chart(overview.events_by_day),
-                         actions=console.recent_actions(10), last_success=self.last_success)
+                         actions=actions, last_success=self.last_success)
 
     @staticmethod
     def last_success(timestamp):
@@ -288,13 +290,14 @@ def chart(events_by_day, width=560, height=160, gap=2):
 
 
 class EventsHandler(ConsoleHandler):
-    def get(self):
+    async def get(self):
         filters = console.EventFilter(
             source=self.text_argument("source"), event_type=self.text_argument("type"),
             status=self.text_argument("status"), search=self.text_argument("q"),
             since=self.time_argument("since"), until=self.time_argument("until"))
         try:
-            page = console.event_page(filters, self.text_argument("after") or None)
+            page = await self.ctx.db(functools.partial(
+                console.event_page, filters, self.text_argument("after") or None))
         except console.BadCursor:
             raise tornado.web.HTTPError(400) from None
         query = {name: self.get_argument(name, "") for name in
@@ -316,16 +319,17 @@ class EventsHandler(ConsoleHandler):
 
 
 class EventHandler(ConsoleHandler):
-    def get(self, event_id):
-        self.show_event(int(event_id))
+    async def get(self, event_id):
+        await self.show_event(int(event_id))
 
-    def show_event(self, event_id, status=200, notice=None):
+    async def show_event(self, event_id, status=200, notice=None):
         try:
-            event = operator.get_event(event_id)
+            event, effects = await self.ctx.db(
+                functools.partial(operator.event_with_effects, event_id))
         except operator.NotFound:
             raise tornado.web.HTTPError(404) from None
         self.render_page("event", status, event=event, payload=console.shown_payload(event),
-                         effects=operator.effects_of(event), notice=notice,
+                         effects=effects, notice=notice,
                          needs_confirmation=event.status not in (*operator.UNFINISHED,
                                                                  *operator.FAILURES))
 
@@ -342,13 +346,13 @@ class ReplayHandler(EventHandler):
         except operator.NotFound:
             raise tornado.web.HTTPError(404) from None
         except operator.Refused:
-            self.record("replay event", event_id, "refused: not confirmed")
-            self.show_event(event_id, 409, notice=(
+            await self.record("replay event", event_id, "refused: not confirmed")
+            await self.show_event(event_id, 409, notice=(
                 "This event was handled already. Tick the confirmation to handle it again "
                 "(its database changes are made again; its effects are not sent twice)."))
             return
-        self.record("replay event", event_id, outcome)
-        self.show_event(event_id, notice=f"Replayed: the event is now {outcome}.")
+        await self.record("replay event", event_id, outcome)
+        await self.show_event(event_id, notice=f"Replayed: the event is now {outcome}.")
 
 
 class OrderSearchHandler(ConsoleHandler):
@@ -361,21 +365,23 @@ class OrderSearchHandler(ConsoleHandler):
 
 
 class OrderHandler(ConsoleHandler):
-    def get(self, order_number):
-        order, moments = console.timeline(self.ctx, order_number)
+    async def get(self, order_number):
+        order, moments = await self.ctx.db(
+            functools.partial(console.timeline, self.ctx, order_number))
         self.render_page("order", 200 if order or moments else 404, order_number=order_number,
                          order=order, moments=moments)
 
 
 class OutboxHandler(ConsoleHandler):
-    def get(self, notice=None, status_code=200):
+    async def get(self, notice=None, status_code=200):
         status = self.text_argument("status") or "dead"
         kind = self.text_argument("kind")
         before = self.text_argument("before")
         if status not in operator.OUTBOX_STATUSES or (before and not before.isdigit()):
             raise tornado.web.HTTPError(400)
-        page = console.outbox_page(status, kind, int(before) if before else None)
-        counts = console.outbox_counts()
+        page, counts = await self.ctx.db(lambda: (
+            console.outbox_page(status, kind, int(before) if before else None),
+            console.outbox_counts()))
         kinds = sorted({kind for kind, _ in counts})
         self.render_page("outbox", status_code, page=page, counts=counts, kinds=kinds,
                          statuses=console.COUNTED_OUTBOX_STATUSES,
@@ -411,18 +417,18 @@ class RetryEffectHandler(OutboxHandler, EffectHandler):
         except operator.NotFound:
             raise tornado.web.HTTPError(404) from None
         except operator.Refused as refused:
-            self.record("retry effect", row_id, f"refused: {refused}")
+            await self.record("retry effect", row_id, f"refused: {refused}")
             await self.answer(int(row_id), f"Not retried: {refused}.", 409)
             return
         outcome = row.status if not row.last_error else f"{row.status}: {row.last_error}"
-        self.record("retry effect", row_id, outcome, at=asked_at)
+        await self.record("retry effect", row_id, outcome, at=asked_at)
         await self.answer(int(row_id), f"Effect #{row_id} ({row.kind}) retried: now {outcome}.")
 
     async def answer(self, row_id, notice, status_code=200):
         if self.get_body_argument("back", "") == "effect":
             await self.show_effect(row_id, notice, status_code)
         else:
-            OutboxHandler.get(self, notice=notice, status_code=status_code)
+            await OutboxHandler.get(self, notice=notice, status_code=status_code)
 
 
 class GiveUpHandler(EffectHandler):
@@ -436,10 +442,10 @@ class GiveUpHandler(EffectHandler):
         except operator.NotFound:
             raise tornado.web.HTTPError(404) from None
         except operator.Refused as refused:
-            self.record("give up effect", row_id, f"refused: {refused}")
+            await self.record("give up effect", row_id, f"refused: {refused}")
             await self.show_effect(row_id, f"Not given up: {refused}.", 409)
             return
-        self.record("give up effect", row_id, "dead")
+        await self.record("give up effect", row_id, "dead")
         await self.show_effect(row_id, f"Effect #{row_id} given up: it is not sent "
                                        f"unless retried (now {row.status}).")
 
@@ -447,11 +453,11 @@ class GiveUpHandler(EffectHandler):
 class RetryDeadHandler(OutboxHandler):
     SUPPORTED_METHODS = ("POST",)
 
-    def post(self):
+    async def post(self):
         kind = self.required_kind()
-        count = console.retry_dead(self.ctx, kind)
-        self.record("retry dead effects", kind, f"{count} back in line")
-        self.get(notice=f"{count} dead {kind} effect(s) back in line, due now.")
+        count = await self.ctx.db(functools.partial(console.retry_dead, self.ctx, kind))
+        await self.record("retry dead effects", kind, f"{count} back in line")
+        await self.get(notice=f"{count} dead {kind} effect(s) back in line, due now.")
 
     def required_kind(self):
         kind = self.get_body_argument("kind", "").strip()
@@ -461,18 +467,19 @@ class RetryDeadHandler(OutboxHandler):
 
 
 class DueNowHandler(RetryDeadHandler):
-    def post(self):
+    async def post(self):
         kind = self.required_kind()
-        count = console.make_due_now(self.ctx, kind)
-        self.record("make waiting effects due", kind, f"{count} due now")
-        self.get(notice=f"{count} waiting {kind} effect(s) due now; the scheduler sends "
-                        "them at its next tick.")
+        count = await self.ctx.db(functools.partial(console.make_due_now, self.ctx, kind))
+        await self.record("make waiting effects due", kind, f"{count} due now")
+        await self.get(notice=f"{count} waiting {kind} effect(s) due now; the scheduler "
+                              "sends them at its next tick.")
 
 
 class SettlementHandler(ConsoleHandler):
-    def get(self):
-        self.render_page("settlement", queue=console.settlement_queue(self.ctx),
-                         holdbacks=list(console.holdback_orders()))
+    async def get(self):
+        queue, holdbacks = await self.ctx.db(lambda: (
+            console.settlement_queue(self.ctx), list(console.holdback_orders())))
+        self.render_page("settlement", queue=queue, holdbacks=holdbacks)
 
 
 class LinksHandler(ConsoleHandler):
@@ -482,23 +489,25 @@ class LinksHandler(ConsoleHandler):
         self.render_page("links", kinds=links.KINDS, link=None, problem=None,
                          form=dict.fromkeys(self.FIELDS, ""))
 
-    def post(self):
+    async def post(self):
         form = {name: self.get_body_argument(name, "").strip() for name in self.FIELDS}
         try:
-            filings.check_link(self.ctx.settings, form["kind"], form["order"], form["cycle"])
+            await self.ctx.db(functools.partial(filings.check_link, self.ctx.settings,
+                                                form["kind"], form["order"], form["cycle"]))
             link = links.signed_link(self.ctx.settings, form["kind"], form["order"],
                                      form["cycle"])
         except (links.InvalidLinkPart, filings.LinkRefused) as exc:
             self.render_page("links", 400, kinds=links.KINDS, link=None, problem=str(exc),
                              form=form)
             return
-        self.record("sign link", f"{form['kind']} {form['order']} {form['cycle']}", "ok")
+        await self.record("sign link", f"{form['kind']} {form['order']} {form['cycle']}", "ok")
         self.render_page("links", kinds=links.KINDS, link=link, problem=None, form=form)
 
 
 class ActionsHandler(ConsoleHandler):
-    def get(self):
-        self.render_page("actions", actions=console.recent_actions(200))
+    async def get(self):
+        self.render_page("actions", actions=await self.ctx.db(
+            functools.partial(console.recent_actions, 200)))
 
 
 def console_routes(ctx):

@@ -4,6 +4,8 @@ These GETs change state, so they are idempotent: the first valid click records t
 every later one (a second click, a mail scanner's prefetch) shows the same page with that
 first time. The token is checked before the order is looked up, so a caller without a
 valid link learns nothing about which orders exist."""
+import functools
+
 import tornado.web
 
 from domain import filings, links
@@ -51,15 +53,15 @@ class FiledLinkHandler(RateLimited, PageHandler):
         self.show_error(429)
         raise tornado.web.Finish()
 
-    def head(self):
+    async def head(self):
         """Link checkers send HEAD: answer as GET would, but record nothing."""
-        self.checked_link()
+        await self.checked_link()
         self.set_status(200)
 
-    def get(self):
-        order, cycle = self.checked_link()
-        filed_at, first_time = links.record_self_filed(self.kind, order.order_number, cycle,
-                                                       self.ctx.clock())
+    async def get(self):
+        order, cycle = await self.checked_link()
+        filed_at, first_time = await self.ctx.db(functools.partial(
+            links.record_self_filed, self.kind, order.order_number, cycle, self.ctx.clock()))
         self.show(200, "filed", title=self.title, kind=self.kind,
                   order_number=order.order_number, cycle=cycle,
                   customer_name=order.customer_name or "", filed_at=filed_at,
@@ -69,7 +71,7 @@ class FiledLinkHandler(RateLimited, PageHandler):
     def title(self):
         return KIND_TITLES[self.kind]
 
-    def checked_link(self):
+    async def checked_link(self):
         """(order, cycle) of a valid link to a known order of this kind, for a cycle of
         this kind; else the 403 or 404 page (what `receiver.py link` refuses to sign,
         signed before it refused, records nothing)."""
@@ -79,7 +81,9 @@ class FiledLinkHandler(RateLimited, PageHandler):
                                  cycle, token):
             self.stop_with(403, "invalid_link", title=self.title)
         try:
-            return filings.check_link(self.ctx.settings, self.kind, order_number, cycle), cycle
+            order = await self.ctx.db(functools.partial(
+                filings.check_link, self.ctx.settings, self.kind, order_number, cycle))
+            return order, cycle
         except filings.UnknownOrder:
             self.stop_with(404, "unknown_order", title=self.title)
         except (filings.LinkRefused, links.InvalidLinkPart):

@@ -15,6 +15,7 @@ from handlers.base import ApiHandler, same_secret
 from domain import reconcile
 from models import database
 from engine import spool
+from engine.commits import set_budget
 from engine.db import why_unavailable
 
 log = logging.getLogger("receiver.ops")
@@ -124,6 +125,7 @@ class MetricsHandler(tornado.web.RequestHandler):
         self.ctx = ctx
 
     def prepare(self):
+        set_budget(self.ctx.settings.database_call_budget_seconds)
         token = self.ctx.settings.metrics_token
         if not token:
             return
@@ -133,8 +135,8 @@ class MetricsHandler(tornado.web.RequestHandler):
             self.set_header("WWW-Authenticate", 'Bearer realm="metrics"')
             self.finish("unauthorized\n")
 
-    def get(self):
+    async def get(self):
         # The classic text format: every Prometheus version (and most agents) reads it.
         self.set_header("Content-Type", CONTENT_TYPE_PLAIN_0_0_4)
         self.set_header("Cache-Control", "no-store")
-        self.finish(self.ctx.metrics.exposition(self.ctx))
+        self.finish(await self.ctx.metrics.exposition(self.ctx))

@@ -66,7 +66,7 @@ class SurveyHandler(PublicApiHandler):
     """POST /api/v1/survey: one post-completion survey response per order, from the
     customer's signed invitation (domain.links.survey_token)."""
 
-    def post(self):
+    async def post(self):
         body = self.json_body()
         self.refuse_unknown_fields(body, ("order_number", "token", "rating", "comment"))
         order_number = self.text_field(body, "order_number", MAX_ORDER_NUMBER_LENGTH)
@@ -80,12 +80,18 @@ class SurveyHandler(PublicApiHandler):
         # nor takes the one response that belongs to its customer.
         if not survey_token_valid(self.ctx.settings.link_secret, order_number, token):
             self.fail_field(403, "invalid token for this order", "token")
-        if not order_exists(order_number):
-            self.fail_field(404, "unknown order", "order_number")
         now = self.ctx.clock()
-        recorded = NEW_RESPONSE.run(order_number=order_number, rating=rating,
-                                    comment=comment, created_at=now, updated_at=now)
-        if recorded is None:
+
+        def record():
+            if not order_exists(order_number):
+                return "unknown"
+            recorded = NEW_RESPONSE.run(order_number=order_number, rating=rating,
+                                        comment=comment, created_at=now, updated_at=now)
+            return "duplicate" if recorded is None else "recorded"
+        outcome = await self.ctx.db(record)
+        if outcome == "unknown":
+            self.fail_field(404, "unknown order", "order_number")
+        if outcome == "duplicate":
             self.fail_field(409, "a survey response for this order was already recorded",
                             "order_number")
         self.answer(201, {"recorded": True, "order_number": order_number})
@@ -94,13 +100,14 @@ class SurveyHandler(PublicApiHandler):
 class ReferralCheckHandler(PublicApiHandler):
     """POST /api/v1/referral/check: is a code valid, and what does it give."""
 
-    def post(self):
+    async def post(self):
         body = self.json_body()
         self.refuse_unknown_fields(body, ("code",))
         code = self.text_field(body, "code", 64)
         if not REFERRAL_CODE.fullmatch(code):
             self.fail_field(400, "code may hold only letters, digits, - and _", "code")
-        referral = ReferralCode.get_or_none(ReferralCode.code == code.upper())
+        referral = await self.ctx.db(
+            lambda: ReferralCode.get_or_none(ReferralCode.code == code.upper()))
         if referral is None or not usable(referral, self.ctx.clock()):
             self.answer(200, {"code": code.upper(), "valid": False, "discount": None})
         else:
@@ -121,7 +128,7 @@ class ReferralInfoHandler(PublicApiHandler):
     WITHHELD = {"email": None, "codes": None,
                 "detail": "referral details are given to authenticated callers only"}
 
-    def get(self, email):
+    async def get(self, email):
         email = email.strip().lower()
         if len(email) > 254 or not EMAIL.fullmatch(email):
             self.fail_field(400, "email must be an e-mail address", "email")
@@ -131,18 +138,24 @@ class ReferralInfoHandler(PublicApiHandler):
             return
         if not same_secret(secret, self.ctx.settings.webhook_secret):
             self.fail(401, "Unauthorized")
-        codes = (ReferralCode.select()
-                 .where(fn.LOWER(ReferralCode.owner_email) == email)
-                 .order_by(ReferralCode.code))
-        self.answer(200, {"email": email, "codes": [self.describe(c) for c in codes],
+        now = self.ctx.clock()
+
+        def described():
+            codes = (ReferralCode.select()
+                     .where(fn.LOWER(ReferralCode.owner_email) == email)
+                     .order_by(ReferralCode.code))
+            return [describe(code, now) for code in codes]
+        self.answer(200, {"email": email, "codes": await self.ctx.db(described),
                           "detail": None})
 
-    def describe(self, referral):
-        paid = paid_orders_using(referral.code)
-        return {"code": referral.code, "valid": usable(referral, self.ctx.clock()),
-                "percent_off": referral.percent_off, "paid_referrals": paid,
-                "reward_cents_per_referral": referral.reward_cents,
-                "reward_earned_cents": paid * referral.reward_cents}
+
+def describe(referral, now):
+    """What the referral info tells of one code. In a unit of work (ctx.db)."""
+    paid = paid_orders_using(referral.code)
+    return {"code": referral.code, "valid": usable(referral, now),
+            "percent_off": referral.percent_off, "paid_referrals": paid,
+            "reward_cents_per_referral": referral.reward_cents,
+            "reward_earned_cents": paid * referral.reward_cents}
 
 
 def paid_orders_using(code):

@@ -9,6 +9,7 @@ Longer than most: every page's queries are here, one section a page, so what the
 costs a large database can be read in one place."""
 import dataclasses
 import datetime
+import functools
 import json
 import logging
 import re
@@ -606,12 +607,12 @@ async def retry_now(ctx, row_id):
     """Put one effect back in line (as `outbox retry` does) and send it now, unless an
     earlier effect of its order is still waiting (then the scheduler sends it after that
     one). Returns the row as it then stands."""
-    operator.retry_outbox(ctx, row_id)
+    await ctx.db(functools.partial(operator.retry_outbox, ctx, row_id))
     due = ((Outbox.id == row_id) & (Outbox.status == "pending")
            & (Outbox.next_attempt_at <= ctx.clock()))
     rows = await claim(ctx, Outbox, due)
     await outbox.deliver(ctx, rows)
-    return Outbox.get_by_id(row_id)
+    return await ctx.db(functools.partial(Outbox.get_by_id, row_id))
 
 
 def retry_dead(ctx, kind):

@@ -8,6 +8,7 @@ a scrape costs what formatting the counters costs (docs/PERFORMANCE.md).
 
 Each Context owns its own registry, so tests and several apps in one process never share
 counts."""
+import functools
 import logging
 import os
 
@@ -18,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from models import Outbox, WebhookEvent, database
 from domain import reconcile
 from engine import commits, spool
+from engine.commits import on_commit
 from engine.db import UNAVAILABLE
 from engine.destinations import DESTINATION_OF
 
@@ -86,30 +88,38 @@ class Metrics:
         return {job: (last[job] or None, runs.get((job, "ok"), 0), runs.get((job, "failed"), 0))
                 for job in sorted(last)}
 
+    # Each may be called in a unit of work (engine.commits), which may run twice or be
+    # undone: it is counted once its changes are committed.
+
     def event_handled(self, event, outcome, seconds):
-        self.events.labels(event.source, event.event_type, outcome).inc()
-        self.handling.labels(event.source).observe(seconds)
+        on_commit(self.events.labels(event.source, event.event_type, outcome).inc)
+        on_commit(functools.partial(self.handling.labels(event.source).observe, seconds))
 
     def event_duplicate(self, source, event_type):
-        self.events.labels(source, event_type, "duplicate").inc()
+        on_commit(self.events.labels(source, event_type, "duplicate").inc)
 
     def login_failed(self, reason):
         self.login_failures.labels(reason).inc()
 
     def effect_sent(self, kind, result):
-        self.sends.labels(kind, result).inc()
+        on_commit(self.sends.labels(kind, result).inc)
 
-    def exposition(self, ctx):
+    async def exposition(self, ctx):
         """The text format: our counters, then the gauges of this moment (or of the last
         computation, when it is less than `cache_seconds` old)."""
-        return generate_latest(self.registry) + self.gauges(ctx)
+        return generate_latest(self.registry) + await self.gauges(ctx)
 
-    def gauges(self, ctx):
+    async def gauges(self, ctx):
         now = ctx.clock()
         if self.state is None or not 0 <= (now - self.state[0]).total_seconds() < \
                 self.cache_seconds:
+            try:
+                counted = await ctx.db(lambda: list(database_families(ctx)))
+            except UNAVAILABLE as exc:
+                log.warning("metrics: database unavailable: %s", exc)
+                counted = []
             now_registry = CollectorRegistry()
-            now_registry.register(StateCollector(ctx))
+            now_registry.register(StateCollector(ctx, counted))
             self.state = (now, generate_latest(now_registry))
         return self.state[1]
 
@@ -133,59 +143,19 @@ class StateCollector:
     """Gauges computed at scrape time. Every query uses the (status, next_attempt_at)
     indexes; the spool is a directory listing."""
 
-    def __init__(self, ctx):
+    def __init__(self, ctx, counted):
         self.ctx = ctx
+        # database_families' answer, or nothing when the database did not give it.
+        self.counted = counted
 
     def collect(self):
         database_up = GaugeMetricFamily(
             "receiver_database_up", "1 when the database answered this scrape.")
-        try:
-            families = list(self.database_families())
-        except UNAVAILABLE as exc:
-            log.warning("metrics: database unavailable: %s", exc)
-            families = []
-        database_up.add_metric([], 1 if families else 0)
+        database_up.add_metric([], 1 if self.counted else 0)
         yield database_up
-        yield from families
+        yield from self.counted
         yield from self.destination_families()
         yield from self.spool_families()
-
-    def database_families(self):
-        pending = (Outbox.select(fn.COUNT(Outbox.id), fn.MIN(Outbox.created_at))
-                   .where(Outbox.status == "pending").tuples().get())
-        dead = Outbox.select().where(Outbox.status == "dead").count()
-        failed = WebhookEvent.select().where(WebhookEvent.status == "failed").count()
-        dead_events = WebhookEvent.select().where(WebhookEvent.status == "dead").count()
-        backlog, oldest = pending
-        yield _gauge("receiver_outbox_pending", "Effects waiting to be sent.", backlog)
-        age = 0.0
-        if oldest is not None:
-            age = max(0.0, (self.ctx.clock() - Outbox.created_at.python_value(oldest))
-                      .total_seconds())
-        yield _gauge("receiver_outbox_oldest_pending_age_seconds",
-                     "Age of the oldest effect still waiting (0 when none).", age)
-        yield _gauge("receiver_outbox_dead", "Effects given up on; see `outbox list "
-                     "--status dead`.", dead)
-        waiting = dict(Outbox.select(Outbox.kind, fn.COUNT(Outbox.id))
-                       .where(Outbox.status == "waiting").group_by(Outbox.kind).tuples())
-        family = GaugeMetricFamily(
-            "receiver_outbox_waiting", "Effects waiting for their destination to be "
-            "configured (sent once the service starts with it); not failures.",
-            labels=["destination"])
-        for kind, destination in DESTINATION_OF.items():
-            family.add_metric([destination], waiting.get(kind, 0))
-        yield family
-        yield _gauge("receiver_events_failed", "Stored events whose handling failed and "
-                     "waits for a retry.", failed)
-        yield _gauge("receiver_events_dead", "Stored events given up on after too many "
-                     "failures; see `events replay --failed`.", dead_events)
-        reconciled = GaugeMetricFamily(
-            "receiver_reconcile_last_success_timestamp_seconds", "Unix time the "
-            "reconciliation with Frappe last finished for a doctype, in any process (0: "
-            "never).", labels=["doctype"])
-        for doctype, at in reconcile.last_successes(self.ctx.settings).items():
-            reconciled.add_metric([doctype], at.timestamp() if at else 0)
-        yield reconciled
 
     def destination_families(self):
         """What this process has learnt of each destination (kept in its memory)."""
@@ -217,6 +187,45 @@ class StateCollector:
         yield _gauge("receiver_spool_quarantined", "Spooled calls the database refused to "
                      "store; see `receiver.py spool quarantined`.",
                      len(spool.quarantined(self.ctx.settings.spool_dir)))
+
+
+def database_families(ctx):
+    """The gauges the database counts. In a unit of work (ctx.db)."""
+    pending = (Outbox.select(fn.COUNT(Outbox.id), fn.MIN(Outbox.created_at))
+               .where(Outbox.status == "pending").tuples().get())
+    dead = Outbox.select().where(Outbox.status == "dead").count()
+    failed = WebhookEvent.select().where(WebhookEvent.status == "failed").count()
+    dead_events = WebhookEvent.select().where(WebhookEvent.status == "dead").count()
+    backlog, oldest = pending
+    yield _gauge("receiver_outbox_pending", "Effects waiting to be sent.", backlog)
+    age = 0.0
+    if oldest is not None:
+        age = max(0.0, (ctx.clock() - Outbox.created_at.python_value(oldest))
+                  .total_seconds())
+    yield _gauge("receiver_outbox_oldest_pending_age_seconds",
+                 "Age of the oldest effect still waiting (0 when none).", age)
+    yield _gauge("receiver_outbox_dead", "Effects given up on; see `outbox list "
+                 "--status dead`.", dead)
+    waiting = dict(Outbox.select(Outbox.kind, fn.COUNT(Outbox.id))
+                   .where(Outbox.status == "waiting").group_by(Outbox.kind).tuples())
+    family = GaugeMetricFamily(
+        "receiver_outbox_waiting", "Effects waiting for their destination to be "
+        "configured (sent once the service starts with it); not failures.",
+        labels=["destination"])
+    for kind, destination in DESTINATION_OF.items():
+        family.add_metric([destination], waiting.get(kind, 0))
+    yield family
+    yield _gauge("receiver_events_failed", "Stored events whose handling failed and "
+                 "waits for a retry.", failed)
+    yield _gauge("receiver_events_dead", "Stored events given up on after too many "
+                 "failures; see `events replay --failed`.", dead_events)
+    reconciled = GaugeMetricFamily(
+        "receiver_reconcile_last_success_timestamp_seconds", "Unix time the "
+        "reconciliation with Frappe last finished for a doctype, in any process (0: "
+        "never).", labels=["doctype"])
+    for doctype, at in reconcile.last_successes(ctx.settings).items():
+        reconciled.add_metric([doctype], at.timestamp() if at else 0)
+    yield reconciled
 
 
 def _samples(metric):

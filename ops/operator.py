@@ -15,6 +15,7 @@ takes. What it can and cannot redo:
 """
 import dataclasses
 import datetime
+import functools
 from typing import Callable, Optional
 
 from models import Outbox, WebhookEvent
@@ -67,19 +68,26 @@ def get_event(event_id):
     return event
 
 
-def effects_of(event):
-    return list(Outbox.select().where(Outbox.event == event.id).order_by(Outbox.id))
+def event_with_effects(event_id):
+    """(the event, its outbox rows); NotFound when there is no such event."""
+    event = get_event(event_id)
+    return event, list(Outbox.select().where(Outbox.event == event.id).order_by(Outbox.id))
 
 
 async def replay(ctx, event_id, force=False):
     """Handle one event again; returns the outcome (processed, failed, ignored...)."""
+    event = await ctx.db(functools.partial(_to_replay, ctx, event_id, force))
+    return await inbox.process(ctx, event)
+
+
+def _to_replay(ctx, event_id, force):
     event = get_event(event_id)
     if event.status not in UNFINISHED:
         if event.status not in FAILURES and not force:
             raise Refused(f"event #{event.id} is {event.status}; add --force to handle "
                           "it again (its effects are not sent twice)")
         event = _reopen(ctx, event)
-    return await inbox.process(ctx, event)
+    return event
 
 
 def _reopen(ctx, event):
@@ -98,8 +106,9 @@ class Replayed:
 async def replay_failed(ctx, progress: Optional[Callable[[int, int], None]] = None):
     """Every failed or dead event, oldest first, one after the other (so the effects of
     one order keep their order); `progress(done, total)` after each."""
-    failed = list(WebhookEvent.select().where(WebhookEvent.status.in_(FAILURES))
-                  .order_by(WebhookEvent.received_at, WebhookEvent.id))
+    failed = await ctx.db(lambda: list(
+        WebhookEvent.select().where(WebhookEvent.status.in_(FAILURES))
+        .order_by(WebhookEvent.received_at, WebhookEvent.id)))
     replayed = []
     if progress:
         progress(0, len(failed))

@@ -72,16 +72,16 @@ def migrated_db(database_url):
     return db
 
 
-@pytest.fixture
+@pytest.fixture(scope="session", autouse=True)
 def thread_check():
-    """See tests/door.py."""
+    """On for the whole suite: see tests/door.py."""
     check = ThreadCheck()
     check.install()
     yield check
     check.remove()
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def statements_through_the_door(thread_check):
     """A test during which the service ran a statement outside the door fails, even when
     the service caught the refusal."""

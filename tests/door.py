@@ -12,14 +12,18 @@ Allowed besides, by name:
   checks that read them; the fixtures) or in a migration (run before the service serves).
   What counts is the code that asked for the statement: a test calling a service
   function that runs a statement on its thread is refused like the service would be.
+  A test that calls the service's synchronous database code (to seed rows with
+  Effects, say, or to see what a query finds) runs it `through_the_door(...)`, in the
+  database thread.
 """
+import functools
 import os
 import sys
 import threading
 import traceback
 
 import models
-from engine.commits import in_a_turn
+from engine.commits import DATABASE_THREAD, _run_batch, in_a_turn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 THREADS_ALLOWED = ("job-locks", "db-probe")
@@ -43,7 +47,7 @@ class ThreadCheck:
         caller = _caller()
         if caller is not None and caller.f_code.co_filename.startswith(CALLERS_ALLOWED):
             return
-        where = "".join(traceback.format_stack(caller)) if caller else "(no caller)"
+        where = "".join(traceback.format_stack(caller, limit=6)) if caller else "(no caller)"
         self.refused.append(f"{sql[:80]!r} in thread {threading.current_thread().name}:\n{where}")
         raise OutsideTheDoor(f"a statement outside the door (engine.commits): {sql[:80]!r}")
 
@@ -61,3 +65,13 @@ def _caller():
                                     for part in PASSED_THROUGH):
         frame = frame.f_back
     return frame
+
+
+def through_the_door(unit, *args, **kwargs):
+    """For a test's own set-up and checks that call the service's synchronous database
+    code: run it in a turn of its own in the database thread, and wait for it."""
+    [(result, failure)] = DATABASE_THREAD.submit(
+        _run_batch, [functools.partial(unit, *args, **kwargs)]).result()
+    if failure is not None:
+        raise failure
+    return result

@@ -128,7 +128,9 @@ class TcpProxy:
     clients); `restore()` forwards again. `freeze()` keeps every connection open and
     accepts new ones, but drops every byte either way (a hung server, or a partition
     whose packets vanish): nothing is refused, nothing answers. `thaw()` closes the
-    connections that lost bytes and forwards again."""
+    connections that lost bytes and forwards again. `slow(seconds)` holds every reply
+    (each read from the server) that long before passing it on: a database that answers
+    everything, late; `slow(0)` ends it."""
 
     def __init__(self, target_host, target_port):
         self.target = (target_host, target_port)
@@ -139,6 +141,7 @@ class TcpProxy:
         self.is_cut = False
         self.is_frozen = False
         self.frozen_sockets = set()
+        self.reply_delay = 0
         self.closed = False
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -173,6 +176,9 @@ class TcpProxy:
         for sock in sockets:
             _close(sock)
 
+    def slow(self, seconds):
+        self.reply_delay = seconds
+
     def close(self):
         self.closed = True
         self.thaw()
@@ -201,13 +207,18 @@ class TcpProxy:
             upstream.settimeout(None)
             with self.lock:
                 self.open_sockets.update((client, upstream))
-            for source, sink in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
+            for source, sink, replies in ((client, upstream, False),
+                                          (upstream, client, True)):
+                threading.Thread(target=self._pipe, args=(source, sink, replies),
+                                 daemon=True).start()
 
-    def _pipe(self, source, sink):
-        """Forward `source` to `sink` (None: nowhere); bytes read while frozen are dropped."""
+    def _pipe(self, source, sink, replies=False):
+        """Forward `source` to `sink` (None: nowhere); bytes read while frozen are dropped.
+        `replies`: the server's side, held back by `slow`."""
         try:
             while data := source.recv(65536):
+                if replies and self.reply_delay:
+                    time.sleep(self.reply_delay)
                 if sink is not None and not self.is_frozen:
                     sink.sendall(data)
         except OSError:

@@ -7,9 +7,11 @@ import threading
 
 import pytest
 
-from models import WebhookEvent
-from engine import commits, retention
+from clients.http import Result
+from models import Outbox, WebhookEvent
+from engine import commits, outbox, retention
 from tests.door import OutsideTheDoor
+from tests.test_cli import outbox_row
 
 
 @pytest.mark.gen_test
@@ -59,3 +61,36 @@ async def test_the_thread_check_refuses_service_code_off_the_database_thread(
     # Statements written in a test (set-up, checks) are let through.
     assert WebhookEvent.select().count() == 0
     assert thread_check.refused == []
+
+
+def sends_counted(ctx, kind, result):
+    return ctx.metrics.sends.labels(kind, result)._value.get()
+
+
+@pytest.mark.gen_test
+async def test_a_counter_changed_in_a_unit_is_counted_once_when_its_turn_runs_again(ctx):
+    """Another unit of the same turn fails: the turn is rolled back and run again with
+    savepoints, and the outcome recorded once, counted once."""
+    row = outbox_row()
+
+    def failing():
+        raise ValueError("this unit fails")
+    recorded, failed = await asyncio.gather(
+        ctx.db(functools.partial(outbox.record_outcome, ctx, row, Result(ok=True))),
+        ctx.db(failing), return_exceptions=True)
+    assert recorded is None and isinstance(failed, ValueError)
+    assert Outbox.get_by_id(row.id).status == "sent"
+    assert sends_counted(ctx, "job", "sent") == 1
+
+
+@pytest.mark.gen_test
+async def test_a_counter_changed_in_a_unit_that_is_undone_is_not_counted(ctx):
+    row = outbox_row()
+
+    def recorded_then_failing():
+        outbox.record_outcome(ctx, row, Result(ok=True))
+        raise ValueError("this unit fails after recording")
+    with pytest.raises(ValueError):
+        await ctx.db(recorded_then_failing)
+    assert Outbox.get_by_id(row.id).status == "pending"
+    assert sends_counted(ctx, "job", "sent") == 0

@@ -269,14 +269,12 @@ async def test_a_run_that_lost_its_filing_reminder_to_a_run_past_midnight_mails_
         ctx, clock, smtp):
     from domain import reminders
     from engine.outbox import Effects
-    from models import database
     paid("CO-1", "ifta")
     day = datetime.date(2027, 1, 17)
     clock.set(2027, 1, 17, 23, 59)
-    [entry] = reminders.plan(ctx, day)      # this run plans the 14-day reminder ...
+    [entry] = await ctx.db(lambda: reminders.plan(ctx, day))  # this run plans the reminder
     clock.set(2027, 1, 18, 0, 1)
     await send_reminders(ctx)               # ... which another run sends after midnight
     effects = Effects(ctx)
-    with database.atomic():
-        reminders._remind(ctx, effects, entry, day)
+    await ctx.db(lambda: reminders._remind(ctx, effects, entry, day))
     assert effects.rows == [] and len(smtp.messages) == 1

@@ -3,6 +3,7 @@ a row goes out once however slow its sending, and a sender that raises cannot le
 row stuck (tests/test_outbox_destinations.py: each destination on its own)."""
 import asyncio
 import concurrent.futures
+import dataclasses
 import datetime
 import threading
 
@@ -11,6 +12,7 @@ import pytest
 from models import Outbox
 from engine import outbox
 from engine.outbox import Effects
+from tests.door import through_the_door
 
 
 def mail(to="customer@example.test", subject="Your order", text="Hello"):
@@ -26,7 +28,8 @@ def new_job(ctx, clock):
     """A worker job for FO-1 just written at 2026-11-20 09:00: (its Effects, its row id)."""
     clock.set(2026, 11, 20, 9, 0)
     effects = Effects(ctx)
-    return effects, effects.job("deliver", {"order_number": "FO-1"}, key="job-FO-1-deliver")
+    return effects, through_the_door(effects.job, "deliver", {"order_number": "FO-1"},
+                                     key="job-FO-1-deliver")
 
 
 @pytest.fixture
@@ -47,7 +50,7 @@ async def test_a_mail_waiting_for_a_thread_past_its_lease_is_sent_once(
         ctx, clock, smtp, one_mail_thread):
     clock.set(2026, 11, 20, 9, 0)
     effects = Effects(ctx)
-    row_id = effects.add("email", mail(), key="email-FO-1", order_number="FO-1")
+    row_id = through_the_door(effects.add, "email", mail(), key="email-FO-1", order_number="FO-1")
     request = asyncio.ensure_future(outbox.deliver(ctx, effects.rows))  # its request sends it
     await asyncio.sleep(0.2)
 
@@ -82,10 +85,11 @@ async def test_a_sender_that_raises_makes_its_row_dead_not_stuck(ctx, clock, smt
     clock.set(2026, 11, 20, 9, 0)
     effects = Effects(ctx)
     # A line break in an address cannot go into a header: composing the mail raises.
-    poison = effects.add("email", mail(to="a@example.test\nBcc: b@example.test"),
-                         key="email-FO-1-poison", order_number="FO-1")
-    later = effects.add("email", mail(subject="Next step"), key="email-FO-1-later",
-                        order_number="FO-1")
+    poison = through_the_door(effects.add, "email",
+                              mail(to="a@example.test\nBcc: b@example.test"),
+                              key="email-FO-1-poison", order_number="FO-1")
+    later = through_the_door(effects.add, "email", mail(subject="Next step"),
+                             key="email-FO-1-later", order_number="FO-1")
     clock.advance(seconds=ctx.settings.claim_lease_seconds + 1)
 
     # The order's later mail is not held behind it (mails are ordered behind nothing),
@@ -105,8 +109,9 @@ async def test_a_sender_that_raises_makes_its_row_dead_not_stuck(ctx, clock, smt
 async def test_a_subject_with_a_line_break_is_sent_on_one_line_without_injected_headers(
         ctx, smtp):
     effects = Effects(ctx)
-    effects.add(
-        "email", mail(subject="Your order\r\nBcc: intruder@example.test"), key="email-injected")
+    through_the_door(effects.add, "email",
+                     mail(subject="Your order\r\nBcc: intruder@example.test"),
+                     key="email-injected")
     [result] = await outbox.deliver(ctx, effects.rows)
 
     assert result.ok
@@ -121,8 +126,8 @@ async def test_a_mail_sent_again_after_its_outcome_was_lost_keeps_its_message_id
         ctx, clock, smtp):
     clock.set(2026, 11, 20, 9, 0)
     effects = Effects(ctx)
-    first = effects.add("email", mail(), key="email-first")
-    effects.add("email", mail(), key="email-second")
+    first = through_the_door(effects.add, "email", mail(), key="email-first")
+    through_the_door(effects.add, "email", mail(), key="email-second")
     await outbox.deliver(ctx, effects.rows)
     # The process died before it recorded the first one as sent: it goes out again.
     Outbox.update(status="pending").where(Outbox.id == first).execute()
@@ -173,3 +178,36 @@ async def test_a_re_take_whose_turn_is_undone_and_run_again_still_takes_the_row(
     assert isinstance(failed, RuntimeError)
     assert sent is not None and sent.ok and len(worker.requests) == 1
     assert Outbox.get_by_id(row_id).status == "sent"
+
+
+@pytest.mark.gen_test
+async def test_a_mail_only_logged_whose_lease_has_run_down_is_re_taken_through_the_door(
+        ctx, clock):
+    """With SMTP_URL unset the mail is only logged, on the loop: its re-take is a write
+    all the same, made in the database thread (the thread check refuses it elsewhere)."""
+    ctx.settings = ctx.mailer.settings = dataclasses.replace(ctx.settings, smtp_url="")
+    clock.set(2026, 11, 20, 9, 0)
+    effects = Effects(ctx)
+    row_id = through_the_door(effects.add, "email", mail(), key="email-FO-1",
+                              order_number="FO-1")
+    clock.advance(seconds=2)  # more than RETAKE_SLACK of the lease is gone
+    [result] = await outbox.deliver(ctx, effects.rows)
+    row = Outbox.get_by_id(row_id)
+    assert result.logged and row.status == "logged"
+    assert row.next_attempt_at == clock() + datetime.timedelta(
+        seconds=ctx.settings.claim_lease_seconds)
+
+
+@pytest.mark.gen_test
+async def test_a_mail_whose_lease_has_run_down_is_re_taken_from_its_mail_thread(
+        ctx, clock, smtp):
+    clock.set(2026, 11, 20, 9, 0)
+    effects = Effects(ctx)
+    row_id = through_the_door(effects.add, "email", mail(), key="email-FO-1",
+                              order_number="FO-1")
+    clock.advance(seconds=2)
+    [result] = await outbox.deliver(ctx, effects.rows)
+    row = Outbox.get_by_id(row_id)
+    assert result.ok and row.status == "sent" and len(smtp.messages) == 1
+    assert row.next_attempt_at == clock() + datetime.timedelta(
+        seconds=ctx.settings.claim_lease_seconds)

@@ -18,6 +18,7 @@ from models import Outbox
 from scheduler import Scheduler
 from tests.conftest import WEBHOOK_SECRET
 from tests.test_faults import eventually, figures
+from tests.door import through_the_door
 
 AUTH = {"X-Webhook-Secret": WEBHOOK_SECRET, "Content-Type": "application/json"}
 
@@ -54,10 +55,11 @@ async def two_steps_of_one_order(post, clock):
         assert status == 200
 
 
-def gauges(ctx):
+async def gauges(ctx):
     """/metrics as the app renders it: {(name, labels): value}."""
     found = {}
-    for family in text_string_to_metric_families(ctx.metrics.exposition(ctx).decode()):
+    exposition = await ctx.metrics.exposition(ctx)
+    for family in text_string_to_metric_families(exposition.decode()):
         for sample in family.samples:
             found[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
     return found
@@ -87,7 +89,7 @@ async def test_a_failing_alert_holds_back_neither_the_workflow_action_nor_the_jo
     clock.set(2026, 11, 20, 9, 0)
     telegram.fail_with(500)
     alerts = Effects(ctx)
-    alerts.alert("FO-1 paid", key="alert-FO-1", order_number="FO-1")
+    through_the_door(alerts.alert, "FO-1 paid", key="alert-FO-1", order_number="FO-1")
     [failed] = await outbox.deliver(ctx, alerts.rows)
     assert not failed.ok and statuses("alert") == ["pending"]
 
@@ -114,8 +116,9 @@ async def test_an_orders_jobs_keep_their_order_while_its_mail_goes_out(
     await post(webhook("formation/submitted"), submitted(1), AUTH)
     worker.fail_with(200, {"ok": True})
     mails = Effects(ctx)
-    mails.add("email", {"to": ["customer@example.test"], "subject": "Your order",
-                        "text": "Hello"}, key="email-FO-1", order_number="FO-1")
+    through_the_door(mails.add, "email", {"to": ["customer@example.test"],
+                                          "subject": "Your order", "text": "Hello"},
+                     key="email-FO-1", order_number="FO-1")
     [mailed] = await outbox.deliver(ctx, mails.rows)  # ordered behind nothing
     await post(webhook("formation/name-available"), submitted(1), AUTH)
 
@@ -150,7 +153,7 @@ async def test_without_workflow_url_the_jobs_go_out_and_the_actions_wait_for_a_r
     waiting = list(Outbox.select().where(Outbox.kind == "workflow_action").order_by(Outbox.id))
     assert [(row.status, row.attempts, row.last_error) for row in waiting] == [
         ("waiting", 0, "WORKFLOW_URL is not set")] * 2
-    metrics = gauges(ctx)
+    metrics = await gauges(ctx)
     assert metrics[("receiver_outbox_waiting", (("destination", "workflow"),))] == 2
     assert metrics[("receiver_outbox_waiting", (("destination", "worker"),))] == 0
     assert metrics[("receiver_outbox_pending", ())] == 0  # not a failure, nor a backlog
@@ -194,9 +197,10 @@ async def test_an_alert_or_mail_with_nowhere_to_go_is_logged_and_says_so(ctx, cl
     caplog.set_level(logging.INFO)
     clock.set(2026, 11, 20, 9, 0)
     effects = Effects(ctx)
-    effects.alert("FO-1 paid", key="alert-FO-1", order_number="FO-1")
-    effects.add("email", {"to": ["customer@example.test"], "subject": "Hi", "text": "Hi"},
-                key="email-FO-1")
+    through_the_door(effects.alert, "FO-1 paid", key="alert-FO-1", order_number="FO-1")
+    through_the_door(effects.add, "email",
+                     {"to": ["customer@example.test"], "subject": "Hi", "text": "Hi"},
+                     key="email-FO-1")
     results = await outbox.deliver(ctx, effects.rows)
 
     assert all(result.ok and result.logged for result in results)
@@ -220,7 +224,7 @@ async def test_a_2xx_reply_that_is_not_json_is_delivered_once_with_a_warning(
     worker.status, worker.body = status, body
     worker.content_type = content_type or "text/plain"
     effects = Effects(ctx)
-    row_id = effects.job("name_search", {"order_number": "FO-1"}, key="job-FO-1")
+    row_id = through_the_door(effects.job, "name_search", {"order_number": "FO-1"}, key="job-FO-1")
     [result] = await outbox.deliver(ctx, effects.rows)
 
     assert result.ok and result.status == status
@@ -239,12 +243,13 @@ async def test_a_2xx_reply_that_is_not_json_is_delivered_once_with_a_warning(
 def jobs(ctx, count, first=1):
     """`count` jobs of as many orders, written now; their row ids."""
     effects = Effects(ctx)
-    return [effects.job("name_search", {"order_number": f"FO-{n}"}, key=f"job-FO-{n}")
+    return [through_the_door(effects.job, "name_search", {"order_number": f"FO-{n}"},
+                             key=f"job-FO-{n}")
             for n in range(first, first + count)]
 
 
-def worker_up(ctx):
-    return gauges(ctx)[("receiver_destination_up", (("destination", "worker"),))]
+async def worker_up(ctx):
+    return (await gauges(ctx))[("receiver_destination_up", (("destination", "worker"),))]
 
 
 @pytest.mark.gen_test
@@ -256,7 +261,7 @@ async def test_a_worker_down_is_left_alone_but_for_one_probe_on_a_backoff(
     jobs(ctx, down_after + 1)
     clock.advance(seconds=ctx.settings.claim_lease_seconds + 1)
     await outbox.send_due(ctx)
-    assert len(worker.requests) == down_after + 1 and worker_up(ctx) == 0
+    assert len(worker.requests) == down_after + 1 and await worker_up(ctx) == 0
     readiness = json.loads((await client.fetch(base_url + "/readyz")).body)
     # Told, but not a check: the webhooks are still taken, and their effects wait.
     assert readiness["destinations"]["worker"] == "down"
@@ -279,7 +284,7 @@ async def test_a_worker_down_is_left_alone_but_for_one_probe_on_a_backoff(
     assert await tried_after(2 * first_probe - 1) == 0  # the next waits twice as long
     worker.fail_with(200, {"ok": True})
     assert await tried_after(2, live=101) == 1  # a webhook's job is the probe: back up
-    assert worker_up(ctx) == 1
+    assert await worker_up(ctx) == 1
     await tried_after(60)  # the rows' backoffs have run out: they all go
     assert statuses("job") == ["sent"] * (down_after + 3)
     changes = [r.getMessage() for r in caplog.records if r.getMessage().startswith(
@@ -301,12 +306,13 @@ async def test_the_backlog_never_holds_the_calls_kept_for_live_sends(ctx, clock,
     assert len(worker.requests) == backlog_share  # no more than its share
 
     live = Effects(ctx)
-    live.job("name_search", {"order_number": "FO-LIVE"}, key="job-FO-LIVE")
+    through_the_door(live.job, "name_search", {"order_number": "FO-LIVE"}, key="job-FO-LIVE")
     request = asyncio.ensure_future(outbox.deliver(ctx, live.rows))
     await eventually(lambda: len(worker.requests) == backlog_share + 1)
     assert worker.requests[-1].json["order_number"] == "FO-LIVE"
-    assert gauges(ctx)[("receiver_destination_in_flight", (("destination", "worker"),))] \
-        == backlog_share + 1
+    in_flight = (await gauges(ctx))[("receiver_destination_in_flight",
+                                      (("destination", "worker"),))]
+    assert in_flight == backlog_share + 1
 
     worker.hold.set()
     assert await scheduled == backlog_share + 2

@@ -14,6 +14,7 @@ from domain import treasury
 from engine.commits import GroupCommit, savepoint
 from engine.prepared import InsertOnce, Prepared, save_changes, slot
 from tests import shkeeper
+from tests.door import through_the_door
 
 NEW_EVENT = InsertOnce(WebhookEvent)
 
@@ -45,18 +46,19 @@ def new_event(key, **values):
 
 
 def test_an_insert_once_returns_the_new_id_then_none_and_the_transaction_goes_on():
-    with database.atomic():
+    def in_one_transaction():
         first = new_event("k")
         assert new_event("k") is None
-        other = new_event("other")
+        return first, new_event("other")
+    first, other = through_the_door(in_one_transaction)
     assert first and other and other != first
     assert WebhookEvent.select().count() == 2
 
 
 def test_defaults_are_computed_at_each_insert_not_frozen_into_the_statement():
-    first = WebhookEvent.get_by_id(new_event("a"))
+    first = WebhookEvent.get_by_id(through_the_door(new_event, "a"))
     time.sleep(0.01)
-    second = WebhookEvent.get_by_id(new_event("b"))
+    second = WebhookEvent.get_by_id(through_the_door(new_event, "b"))
     assert (first.status, first.attempts) == ("received", 0)
     assert second.received_at > first.received_at
 
@@ -71,22 +73,24 @@ def test_a_prepared_insert_with_a_column_left_to_peewee_is_refused():
 
 
 def test_a_row_built_without_reading_back_equals_the_stored_row():
-    event = NEW_EVENT.row(source="test", event_type="t", dedup_key="k", payload="{\"a\": 1}",
-                          order_number="FO-1")
+    event = through_the_door(NEW_EVENT.row, source="test", event_type="t", dedup_key="k",
+                             payload="{\"a\": 1}", order_number="FO-1")
     stored = WebhookEvent.get_by_id(event.id)
     assert event.__data__ == stored.__data__
-    assert NEW_EVENT.row(source="test", event_type="t", dedup_key="k", payload="{}") is None
+    assert through_the_door(NEW_EVENT.row, source="test", event_type="t", dedup_key="k",
+                            payload="{}") is None
 
 
 def test_a_prepared_select_converts_values_both_ways():
     when = datetime.datetime(2026, 11, 22, 3, 4, 5, 678901, tzinfo=datetime.timezone.utc)
-    new_event("k", received_at=when)
+    through_the_door(new_event, "k", received_at=when)
     by_time = Prepared(lambda: WebhookEvent.select().where(
         WebhookEvent.received_at == slot(WebhookEvent.received_at)))
-    found = by_time.first(received_at=when.astimezone(datetime.timezone(
+    found = through_the_door(by_time.first, received_at=when.astimezone(datetime.timezone(
         datetime.timedelta(hours=-5))))
     assert found.received_at == when and found.received_at.tzinfo is not None
-    assert by_time.first(received_at=when + datetime.timedelta(seconds=1)) is None
+    assert through_the_door(by_time.first,
+                            received_at=when + datetime.timedelta(seconds=1)) is None
 
 
 def test_save_changes_writes_only_the_changed_columns(second_connection):
@@ -96,7 +100,7 @@ def test_save_changes_writes_only_the_changed_columns(second_connection):
     run_sql(second_connection,
             "UPDATE formation_orders SET customer_name = 'Bea' WHERE order_number = 'FO-9'")
     order.payment_status = "paid"
-    save_changes(order)
+    through_the_door(save_changes, order)
     stored = FormationOrder.get(FormationOrder.order_number == "FO-9")
     assert (stored.payment_status, stored.customer_name) == ("paid", "Bea")
     assert not order.dirty_fields

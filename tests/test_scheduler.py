@@ -15,6 +15,7 @@ from engine import inbox, outbox, retention
 from settings import ConfigurationError, Settings
 from tests.conftest import WEBHOOK_SECRET
 from tests.service_process import postgres_only
+from tests.door import through_the_door
 
 AUTH = {"X-Webhook-Secret": WEBHOOK_SECRET, "Content-Type": "application/json"}
 
@@ -128,8 +129,8 @@ async def test_an_orders_later_effect_waits_for_its_earlier_one(post, ctx, clock
 
 def stored_event(ctx, number, payload=None, **fields):
     body = json.dumps(order(number) if payload is None else payload)
-    event, created = inbox.store(ctx, "workflow", "formation/ready", f"key-{number}", body,
-                                  order_number=number)
+    event, created = through_the_door(inbox.store, ctx, "workflow", "formation/ready",
+                                      f"key-{number}", body, order_number=number)
     assert created
     if fields:
         WebhookEvent.update(**fields).where(WebhookEvent.id == event.id).execute()
@@ -303,10 +304,10 @@ def test_pruning_deletes_only_handled_events_and_sent_effects_past_retention(ctx
         Outbox.create(kind="job", payload="{}", idempotency_key=f"k{n}", status=status,
                       sent_at=when, event=kept[0])
 
-    assert retention.prune(ctx) == (2, 1)
+    assert through_the_door(retention.prune, ctx) == (2, 1)
     assert sorted(e.id for e in WebhookEvent.select()) == sorted(kept)
     assert sorted(r.status for r in Outbox.select()) == ["dead", "pending", "sent"]
-    assert retention.prune(ctx) == (0, 0)
+    assert through_the_door(retention.prune, ctx) == (0, 0)
 
 
 @pytest.mark.gen_test
@@ -330,12 +331,12 @@ def test_events_stored_already_ignored_are_pruned_after_retention_from_their_arr
     for key in ("old", "recent"):
         if key == "recent":
             clock.advance(days=ctx.settings.retention_days - 1)
-        event, created = inbox.store(ctx, "crypto", "callback", f"no-external-id:{key}",
-                                      "{}", status="ignored")
+        event, created = through_the_door(inbox.store, ctx, "crypto", "callback",
+                                          f"no-external-id:{key}", "{}", status="ignored")
         assert created and event.processed_at is None
     clock.advance(days=1, minutes=1)
 
-    assert retention.prune(ctx) == (1, 0)
+    assert through_the_door(retention.prune, ctx) == (1, 0)
     assert [e.dedup_key for e in WebhookEvent.select()] == ["no-external-id:recent"]
 
 
@@ -382,7 +383,8 @@ async def test_a_destination_found_back_has_its_backlog_sent_at_once_not_at_the_
     assert worker_destination.state == "down"
     effects = outbox.Effects(ctx)
     for number in range(1, 4):
-        effects.job("name_search", {"order_number": f"FO-{number}"}, key=f"job-FO-{number}")
+        through_the_door(effects.job, "name_search", {"order_number": f"FO-{number}"},
+                         key=f"job-FO-{number}")
     clock.advance(seconds=ctx.settings.claim_lease_seconds + 1)  # due, but not yet probed
 
     scheduler = Scheduler(ctx)

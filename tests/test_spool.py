@@ -1,6 +1,7 @@
 """The spool: calls accepted while the database is down are kept in an fsynced file and
 stored and handled once when it is back (docs/ARCHITECTURE.md, "One inbound call")."""
 import base64
+import contextlib
 import dataclasses
 import glob
 import json
@@ -12,8 +13,10 @@ import pytest
 
 from models import Outbox, WebhookEvent
 from engine import inbox, spool
+from engine.db import UNAVAILABLE
 from tests.conftest import WEBHOOK_SECRET
-from tests.service_process import ROOT, database_down
+from tests.door import through_the_door
+from tests.service_process import ROOT, database_down, postgres_only
 
 AUTH = {"X-Webhook-Secret": WEBHOOK_SECRET, "Content-Type": "application/json"}
 SUBMITTED = "/api/v1/webhooks/formation/submitted"
@@ -104,7 +107,7 @@ async def test_a_drain_that_died_midway_is_finished_by_the_next_without_duplicat
     assert draining.endswith(".draining")
     with open(draining, encoding="utf-8") as handle:
         first = spool._decode(json.loads(handle.readline()))
-    inbox.store_spooled(ctx, first)
+    through_the_door(inbox.store_spooled, ctx, first)
 
     assert await inbox.drain_spool(ctx) == 3
 
@@ -170,7 +173,8 @@ def test_an_append_that_fails_midway_leaves_nothing_of_itself(ctx):
 async def test_a_call_drained_after_a_long_outage_is_left_to_the_drain_for_a_lease(
         ctx, clock):
     clock.set(2026, 11, 20, 12, 0)  # three hours after the call was accepted
-    event, created = inbox.store_spooled(ctx, spool._decode(unhandled_call("late")))
+    event, created = through_the_door(inbox.store_spooled, ctx,
+                                      spool._decode(unhandled_call("late")))
     assert created
 
     assert await inbox.retry_due(ctx) == 0  # the drain that stored it handles it
@@ -359,3 +363,33 @@ async def test_an_unreadable_line_mid_file_is_quarantined_with_its_bytes_and_rea
     letters = [json.loads(row.payload) for row in Outbox.select().where(Outbox.kind == "email")]
     assert [letter["subject"] for letter in letters] == 2 * ["Spooled unknown call quarantined"]
     assert "formation/sub" in letters[0]["text"]
+
+
+@postgres_only
+@pytest.mark.gen_test
+async def test_a_quarantine_notice_the_database_could_not_take_is_not_lost_with_the_spool(
+        ctx, db, smtp):
+    """The database refuses a spooled call, then cannot take the administrator's notice
+    (disk full, SQLSTATE 53100): the spool file, the call's only copy, is kept until a
+    drain has both quarantined the call and committed the notice."""
+    poison = {**unhandled_call("poison"), "event_type": None}  # NOT NULL in the inbox
+    spool.append(ctx.settings.spool_dir, poison)
+    db.execute_sql("CREATE FUNCTION disk_full() RETURNS trigger AS $$ BEGIN "
+                   "RAISE EXCEPTION 'could not extend file' USING ERRCODE = '53100'; "
+                   "END $$ LANGUAGE plpgsql")
+    db.execute_sql("CREATE TRIGGER disk_full BEFORE INSERT ON outbox "
+                   "FOR EACH ROW EXECUTE FUNCTION disk_full()")
+    try:
+        with contextlib.suppress(*UNAVAILABLE):
+            await inbox.drain_spool(ctx)
+    finally:
+        db.execute_sql("DROP TRIGGER disk_full ON outbox")
+        db.execute_sql("DROP FUNCTION disk_full()")
+    assert Outbox.select().count() == 0
+
+    await inbox.drain_spool(ctx)
+    [mail] = Outbox.select().where(Outbox.kind == "email")
+    assert json.loads(mail.payload)["subject"] == "Spooled workflow call quarantined"
+    [call] = spool.quarantined(ctx.settings.spool_dir)
+    assert call["dedup_key"] == "poison"
+    assert [os.path.basename(path) for path in spool_files(ctx)] == [spool.UNSTORABLE_NAME]
