@@ -11,6 +11,7 @@ from engine import inbox
 from engine.outbox import Effects
 from ops import operator
 from tests.conftest import WEBHOOK_SECRET
+from tests.door import through_the_door
 from tests.test_inbox import card_plugin  # noqa: F401 (a fixture)
 
 AUTH = {"X-Webhook-Secret": WEBHOOK_SECRET, "Content-Type": "application/json"}
@@ -147,7 +148,7 @@ async def test_rows_stored_by_position_are_recognised_by_kind_when_the_order_cha
 def test_an_effect_without_a_key_or_a_purpose_is_refused(ctx):
     with pytest.raises(TypeError, match="needs a key, or a purpose"):
         Effects(ctx).job("deliver", {"order_number": "FO-7"}, purpose="deliver")
-    event, _ = inbox.store(ctx, "card", "test.effects", "k-unnamed", b"{}")
+    event, _ = through_the_door(inbox.store, ctx, "card", "test.effects", "k-unnamed", b"{}")
     with pytest.raises(TypeError, match="needs a key, or a purpose"):
         Effects(ctx, event).alert("FO-7 paid")
     assert Outbox.select().count() == 0
