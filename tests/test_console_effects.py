@@ -13,6 +13,7 @@ from ops import console
 from tests.console_helpers import (  # noqa: F401 (fixture)
     console_settings, logged_in_operator, text,
 )
+from tests.door import through_the_door
 from tests.test_cli import at
 
 SUBMITTED = {"order_name": "ORD-1", "order_number": "FO-1", "state_code": "WY",
@@ -70,8 +71,8 @@ async def test_the_timeline_names_each_effect_with_its_attempts_and_retries(
 async def test_waiting_and_logged_effects_say_what_they_wait_for(logged_in, ctx, clock):
     ctx.settings.__dict__.update(worker_url="", telegram_bot_token="")
     effects = Effects(ctx)
-    effects.job("name_search", {"order_number": "FO-1"}, key="job-FO-1")
-    effects.alert("FO-1 paid", key="alert-FO-1", order_number="FO-1")
+    through_the_door(effects.job, "name_search", {"order_number": "FO-1"}, key="job-FO-1")
+    through_the_door(effects.alert, "FO-1 paid", key="alert-FO-1", order_number="FO-1")
     await outbox.deliver(ctx, effects.rows)
     assert {row.status for row in Outbox.select()} == {"waiting", "logged"}
     lines = timeline_lines(text(await logged_in.get("/console/orders/FO-1")))

@@ -14,6 +14,7 @@ from engine import retention
 from handlers import console as console_handlers
 from models import ConsoleAction, ConsoleSession
 from tests.console_helpers import PASSWORD, Operator, console_settings, text
+from tests.door import through_the_door
 from tests.public_helpers import served, signed_path
 from tests.service_process import database_down
 from tests.test_cli import run, stored_event
@@ -160,7 +161,7 @@ def test_ended_and_expired_sessions_are_pruned(ctx, clock):
                                  ("ended", now + datetime.timedelta(hours=1), now)):
         ConsoleSession.create(token_hash=name, operator=name, password_tag="t",
                               expires_at=expires, ended_at=ended)
-    retention.prune(ctx)
+    through_the_door(retention.prune, ctx)
     assert [row.operator for row in ConsoleSession.select()] == ["open"]
 
 
@@ -183,7 +184,7 @@ def test_the_record_of_actions_is_kept_by_the_retention(ctx, clock):
     for when in (old, recent):
         ConsoleAction.create(operator="Dana", address="127.0.0.1", action="login",
                              outcome="ok", created_at=when, updated_at=when)
-    retention.prune(ctx)
+    through_the_door(retention.prune, ctx)
     assert [action.created_at for action in ConsoleAction.select()] == [recent]
 
 
