@@ -134,7 +134,7 @@ def in_a_turn() -> bool:
     return getattr(_turn, "running", False)
 
 
-def on_commit(callback):
+def on_commit(callback: Callable[[], object]) -> None:
     """Call `callback()` once the current unit's changes are committed, and never if they
     are undone: what counts them (the metrics) counts each once, although a turn may
     run a unit twice. Outside a turn: now."""
@@ -144,11 +144,11 @@ def on_commit(callback):
         callback()
 
 
-def _counted_so_far():
+def _counted_so_far() -> int:
     return len(_turn.on_commit) if in_a_turn() else 0
 
 
-def _forget_since(kept):
+def _forget_since(kept: int) -> None:
     if in_a_turn():
         del _turn.on_commit[kept:]
 

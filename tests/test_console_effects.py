@@ -179,8 +179,10 @@ async def test_the_overview_shows_each_destinations_health(logged_in, ctx, clock
     worker.stop()
     effects = Effects(ctx)
     for number in range(ctx.settings.outbound_down_after):
-        effects.job("name_search", {"order_number": f"FO-{number}"}, key=f"job-{number}")
-    effects.workflow_action("Formation Order", "ORD-1", "Start Name Check", key="action-1")
+        through_the_door(effects.job, "name_search", {"order_number": f"FO-{number}"},
+                         key=f"job-{number}")
+    through_the_door(effects.workflow_action, "Formation Order", "ORD-1", "Start Name Check",
+                     key="action-1")
     await outbox.deliver(ctx, effects.rows)
     page = text(await logged_in.get("/console/"))
     rows = dict(re.findall(r'<span class="cell-label">Destination: </span>(\w+)</td>(.*?)</tr>',

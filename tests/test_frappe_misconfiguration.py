@@ -78,7 +78,7 @@ async def test_a_rotated_api_key_holds_the_actions_and_tells_the_administrator_o
     assert rows[0].last_error == "HTTP 401: AuthenticationError"
     assert len(frappe.requests) == 1
     assert admin_notices() == ["Destination workflow refuses our credentials"]
-    metrics = samples(ctx.metrics.exposition(ctx))
+    metrics = samples(await ctx.metrics.exposition(ctx))
     assert value(metrics, "receiver_destination_credentials_refused",
                  destination="workflow") == 1
 
@@ -194,7 +194,7 @@ async def test_the_check_names_a_doctype_frappe_does_not_show_us(
     body = json.loads(response.body)
     assert body["destinations"]["workflow"] == "misconfigured"
     assert body["destination_problems"] == {"workflow": problem}
-    metrics = samples(ctx.metrics.exposition(ctx))
+    metrics = samples(await ctx.metrics.exposition(ctx))
     assert value(metrics, "receiver_destination_misconfigured", destination="workflow") == 1
     assert admin_notices() == []
 

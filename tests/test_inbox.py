@@ -157,8 +157,8 @@ async def test_an_event_due_behind_a_slow_one_is_not_handled_twice(ctx, card_plu
     card_plugin("test.slow", slow)
     card_plugin("test.quick", quick)
     for event_type in ("test.slow", "test.quick"):
-        event, _ = inbox.store(ctx, "card", event_type, f"k-{event_type}", b"{}",
-                               status="failed")
+        event, _ = through_the_door(inbox.store, ctx, "card", event_type,
+                                    f"k-{event_type}", b"{}", status="failed")
         WebhookEvent.update(next_attempt_at=clock()).where(
             WebhookEvent.id == event.id).execute()
 

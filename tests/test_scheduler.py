@@ -318,7 +318,7 @@ async def test_pruning_deletes_in_bounded_batches_until_nothing_is_left(ctx, clo
     old = clock() - datetime.timedelta(days=ctx.settings.retention_days, minutes=1)
     for n in range(5):
         stored_event(ctx, f"FO-{n}", status="processed", processed_at=old)
-    assert retention.prune(ctx, limit=2) == (2, 0)
+    assert through_the_door(retention.prune, ctx, limit=2) == (2, 0)
     assert WebhookEvent.select().count() == 3
     assert await retention.prune_all(ctx, limit=2) == (3, 0)
     assert WebhookEvent.select().count() == 0
