@@ -11,6 +11,7 @@ from models import Outbox, WebhookEvent, is_postgres
 from engine import inbox, outbox, retry
 from settings import Settings
 from tests.conftest import WEBHOOK_SECRET
+from tests.door import through_the_door
 
 AUTH = {"X-Webhook-Secret": WEBHOOK_SECRET, "Content-Type": "application/json"}
 ORDER = {"order_name": "ORD-2026-0042", "order_number": "FO-10042"}
@@ -113,8 +114,8 @@ async def test_the_operator_sets_how_many_tries_an_effect_and_an_event_get(
     job = Outbox.get(Outbox.kind == "job")
     assert (job.status, job.attempts) == ("dead", 3) and len(worker.requests) == 3
 
-    event, _ = inbox.store(ctx, "workflow", "formation/ready", "k-no-name",
-                           b'{"order_number": "FO-5"}')  # no order_name: handling fails
+    event, _ = through_the_door(inbox.store, ctx, "workflow", "formation/ready", "k-no-name",
+                                b'{"order_number": "FO-5"}')  # no order_name: fails
     for _ in range(4):
         await inbox.process(ctx, WebhookEvent.get_by_id(event.id))
         clock.advance(hours=7)
