@@ -139,7 +139,7 @@ async def test_an_action_on_a_document_frappe_does_not_have_is_not_a_misconfigur
         "dead", "HTTP 404: DoesNotExistError: Formation Order ORD-1 not found")
     workflow = ctx.destinations.by_name["workflow"]
     assert (workflow.state, workflow.problem) == ("up", None)
-    metrics = samples(ctx.metrics.exposition(ctx))
+    metrics = samples(await ctx.metrics.exposition(ctx))
     assert value(metrics, "receiver_destination_misconfigured", destination="workflow") == 0
 
 
