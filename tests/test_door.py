@@ -10,6 +10,7 @@ import pytest
 from clients.http import Result
 from models import Outbox, WebhookEvent
 from engine import commits, outbox, retention
+from engine.db import Circuit
 from tests.door import OutsideTheDoor
 from tests.test_cli import outbox_row
 
@@ -48,6 +49,33 @@ async def test_work_that_outlives_the_call_has_no_budget(ctx):
     release.set()
     await holding
     assert await later == "done"
+
+
+@pytest.mark.gen_test(timeout=30)
+async def test_an_allowance_counts_only_the_waits_on_the_database_and_opens_no_circuit(
+        ctx, db):
+    circuit = Circuit(db)
+    circuit.attach()
+    release = threading.Event()
+    ran = []
+    try:
+        with commits.allowance(2):
+            await asyncio.sleep(2.5)  # a call to another system: not counted
+            assert await ctx.db(lambda: "within") == "within"
+            holding = ctx.background(ctx.db(functools.partial(release.wait, 30)))
+            await asyncio.sleep(0.05)  # the database thread is held by that unit's turn
+            with pytest.raises(commits.AllowanceSpent):
+                await ctx.db(lambda: ran.append(1))
+            # Spent: the next unit is refused at once, and never runs either.
+            with pytest.raises(commits.AllowanceSpent):
+                await ctx.db(lambda: ran.append(2))
+        assert not circuit.is_open
+        release.set()
+        await holding
+        assert await ctx.db(lambda: "after") == "after" and ran == []
+    finally:
+        release.set()
+        await circuit.detach()
 
 
 @pytest.mark.gen_test

@@ -537,8 +537,9 @@ async def test_a_slow_database_stops_a_run_cleanly_and_the_next_goes_on(
         rctx, site, worker, caplog, clock, db):
     """The database thread held after the first document, as a frozen database holds it
     (tests/test_door.py): the run waits WORKFLOW_RECONCILE_DATABASE_SECONDS in all, then
-    stops; the unit it was waiting on never runs, the cursor stays, nothing is spooled,
-    the circuit stays closed, and it is said once. Released, the next run goes on."""
+    stops; nothing of the second document is stored, the cursor stays, nothing is
+    spooled, the circuit stays closed, and it is said once. Released, the next run goes
+    on."""
     circuit = Circuit(db)
     circuit.attach()
     try:
