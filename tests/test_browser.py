@@ -13,6 +13,7 @@ import tornado.web
 from app.server import make_app
 from domain.links import record_self_filed
 from tests.browser_helpers import Browser, needs_selenium_chromium
+from tests.door import through_the_door
 from tests.public_helpers import compliance_order, served, signed_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -87,7 +88,7 @@ def site(ctx, clock):
     """The service behind its own HTTPServer."""
     compliance_order("CO-20001", "Dana Trucking LLC")
     clock.set(2026, 10, 5, 8, 30)
-    record_self_filed("ifta", "CO-20001", "2026-Q2", clock())
+    through_the_door(record_self_filed, "ifta", "CO-20001", "2026-Q2", clock())
     clock.set(2026, 11, 20, 9, 15)
     return make_app(ctx)
 
