@@ -368,15 +368,21 @@ async def outbox_list(ctx, args):
     return 0
 
 
+def command_line_operator() -> tuple[str, str]:
+    """(operator, address) of a retry made from the command line, as the effect's
+    timeline shows it."""
+    return f"{getpass.getuser()} (command line)", "local"
+
+
 async def outbox_retry(ctx, args):
     if args.status:
-        count = await ctx.db(functools.partial(operator.retry_all, ctx, args.status))
+        count = await ctx.db(functools.partial(operator.retry_all, ctx, args.status,
+                                               command_line_operator()))
         print(f"{count} {args.status} row(s) back to pending, due now")
         return 0
     row = await ctx.db(functools.partial(operator.retry_outbox, ctx, args.id))
     # Kept with the console's actions, so the effect's timeline shows who retried it.
-    await ctx.db(functools.partial(console.record_action, ctx,
-                                   f"{getpass.getuser()} (command line)", "local",
+    await ctx.db(functools.partial(console.record_action, ctx, *command_line_operator(),
                                    "retry effect", row.id, "back in line"))
     print(f"outbox row #{row.id} ({row.kind}) back to pending, due now")
     return 0

@@ -455,7 +455,8 @@ class RetryDeadHandler(OutboxHandler):
 
     async def post(self):
         kind = self.required_kind()
-        count = await self.ctx.db(functools.partial(console.retry_dead, self.ctx, kind))
+        count = await self.ctx.db(functools.partial(
+            console.retry_dead, self.ctx, kind, (self.current_user, self.request.remote_ip)))
         await self.record("retry dead effects", kind, f"{count} back in line")
         await self.get(notice=f"{count} dead {kind} effect(s) back in line, due now.")
 

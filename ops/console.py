@@ -615,9 +615,11 @@ async def retry_now(ctx, row_id):
     return await ctx.db(functools.partial(Outbox.get_by_id, row_id))
 
 
-def retry_dead(ctx, kind):
-    """Every dead effect of one destination back in line, due now; returns how many."""
-    return operator.requeue(ctx, (Outbox.status == "dead") & (Outbox.kind == kind))
+def retry_dead(ctx, kind, retried_by):
+    """Every dead effect of one destination back in line, due now, each with its retry on
+    its timeline (`retried_by`: operator, address); returns how many."""
+    return operator.requeue(ctx, (Outbox.status == "dead") & (Outbox.kind == kind),
+                            retried_by)
 
 
 def make_due_now(ctx, kind):

@@ -18,7 +18,9 @@ import datetime
 import functools
 from typing import Callable, Optional
 
-from models import Outbox, WebhookEvent
+from peewee import Value
+
+from models import ConsoleAction, Outbox, WebhookEvent
 from engine import inbox
 
 EVENT_SOURCES = ("workflow", "card", "crypto")
@@ -142,21 +144,35 @@ def retry_outbox(ctx, row_id):
     return Outbox.get_by_id(row_id)
 
 
-def retry_all(ctx, status):
+def retry_all(ctx, status, retried_by=None):
     """Put every effect in `status` (dead, waiting or pending) back in line, due now;
-    returns how many."""
+    returns how many. `retried_by`: see `requeue`."""
     if status not in RETRYABLE_OUTBOX_STATUSES:
         raise ValueError(f"cannot retry {status} rows")
-    return requeue(ctx, Outbox.status == status)
+    return requeue(ctx, Outbox.status == status, retried_by)
 
 
-def requeue(ctx, condition):
+def requeue(ctx, condition, retried_by=None):
     """Rows matching `condition`, unless sent or logged, back to pending, due now,
-    attempts reset."""
+    attempts reset. `retried_by` (operator, address): each row's timeline shows the retry
+    as its own line, recorded for every row in one statement (a bulk retry may take
+    thousands)."""
     now = ctx.clock()
+    requeued = (condition, Outbox.status.not_in(("sent", "logged")))
+    if retried_by is not None:
+        operator_name, address = retried_by
+        ConsoleAction.insert_from(
+            Outbox.select(Value(operator_name), Value(address), Value("retry effect"),
+                          Outbox.id.cast("TEXT"), Value("back in line, with others"),
+                          Value(now, converter=ConsoleAction.created_at.db_value),
+                          Value(now, converter=ConsoleAction.updated_at.db_value))
+            .where(*requeued),
+            fields=[ConsoleAction.operator, ConsoleAction.address, ConsoleAction.action,
+                    ConsoleAction.target, ConsoleAction.outcome, ConsoleAction.created_at,
+                    ConsoleAction.updated_at]).execute()
     return (Outbox.update(status="pending", attempts=0, next_attempt_at=now,
                           updated_at=now)
-            .where(condition, Outbox.status.not_in(("sent", "logged"))).execute())
+            .where(*requeued).execute())
 
 
 def parse_time(text):

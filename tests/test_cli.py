@@ -292,6 +292,9 @@ def test_outbox_retry_dead_requeues_every_dead_row_only(database_url):
     assert result.returncode == 0 and result.stdout.startswith("3 dead row(s)")
     assert {Outbox.get_by_id(row.id).status for row in dead} == {"pending"}
     assert Outbox.get_by_id(sent.id).status == "sent"
+    # Each retried row's timeline shows the retry, and who made it.
+    assert sorted((a.target, a.operator, a.action) for a in ConsoleAction.select()) == sorted(
+        (str(row.id), f"{getpass.getuser()} (command line)", "retry effect") for row in dead)
 
 
 def test_outbox_list_shows_the_rows_waiting_for_their_destination(database_url):

@@ -391,6 +391,13 @@ async def test_retry_all_dead_of_one_destination(logged_in, clock):
     assert sorted((r.kind, r.status) for r in Outbox.select()) == [
         ("email", "dead"), ("job", "pending"), ("job", "pending")]
     assert all(r.next_attempt_at == clock() for r in Outbox.select().where(Outbox.kind == "job"))
+    # Each effect's timeline has the retry as its own line, with who made it.
+    retried = through_the_door(console.retries_of, [row.id for row in Outbox.select()])
+    assert sorted((target, [(a.operator, a.action, a.created_at) for a in actions])
+                  for target, actions in retried.items() if actions) == sorted(
+        (row.id, [("Dana", "retry effect", clock())])
+        for row in Outbox.select().where(Outbox.kind == "job"))
+    assert retried[other.id] == []
 
 
 @pytest.mark.gen_test(timeout=60)
