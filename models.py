@@ -12,6 +12,7 @@ import decimal
 import math
 import os
 import select
+import threading
 import time
 
 from peewee import (
@@ -98,6 +99,39 @@ class DatabaseDown(OperationalError):
 
 class StatementRefused(DatabaseError):
     """The database answered and refused this statement; it would refuse it again."""
+
+
+class MaintenanceCutShort(StatementRefused):
+    """A statement of maintenance work (`maintenance()`: retention's deletes) that did not
+    finish: timed out, or met the database down. Not an outage: it opens no circuit, and
+    the maintenance tries again later; a database that really is down is found by the
+    calls that need it."""
+
+
+_maintenance = threading.local()
+
+
+@contextlib.contextmanager
+def maintenance():
+    """The statements run inside are maintenance (in the thread that runs them): a long
+    prune must never be taken for the database going down and send every call to the
+    spool."""
+    _maintenance.active = True
+    try:
+        yield
+    finally:
+        _maintenance.active = False
+
+
+# SQLSTATE class 40: a deadlock or serialization failure, which the group commit runs
+# again; the database is up.
+CONFLICT_CLASS = "40"
+
+
+def is_conflict(failure):
+    """peewee keeps the driver's error as `orig`; psycopg2's carries the SQLSTATE."""
+    driver_error = getattr(failure, "orig", None)
+    return str(getattr(driver_error, "pgcode", "") or "").startswith(CONFLICT_CLASS)
 
 
 def is_down(exc):
@@ -188,6 +222,8 @@ class _classified:
             if not isinstance(exc, (OperationalError, InterfaceError)):
                 return False
             raise StatementRefused(exc.orig, *exc.args).with_traceback(traceback) from None
+        if getattr(_maintenance, "active", False) and not is_conflict(exc):
+            raise MaintenanceCutShort(exc.orig, *exc.args).with_traceback(traceback) from None
         if self.circuit is not None:
             self.circuit.trip(exc)
         if isinstance(exc, DatabaseDown):

@@ -9,7 +9,7 @@ from typing import Callable, Optional, Protocol, TypeVar
 
 import peewee
 
-from models import is_postgres
+from models import is_conflict, is_postgres
 
 log = logging.getLogger("receiver.db")
 
@@ -18,9 +18,6 @@ log = logging.getLogger("receiver.db")
 # StatementRefused (not one of these) by its SQLSTATE or SQLite result code: models.is_down.
 UNAVAILABLE = (peewee.OperationalError, peewee.InterfaceError)
 
-# SQLSTATE class 40: a deadlock or serialization failure, which the group commit runs
-# again; the database is up.
-CONFLICT_CLASS = "40"
 # How often a database found down is probed again.
 PROBE_INTERVAL_SECONDS = 1.0
 
@@ -35,12 +32,6 @@ def why_unavailable(exc: BaseException) -> str:
 def locked(query: Query) -> Query:
     """`query` with FOR UPDATE on PostgreSQL; SQLite serialises writers by itself."""
     return query.for_update() if is_postgres() else query
-
-
-def is_conflict(failure: BaseException) -> bool:
-    """peewee keeps the driver's error as `orig`; psycopg2's carries the SQLSTATE."""
-    driver_error = getattr(failure, "orig", None)
-    return str(getattr(driver_error, "pgcode", "") or "").startswith(CONFLICT_CLASS)
 
 
 class ProbedDatabase(Protocol):

@@ -8,27 +8,43 @@ must stay longer than any sender's retry window (Stripe retries for 3 days).
 
 A prune deletes PRUNE_BATCH rows of each table at most per transaction, so however much
 has piled up each statement stays short: under the service's statement timeout, and
-never holding the database thread long from the calls that wait for it.
+never holding the database thread long from the calls that wait for it. Should one not
+finish all the same, it is maintenance cut short, never taken for an outage
+(`prune_all`).
 """
 import datetime
 import functools
 import logging
 
-from models import Attempt, ConsoleAction, ConsoleSession, Outbox, WebhookEvent, database
+from models import (Attempt, ConsoleAction, ConsoleSession, MaintenanceCutShort, Outbox,
+                    WebhookEvent, database, maintenance)
 from engine.contracts import EngineContext
 
 log = logging.getLogger("receiver.retention")
 
 PRUNED_EVENT_STATUSES = ("processed", "ignored")
 PRUNE_BATCH = 1000
+SMALLEST_BATCH = 10
 
 
 async def prune_all(ctx: EngineContext, limit: int = PRUNE_BATCH) -> tuple[int, int]:
     """Prune batch after batch, each in a unit of its own, until nothing is left past
-    retention; returns (events, outbox rows) deleted."""
+    retention; returns (events, outbox rows) deleted.
+
+    A batch the database does not finish (its statement timed out, or met the database
+    down) is maintenance cut short, not an outage (models.maintenance): the batch is
+    halved and tried again, and below SMALLEST_BATCH the run ends, to go on at the next."""
     events = rows = 0
     while True:
-        batch = await ctx.db(functools.partial(_prune_batch, ctx, limit))
+        try:
+            batch = await ctx.db(functools.partial(_prune_batch, ctx, limit))
+        except MaintenanceCutShort as cut_short:
+            if limit // 2 < SMALLEST_BATCH:
+                log.warning("pruning stopped until its next run: a batch of %d rows did "
+                            "not finish (%s)", limit, " ".join(str(cut_short).split()))
+                return events, rows
+            limit //= 2
+            continue
         events, rows = events + batch[0], rows + batch[1]
         if max(batch) < limit:
             return events, rows
@@ -49,7 +65,7 @@ def _prune_batch(ctx, limit):
     settled_before_cutoff = (
         (WebhookEvent.processed_at < cutoff)
         | (WebhookEvent.processed_at.is_null() & (WebhookEvent.received_at < cutoff)))
-    with database.atomic():
+    with database.atomic(), maintenance():
         rows = _delete_some(Outbox, ((Outbox.status == "sent") & (Outbox.sent_at < cutoff))
                             | ((Outbox.status == "logged") & (Outbox.updated_at < cutoff)),
                             limit)

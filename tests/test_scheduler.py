@@ -12,6 +12,7 @@ from clients.http import Result
 from models import ComplianceOrder, CrtcOrder, Outbox, WebhookEvent
 from scheduler import JOBS_BY_NAME, AdvisoryLock, Job, Scheduler
 from engine import inbox, outbox, retention
+from engine.db import Circuit
 from settings import ConfigurationError, Settings
 from tests.conftest import WEBHOOK_SECRET
 from tests.service_process import postgres_only
@@ -405,3 +406,31 @@ async def until(condition, seconds=10):
             return
         await asyncio.sleep(0.02)
     raise AssertionError("not in time")
+
+
+@postgres_only
+@pytest.mark.gen_test(timeout=30)
+async def test_a_prune_the_database_does_not_finish_opens_no_circuit(ctx, clock, db, caplog):
+    """A delete past the statement timeout is maintenance cut short, not an outage: the
+    circuit stays closed (calls are not spooled), the batch is halved, and the run ends
+    once even the smallest batch does not finish, to go on at the next."""
+    clock.set(2026, 11, 20, 9, 0)
+    old = clock() - datetime.timedelta(days=ctx.settings.retention_days, minutes=1)
+    stored_event(ctx, "FO-1", status="processed", processed_at=old)
+    db.execute_sql("CREATE FUNCTION slow_delete() RETURNS trigger LANGUAGE plpgsql AS "
+                   "$$ BEGIN PERFORM pg_sleep(1); RETURN OLD; END $$")
+    db.execute_sql("CREATE TRIGGER slow_delete BEFORE DELETE ON webhook_events "
+                   "FOR EACH ROW EXECUTE FUNCTION slow_delete()")
+    circuit = Circuit(db)
+    circuit.attach()
+    try:
+        through_the_door(db.execute_sql, "SET statement_timeout = 100")
+        assert await retention.prune_all(ctx, limit=20) == (0, 0)
+        assert not circuit.is_open
+        assert "pruning stopped until its next run: a batch of 10 rows" in caplog.text
+        assert await ctx.db(lambda: WebhookEvent.select().count()) == 1
+    finally:
+        through_the_door(db.execute_sql, "RESET statement_timeout")
+        db.execute_sql("DROP TRIGGER slow_delete ON webhook_events")
+        db.execute_sql("DROP FUNCTION slow_delete()")
+        await circuit.detach()
