@@ -18,7 +18,7 @@ from models import UTC, open_database
 from app.server import make_app
 from app.context import Context
 from settings import Settings
-from tests.door import ThreadCheck
+from tests.door import ThreadCheck, service_refusals
 from tests.peers import HttpPeer, SmtpPeer
 
 WEBHOOK_SECRET = "test-webhook-secret"
@@ -84,10 +84,11 @@ def thread_check():
 @pytest.fixture(autouse=True)
 def statements_through_the_door(thread_check):
     """A test during which the service ran a statement outside the door fails, even when
-    the service caught the refusal."""
+    the service caught the refusal; in this process or in a service it started."""
     thread_check.refused.clear()
     yield
     refused, thread_check.refused[:] = list(thread_check.refused), []
+    refused += service_refusals()
     assert not refused, "statements outside the door:\n" + "\n".join(refused)
 
 

@@ -15,6 +15,10 @@ Allowed besides, by name:
   A test that calls the service's synchronous database code (to seed rows with
   Effects, say, or to see what a query finds) runs it `through_the_door(...)`, in the
   database thread.
+
+The services the suite starts as subprocesses run the same check (tests/checked_service.py,
+with its own allow-list), each writing what it refused to a file; `service_refusals()`
+reads those, and the suite's fixture fails the test that started the service.
 """
 import functools
 import os
@@ -38,17 +42,23 @@ class OutsideTheDoor(RuntimeError):
 
 
 class ThreadCheck:
-    def __init__(self):
+    def __init__(self, callers_allowed=CALLERS_ALLOWED, report=None):
+        """`report(text)`, when given, is told of each refusal as it happens."""
         self.refused = []
+        self.callers_allowed = callers_allowed
+        self.report = report
 
     def __call__(self, sql):
         if in_a_turn() or threading.current_thread().name.startswith(THREADS_ALLOWED):
             return
         caller = _caller()
-        if caller is not None and caller.f_code.co_filename.startswith(CALLERS_ALLOWED):
+        if caller is not None and _named(caller).startswith(self.callers_allowed):
             return
         where = "".join(traceback.format_stack(caller, limit=6)) if caller else "(no caller)"
-        self.refused.append(f"{sql[:80]!r} in thread {threading.current_thread().name}:\n{where}")
+        refusal = f"{sql[:80]!r} in thread {threading.current_thread().name}:\n{where}"
+        self.refused.append(refusal)
+        if self.report is not None:
+            self.report(refusal)
         raise OutsideTheDoor(f"a statement outside the door (engine.commits): {sql[:80]!r}")
 
     def install(self):
@@ -56,6 +66,11 @@ class ThreadCheck:
 
     def remove(self):
         models.ClassifiedErrors.before_statement = None
+
+
+def _named(frame):
+    """`path:function`: an allowed caller is a folder (path/), a file or a function."""
+    return f"{frame.f_code.co_filename}:{frame.f_code.co_name}"
 
 
 def _caller():
@@ -75,3 +90,20 @@ def through_the_door(unit, *args, **kwargs):
     if failure is not None:
         raise failure
     return result
+
+
+# The refusal files of the services started as subprocesses since the last check.
+SERVICE_REFUSAL_FILES = []
+
+
+def service_refusals():
+    """What the services started since the last call refused (tests/checked_service.py),
+    and forget them: each refusal once, for the test that started the service."""
+    files, SERVICE_REFUSAL_FILES[:] = list(SERVICE_REFUSAL_FILES), []
+    refused = []
+    for path in files:
+        if os.path.exists(path):
+            with open(path, encoding="utf-8", errors="replace") as handle:
+                if text := handle.read():
+                    refused.append(f"in the service process that wrote {path}:\n{text}")
+    return refused

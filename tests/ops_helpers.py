@@ -7,6 +7,8 @@ import time
 
 import tornado.testing
 
+from tests.checked_service import SERVE, refusals_to
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -41,14 +43,16 @@ class NotifySocket:
 
 
 class Service:
-    """`receiver.py serve` on a port of its own; its log goes to a file we can read."""
+    """`receiver.py serve` on a port of its own, under the thread check
+    (tests/checked_service.py); its log goes to a file we can read."""
 
     def __init__(self, log_path, env):
         sock, self.port = tornado.testing.bind_unused_port()
         sock.close()
         self.log_path = log_path
         self.env = {**os.environ, "RECEIVER_HOST": "127.0.0.1",
-                    "RECEIVER_PORT": str(self.port), **env}
+                    "RECEIVER_PORT": str(self.port), **refusals_to(f"{log_path}.refused"),
+                    **env}
         self.process = None
 
     @property
@@ -58,7 +62,7 @@ class Service:
     async def start(self):
         with open(self.log_path, "ab") as log:
             self.process = await asyncio.create_subprocess_exec(
-                sys.executable, "receiver.py", "serve", cwd=ROOT, env=self.env,
+                *SERVE, cwd=ROOT, env=self.env,
                 stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log)
 
     async def wait_ready(self, client, timeout=30):

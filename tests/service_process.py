@@ -1,6 +1,7 @@
-"""Real faults for the durability tests: the service as a subprocess (`receiver.py serve`)
-that can be killed with SIGKILL and restarted, a TCP proxy in front of PostgreSQL that
-can be cut and restored, and a loopback peer that can go off the network and come back.
+"""Real faults for the durability tests: the service as a subprocess (`receiver.py serve`,
+under the suite's thread check: tests/checked_service.py) that can be killed with SIGKILL
+and restarted, a TCP proxy in front of PostgreSQL that can be cut and restored, and a
+loopback peer that can go off the network and come back.
 
 Everything waits asynchronously, so the peers living on the test's IOLoop keep answering
 the subprocess while the test waits for it."""
@@ -23,6 +24,7 @@ from peewee import SqliteDatabase
 
 from models import database, is_postgres, open_database
 from tests.conftest import WEBHOOK_SECRET
+from tests.checked_service import SERVE, refusals_to
 from tests.peers import HttpPeer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,7 +40,9 @@ def unused_port():
 
 
 class ServiceProcess:
-    """`python receiver.py serve` with the given settings; its log goes to `log_path`."""
+    """`python receiver.py serve` with the given settings, under the thread check
+    (tests/checked_service.py); its log goes to `log_path`, what the check refused to
+    `log_path` + ".refused", which fails the test (conftest's statements_through_the_door)."""
 
     def __init__(self, log_path, nofile=None, **env):
         """`nofile`: the process's file descriptor limit (soft and hard), as `ulimit -n`."""
@@ -57,6 +61,7 @@ class ServiceProcess:
             # takes a second, and a database taken for down sends calls through the spool
             # (correct, but later than some tests look). The outage tests set it back.
             "DATABASE_TIMEOUT_MS": "3000",
+            **refusals_to(f"{log_path}.refused"),
             **{name: str(value) for name, value in env.items()},
         }
         self.process = None
@@ -68,7 +73,7 @@ class ServiceProcess:
     async def start(self):
         log = open(self.log_path, "ab")
         self.process = subprocess.Popen(
-            [sys.executable, "receiver.py", "serve"], cwd=ROOT, env=self.env,
+            SERVE, cwd=ROOT, env=self.env,
             stdout=log, stderr=subprocess.STDOUT, preexec_fn=self._limit_files)
         log.close()
         deadline = time.monotonic() + START_TIMEOUT_SECONDS
