@@ -2,7 +2,7 @@
 suite starts a service as a subprocess (tests/service_process.py), so that a statement
 the service runs outside the door fails the test that started it, as it does in-process.
 
-    python -m tests.checked_service serve
+    python -m tests.checked_service serve    (or demo --folder ...)
 
 Each refusal is appended to the file named by DOOR_REFUSALS_FILE as it happens (so a
 SIGKILL loses none); the suite's fixture reads it (tests/door.py `service_refusals`).
@@ -15,7 +15,9 @@ import threading
 
 from tests.door import ROOT, SERVICE_REFUSAL_FILES, ThreadCheck
 
-SERVE = [sys.executable, "-m", "tests.checked_service", "serve"]
+CHECKED = [sys.executable, "-m", "tests.checked_service"]
+SERVE = [*CHECKED, "serve"]
+DEMO = [*CHECKED, "demo"]
 
 # Allowed callers in a service process, by name. Narrower than the suite's own: the
 # process runs no test code, so tests/ is not allowed (a test plugin that talks to the
@@ -24,8 +26,11 @@ SERVE = [sys.executable, "-m", "tests.checked_service", "serve"]
 #   statement timeout for them): run at start-up, before the server listens, or by the
 #   circuit's probe once the database is back (a thread allowed already). Nothing else
 #   waits on the loop then, and a long migration must not be cut short by the timeout.
+# - app.demo.fresh_database (`receiver.py demo`): makes the demo's database and seeds its
+#   sample orders before the demo's service starts, in a process that serves nobody yet.
 CALLERS_ALLOWED = (os.path.join(ROOT, "migrations") + os.sep,
-                   os.path.join(ROOT, "app", "server.py") + ":run_migrations")
+                   os.path.join(ROOT, "app", "server.py") + ":run_migrations",
+                   os.path.join(ROOT, "app", "demo.py") + ":fresh_database")
 
 _report_lock = threading.Lock()
 

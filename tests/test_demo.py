@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from tests.checked_service import DEMO, refusals_to
 from tests.service_process import ROOT, unused_port
 
 READY_TIMEOUT_SECONDS = 30
@@ -22,9 +23,11 @@ def demo(tmp_path):
     folder, log_path = tmp_path / "demo", tmp_path / "demo.log"
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "RECEIVER_PORT": str(unused_port()),
            # Must not be touched: the demo keeps a database of its own.
-           "DATABASE_URL": f"sqlite:///{tmp_path}/real.sqlite3"}
+           "DATABASE_URL": f"sqlite:///{tmp_path}/real.sqlite3",
+           **refusals_to(tmp_path / "demo.log.refused")}
     with open(log_path, "wb") as log:
-        process = subprocess.Popen([sys.executable, "receiver.py", "demo", "--folder", str(folder)],
+        # Under the suite's thread check (tests/checked_service.py).
+        process = subprocess.Popen([*DEMO, "--folder", str(folder)],
                                    cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log)
     try:
         printed = _read_instructions(process, log_path)

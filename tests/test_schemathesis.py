@@ -2,7 +2,8 @@
 answer (status, content type, headers, body) as the document says.
 
 The service runs as it does in production: `receiver.py serve` in a subprocess on a free
-loopback port, on the suite's database. Bounded to finish in about a minute: a few
+loopback port, on the suite's database (under the suite's thread check:
+tests/checked_service.py). Bounded to finish in about a minute: a few
 examples per operation, a fixed seed (the same cases every run), a per-request timeout."""
 import os
 import socket
@@ -15,6 +16,7 @@ import urllib.request
 import pytest
 
 from models import ComplianceOrder, ReferralCode
+from tests.checked_service import SERVE, refusals_to
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPENAPI = os.path.join(ROOT, "openapi.yaml")
@@ -45,9 +47,10 @@ def service(database_url, tmp_path, known_data):
     env = {**os.environ, **SECRETS, "DATABASE_URL": database_url, "RECEIVER_PORT": str(port),
            "STRIPE_SECRET_KEY": "sk_test_schemathesis", "STRIPE_WEBHOOK_SECRET": "whsec_st",
            "PUBLIC_RATE_LIMIT": "0", "SPOOL_DIR": str(tmp_path / "spool"),
-           "WORKER_URL": "", "WORKFLOW_URL": "", "SMTP_URL": "", "TELEGRAM_BOT_TOKEN": ""}
+           "WORKER_URL": "", "WORKFLOW_URL": "", "SMTP_URL": "", "TELEGRAM_BOT_TOKEN": "",
+           **refusals_to(tmp_path / "service.log.refused")}
     log = open(tmp_path / "service.log", "w")
-    process = subprocess.Popen([sys.executable, "receiver.py", "serve"], cwd=ROOT, env=env,
+    process = subprocess.Popen(SERVE, cwd=ROOT, env=env,
                                stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
