@@ -23,7 +23,7 @@ import lograte
 from clients.http import error_text
 from models import Outbox, WebhookEvent
 from engine import outbox, retry, spool
-from engine.claims import CLAIM_BATCH, claim, lease
+from engine.claims import CLAIM_BATCH, Kept, claim, lease
 from engine.commits import AllowanceSpent, raise_if_conflict, savepoint
 from engine.contracts import Accepted, EngineContext, Stored
 from engine.spool import Entry
@@ -266,21 +266,28 @@ async def drain_spool(ctx: EngineContext) -> int:
 
     Returns the number of calls read from the spool."""
     read = 0
-    while True:
-        try:
-            now_read = await spool.store_all(
-                ctx.settings.spool_dir,
-                lambda call: ctx.db(functools.partial(store_spooled, ctx, call)),
-                functools.partial(_handle_drained, ctx))
-        except spool.Unusable as exc:
-            SPOOL_UNUSABLE.warn(ctx.clock(), str(exc))
-            return read
-        read += now_read
-        if not now_read or not spool.backlog(ctx.settings.spool_dir):
-            return read
+    # The calls stored hold their leases from then until each is handled: a call may
+    # wait behind others, and its handling take long.
+    async with _kept(ctx) as kept:
+        async def store(call):
+            stored = await ctx.db(functools.partial(store_spooled, ctx, call))
+            if stored.created:
+                kept.hold(stored.event)
+            return stored
+        while True:
+            try:
+                now_read = await spool.store_all(
+                    ctx.settings.spool_dir, store,
+                    functools.partial(_handle_drained, ctx, kept))
+            except spool.Unusable as exc:
+                SPOOL_UNUSABLE.warn(ctx.clock(), str(exc))
+                return read
+            read += now_read
+            if not now_read or not spool.backlog(ctx.settings.spool_dir):
+                return read
 
 
-async def _handle_drained(ctx, drained):
+async def _handle_drained(ctx, kept, drained):
     """Before the spool file goes: should telling the administrator fail (the database
     gone again), the next drain finds the file and the quarantined calls again.
 
@@ -297,7 +304,8 @@ async def _handle_drained(ctx, drained):
     async def in_turn(events):
         async with room:
             for event in events:
-                await process(ctx, event)
+                await process(ctx, event, kept)
+                kept.let_go(event)
     await asyncio.gather(*(in_turn(events) for events in by_order.values()))
 
 
@@ -411,14 +419,25 @@ def _first_of_keys(count):
         .order_by(WebhookEvent.id).limit(1))
 
 
-async def process(ctx: EngineContext, event: WebhookEvent) -> str:
+async def process(ctx: EngineContext, event: WebhookEvent, kept: Kept | None = None) -> str:
     """Handle a stored event once. Never raises: a failure is logged and recorded on the
     event, which the scheduler retries with backoff. One log line per event says how it
-    went, keyed by the event's id."""
+    went, keyed by the event's id.
+
+    The event's lease is kept while it is handled, by `kept` when the caller keeps it
+    already, so no other process takes it however long the handling lasts."""
     started = time.monotonic()
-    outcome = await _handle(ctx, event)
+    if kept is None:
+        async with _kept(ctx, event):
+            outcome = await _handle(ctx, event)
+    else:
+        outcome = await _handle(ctx, event)
     _report(ctx, event, outcome, started)
     return outcome
+
+
+def _kept(ctx, *events):
+    return Kept(ctx, WebhookEvent.status.in_(AWAITING_HANDLING), events)
 
 
 def _report(ctx, event, outcome, started):
@@ -579,7 +598,7 @@ async def retry_due(ctx: EngineContext) -> int:
     One at a time, so that each lease covers the one handling it was taken for: events
     claimed together and handled one after another would see their leases run out behind
     a slow one (balance.available's settlements, a Stripe lookup), and another process
-    take them too.
+    take them too. The one being handled keeps its lease however long it takes (`process`).
 
     Due: stored but left unhandled for a whole lease (the process that took it died), or
     failed with its retry time come."""

@@ -1,10 +1,14 @@
 """The inbox stores what arrives, once, whatever text it carries."""
+import asyncio
+import datetime
+
 import pytest
 
 from models import Outbox, WebhookEvent
 from plugins import registries
-from engine import inbox
+from engine import inbox, spool
 from tests.door import through_the_door
+from tests.service_process import database_down
 
 
 def test_a_nul_in_stored_text_is_kept_as_a_replacement_character(ctx):
@@ -165,3 +169,140 @@ async def test_an_event_due_behind_a_slow_one_is_not_handled_twice(ctx, card_plu
     await inbox.retry_due(ctx)
     assert runs.count("quick") == 1
     assert {e.status for e in WebhookEvent.select()} == {"processed"}
+
+
+async def lease_of(ctx, event_id):
+    return await ctx.db(lambda: WebhookEvent.get_by_id(event_id).next_attempt_at)
+
+
+async def until(condition):
+    """Wait until `await condition()` is true, for 10 s at most, then go on: the test's
+    assertions say what did not happen (without a keeper, a lease is never re-taken)."""
+    for _ in range(100):
+        if await condition():
+            return
+        await asyncio.sleep(0.1)
+
+
+async def half_leases_pass(ctx, clock, event_id, count):
+    """Let `count` half leases pass on the clock, each time until the event's lease is
+    re-taken."""
+    for _ in range(count):
+        before = await lease_of(ctx, event_id)
+        clock.advance(seconds=ctx.settings.claim_lease_seconds / 2)
+        await until(lambda: _moved(ctx, event_id, before))
+
+
+async def _moved(ctx, event_id, before):
+    return await lease_of(ctx, event_id) != before
+
+
+async def _logged(caplog, text):
+    return text in caplog.text
+
+
+def due_event(ctx, clock, event_type):
+    """A failed card event of `event_type` whose retry time has come."""
+    event, _ = through_the_door(inbox.store, ctx, "card", event_type, f"k-{event_type}",
+                                b"{}", status="failed")
+    WebhookEvent.update(next_attempt_at=clock()).where(WebhookEvent.id == event.id).execute()
+    return event
+
+
+@pytest.mark.gen_test(timeout=60)
+async def test_an_event_handled_for_longer_than_a_lease_keeps_its_lease(ctx, card_plugin, clock):
+    """An async plugin slower than a whole lease (a Stripe lookup on a bad day): its
+    event's lease is re-taken while it runs, so another process's retry run meanwhile
+    does not take the event too."""
+    clock.set(2026, 11, 23, 9, 0, 0)
+    runs, taken_elsewhere = [], []
+
+    async def slow(ctx, payload, effects):
+        runs.append("slow")
+        if len(runs) == 1:
+            await half_leases_pass(ctx, clock, event.id, 3)
+            taken_elsewhere.append(await inbox.retry_due(ctx))
+    card_plugin("test.slower", slow)
+    event = due_event(ctx, clock, "test.slower")
+
+    assert await inbox.retry_due(ctx) == 1
+    assert (runs, taken_elsewhere) == (["slow"], [0])
+    assert WebhookEvent.get_by_id(event.id).status == "processed"
+
+
+@pytest.mark.gen_test(timeout=60)
+async def test_a_drained_call_waiting_behind_a_slow_one_keeps_its_lease(ctx, card_plugin, clock):
+    """Spooled calls of one order are handled one after another: the second one's lease,
+    taken when it was stored, is kept while the first one's handling lasts longer than a
+    lease, so another process's retry run does not handle it meanwhile."""
+    clock.set(2026, 11, 23, 9, 0, 0)
+    runs, taken_elsewhere = [], []
+    for number, event_type in enumerate(("test.first", "test.second")):
+        spool.append(ctx.settings.spool_dir, {
+            **inbox._call(ctx, "card", event_type, f"k-drained-{number}", b"{}",
+                          order_number="FO-LEASE"),
+            "received_at": clock().isoformat()})
+
+    async def first(ctx, payload, effects):
+        runs.append("first")
+        if runs != ["first"]:
+            return
+        second = await ctx.db(lambda: WebhookEvent.get(event_type="test.second"))
+        await half_leases_pass(ctx, clock, second.id, 3)
+        taken_elsewhere.append(await inbox.retry_due(ctx))
+
+    async def second(ctx, payload, effects):
+        runs.append("second")
+    card_plugin("test.first", first)
+    card_plugin("test.second", second)
+
+    assert await inbox.drain_spool(ctx) == 2
+    assert (runs, taken_elsewhere) == (["first", "second"], [0])
+    assert {e.status for e in WebhookEvent.select()} == {"processed"}
+
+
+@pytest.mark.gen_test(timeout=60)
+async def test_a_kept_lease_another_process_took_meanwhile_is_let_go(
+        ctx, card_plugin, clock, caplog):
+    """Compare-and-set: once the row holds a lease this process did not take (another
+    process claimed it while the database was out of reach, say), the keeper leaves
+    that lease alone rather than take the row back."""
+    clock.set(2026, 11, 23, 9, 0, 0)
+    theirs, seen = clock() + datetime.timedelta(hours=1), []
+
+    async def slow(ctx, payload, effects):
+        await ctx.db(lambda: WebhookEvent.update(next_attempt_at=theirs).where(
+            WebhookEvent.id == event.id).execute())
+        clock.advance(seconds=ctx.settings.claim_lease_seconds / 2)
+        await until(lambda: _logged(caplog, "no longer held here"))
+        seen.append(await lease_of(ctx, event.id))
+    card_plugin("test.overtaken", slow)
+    event = due_event(ctx, clock, "test.overtaken")
+
+    assert await inbox.retry_due(ctx) == 1
+    assert f"event #{event.id}: its lease is no longer held here" in caplog.text
+    assert seen == [theirs]
+
+
+@pytest.mark.gen_test(timeout=60)
+async def test_a_lease_that_cannot_be_re_taken_is_tried_again_at_the_next_look(
+        ctx, db, card_plugin, clock, caplog):
+    """The database out of reach when the lease is due for re-taking: logged, and
+    re-taken at the keeper's next look once it answers again."""
+    clock.set(2026, 11, 23, 9, 0, 0)
+    leases = []
+
+    async def slow(ctx, payload, effects):
+        leases.append(await lease_of(ctx, event.id))
+        with database_down(db):
+            clock.advance(seconds=ctx.settings.claim_lease_seconds / 2)
+            await until(lambda: _logged(caplog, "lease(s) could not be re-taken"))
+        await until(lambda: _moved(ctx, event.id, leases[0]))
+        leases.append(await lease_of(ctx, event.id))
+    card_plugin("test.unreachable", slow)
+    event = due_event(ctx, clock, "test.unreachable")
+
+    assert await inbox.retry_due(ctx) == 1
+    assert "1 lease(s) could not be re-taken" in caplog.text
+    assert leases == [leases[0], clock() + datetime.timedelta(
+        seconds=ctx.settings.claim_lease_seconds)]
