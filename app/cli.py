@@ -449,7 +449,8 @@ async def reminders_run(ctx, args):
 
 
 async def sign_link(ctx, args):
-    filings.check_link(ctx.settings, args.kind, args.order, args.cycle)
+    await ctx.db(functools.partial(filings.check_link, ctx.settings, args.kind, args.order,
+                                   args.cycle))
     ctx.settings.warn_about_link_secret()
     print(links.signed_link(ctx.settings, args.kind, args.order, args.cycle))
     return 0

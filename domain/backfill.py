@@ -6,6 +6,7 @@ Stripe keeps events for 30 days and lists them newest first; we handle them in t
 order they happened."""
 import asyncio
 import dataclasses
+import functools
 import json
 from typing import Callable, Optional
 
@@ -55,7 +56,8 @@ async def backfill(ctx, since, client=None, listing: Progress = None,
     for done, event in enumerate(sorted(events, key=lambda e: e.get("created") or 0), 1):
         if card_events.problem_with(event):
             counts.unreadable += 1
-        elif inbox.find(ctx, card_events.SOURCE, card_events.dedup_key(event)):
+        elif await ctx.db(functools.partial(inbox.find, ctx, card_events.SOURCE,
+                                            card_events.dedup_key(event))):
             counts.already += 1
         else:
             await card_events.accept(ctx, event, json.dumps(event).encode())

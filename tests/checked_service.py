@@ -11,6 +11,7 @@ suite's way to add a path to the service (tests/off_door_plugin.py)."""
 import importlib
 import os
 import sys
+import tempfile
 import threading
 
 from tests.door import ROOT, SERVICE_REFUSAL_FILES, ThreadCheck
@@ -42,6 +43,13 @@ def refusals_to(path):
     if path not in SERVICE_REFUSAL_FILES:
         SERVICE_REFUSAL_FILES.append(path)
     return {"DOOR_REFUSALS_FILE": path}
+
+
+def refusals_file():
+    """A new file for one command's refusals (`refusals_to`)."""
+    handle, path = tempfile.mkstemp(prefix="receiver-", suffix=".refused")
+    os.close(handle)
+    return path
 
 
 def report_to(path):

@@ -5,10 +5,10 @@ import fcntl
 import os
 import pty
 import struct
-import sys
 import termios
 import threading
 
+from tests.checked_service import CHECKED, refusals_file, refusals_to
 from tests.ops_helpers import ROOT
 
 
@@ -26,8 +26,10 @@ class OnATerminal:
         self.master, slave = pty.openpty()
         # A new pseudo-terminal is 0 columns wide; a terminal window is not.
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+        env = {**(os.environ if self.env is None else self.env),
+               **refusals_to(refusals_file())}
         self.process = await asyncio.create_subprocess_exec(
-            sys.executable, "receiver.py", *self.args, cwd=ROOT, env=self.env,
+            *CHECKED, *self.args, cwd=ROOT, env=env,
             stdin=slave, stdout=asyncio.subprocess.PIPE, stderr=slave,
             start_new_session=True, preexec_fn=_take_the_terminal)
         os.close(slave)

@@ -13,6 +13,7 @@ import pytest
 
 from models import UTC, ConsoleAction, CrtcOrder, Outbox, WebhookEvent
 from engine import spool
+from tests.checked_service import CHECKED, refusals_file, refusals_to
 from tests.ops_helpers import ROOT
 from tests.terminal import OnATerminal
 
@@ -37,9 +38,10 @@ def cli_env(database_url, settings=None):
 
 def run(database_url, *args, env=None):
     """For commands that need no peer: a plain blocking subprocess."""
-    return subprocess.run([sys.executable, "receiver.py", *args], cwd=ROOT, text=True,
+    return subprocess.run([*CHECKED, *args], cwd=ROOT, text=True,
                           capture_output=True, timeout=60,
-                          env={**cli_env(database_url), **(env or {})})
+                          env={**cli_env(database_url), **refusals_to(refusals_file()),
+                               **(env or {})})
 
 
 class Ran:
@@ -50,7 +52,7 @@ class Ran:
 async def run_async(env, *args):
     """For commands that reach peers served by this test's own event loop."""
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "receiver.py", *args, cwd=ROOT, env=env,
+        *CHECKED, *args, cwd=ROOT, env={**env, **refusals_to(refusals_file())},
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     stdout, stderr = await asyncio.wait_for(process.communicate(), 60)
     return Ran(process.returncode, stdout.decode(), stderr.decode())

@@ -3,11 +3,11 @@ import asyncio
 import dataclasses
 import os
 import subprocess
-import sys
 
 import pytest
 
 from models import SelfFiling
+from tests.checked_service import CHECKED, refusals_file, refusals_to
 from tests.door import through_the_door
 from app.server import make_app
 from app.context import Context
@@ -319,8 +319,9 @@ async def test_too_many_clicks_from_one_address_get_a_429_page(settings, clock, 
 # --- the command line -----------------------------------------------------------------------
 
 def run_cli(*args, env):
-    return subprocess.run([sys.executable, "receiver.py", *args], cwd=ROOT, text=True,
-                          capture_output=True, timeout=60, env={**os.environ, **env})
+    return subprocess.run([*CHECKED, *args], cwd=ROOT, text=True, capture_output=True,
+                          timeout=60, env={**os.environ, **env,
+                                           **refusals_to(refusals_file())})
 
 
 @pytest.mark.gen_test(timeout=60)

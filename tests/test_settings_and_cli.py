@@ -12,6 +12,7 @@ import urllib.request
 import pytest
 
 from settings import ConfigurationError, Settings
+from tests.checked_service import CHECKED, refusals_file, refusals_to
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -129,9 +130,9 @@ def test_a_bad_setting_exits_2_with_one_line(tmp_path):
 
 
 def run(*args, env=None):
-    return subprocess.run([sys.executable, "receiver.py", *args], cwd=ROOT, text=True,
-                          capture_output=True, timeout=60,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run([*CHECKED, *args], cwd=ROOT, text=True, capture_output=True,
+                          timeout=60, env={**os.environ, **(env or {}),
+                                           **refusals_to(refusals_file())})
 
 
 def test_help_explains_the_commands():
