@@ -70,8 +70,15 @@ def text(response):
 
 
 @pytest.fixture
-def logged_in_operator(http_server, base_url, client, io_loop):
-    """An Operator with a session, for a test module whose settings have the console."""
-    operator = Operator(client, base_url)
-    assert io_loop.run_sync(operator.log_in).code == 302
+def operator(http_server, base_url, client):
+    """An Operator without a session, for a test module whose settings have the console
+    (import this fixture and `logged_in` into the module)."""
+    return Operator(client, base_url)
+
+
+@pytest.fixture
+def logged_in(operator, io_loop):
+    """`operator`, logged in."""
+    response = io_loop.run_sync(operator.log_in)
+    assert response.code == 302, text(response)
     return operator

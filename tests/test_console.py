@@ -22,8 +22,9 @@ from ops import console
 from ops.passwords import verify_password
 from settings import ConfigurationError, Settings
 from tests.door import through_the_door
-from tests.console_helpers import (
-    COOKIE_SECRET, PASSWORD, PASSWORD_HASH, Operator, console_settings, text,
+from tests.console_helpers import (  # noqa: F401 (fixtures)
+    COOKIE_SECRET, PASSWORD, PASSWORD_HASH, Operator, console_settings, logged_in, operator,
+    text,
 )
 from tests.ops_helpers import ROOT
 from tests.public_helpers import served
@@ -38,18 +39,6 @@ SUBMITTED = {"order_name": "ORD-1", "order_number": "FO-1", "state_code": "WY",
 @pytest.fixture
 def settings(settings):
     return dataclasses.replace(console_settings(settings), crypto_processor_api_key=API_KEY)
-
-
-@pytest.fixture
-def operator(http_server, base_url, client):
-    return Operator(client, base_url)
-
-
-@pytest.fixture
-def logged_in(operator, io_loop):
-    response = io_loop.run_sync(operator.log_in)
-    assert response.code == 302, text(response)
-    return operator
 
 
 def actions():

@@ -11,7 +11,7 @@ from engine.outbox import Effects
 from models import ConsoleAction, CrtcOrder, Outbox
 from ops import console
 from tests.console_helpers import (  # noqa: F401 (fixture)
-    console_settings, logged_in_operator, text,
+    console_settings, logged_in, operator, text,
 )
 from tests.door import through_the_door
 from tests.test_cli import at
@@ -24,11 +24,6 @@ WEBHOOK_HEADERS = {"X-Webhook-Secret": "test-webhook-secret"}
 @pytest.fixture
 def settings(settings):
     return console_settings(settings)
-
-
-@pytest.fixture
-def logged_in(logged_in_operator):
-    return logged_in_operator
 
 
 def timeline_lines(page):

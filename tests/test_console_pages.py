@@ -12,7 +12,7 @@ import pytest
 
 from models import CrtcOrder, Outbox
 from tests.console_helpers import (  # noqa: F401 (fixture)
-    console_settings, logged_in_operator, text,
+    console_settings, logged_in, operator, text,
 )
 from tests.shkeeper import API_KEY, URL as CRYPTO_URL, encode, key_headers, paid
 from tests.test_cli import at, stored_event
@@ -27,11 +27,6 @@ DEPTH = 3
 @pytest.fixture
 def settings(settings):
     return dataclasses.replace(console_settings(settings), crypto_processor_api_key=API_KEY)
-
-
-@pytest.fixture
-def logged_in(logged_in_operator):
-    return logged_in_operator
 
 
 def console_links(page):

@@ -10,7 +10,7 @@ import pytest
 from engine import outbox
 from models import Outbox
 from tests.conftest import WEBHOOK_SECRET
-from tests.console_helpers import console_settings, logged_in_operator, text  # noqa: F401
+from tests.console_helpers import console_settings, logged_in, operator, text  # noqa: F401
 from tests.test_ops_endpoints import get, samples, scheduled, spool, value  # noqa: F401 (fixtures)
 
 AUTH = {"X-Webhook-Secret": WEBHOOK_SECRET, "Content-Type": "application/json"}
@@ -201,9 +201,9 @@ async def test_the_check_names_a_doctype_frappe_does_not_show_us(
 
 @pytest.mark.gen_test
 async def test_the_console_overview_says_what_frappe_said_of_our_configuration(
-        ctx, frappe, logged_in_operator):
+        ctx, frappe, logged_in):
     frappe.responses = [WHO, DOCTYPE_MISSPELLED]
     await ctx.destinations.check()
-    page = text(await logged_in_operator.get("/console"))
+    page = text(await logged_in.get("/console"))
     assert ("workflow misconfigured: Formation Order: HTTP 500 reading Formation Order: "
             "ImportError: Module import failed for Formation Ordr") in page

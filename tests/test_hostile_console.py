@@ -13,7 +13,9 @@ from app.server import make_app
 from engine import retention
 from handlers import console as console_handlers
 from models import ConsoleAction, ConsoleSession
-from tests.console_helpers import PASSWORD, Operator, console_settings, text
+from tests.console_helpers import (  # noqa: F401 (fixtures)
+    PASSWORD, Operator, console_settings, logged_in, operator, text,
+)
 from tests.door import through_the_door
 from tests.public_helpers import served, signed_path
 from tests.service_process import database_down
@@ -25,18 +27,6 @@ LOCAL_PROXY = (ipaddress.ip_network("127.0.0.1/32"),)
 @pytest.fixture
 def settings(settings):
     return console_settings(settings)
-
-
-@pytest.fixture
-def operator(http_server, base_url, client):
-    return Operator(client, base_url)
-
-
-@pytest.fixture
-def logged_in(operator, io_loop):
-    response = io_loop.run_sync(operator.log_in)
-    assert response.code == 302, text(response)
-    return operator
 
 
 def failures(ctx, reason):

@@ -146,30 +146,41 @@ def closed(sock):
         return False
 
 
-@pytest.mark.gen_test(timeout=60)
-async def test_at_the_cap_a_bodiless_request_makes_room(capped, io_loop):
-    """Four addresses hold two body-less requests each: the cap. A fifth address's
-    webhook gets in, and one of them (no idle connection being there) is closed."""
-    app, settings = capped
+async def newcomer_among(app, settings, io_loop, holders, newcomer):
+    """Each (address, count) of `holders` holds that many body-less requests; once all are
+    waiting for their bodies, a webhook from `newcomer`: its status, and the positions
+    (in `holders`' order) of the held connections closed to make room for it."""
     with served(app, settings) as url:
         port = port_of(url)
         held = []
-        for source in ("127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4"):
-            held += await io_loop.run_in_executor(None, bodiless, port, 2, source)
+        for source, count in holders:
+            held += await io_loop.run_in_executor(None, bodiless, port, count, source)
         try:
             for _ in range(500):
-                if len(app.waiting_for_body) == 8:
+                if len(app.waiting_for_body) == len(held):
                     break
                 await asyncio.sleep(0.01)
-            status = await io_loop.run_in_executor(None, webhook_from, port, "127.0.0.5")
+            status = await io_loop.run_in_executor(None, webhook_from, port, newcomer)
             for _ in range(500):
-                evicted = [sock for sock in held if closed(sock)]
+                evicted = [n for n, sock in enumerate(held) if closed(sock)]
                 if evicted:
                     break
                 await asyncio.sleep(0.01)
         finally:
             for sock in held:
                 sock.close()
+    return status, evicted
+
+
+@pytest.mark.gen_test(timeout=60)
+async def test_at_the_cap_a_bodiless_request_makes_room(capped, io_loop):
+    """Four addresses hold two body-less requests each: the cap. A fifth address's
+    webhook gets in, and one of them (no idle connection being there) is closed."""
+    app, settings = capped
+    status, evicted = await newcomer_among(
+        app, settings, io_loop,
+        [("127.0.0.1", 2), ("127.0.0.2", 2), ("127.0.0.3", 2), ("127.0.0.4", 2)],
+        "127.0.0.5")
     assert status == 200
     assert len(evicted) == 1
 
@@ -179,26 +190,11 @@ async def test_the_room_is_made_at_the_address_holding_the_most(ctx, app, io_loo
     """12 connections, 3 per address: two addresses hold 3 body-less requests each,
     three hold 2. A newcomer's room is taken from one of the two."""
     settings = dataclasses.replace(ctx.settings, max_connections=12)
-    with served(app, settings) as url:
-        port = port_of(url)
-        held = []
-        for source, count in (("127.0.0.1", 3), ("127.0.0.2", 3), ("127.0.0.3", 2),
-                              ("127.0.0.4", 2), ("127.0.0.5", 2)):
-            held += await io_loop.run_in_executor(None, bodiless, port, count, source)
-        try:
-            for _ in range(500):
-                if len(app.waiting_for_body) == 12:
-                    break
-                await asyncio.sleep(0.01)
-            status = await io_loop.run_in_executor(None, webhook_from, port, "127.0.0.6")
-            for _ in range(500):
-                evicted = [n for n, sock in enumerate(held) if closed(sock)]
-                if evicted:
-                    break
-                await asyncio.sleep(0.01)
-        finally:
-            for sock in held:
-                sock.close()
+    status, evicted = await newcomer_among(
+        app, settings, io_loop,
+        [("127.0.0.1", 3), ("127.0.0.2", 3), ("127.0.0.3", 2), ("127.0.0.4", 2),
+         ("127.0.0.5", 2)],
+        "127.0.0.6")
     assert status == 200
     assert len(evicted) == 1 and evicted[0] < 6
 
