@@ -51,17 +51,23 @@ NEW_EFFECT = InsertOnce(Outbox)
 UNSENT = ("pending", "waiting")
 
 
+def _earlier_unsent_of(earlier, than, of_other_events):
+    """A select, from `earlier` (Outbox or an alias of it), of an unsent row of the order
+    and kind in the slots, written before the row whose id is `than`: of another event,
+    or without one, when `of_other_events`. The unsent statuses are literals, not
+    parameters: every parameter of a prepared insert must be a slot."""
+    query = earlier.select(earlier.id).where(
+        earlier.order_number == slot(Outbox.order_number), earlier.kind == slot(Outbox.kind),
+        earlier.status.in_([SQL(f"'{status}'") for status in UNSENT]), earlier.id < than)
+    if of_other_events:
+        query = query.where(earlier.event.is_null() | (earlier.event != slot(Outbox.event)))
+    return query
+
+
 def _earlier_unsent(of_other_events):
-    """An unsent row of the same order and kind created before the given one (from
-    another event, or without one, when `of_other_events`)."""
-    def build():
-        query = Outbox.select(Outbox.id).where(
-            Outbox.order_number == slot(Outbox.order_number), Outbox.kind == slot(Outbox.kind),
-            Outbox.status.in_(UNSENT), Outbox.id < slot(Outbox.id)).limit(1)
-        if of_other_events:
-            query = query.where(Outbox.event.is_null() | (Outbox.event != slot(Outbox.event)))
-        return query
-    return Prepared(build)
+    """The earlier unsent row before the row whose id is in the slot `id`."""
+    return Prepared(lambda: _earlier_unsent_of(Outbox, slot(Outbox.id), of_other_events)
+                    .limit(1))
 
 
 EARLIER_UNSENT = _earlier_unsent(of_other_events=False)
@@ -71,15 +77,7 @@ EARLIER_UNSENT_OF_OTHER_EVENTS = _earlier_unsent(of_other_events=True)
 def _earlier_unsent_exists(of_other_events):
     """`_earlier_unsent` as an expression of the row being inserted (in its RETURNING):
     whether an unsent row of its order and kind was written before it."""
-    earlier = Outbox.alias("earlier")
-    query = earlier.select(earlier.id).where(
-        earlier.order_number == slot(Outbox.order_number), earlier.kind == slot(Outbox.kind),
-        # Literals, not parameters: every parameter of a prepared insert is a slot.
-        earlier.status.in_([SQL(f"'{status}'") for status in UNSENT]),
-        earlier.id < Outbox.id)
-    if of_other_events:
-        query = query.where(earlier.event.is_null() | (earlier.event != slot(Outbox.event)))
-    return fn.EXISTS(query)
+    return fn.EXISTS(_earlier_unsent_of(Outbox.alias("earlier"), Outbox.id, of_other_events))
 
 
 # NEW_EFFECT for a job or workflow action of an order: the insert also says whether it is
