@@ -14,7 +14,9 @@ import os
 import select
 import threading
 import time
+from typing import Iterator
 
+import peewee
 from peewee import (
     AutoField, BigIntegerField, BooleanField, DatabaseError, DatabaseProxy, DateTimeField,
     Field, ForeignKeyField, IntegerField, InterfaceError, Model, OperationalError,
@@ -109,6 +111,9 @@ class MaintenanceCutShort(StatementRefused):
 
 
 _maintenance = threading.local()
+# The writes held in this thread (ClassifiedErrors.holding_writes); only the database
+# thread's turns hold any, a probe or a mail thread sends its statements as they come.
+_held = threading.local()
 
 
 @contextlib.contextmanager
@@ -156,32 +161,59 @@ class ClassifiedErrors:
 
     With a `circuit` (engine.db.Circuit, set by the service), a database found down is
     not tried again until the circuit's probe finds it back: every statement raises
-    DatabaseDown at once, and the callers fall back as they do for a real failure."""
+    DatabaseDown at once, and the callers fall back as they do for a real failure.
+
+    Held writes (`holding_writes`, PostgreSQL only): a BEGIN and the writes whose result
+    nobody reads (`write_later`) wait in this thread, and go to the server in the same
+    round trip as the next statement that is sent, or as the COMMIT. A held write that
+    fails is raised by that statement or by the COMMIT, which the group commit takes as
+    the turn failing (engine.commits)."""
 
     circuit = None
     # Statements asked of the database by this process, BEGIN, COMMIT and ROLLBACK
-    # included: each is a round trip on PostgreSQL (/metrics' receiver_database_statements).
+    # included (/metrics' receiver_database_statements).
     statements = 0
+    # Times this process waited for the server's answer (/metrics'
+    # receiver_database_round_trips): the statements less those sent with another.
+    round_trips = 0
+    # Whether the driver sends several statements in one round trip: psycopg2 does
+    # (one string, the last statement's result kept); sqlite3 runs one per call, and an
+    # embedded database has no round trip to save.
+    sends_several_at_once = False
     # Called before every statement, when set: the test suite's thread check
     # (tests/door.py) refuses one not run through the door (engine.commits).
     before_statement = None
 
     def execute_sql(self, sql, params=None):
-        self.statements += 1
-        if self.before_statement is not None:
-            self.before_statement(sql)
+        self._asked(sql)
         with self._guarded():
+            held = self._take_held()
+            self.round_trips += 1
+            if held:
+                self._log_query(sql, params)
+                return self._send_held([*held, self._text_of(sql, params)])
             return super().execute_sql(sql, params)
 
     def begin(self, *args, **kwargs):
-        self.statements += 1
-        if self.before_statement is not None:
-            self.before_statement("BEGIN")
+        self._asked("BEGIN")
         with self._guarded():
+            held = getattr(_held, "writes", None)
+            if held is not None and not args and not kwargs and self._may_hold_begin():
+                if self.is_closed():
+                    # Now: connecting later, inside the transaction, would reset
+                    # peewee's count of the transactions open.
+                    self.connect()
+                held.append(b"BEGIN")
+                return None
+            self.round_trips += 1
             return super().begin(*args, **kwargs)
 
     def rollback(self):
         self.statements += 1
+        held = self._take_held()
+        if held and held[0] == b"BEGIN":
+            return None  # the transaction never reached the server: nothing to undo
+        self.round_trips += 1
         return super().rollback()
 
     def connect(self, *args, **kwargs):
@@ -190,9 +222,67 @@ class ClassifiedErrors:
 
     def commit(self):
         self.statements += 1
+        held = self._take_held()
+        if held == [b"BEGIN"]:
+            return None  # nothing was asked in the transaction
+        self.round_trips += 1
         # Not refused while the circuit is open: a transaction begun before is ended.
         with _classified(self.circuit):
+            if held:
+                self._send_held([*held, b"COMMIT"])
+                return None
             return super().commit()
+
+    @contextlib.contextmanager
+    def holding_writes(self) -> Iterator[None]:
+        """Held writes (above) for the code inside, in this thread; all are sent by the
+        time it ends with a COMMIT or ROLLBACK, which the caller's transaction does."""
+        if not self.sends_several_at_once:
+            yield
+            return
+        _held.writes = []
+        try:
+            yield
+        finally:
+            _held.writes = None
+
+    def write_later(self, sql, params=None):
+        """`execute_sql` for a write whose cursor nobody reads: held, while holding, to
+        be sent with the next statement."""
+        held = getattr(_held, "writes", None)
+        if held is None:
+            self.execute_sql(sql, params)
+            return
+        self._asked(sql)
+        self._log_query(sql, params)
+        with self._guarded():
+            held.append(self._text_of(sql, params))
+
+    def _asked(self, sql):
+        self.statements += 1
+        if self.before_statement is not None:
+            self.before_statement(sql)
+
+    def _take_held(self):
+        held = getattr(_held, "writes", None)
+        if not held:
+            return held
+        _held.writes = []
+        return held
+
+    def _text_of(self, sql, params):
+        with peewee.__exception_wrapper__:
+            return self.cursor().mogrify(sql, params or ())
+
+    def _send_held(self, statements):
+        """Several statements, already bound, in one round trip: the last one's cursor."""
+        with peewee.__exception_wrapper__:
+            cursor = self.cursor()
+            cursor.execute(b"; ".join(statements))
+        return cursor
+
+    def _may_hold_begin(self):
+        return True
 
     @contextlib.contextmanager
     def _guarded(self):
@@ -294,6 +384,7 @@ class ClassifiedSqliteDatabase(ClassifiedErrors, SqliteDatabase):
 class ReconnectingPostgresqlDatabase(ClassifiedErrors, ReconnectMixin, PostgresqlDatabase):
     """Reconnects once when PostgreSQL dropped the connection (restart, failover)."""
 
+    sends_several_at_once = True
     # psycopg2's words for a connection that is gone (ReconnectMixin only knows MySQL's).
     reconnect_errors = (
         (OperationalError, "server closed the connection"),
@@ -302,6 +393,32 @@ class ReconnectingPostgresqlDatabase(ClassifiedErrors, ReconnectMixin, Postgresq
         (OperationalError, "terminating connection"),
         (InterfaceError, "connection already closed"),
     )
+
+    def begin(self, *args, **kwargs):
+        # A connection psycopg2 found broken is replaced before the transaction.
+        if self._connection_broken():
+            self.close()
+        return super().begin(*args, **kwargs)
+
+    def rollback(self):
+        if self._connection_broken():
+            return None  # the server ended the transaction with the connection
+        return super().rollback()
+
+    def _may_hold_begin(self):
+        """Not when the server has said something unasked since its last answer: most
+        likely that it ended the session (a restart, a failover, an administrator).
+        The BEGIN then goes alone, and ReconnectMixin replaces the connection if it
+        fails, as it would have without held writes; held, it would fail inside the
+        transaction, where a reconnect may not be made."""
+        if self.is_closed():
+            return True
+        readable, _, _ = select.select([self._state.conn.fileno()], [], [], 0)
+        return not readable
+
+    def _connection_broken(self):
+        return not self.is_closed() and bool(self._state.conn.closed)
+
 
     def probe(self):
         """Raise unless PostgreSQL answers and takes writes: a connection of its own (any

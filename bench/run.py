@@ -133,10 +133,12 @@ def worker_stats(url):
 
 
 def database_counts(port):
-    """The service's (receiver_database_statements_total, receiver_database_turns_total):
-    over a run, the statements (round trips on PostgreSQL) per webhook and per group-commit
-    turn, the scheduler's included."""
-    wanted = ("receiver_database_statements_total", "receiver_database_turns_total")
+    """The service's (receiver_database_statements_total,
+    receiver_database_round_trips_total, receiver_database_turns_total): over a run, the
+    statements and round trips per webhook and per group-commit turn, the scheduler's
+    included."""
+    wanted = ("receiver_database_statements_total", "receiver_database_round_trips_total",
+              "receiver_database_turns_total")
     found = {}
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
         for line in answer.read().decode().splitlines():
@@ -209,6 +211,9 @@ def format_row(row):
                if "statements_per_webhook" in row else "")
             + (f"  statements/turn {row['statements_per_turn']}"
                if "statements_per_turn" in row else "")
+            + (f"  round trips/webhook {row['round_trips_per_webhook']}"
+               f"  round trips/turn {row['round_trips_per_turn']}"
+               if "round_trips_per_turn" in row else "")
             + (f"  inbox {row['inbox']}" if row.get("inbox") else ""))
 
 
@@ -332,14 +337,17 @@ class Bench:
         third = self.args.orders // 3
         options = (lambda offset: {"start": offset}) if start is not None else (lambda _: None)
         load(scenario, port, self.args.connections, self.args.warmup, options(0))
-        statements_before, turns_before = database_counts(port)
+        counts_before = database_counts(port)
         result = load(scenario, port, self.args.connections, self.args.duration,
                       options(third))
-        statements, turns = (after - before for after, before in zip(
-            database_counts(port), (statements_before, turns_before)))
+        statements, round_trips, turns = (after - before for after, before in zip(
+            database_counts(port), counts_before))
+        requests = max(1, result["requests"])
         result.update(scenario=scenario, database=label,
-                      statements_per_webhook=round(statements / max(1, result["requests"]), 1),
+                      statements_per_webhook=round(statements / requests, 1),
                       statements_per_turn=round(statements / max(1, turns), 1),
+                      round_trips_per_webhook=round(round_trips / requests, 1),
+                      round_trips_per_turn=round(round_trips / max(1, turns), 1),
                       webhooks_per_turn=round(result["requests"] / max(1, turns), 1),
                       inbox=outcomes(database_url, scenario))
         result.update(self.ratios(result))
@@ -550,15 +558,18 @@ class Bench:
         with open(os.path.join(args.results, "latest.md"), "w") as out:
             out.write("| scenario | database | req/s | p50 ms | p99 ms | ratio to ceiling "
                       "| ratio to floor | ratio to its database's floor "
-                      "| statements per webhook | statements per turn |\n")
-            out.write("|---|---|---|---|---|---|---|---|---|---|\n")
+                      "| statements per webhook | statements per turn "
+                      "| round trips per webhook | round trips per turn |\n")
+            out.write("|---|---|---|---|---|---|---|---|---|---|---|---|\n")
             for row in self.rows:
                 out.write(f"| {row['scenario']} | {row['database']} | {row['rps']} | "
                           f"{row['p50_ms']} | {row['p99_ms']} | {row['ratio_to_ceiling']} "
                           f"| {row['ratio_to_floor']} "
                           f"| {row.get('ratio_to_database_floor', '')} "
                           f"| {row.get('statements_per_webhook', '')} "
-                          f"| {row.get('statements_per_turn', '')} |\n")
+                          f"| {row.get('statements_per_turn', '')} "
+                          f"| {row.get('round_trips_per_webhook', '')} "
+                          f"| {row.get('round_trips_per_turn', '')} |\n")
             for row in self.rows:
                 if row["scenario"] in ("drain", "2 instances"):
                     details = {k: v for k, v in row.items() if k.startswith(

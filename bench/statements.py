@@ -1,33 +1,27 @@
-"""Statements per webhook: each one is a round trip to PostgreSQL, where the loop waits
-on it, so their number bounds a receiver's rate there. Counted through the Peewee
-database the service uses: every statement it executes, and every BEGIN, COMMIT and
-ROLLBACK."""
+"""Statements and round trips per webhook: on PostgreSQL each round trip is a wait of the
+one database thread, so their number bounds a receiver's rate there. Read from the
+database's own counts (models.ClassifiedErrors): every statement it is asked, BEGIN,
+COMMIT and ROLLBACK included, held writes too; and the round trips those cost (fewer on
+PostgreSQL, where held writes go with the next statement; the same on SQLite)."""
 import contextlib
 
 from models import database
 
-COUNTED = ("execute_sql", "begin", "commit", "rollback")
-
 
 class StatementCount:
-    """While open, counts what the database is asked to run; `.total` is the count."""
+    """While open, counts what the database is asked to run: `.total` statements in
+    `.round_trips` round trips."""
 
     def __init__(self):
         self.total = 0
-
-    def _counting(self, run):
-        def counted(*args, **kwargs):
-            self.total += 1
-            return run(*args, **kwargs)
-        return counted
+        self.round_trips = 0
 
     @contextlib.contextmanager
     def open(self):
         target = database.obj
-        for name in COUNTED:
-            setattr(target, name, self._counting(getattr(target, name)))
+        statements, round_trips = target.statements, target.round_trips
         try:
             yield self
         finally:
-            for name in COUNTED:
-                delattr(target, name)
+            self.total = target.statements - statements
+            self.round_trips = target.round_trips - round_trips

@@ -29,6 +29,13 @@ inserting); the server rolls one statement back, and its unit is run again at th
 turn, after this turn's commit has released what the other process waits for. A unit
 must therefore be safe to run again from its start, and code inside one that catches
 database errors lets a conflict through (`raise_if_conflict`).
+
+A turn run without savepoints holds its writes on PostgreSQL (models.ClassifiedErrors):
+the BEGIN goes to the server with the first statement, and a write whose result nobody
+reads (`engine.prepared.Prepared.execute_later`: an order's UPDATE, an event's status, a
+send's outcome) goes with the next statement or the COMMIT. A turn of such writes alone
+is one round trip. Should a held write fail, the statement it went with raises, the
+turn is undone, and the run with savepoints, which holds nothing, finds its unit.
 """
 import asyncio
 import concurrent.futures
@@ -38,6 +45,8 @@ import functools
 import threading
 import time
 from typing import Callable, Iterator, TypeVar
+
+from peewee import DatabaseError
 
 from models import DatabaseDown, database
 from engine.db import is_conflict
@@ -288,19 +297,34 @@ def _run_turn(units: list[Unit], with_savepoints: bool) -> list[Outcome]:
     token = _with_savepoints.set(with_savepoints)
     _turn.on_commit = []
     try:
-        with database.atomic():
-            if with_savepoints:
+        if with_savepoints:
+            with database.atomic():
                 outcomes = [_attempt(unit) for unit in units]
-            else:
-                try:
-                    outcomes = [(unit(), None) for unit in units]
-                except (Exception, _PartFailed) as failure:
-                    raise _TurnUndone from failure
+        else:
+            outcomes = _run_plain(units)
     finally:
         _with_savepoints.reset(token)
     for callback in _turn.on_commit:
         callback()
     return outcomes
+
+
+def _run_plain(units: list[Unit]) -> list[Outcome]:
+    """The turn without savepoints, its writes held (models.ClassifiedErrors): on
+    PostgreSQL the BEGIN goes with the first statement, and the writes nobody reads the
+    result of go with the next statement or the COMMIT. A held write fails in whatever
+    statement it was sent with, a unit's or the COMMIT: either undoes the turn, and the
+    run with savepoints (holding nothing) finds which unit it was."""
+    try:
+        with database.holding_writes(), database.atomic():
+            try:
+                return [(unit(), None) for unit in units]
+            except (Exception, _PartFailed) as failure:
+                raise _TurnUndone from failure
+    except DatabaseDown:
+        raise
+    except DatabaseError as failure:  # the COMMIT, with the writes held for it
+        raise _TurnUndone from failure
 
 
 def _attempt(unit: Unit) -> Outcome:

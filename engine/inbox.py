@@ -343,14 +343,15 @@ def _store(ctx: EngineContext, call: Entry,
     """`as_processed`: the caller handles the call in this same transaction, and stored
     so it needs no UPDATE when that goes well (`_store_and_handle`). `handled_by`: see
     `accept`."""
-    source, event_type = call["source"], call["event_type"]
-    existing = find_any(source, call["also_known_as"])
-    if existing is None and handled_by is not None:
-        existing = handled_by()
+    source, event_type, known = call["source"], call["event_type"], call["also_known_as"]
+    existing = None
+    if handled_by is not None:  # asked only when no key of the call is stored
+        existing = find_any(source, known) or handled_by()
     if existing is None:
         now = ctx.clock()
-        event = NEW_EVENT.row(
-            source=source, event_type=event_type, dedup_key=call["dedup_key"],
+        event = _new_event_unless(len(known) if handled_by is None else 0).row(
+            source=source, **{f"key{n}": key for n, key in enumerate(known)},
+            event_type=event_type, dedup_key=call["dedup_key"],
             external_id=call["external_id"],
             order_number=call["order_number"], payload=call["payload"],
             status="processed" if as_processed else call["status"],
@@ -362,8 +363,8 @@ def _store(ctx: EngineContext, call: Entry,
             if call.get("notice"):
                 _tell_admin_notice(ctx, event, call["notice"])
             return Stored(event, True)
-        existing = find(ctx, source, call["dedup_key"])
-        # The insert found the key taken, in this transaction: the row is there to read.
+        existing = find_any(source, known) or find(ctx, source, call["dedup_key"])
+        # The insert found a key taken, in this transaction: the row is there to read.
         assert existing is not None
     ctx.metrics.event_duplicate(source, event_type)
     log.info("duplicate %s event %s (%s) ignored; first stored as #%s",
@@ -412,11 +413,30 @@ _FIND_ANY: dict[int, Prepared] = {}
 
 
 def _first_of_keys(count):
-    return Prepared(lambda: WebhookEvent.select().where(
+    return Prepared(lambda: _stored_under_keys(count).order_by(WebhookEvent.id).limit(1))
+
+
+def _stored_under_keys(count, *columns):
+    return WebhookEvent.select(*columns).where(
         WebhookEvent.source == slot(WebhookEvent.source),
         WebhookEvent.dedup_key.in_([slot(WebhookEvent.dedup_key, f"key{n}")
                                     for n in range(count)]))
-        .order_by(WebhookEvent.id).limit(1))
+
+
+def _new_event_unless(count):
+    """NEW_EVENT, unless an event is stored under one of `count` earlier keys (slots key0
+    and on): the dedup window's read and the insert in one statement. Built once per
+    number of keys."""
+    if not count:
+        return NEW_EVENT
+    statement = _NEW_EVENT_UNLESS.get(count)
+    if statement is None:
+        statement = _NEW_EVENT_UNLESS[count] = InsertOnce(
+            WebhookEvent, unless=lambda: _stored_under_keys(count, peewee.SQL("1")))
+    return statement
+
+
+_NEW_EVENT_UNLESS: dict[int, InsertOnce] = {}
 
 
 async def process(ctx: EngineContext, event: WebhookEvent, kept: Kept | None = None) -> str:
@@ -537,7 +557,7 @@ def _conclude(ctx, event, effects, stored_processed=False):
 def _finish(ctx, event_id, status, error=None, counted=False):
     """`counted`: the row already counts this attempt (written as processed)."""
     now = ctx.clock()
-    (FINISH_COUNTED if counted else FINISH).execute(
+    (FINISH_COUNTED if counted else FINISH).execute_later(
         id=event_id, status=status, processed_at=now, updated_at=now,
         last_error=error and error_text(error))
 

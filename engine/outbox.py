@@ -26,7 +26,7 @@ from engine.commits import Unit
 from engine.contracts import EngineContext, SendOutcome
 from engine.db import UNAVAILABLE
 from engine.destinations import ORDERED_KINDS
-from engine.prepared import InsertOnce, Prepared, slot
+from engine.prepared import InsertOnce, Prepared, slot, write_later
 
 log = logging.getLogger("receiver.outbox")
 REPEATS = lograte.Repeats(log)
@@ -435,10 +435,11 @@ def record_outcomes(ctx: EngineContext, rows: list[Outbox],
             if result is not None and result.configured and result.ok and not result.logged]
     if sent:
         now = ctx.clock()
-        (Outbox.update(status="sent", sent_at=now, last_error=None,
-                       attempts=Outbox.attempts + 1, updated_at=now,
-                       **{field.name: _by_row(field, sent) for field in LAST_ATTEMPT})
-         .where(Outbox.id.in_([row.id for row in sent])).execute())
+        write_later(Outbox.update(status="sent", sent_at=now, last_error=None,
+                                  attempts=Outbox.attempts + 1, updated_at=now,
+                                  **{field.name: _by_row(field, sent)
+                                     for field in LAST_ATTEMPT})
+                    .where(Outbox.id.in_([row.id for row in sent])))
         for row in sent:
             ctx.metrics.effect_sent(row.kind, "sent")
     recorded = set(sent)
@@ -470,7 +471,7 @@ def record_outcome(ctx: EngineContext, row: Outbox, result: Result) -> None:
     if not result.configured:
         # Nothing was tried: the effect waits for its peer to be configured, without
         # using up its attempts; `release_waiting` makes it due when it is.
-        WAITING.execute(id=row.id, status="waiting", last_error=result.error, updated_at=now)
+        WAITING.execute_later(id=row.id, status="waiting", last_error=result.error, updated_at=now)
         log.warning("outbox %s %s waits for its destination: %s", row.id, row.kind,
                     result.error)
         return
@@ -478,15 +479,15 @@ def record_outcome(ctx: EngineContext, row: Outbox, result: Result) -> None:
     if result.logged:
         # The settings say to log such effects (no Telegram, no SMTP): final, and the
         # row says that it was not sent, and why.
-        GIVEN_UP.execute(id=row.id, status="logged", last_error=result.error,
+        GIVEN_UP.execute_later(id=row.id, status="logged", last_error=result.error,
                          attempts=attempts, updated_at=now, **_last_attempt(row))
         ctx.metrics.effect_sent(row.kind, "logged")
     elif result.ok:
-        SENT.execute(id=row.id, status="sent", sent_at=now, last_error=None,
+        SENT.execute_later(id=row.id, status="sent", sent_at=now, last_error=None,
                      attempts=attempts, updated_at=now, **_last_attempt(row))
         ctx.metrics.effect_sent(row.kind, "sent")
     elif not result.retryable or retry.outbox(ctx.settings).gives_up(attempts):
-        GIVEN_UP.execute(id=row.id, status="dead", last_error=result.error,
+        GIVEN_UP.execute_later(id=row.id, status="dead", last_error=result.error,
                          attempts=attempts, updated_at=now, **_last_attempt(row))
         ctx.metrics.effect_sent(row.kind, "dead")
         log.error("outbox %s %s dead after %d attempt(s): %s",
@@ -495,7 +496,7 @@ def record_outcome(ctx: EngineContext, row: Outbox, result: Result) -> None:
             tell_admin(ctx, f"outbox-{row.id}", f"Outbox effect #{row.id} given up",
                        "outbox_dead", row=row, attempts=attempts, error=result.error)
     else:
-        RETRY.execute(id=row.id, last_error=result.error, next_attempt_at=now + retry.outbox(ctx.settings).delay(attempts),
+        RETRY.execute_later(id=row.id, last_error=result.error, next_attempt_at=now + retry.outbox(ctx.settings).delay(attempts),
                       attempts=attempts, updated_at=now, **_last_attempt(row))
         ctx.metrics.effect_sent(row.kind, "retry")
         # A peer that is down fails every effect alike: one line, then a count.

@@ -8,7 +8,7 @@ with new values bound in.
 """
 import peewee
 
-from models import database
+from models import POSTGRES_FIELD_TYPES, database, is_postgres
 
 
 class Slot(peewee.Node):
@@ -55,8 +55,17 @@ class Prepared:
 
     def execute(self, **values):
         db, sql, params, _ = self._statement()
-        return db.execute_sql(sql, [param.bind(values) if isinstance(param, Slot) else param
-                                    for param in params])
+        return db.execute_sql(sql, self._bound(params, values))
+
+    def execute_later(self, **values: object) -> None:
+        """`execute` for a write whose result is not read: in a turn of the group commit
+        on PostgreSQL it goes to the server with the next statement (engine.commits)."""
+        db, sql, params, _ = self._statement()
+        db.write_later(sql, self._bound(params, values))
+
+    @staticmethod
+    def _bound(params, values):
+        return [param.bind(values) if isinstance(param, Slot) else param for param in params]
 
     def first(self, **values):
         """Run a select; its first row as a model instance, or None."""
@@ -79,17 +88,28 @@ class InsertOnce(Prepared):
     nothing, so an enclosing transaction goes on). Every column but the id is written; a
     value left out is the field's default, computed at each run."""
 
-    def __init__(self, model, also_returning=()):
+    def __init__(self, model, also_returning=(), unless=None):
         """`also_returning`: (name, build) pairs, expressions (build() gives one) the insert
         returns beside the new row's id, set on the row `row()` gives under `name`: what
-        would otherwise be a read of its own after the insert, in the same round trip."""
+        would otherwise be a read of its own after the insert, in the same round trip.
+
+        `unless`: builds a select; when it finds a row, nothing is inserted, as when the
+        unique key is taken: what would otherwise be a read of its own before the
+        insert. Its slots' values are given to `run` or `row` beside the columns'."""
         self.fields = [field for field in model._meta.sorted_fields
                        if not isinstance(field, peewee.AutoField)]
         self.also_returning = tuple(also_returning)
 
         def build():
-            query = model.insert({field: slot(field) for field in self.fields}).on_conflict(
-                "nothing")
+            values = {field: slot(field) for field in self.fields}
+            if unless is None:
+                query = model.insert(values)
+            else:
+                query = model.insert_from(
+                    peewee.Select(columns=[_as_column(field, value)
+                                           for field, value in values.items()])
+                    .where(~peewee.fn.EXISTS(unless())), list(values))
+            query = query.on_conflict("nothing")
             if self.also_returning:
                 query = query.returning(model._meta.primary_key, *(
                     expression().alias(name) for name, expression in self.also_returning))
@@ -109,7 +129,7 @@ class InsertOnce(Prepared):
             return None
         model = self._statement()[3]
         instance = model(__no_default__=1, **{model._meta.primary_key.name: returned[0]},
-                         **values)
+                         **{field.name: values[field.name] for field in self.fields})
         instance._dirty.clear()
         for (name, _), value in zip(self.also_returning, returned[1:]):
             setattr(instance, name, value)
@@ -128,12 +148,22 @@ class InsertOnce(Prepared):
         return ((cursor.lastrowid or True),) if cursor.rowcount == 1 else None
 
 
+def _as_column(field, value):
+    """`value` typed as `field`'s column, in a select that feeds an insert: PostgreSQL
+    takes an untyped parameter there for text (a NULL too), which a timestamp or integer
+    column refuses. SQLite needs no cast, and would turn a time's text into a number."""
+    if not is_postgres():
+        return value
+    return peewee.Cast(value, POSTGRES_FIELD_TYPES.get(field.field_type, field.field_type))
+
+
 _SAVES: dict[tuple, Prepared] = {}
 
 
 def save_changes(instance):
     """`instance.save()` for a model with only_save_dirty: the changed columns are
-    written, with the update's SQL built once per set of changed columns."""
+    written, with the update's SQL built once per set of changed columns, and sent with
+    the next statement (`Prepared.execute_later`)."""
     model = type(instance)
     changed = tuple(sorted(instance.dirty_fields, key=lambda field: field.name))
     if not changed:
@@ -144,6 +174,13 @@ def save_changes(instance):
         primary_key = model._meta.primary_key
         statement = _SAVES[key] = Prepared(lambda: model.update(
             {field: slot(field) for field in changed}).where(primary_key == slot(primary_key)))
-    statement.execute(**{field.name: instance.__data__[field.name]
-                         for field in (*changed, model._meta.primary_key)})
+    statement.execute_later(**{field.name: instance.__data__[field.name]
+                               for field in (*changed, model._meta.primary_key)})
     instance._dirty.clear()
+
+
+def write_later(query: peewee.Query) -> None:
+    """A peewee write query whose result is not read, sent as `Prepared.execute_later`
+    sends: with the next statement, in a turn on PostgreSQL."""
+    sql, params = query.sql()
+    database.write_later(sql, params)

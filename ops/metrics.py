@@ -131,8 +131,13 @@ class StatementCollector:
     def collect(self):
         yield CounterMetricFamily(
             "receiver_database_statements", "Statements sent to the database by this "
-            "process, BEGIN, COMMIT and ROLLBACK included (each a round trip on "
-            "PostgreSQL).", value=getattr(database.obj, "statements", 0))
+            "process, BEGIN, COMMIT and ROLLBACK included.",
+            value=getattr(database.obj, "statements", 0))
+        yield CounterMetricFamily(
+            "receiver_database_round_trips", "Times this process waited for the "
+            "database's answer: the statements, less those sent with another (on "
+            "PostgreSQL a turn's BEGIN and the writes whose result is not read).",
+            value=getattr(database.obj, "round_trips", 0))
         yield CounterMetricFamily(
             "receiver_database_turns", "Group-commit turns run by this process (one "
             "transaction each, shared by the units asked for meanwhile).",

@@ -20,9 +20,8 @@ import urllib.parse
 import pytest
 import tornado.netutil
 import tornado.testing
-from peewee import SqliteDatabase
 
-from models import database, is_postgres, open_database
+from models import ClassifiedSqliteDatabase, database, is_postgres, open_database
 from tests.conftest import WEBHOOK_SECRET
 from tests.checked_service import SERVE, refusals_to
 from tests.peers import HttpPeer
@@ -260,7 +259,7 @@ def database_down(db):
     if is_postgres(db):
         down = open_database(f"postgresql://postgres@127.0.0.1:{unused_port()}/gone")
     else:
-        down = SqliteDatabase("/dev/null/receiver.sqlite3")
+        down = ClassifiedSqliteDatabase("/dev/null/receiver.sqlite3")
     database.initialize(down)
     try:
         yield

@@ -49,6 +49,9 @@ def test_make_bench_harness_runs_on_a_tiny_load(tmp_path):
     for receiver in ("workflow", "card", "crypto"):
         row = scenarios[receiver]
         assert row["statements_per_turn"] > 0 and row["webhooks_per_turn"] > 0, row
+        assert 0 < row["round_trips_per_turn"] <= row["statements_per_turn"], row
+        if ON_POSTGRES:  # the BEGINs at least go with another statement
+            assert row["round_trips_per_turn"] < row["statements_per_turn"], row
         assert ("ratio_to_database_floor" in row) == ON_POSTGRES, row
     if ON_POSTGRES:
         both = scenarios["2 instances"]

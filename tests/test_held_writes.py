@@ -1,0 +1,210 @@
+"""Held writes (models.ClassifiedErrors, engine.commits): in a turn of the group commit
+on PostgreSQL, the BEGIN and the writes whose result nobody reads go to the server with
+the next statement, or with the COMMIT. The round trips are counted here apart from the
+database's own count: psycopg2 waits on the server once per round trip, through its
+wait callback. What a turn means (its reads, its failures, each unit's own outcome) is
+the same on both databases, and tested on both."""
+import asyncio
+
+import peewee
+import psycopg2.extensions
+import pytest
+
+from models import BoundedWaits, DatabaseDown, FormationOrder, WebhookEvent, database
+from engine.commits import GroupCommit
+from engine.prepared import InsertOnce, save_changes
+
+NEW_EVENT = InsertOnce(WebhookEvent)
+
+
+@pytest.fixture
+def postgres_only(database_url):
+    if not database_url.startswith("postgres"):
+        pytest.skip("SQLite runs in the process: no round trip to save")
+
+
+@pytest.fixture
+def server_waits(postgres_only):
+    """How many times psycopg2 has waited for the server since the test began."""
+    previous = psycopg2.extensions.get_wait_callback()
+    waits = []
+
+    def counted(connection):
+        waits.append(1)
+        (previous or BoundedWaits.wait)(connection)
+    psycopg2.extensions.set_wait_callback(counted)
+    yield lambda: len(waits)
+    psycopg2.extensions.set_wait_callback(previous)
+
+
+@pytest.fixture
+def orders():
+    return [FormationOrder.create(order_number=f"FO-{n}") for n in range(3)]
+
+
+def paid(order):
+    def unit():
+        order.payment_status = "paid"
+        save_changes(order)
+        return order.order_number
+    return unit
+
+
+def stored_statuses():
+    return {order.order_number: order.payment_status
+            for order in FormationOrder.select().order_by(FormationOrder.order_number)}
+
+
+class Counted:
+    """The database's own counts over a block, beside the waits counted here."""
+
+    def __init__(self, waits):
+        self.waits = waits
+
+    def __enter__(self):
+        self.before = (database.obj.statements, database.obj.round_trips, self.waits())
+        return self
+
+    def __exit__(self, *exc):
+        statements, round_trips, waits = self.before
+        self.statements = database.obj.statements - statements
+        self.round_trips = database.obj.round_trips - round_trips
+        self.server_waits = self.waits() - waits
+
+
+@pytest.mark.gen_test
+async def test_a_turn_of_writes_alone_is_one_round_trip(orders, server_waits):
+    commits = GroupCommit()
+    await commits.run(lambda: None)  # the database thread's connection is open
+    with Counted(server_waits) as count:
+        await asyncio.gather(*(commits.run(paid(order)) for order in orders))
+    assert set(stored_statuses().values()) == {"paid"}
+    # BEGIN, three UPDATEs and the COMMIT, sent as one string.
+    assert (count.statements, count.round_trips, count.server_waits) == (5, 1, 1)
+
+
+@pytest.mark.gen_test
+async def test_the_begin_goes_with_the_first_statement(server_waits):
+    commits = GroupCommit()
+    await commits.run(lambda: None)
+    with Counted(server_waits) as count:
+        new_id = await commits.run(lambda: NEW_EVENT.run(
+            source="test", event_type="t", dedup_key="a", payload="{}"))
+    assert WebhookEvent.get_by_id(new_id).dedup_key == "a"
+    # BEGIN with the INSERT (whose new id is read), then the COMMIT.
+    assert (count.statements, count.round_trips, count.server_waits) == (3, 2, 2)
+
+
+@pytest.mark.gen_test
+async def test_a_turn_that_asks_nothing_costs_no_round_trip(server_waits):
+    commits = GroupCommit()
+    await commits.run(lambda: None)
+    with Counted(server_waits) as count:
+        assert await commits.run(lambda: "nothing asked") == "nothing asked"
+    assert (count.round_trips, count.server_waits) == (0, 0)
+
+
+@pytest.mark.gen_test
+async def test_a_read_sees_the_writes_held_before_it(orders):
+    def unit():
+        paid(orders[0])()
+        return FormationOrder.get(FormationOrder.order_number == "FO-0").payment_status
+    assert await GroupCommit().run(unit) == "paid"
+
+
+def refused_write(order):
+    """A held write the database refuses: the order number is NOT NULL."""
+    def unit():
+        order.order_number = None
+        save_changes(order)
+    return unit
+
+
+def reads_after(unit):
+    def with_a_read():
+        result = unit()
+        WebhookEvent.select().count()
+        return result
+    return with_a_read
+
+
+@pytest.mark.gen_test
+@pytest.mark.parametrize("sent_with", ["the COMMIT", "a later unit's read"])
+async def test_a_held_write_refused_fails_its_own_unit_alone(orders, sent_with):
+    """Sent with a later statement, its failure shows there: the turn is undone and run
+    again with savepoints and nothing held, where it is its own unit's failure."""
+    later = paid(orders[2]) if sent_with == "the COMMIT" else reads_after(paid(orders[2]))
+    commits = GroupCommit()
+    results = await asyncio.gather(commits.run(paid(orders[0])),
+                                   commits.run(refused_write(orders[1])),
+                                   commits.run(later), return_exceptions=True)
+    assert results[0] == "FO-0" and results[2] == "FO-2"
+    assert isinstance(results[1], peewee.IntegrityError)
+    assert stored_statuses() == {"FO-0": "paid", "FO-1": "pending_payment", "FO-2": "paid"}
+
+
+@pytest.mark.gen_test
+async def test_a_held_write_refused_by_the_only_unit_is_its_failure(orders):
+    with pytest.raises(peewee.IntegrityError):
+        await GroupCommit().run(refused_write(orders[0]))
+    assert FormationOrder.select().where(FormationOrder.order_number.is_null()).count() == 0
+    # The connection is usable after the failed string: the next turn commits.
+    assert await GroupCommit().run(paid(orders[1])) == "FO-1"
+    assert stored_statuses()["FO-1"] == "paid"
+
+
+
+def the_database_threads_backend():
+    return database.execute_sql("SELECT pg_backend_pid()").fetchone()[0]
+
+
+def end_backend(other_connection, pid):
+    """As a restart or failover does: the server ends the session, unseen by psycopg2
+    until it next speaks on the connection."""
+    other_connection.autocommit = True
+    cursor = other_connection.cursor()
+    cursor.execute("SELECT pg_terminate_backend(%s, 5000)", (pid,))
+    assert cursor.fetchone() == (True,)
+
+
+@pytest.mark.gen_test
+@pytest.mark.parametrize("turn", ["a unit that reads", "writes alone"])
+async def test_a_session_the_server_ended_is_replaced_before_the_turn(
+        postgres_only, orders, other_connection, turn):
+    """The server says so when it ends a session (a restart, an administrator): the next
+    turn's BEGIN then goes alone, and is reconnected as it always was. Held, it would
+    fail with the turn's writes, inside the transaction."""
+    commits = GroupCommit()
+    pid = await commits.run(the_database_threads_backend)
+    end_backend(other_connection, pid)
+
+    def reading():
+        paid(orders[0])()
+        return FormationOrder.get(FormationOrder.order_number == "FO-0").payment_status
+    assert await commits.run(reading if turn == "a unit that reads" else paid(orders[0])) in (
+        "paid", "FO-0")
+    assert await commits.run(the_database_threads_backend) != pid
+    assert stored_statuses()["FO-0"] == "paid"
+
+
+@pytest.mark.gen_test
+async def test_a_session_lost_within_a_turn_fails_the_turn_once_only(
+        postgres_only, orders):
+    """A unit's statement finds the session gone (here the unit ends its own session,
+    once): the turn is undone without a ROLLBACK (the server ended the transaction with
+    the session) and run again with savepoints on a new connection, where every unit
+    goes through."""
+    ended = []
+
+    def ends_its_session():
+        if not ended:
+            ended.append(1)
+            database.execute_sql("SELECT pg_terminate_backend(pg_backend_pid())")
+        return "ran again"
+    commits = GroupCommit()
+    await commits.run(lambda: None)
+    results = await asyncio.gather(commits.run(paid(orders[0])),
+                                   commits.run(ends_its_session),
+                                   commits.run(paid(orders[1])))
+    assert results == ["FO-0", "ran again", "FO-1"]
+    assert stored_statuses() == {"FO-0": "paid", "FO-1": "paid", "FO-2": "pending_payment"}
