@@ -79,6 +79,7 @@ class Kept:
                  rows: Iterable[WebhookEvent] = ()) -> None:
         self.ctx, self.working = ctx, working
         self.rows = {row.id: row for row in rows}
+        self.first_look: asyncio.TimerHandle | None = None
         self.task: asyncio.Task[None] | None = None
 
     def hold(self, row: WebhookEvent) -> None:
@@ -88,43 +89,56 @@ class Kept:
         self.rows.pop(row.id, None)
 
     async def __aenter__(self) -> "Kept":
-        # Not part of the call that started it: the re-takes spend no call's budget.
-        self.task = asyncio.get_running_loop().create_task(self._keep(),
-                                                           context=without_budget())
+        # The keeping task is started at the first look: most handlings are over before
+        # it, and a task started and cancelled around each one costs the loop more than
+        # the timer.
+        self.first_look = asyncio.get_running_loop().call_later(LOOK_EVERY_SECONDS,
+                                                                self._start)
         return self
 
     async def __aexit__(self, *exc_info: Any) -> None:
-        assert self.task is not None
+        assert self.first_look is not None
+        self.first_look.cancel()
+        if self.task is None:
+            return
         self.task.cancel()
         try:
             await self.task
         except asyncio.CancelledError:
             pass
 
+    def _start(self) -> None:
+        # Not part of the call that started it: the re-takes spend no call's budget.
+        self.task = asyncio.get_running_loop().create_task(self._keep(),
+                                                           context=without_budget())
+
     async def _keep(self) -> None:
         while True:
+            await self._look()
             await asyncio.sleep(LOOK_EVERY_SECONDS)
-            now = self.ctx.clock()
-            due = [row for row in self.rows.values()
-                   if self._ends(row) - now <= lease(self.ctx) / 2]
-            if not due:
-                continue
-            held = [(row.id, row.next_attempt_at) for row in due]
-            try:
-                held_until, kept = await self.ctx.db(
-                    functools.partial(_retake, self.ctx, self.working, held))
-            except Exception as exc:  # tried again at the next look
-                # An outage says why in a line; anything else is a bug, with its trace.
-                log.warning("%d lease(s) could not be re-taken: %s", len(due),
-                            why_unavailable(exc), exc_info=not isinstance(exc, UNAVAILABLE))
-                continue
-            for row in due:
-                if row.id in kept:
-                    row.next_attempt_at = held_until
-                elif row.id in self.rows:
-                    log.warning("event #%s: its lease is no longer held here (another "
-                                "process claimed it, or its handling ended)", row.id)
-                    self.let_go(row)
+
+    async def _look(self) -> None:
+        now = self.ctx.clock()
+        due = [row for row in self.rows.values()
+               if self._ends(row) - now <= lease(self.ctx) / 2]
+        if not due:
+            return
+        held = [(row.id, row.next_attempt_at) for row in due]
+        try:
+            held_until, kept = await self.ctx.db(
+                functools.partial(_retake, self.ctx, self.working, held))
+        except Exception as exc:  # tried again at the next look
+            # An outage says why in a line; anything else is a bug, with its trace.
+            log.warning("%d lease(s) could not be re-taken: %s", len(due),
+                        why_unavailable(exc), exc_info=not isinstance(exc, UNAVAILABLE))
+            return
+        for row in due:
+            if row.id in kept:
+                row.next_attempt_at = held_until
+            elif row.id in self.rows:
+                log.warning("event #%s: its lease is no longer held here (another "
+                            "process claimed it, or its handling ended)", row.id)
+                self.let_go(row)
 
     def _ends(self, row: WebhookEvent) -> datetime.datetime:
         return row.next_attempt_at or row.received_at + lease(self.ctx)
