@@ -115,9 +115,9 @@ def profile_receiver(bench: Bench, label: str, url: str, receiver: str, out: str
     start = 0 if hasattr(paying, "orders") else None
     options = (lambda offset: {"start": offset}) if start is not None else (lambda _: None)
     third = bench.args.orders // 3
+    if start is not None:
+        seed_orders(url, paying, bench.args.orders)
     with bench.service(url) as (port, process):
-        if start is not None:  # once the service has made the tables
-            seed_orders(url, paying, bench.args.orders)
         load(receiver, port, bench.args.connections, bench.args.warmup, options(0))
         with tempfile.TemporaryDirectory() as folder:
             raw = os.path.join(folder, "stacks.txt")

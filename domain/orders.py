@@ -128,8 +128,8 @@ def remember_order_name(ctx, order_number, order_name):
             found = order_name_of_any_kind(order_number)
             if found is None or found[1] == order_name:
                 return False
-            RENAME[found[0]].execute(order_name=order_name, updated_at=ctx.clock(),
-                                     order_number=order_number)
+            RENAME[found[0]].execute_later(order_name=order_name, updated_at=ctx.clock(),
+                                           order_number=order_number)
             return True
     except peewee.PeeweeException as failure:
         raise_if_conflict(failure)

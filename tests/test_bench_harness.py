@@ -49,6 +49,7 @@ def test_make_bench_harness_runs_on_a_tiny_load(tmp_path):
     for receiver in ("workflow", "card", "crypto"):
         row = scenarios[receiver]
         assert row["statements_per_turn"] > 0 and row["webhooks_per_turn"] > 0, row
+        assert row["spool_files"] == 0, row  # the database path was measured
         assert 0 < row["round_trips_per_turn"] <= row["statements_per_turn"], row
         if ON_POSTGRES:  # the BEGINs at least go with another statement
             assert row["round_trips_per_turn"] < row["statements_per_turn"], row
