@@ -155,6 +155,21 @@ def metric_values(port, wanted):
     return tuple(found[name] for name in wanted)
 
 
+def jobs_not_sent(database_url):
+    from models import Outbox
+    return database_rows(database_url, lambda: Outbox.select().where(
+        Outbox.kind == "job", Outbox.status.not_in(["sent", "dead"])).count())
+
+
+def database_rows(database_url, query):
+    from models import database, open_database
+    open_database(database_url)
+    try:
+        return query()
+    finally:
+        database.close()
+
+
 def outcomes(database_url, source):
     """How the events of `source` ended, warm-up included: proof the load did real work."""
     from peewee import fn

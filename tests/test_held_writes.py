@@ -10,7 +10,7 @@ import peewee
 import psycopg2.extensions
 import pytest
 
-from models import BoundedWaits, DatabaseDown, FormationOrder, WebhookEvent, database
+from models import BoundedWaits, FormationOrder, WebhookEvent, database
 from engine.commits import GroupCommit
 from engine.prepared import InsertOnce, save_changes
 
