@@ -385,6 +385,7 @@ class ReconnectingPostgresqlDatabase(ClassifiedErrors, ReconnectMixin, Postgresq
     """Reconnects once when PostgreSQL dropped the connection (restart, failover)."""
 
     sends_several_at_once = True
+
     # psycopg2's words for a connection that is gone (ReconnectMixin only knows MySQL's).
     reconnect_errors = (
         (OperationalError, "server closed the connection"),
@@ -418,7 +419,6 @@ class ReconnectingPostgresqlDatabase(ClassifiedErrors, ReconnectMixin, Postgresq
 
     def _connection_broken(self):
         return not self.is_closed() and bool(self._state.conn.closed)
-
 
     def probe(self):
         """Raise unless PostgreSQL answers and takes writes: a connection of its own (any

@@ -471,7 +471,8 @@ def record_outcome(ctx: EngineContext, row: Outbox, result: Result) -> None:
     if not result.configured:
         # Nothing was tried: the effect waits for its peer to be configured, without
         # using up its attempts; `release_waiting` makes it due when it is.
-        WAITING.execute_later(id=row.id, status="waiting", last_error=result.error, updated_at=now)
+        WAITING.execute_later(id=row.id, status="waiting", last_error=result.error,
+                              updated_at=now)
         log.warning("outbox %s %s waits for its destination: %s", row.id, row.kind,
                     result.error)
         return
@@ -480,15 +481,15 @@ def record_outcome(ctx: EngineContext, row: Outbox, result: Result) -> None:
         # The settings say to log such effects (no Telegram, no SMTP): final, and the
         # row says that it was not sent, and why.
         GIVEN_UP.execute_later(id=row.id, status="logged", last_error=result.error,
-                         attempts=attempts, updated_at=now, **_last_attempt(row))
+                               attempts=attempts, updated_at=now, **_last_attempt(row))
         ctx.metrics.effect_sent(row.kind, "logged")
     elif result.ok:
         SENT.execute_later(id=row.id, status="sent", sent_at=now, last_error=None,
-                     attempts=attempts, updated_at=now, **_last_attempt(row))
+                           attempts=attempts, updated_at=now, **_last_attempt(row))
         ctx.metrics.effect_sent(row.kind, "sent")
     elif not result.retryable or retry.outbox(ctx.settings).gives_up(attempts):
         GIVEN_UP.execute_later(id=row.id, status="dead", last_error=result.error,
-                         attempts=attempts, updated_at=now, **_last_attempt(row))
+                               attempts=attempts, updated_at=now, **_last_attempt(row))
         ctx.metrics.effect_sent(row.kind, "dead")
         log.error("outbox %s %s dead after %d attempt(s): %s",
                   row.id, row.kind, attempts, result.error)
@@ -496,8 +497,9 @@ def record_outcome(ctx: EngineContext, row: Outbox, result: Result) -> None:
             tell_admin(ctx, f"outbox-{row.id}", f"Outbox effect #{row.id} given up",
                        "outbox_dead", row=row, attempts=attempts, error=result.error)
     else:
-        RETRY.execute_later(id=row.id, last_error=result.error, next_attempt_at=now + retry.outbox(ctx.settings).delay(attempts),
-                      attempts=attempts, updated_at=now, **_last_attempt(row))
+        RETRY.execute_later(id=row.id, last_error=result.error,
+                            next_attempt_at=now + retry.outbox(ctx.settings).delay(attempts),
+                            attempts=attempts, updated_at=now, **_last_attempt(row))
         ctx.metrics.effect_sent(row.kind, "retry")
         # A peer that is down fails every effect alike: one line, then a count.
         REPEATS.warning((row.kind, result.error), "outbox %s %s failed (attempt %d), will "
