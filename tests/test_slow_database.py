@@ -41,19 +41,27 @@ class SlowSqlite:
     def __init__(self, path):
         self.path = path
         self.stopped = threading.Event()
+        self.holding = threading.Event()
         self.thread = None
 
     def slow(self, seconds):
+        """Returns once the lock is held: a call made right after waits for it (a
+        thread slow to start, on a loaded machine, would let the call through first)."""
         self.stop()
+        if not seconds:
+            return
         self.stopped.clear()
+        self.holding.clear()
         self.thread = threading.Thread(target=self._hold, args=(seconds,), daemon=True)
         self.thread.start()
+        assert self.holding.wait(5), "the lock was not taken within 5 s"
 
     def _hold(self, seconds):
         connection = sqlite3.connect(self.path, isolation_level=None)
         try:
             while not self.stopped.is_set():
                 connection.execute("BEGIN IMMEDIATE")
+                self.holding.set()
                 self.stopped.wait(seconds)
                 connection.execute("ROLLBACK")
                 time.sleep(0.05)
