@@ -132,14 +132,13 @@ def worker_stats(url):
     return stats["calls"], stats["distinct"]
 
 
-def database_counts(port):
-    """The service's (receiver_database_statements_total,
-    receiver_database_round_trips_total, receiver_database_turns_total): over a run, the
-    statements and round trips per webhook and per group-commit turn, the scheduler's
-    included."""
+def run_counts(port):
+    """From one scrape: the service's statements, round trips and group-commit turns so
+    far (over a run, per webhook and per turn, the scheduler's included), and the files
+    in its spool now."""
     return metric_values(port, ("receiver_database_statements_total",
                                 "receiver_database_round_trips_total",
-                                "receiver_database_turns_total"))
+                                "receiver_database_turns_total", "receiver_spool_files"))
 
 
 def metric_values(port, wanted):
@@ -341,15 +340,15 @@ class Bench:
         third = self.args.orders // 3
         options = (lambda offset: {"start": offset}) if start is not None else (lambda _: None)
         load(scenario, port, self.args.connections, self.args.warmup, options(0))
-        counts_before = database_counts(port)
+        *counts_before, _ = run_counts(port)
         result = load(scenario, port, self.args.connections, self.args.duration,
                       options(third))
+        *counts_after, spooled = run_counts(port)
         statements, round_trips, turns = (after - before for after, before in zip(
-            database_counts(port), counts_before))
+            counts_after, counts_before))
         requests = max(1, result["requests"])
         # Calls the service kept in its spool instead of the database (it took the
         # database for down): such a run measured the spool, and says so.
-        spooled, = metric_values(port, ("receiver_spool_files",))
         if spooled:
             print(f"{scenario} {label}: {int(spooled)} spool file(s) after the run: it "
                   "measured the spool, not the database", flush=True)
