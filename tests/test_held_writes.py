@@ -72,12 +72,19 @@ class Counted:
         self.server_waits = self.waits() - waits
 
 
+async def in_one_counted_turn(server_waits, *units):
+    """Run `units` together in one turn of a group commit whose connection is open
+    already (opening it is not what is counted): their results, and the counts."""
+    commits = GroupCommit()
+    await commits.run(lambda: None)
+    with Counted(server_waits) as count:
+        results = await asyncio.gather(*(commits.run(unit) for unit in units))
+    return results, count
+
+
 @pytest.mark.gen_test
 async def test_a_turn_of_writes_alone_is_one_round_trip(orders, server_waits):
-    commits = GroupCommit()
-    await commits.run(lambda: None)  # the database thread's connection is open
-    with Counted(server_waits) as count:
-        await asyncio.gather(*(commits.run(paid(order)) for order in orders))
+    _, count = await in_one_counted_turn(server_waits, *(paid(order) for order in orders))
     assert set(stored_statuses().values()) == {"paid"}
     # BEGIN, three UPDATEs and the COMMIT, sent as one string.
     assert (count.statements, count.round_trips, count.server_waits) == (5, 1, 1)
@@ -85,11 +92,8 @@ async def test_a_turn_of_writes_alone_is_one_round_trip(orders, server_waits):
 
 @pytest.mark.gen_test
 async def test_the_begin_goes_with_the_first_statement(server_waits):
-    commits = GroupCommit()
-    await commits.run(lambda: None)
-    with Counted(server_waits) as count:
-        new_id = await commits.run(lambda: NEW_EVENT.run(
-            source="test", event_type="t", dedup_key="a", payload="{}"))
+    [new_id], count = await in_one_counted_turn(server_waits, lambda: NEW_EVENT.run(
+        source="test", event_type="t", dedup_key="a", payload="{}"))
     assert WebhookEvent.get_by_id(new_id).dedup_key == "a"
     # BEGIN with the INSERT (whose new id is read), then the COMMIT.
     assert (count.statements, count.round_trips, count.server_waits) == (3, 2, 2)
@@ -97,10 +101,8 @@ async def test_the_begin_goes_with_the_first_statement(server_waits):
 
 @pytest.mark.gen_test
 async def test_a_turn_that_asks_nothing_costs_no_round_trip(server_waits):
-    commits = GroupCommit()
-    await commits.run(lambda: None)
-    with Counted(server_waits) as count:
-        assert await commits.run(lambda: "nothing asked") == "nothing asked"
+    [answer], count = await in_one_counted_turn(server_waits, lambda: "nothing asked")
+    assert answer == "nothing asked"
     assert (count.round_trips, count.server_waits) == (0, 0)
 
 
