@@ -84,11 +84,13 @@ class Processes:
         self.running = []
 
 
-def loadgen_command(scenario, port, connections, duration, options=None, requests=None):
+def loadgen_command(scenario, port, connections, duration, options=None, requests=None,
+                    until_eof=False):
     return [PYTHON, "-m", "bench.loadgen", scenario, "--port", str(port),
             "--connections", str(connections), "--duration", str(duration),
             "--options", json.dumps(options or {}),
-            *(["--requests", str(requests)] if requests else [])]
+            *(["--requests", str(requests)] if requests else []),
+            *(["--until-eof"] if until_eof else [])]
 
 
 def load(*args, **kwargs):
@@ -154,10 +156,22 @@ def metric_values(port, wanted):
     return tuple(found[name] for name in wanted)
 
 
-def jobs_not_sent(database_url):
+def jobs_not_sent(database_url, up_to=None):
+    """Jobs not sent yet; with `up_to`, only those stored up to that outbox id."""
     from models import Outbox
-    return database_rows(database_url, lambda: Outbox.select().where(
-        Outbox.kind == "job", Outbox.status.not_in(["sent", "dead"])).count())
+
+    def count():
+        unsent = Outbox.select().where(Outbox.kind == "job",
+                                       Outbox.status.not_in(["sent", "dead"]))
+        return (unsent if up_to is None else unsent.where(Outbox.id <= up_to)).count()
+    return database_rows(database_url, count)
+
+
+def last_outbox_id(database_url):
+    from peewee import fn
+
+    from models import Outbox
+    return database_rows(database_url, lambda: Outbox.select(fn.MAX(Outbox.id)).scalar()) or 0
 
 
 def database_rows(database_url, query):
@@ -417,16 +431,24 @@ class Bench:
                 worker.stop_all()
                 outage = load("workflow", port, args.connections, args.drain_outage,
                               {"prefix": f"DRO{os.getpid()}"})
-                backlog = jobs_not_sent(database_url)
+                # The backlog is the jobs stored until now; the live stream's jobs, sent as
+                # they come, are not waited for (some are always in flight).
+                backlog_up_to = last_outbox_id(database_url)
+                backlog = jobs_not_sent(database_url, backlog_up_to)
                 worker.start(["-m", "bench.peers", "--http-port", str(worker_port)],
                              worker_port)
                 found_back = FoundBack(port, "worker", args.drain_window)
+                live_started = time.monotonic()
                 live = subprocess.Popen(
                     loadgen_command("workflow", port, live_connections, args.drain_window,
-                                    {"prefix": f"DRL{os.getpid()}"}),
-                    cwd=ROOT, stdout=subprocess.PIPE, text=True)
+                                    {"prefix": f"DRL{os.getpid()}"}, until_eof=True),
+                    cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
                 drained_after = self.wait_until_sent(database_url, args.drain_window,
-                                                     still=lambda: live.poll() is None)
+                                                     still=lambda: live.poll() is None,
+                                                     up_to=backlog_up_to)
+                # The live figures are those of the drain, over --duration at least;
+                # communicate() closes the stream's input, which ends it.
+                time.sleep(max(0.0, live_started + args.duration - time.monotonic()))
                 during = json.loads(live.communicate()[0])
                 left = self.wait_until_sent(database_url, args.drain_window)
                 found_back_s = found_back.seconds()
@@ -458,12 +480,13 @@ class Bench:
               f"{row['jobs_duplicated']} twice", flush=True)
 
     @staticmethod
-    def wait_until_sent(database_url, timeout, still=lambda: True):
-        """Seconds until no job is left unsent, or None after `timeout` (or once `still`
-        says the caller's window closed)."""
+    def wait_until_sent(database_url, timeout, still=lambda: True, up_to=None):
+        """Seconds until no job (stored up to outbox id `up_to`, if given) is left
+        unsent, or None after `timeout` (or once `still` says the caller's window
+        closed)."""
         started = time.monotonic()
         while time.monotonic() - started < timeout and still():
-            if jobs_not_sent(database_url) == 0:
+            if jobs_not_sent(database_url, up_to) == 0:
                 return time.monotonic() - started
             time.sleep(0.25)
         return None
