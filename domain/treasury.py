@@ -338,10 +338,11 @@ def ledger_key(order_id, txid):
 
 def _add_ledger_entry(ctx, callback, transaction):
     """One entry per transaction of the order (`ledger_key`): the entries of an order sum
-    to the invoice."""
+    to the invoice. An entry already recorded (the callback sent again) is left as it is;
+    as nothing is read of the insert, it goes with the next statement on PostgreSQL."""
     now = ctx.clock()
     txid = transaction.txid
-    added = NEW_LEDGER_ENTRY.run(
+    NEW_LEDGER_ENTRY.run_later(
         order_id=callback.external_id, order_type=callback.order_type, coin=transaction.coin,
         movement_type="receive", amount_coin=transaction.amount_coin,
         fiat_currency=callback.fiat_currency, amount_fiat_cents=cents(transaction.amount_fiat),
@@ -353,6 +354,3 @@ def _add_ledger_entry(ctx, callback, transaction):
                f"({transaction.amount_fiat} {callback.fiat_currency}, "
                f"fee {transaction.fee_fiat})"),
         created_at=now, updated_at=now)
-    if not added:
-        log.info("ledger entry %s already recorded; skipped",
-                 ledger_key(callback.external_id, txid))

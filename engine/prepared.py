@@ -135,17 +135,26 @@ class InsertOnce(Prepared):
             setattr(instance, name, value)
         return instance
 
+    def run_later(self, **values):
+        """`run` for an insert whose outcome nobody reads (a row the unique key may
+        already hold, and none the worse for it): sent as `execute_later` sends, with the
+        next statement in a turn on PostgreSQL."""
+        self.execute_later(**self._with_defaults(values))
+
     def _insert(self, values):
         """The RETURNING row (the new id first), or None when the row was there."""
-        for field in self.fields:
-            if field.name not in values:
-                default = field.default
-                values[field.name] = default() if callable(default) else default
-        cursor = self.execute(**values)
+        cursor = self.execute(**self._with_defaults(values))
         if cursor.description:  # RETURNING: PostgreSQL's always, SQLite's when asked
             row = cursor.fetchone()
             return tuple(row) if row else None
         return ((cursor.lastrowid or True),) if cursor.rowcount == 1 else None
+
+    def _with_defaults(self, values):
+        for field in self.fields:
+            if field.name not in values:
+                default = field.default
+                values[field.name] = default() if callable(default) else default
+        return values
 
 
 def _as_column(field, value):

@@ -26,11 +26,11 @@ from tests.door import through_the_door
 WORKFLOW_BOUNDS = {"formation/submitted": 10, "formation/ready": 8}
 # The round trips those cost on PostgreSQL, where a turn's BEGIN goes with its first
 # statement and the writes whose result nobody reads (an UPDATE of an order, of an
-# event's status, of a send's outcome) go with the next statement or the COMMIT: for
-# formation/ready, the INSERT of the event, the order's read, the job's INSERT and the
-# COMMIT, then the outcome's UPDATE with its COMMIT.
+# event's status, of a send's outcome, a crypto payment's ledger entry) go with the next
+# statement or the COMMIT: for formation/ready, the INSERT of the event, the order's read,
+# the job's INSERT and the COMMIT, then the outcome's UPDATE with its BEGIN and COMMIT.
 WORKFLOW_ROUND_TRIPS = {"formation/submitted": 6, "formation/ready": 5}
-CARD_ROUND_TRIPS = CRYPTO_ROUND_TRIPS = 7
+CARD_ROUND_TRIPS, CRYPTO_ROUND_TRIPS = 7, 6
 
 
 def within(count, database_url, statements, round_trips):
