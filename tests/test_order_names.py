@@ -105,3 +105,33 @@ async def test_a_parent_not_known_yet_is_redispatched_when_the_event_is_retried(
     [job] = worker.requests
     assert (job.json["order_name"], job.json["gov_fee_paid"]) == ("SVC-2026-LATER", True)
     assert WebhookEvent.get().status == "processed" and len(telegram.requests) == 1
+
+
+@pytest.mark.gen_test
+async def test_the_same_name_again_writes_nothing(webhook, worker, clock):
+    """A name that did not change is not written again (its updated_at stays)."""
+    FormationOrder.create(order_number="FO-7", order_name="FORM-7",
+                          updated_at=datetime.datetime(2026, 1, 2, tzinfo=UTC))
+    clock.set(2026, 11, 25, 12, 0)
+    await webhook("formation/ready", "FORM-7", "FO-7")
+    order = FormationOrder.get()
+    assert (order.order_name, order.updated_at) == (
+        "FORM-7", datetime.datetime(2026, 1, 2, tzinfo=UTC))
+    await webhook("formation/ready", "FORM-7-B", "FO-7")
+    order = FormationOrder.get()
+    assert (order.order_name, order.updated_at) == ("FORM-7-B", clock())
+
+
+@pytest.mark.gen_test
+async def test_a_name_that_cannot_be_kept_is_logged_and_the_job_still_goes(
+        webhook, worker, db, caplog):
+    FormationOrder.create(order_number="FO-7")
+    db.execute_sql("ALTER TABLE compliance_orders RENAME TO compliance_orders_away")
+    try:
+        await webhook("formation/ready", "FORM-7", "FO-7")
+    finally:
+        db.execute_sql("ALTER TABLE compliance_orders_away RENAME TO compliance_orders")
+    assert "order FO-7: its workflow document name 'FORM-7' not kept" in caplog.text
+    assert FormationOrder.get().order_name is None
+    assert [request.json["order_number"] for request in worker.requests] == ["FO-7"]
+    assert WebhookEvent.get().status == "processed"
