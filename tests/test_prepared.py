@@ -267,9 +267,10 @@ async def test_a_deadlock_while_recording_a_crypto_receipt_is_not_swallowed(
     # that fails, the turn runs with savepoints, which hold nothing: the INSERT meets it
     # inside record_receipt, whose handler must let the deadlock through.
     first = [commits.run(_undo_the_plain_run)] if run == "with savepoints" else []
-    await asyncio.gather(*first, commits.run(lambda: recorded.append(
+    *_, recording = await asyncio.gather(*first, commits.run(lambda: recorded.append(
         treasury.record_receipt(ctx, callback, ctx.clock()))), return_exceptions=True)
     other.join()
+    assert not isinstance(recording, BaseException), recording
     # The try that lost the deadlock was undone and run again; caught as an ordinary
     # database error it would have recorded False, with no receipt written by this process.
     assert recorded[-1] is True and False not in recorded, recorded
