@@ -192,15 +192,15 @@ async def _deliver(ctx, rows, within):
 def _store_and_handle(ctx, call, handle_now, handled_by=None):
     """(event, created, (outcome, effects, started) or None when not handled).
 
-    A new call whose plain plugin runs here is stored as `processed`, what the plugin's
-    success makes it, in the same transaction: the row is written once, and updated only
+    A new call whose plugin runs here (`_plain_handling`) is stored as `processed`, what
+    the plugin's success makes it, in the same transaction: the row is written once, and updated only
     when the handling ends otherwise (rejected, failed, or the plugin raised)."""
     registry = ctx.plugins[call["source"]]
-    plugin = registry.get(call["event_type"])
-    handling = (handle_now and call["status"] == "received" and plugin is not None
-                and not _is_async(plugin))
-    event, created = _store(ctx, call, as_processed=handling, handled_by=handled_by)
-    if not (handling and created):
+    plugin = (_plain_handling(registry, call) if handle_now and call["status"] == "received"
+              else None)
+    event, created = _store(ctx, call, as_processed=plugin is not None,
+                            handled_by=handled_by)
+    if plugin is None or not created:
         return event, created, None
     # The row counts the attempt under way; should it fail, `_record_failure` counts it
     # from the attempts made before.
@@ -216,6 +216,22 @@ def _store_and_handle(ctx, call, handle_now, handled_by=None):
         _record_failure(ctx, event, f"{type(exc).__name__}: {exc}")
         return event, created, ("failed", None, started)
     return event, created, (outcome, effects, started)
+
+
+def _plain_handling(registry, call):
+    """What handles `call` in the unit that stores it: its plugin when plain; an async
+    plugin's `plainly(payload)` when it has one and the call needs no other system (a
+    plain handling, or None). None: the call is handled once stored, by `process`."""
+    plugin = registry.get(call["event_type"])
+    if plugin is None or not _is_async(plugin):
+        return plugin
+    plainly = getattr(plugin, "plainly", None)
+    if plainly is None:
+        return None
+    try:
+        return plainly(registry.decode(call["payload"]))
+    except Exception:  # unreadable: handled once stored, which records why
+        return None
 
 
 def _call(ctx: EngineContext, source: str, event_type: str, dedup_key: str,

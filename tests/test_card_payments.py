@@ -11,6 +11,7 @@ import tornado.httpserver
 import tornado.testing
 import tornado.web
 
+import plugins
 from models import ORDER_MODELS, BundleOrder, ComplianceOrder, CrtcOrder, FormationOrder, Outbox
 from domain import settlement
 from tests import stripe_events as se
@@ -480,3 +481,21 @@ async def test_customer_details_are_escaped_in_the_html_part(send, smtp):
     text, html = parts(smtp.messages[0][1])
     assert "<script>" not in html and "&lt;script&gt;alert(1)&lt;/script&gt;" in html
     assert "<script>alert(1)</script>" in text
+
+
+@pytest.mark.parametrize("session, plainly", [
+    (se.checkout_session("CA-1", "canada_crtc", payment_method_types=("card", "us_bank_account")),
+     False),
+    (se.checkout_session("CA-1", "canada_crtc"), True),
+    (se.checkout_session("CA-1", "canada_crtc", payment_status="unpaid",
+                         payment_method_types=("card", "us_bank_account")), True),
+    (se.checkout_session("FO-1", "formation", payment_method_types=("card", "link")), True),
+], ids=["CRTC, several methods: Stripe asked", "CRTC, one method", "CRTC, not paid yet",
+        "formation, several methods"])
+def test_a_session_is_handled_where_it_is_stored_unless_stripe_must_be_asked(session,
+                                                                            plainly):
+    """Only a paid CRTC session that leaves its method open needs Stripe asked, outside a
+    transaction; every other one is handled in the unit that stores it (engine.inbox)."""
+    plugin = plugins.registries()["card"].get("checkout.session.completed")
+    event = se.event("checkout.session.completed", session)
+    assert (plugin.plainly(event) is not None) == plainly

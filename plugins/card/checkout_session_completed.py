@@ -8,13 +8,17 @@ subscription-mode session links its subscription to the compliance order, paid o
 renewals and cancellation find the order.
 
 Async, because a CRTC session that allowed several methods needs Stripe asked which one
-was used (settlement depends on it), and that call must not hold a transaction open. The
-steps are idempotent, so running this again is safe.
+was used (settlement depends on it), and that call must not hold a transaction open.
+Every other session needs no other system, and `plainly` gives the engine its plain
+handling, run in the unit that stores the event (engine.inbox). The steps are
+idempotent, so running this again is safe.
 """
+import functools
 import logging
 
 from plugins.registry import card_event
-from domain.card_events import method_of_payment, object_of, order_of_metadata
+from domain.card_events import (metadata_of, method_of_payment, object_of, order_of_metadata,
+                                payment_method_used)
 from domain.orders import FREE, OrderNotFound, complete_payment, find_order
 
 log = logging.getLogger("receiver.card")
@@ -27,33 +31,59 @@ NOTHING_TO_PAY = {
 }
 
 
-@card_event("checkout.session.completed")
-async def handle(ctx, event, effects):
+class CheckoutSessionCompleted:
+    async def __call__(self, ctx, event, effects):
+        session = object_of(event)
+        order = order_of_metadata(session)
+        if order is None:
+            return
+        method = None
+        if _paid(session):
+            method = await method_of_payment(ctx, session, order[1],
+                                             session.get("payment_intent"))
+        await effects.transaction(functools.partial(record, ctx, event, effects, method))
+
+    def plainly(self, event):
+        """The plain handling of a session whose method needs no asking (its only
+        allowed method says it, it is not paid yet, or its order is not a CRTC one), or
+        None."""
+        session = object_of(event)
+        method = payment_method_used(session)
+        if (_paid(session) and method is None
+                and metadata_of(session).get("order_type") == "canada_crtc"):
+            return None
+        return functools.partial(record, method=method)
+
+
+card_event("checkout.session.completed")(CheckoutSessionCompleted())
+
+
+def _paid(session):
+    return session.get("payment_status") == "paid"
+
+
+def record(ctx, event, effects, method):
+    """In a transaction: the order paid (with `method`), completed as free, or left to
+    wait for its payment to clear; a subscription linked to its order."""
     session = object_of(event)
     order = order_of_metadata(session)
     if order is None:
         return
     order_id, order_type = order
-    paid = session.get("payment_status") == "paid"
     free_because = (NOTHING_TO_PAY.get(session.get("mode"))
                     if session.get("payment_status") == "no_payment_required" else None)
-    if paid:
-        method = await method_of_payment(ctx, session, order_type, session.get("payment_intent"))
-
-    def record():
-        if paid:
-            complete_payment(ctx, effects, order_id, order_type, session["id"],
-                             source="card", payment_intent_id=session.get("payment_intent"),
-                             payment_method=method)
-        elif free_because:
-            complete_payment(ctx, effects, order_id, order_type, session["id"],
-                             source="card", payment_method=FREE, free_because=free_because)
-        else:
-            log.info("session %s for %s is %s; waiting for the payment to clear",
-                     session["id"], order_id, session.get("payment_status"))
-        if session.get("mode") == "subscription" and session.get("subscription"):
-            link_subscription(ctx, order_id, order_type, session["subscription"])
-    await effects.transaction(record)
+    if _paid(session):
+        complete_payment(ctx, effects, order_id, order_type, session["id"],
+                         source="card", payment_intent_id=session.get("payment_intent"),
+                         payment_method=method)
+    elif free_because:
+        complete_payment(ctx, effects, order_id, order_type, session["id"],
+                         source="card", payment_method=FREE, free_because=free_because)
+    else:
+        log.info("session %s for %s is %s; waiting for the payment to clear",
+                 session["id"], order_id, session.get("payment_status"))
+    if session.get("mode") == "subscription" and session.get("subscription"):
+        link_subscription(ctx, order_id, order_type, session["subscription"])
 
 
 def link_subscription(ctx, order_id, order_type, subscription_id):
