@@ -193,8 +193,9 @@ def _store_and_handle(ctx, call, handle_now, handled_by=None):
     """(event, created, (outcome, effects, started) or None when not handled).
 
     A new call whose plugin runs here (`_plain_handling`) is stored as `processed`, what
-    the plugin's success makes it, in the same transaction: the row is written once, and updated only
-    when the handling ends otherwise (rejected, failed, or the plugin raised)."""
+    the plugin's success makes it, in the same transaction: the row is written once, and
+    updated only when the handling ends otherwise (rejected, failed, or the plugin
+    raised)."""
     registry = ctx.plugins[call["source"]]
     plugin = (_plain_handling(registry, call) if handle_now and call["status"] == "received"
               else None)

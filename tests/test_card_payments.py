@@ -484,8 +484,8 @@ async def test_customer_details_are_escaped_in_the_html_part(send, smtp):
 
 
 @pytest.mark.parametrize("session, plainly", [
-    (se.checkout_session("CA-1", "canada_crtc", payment_method_types=("card", "us_bank_account")),
-     False),
+    (se.checkout_session("CA-1", "canada_crtc",
+                         payment_method_types=("card", "us_bank_account")), False),
     (se.checkout_session("CA-1", "canada_crtc"), True),
     (se.checkout_session("CA-1", "canada_crtc", payment_status="unpaid",
                          payment_method_types=("card", "us_bank_account")), True),
