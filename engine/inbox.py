@@ -197,20 +197,22 @@ def _store_and_handle(ctx, call, handle_now, handled_by=None):
     updated only when the handling ends otherwise (rejected, failed, or the plugin
     raised)."""
     registry = ctx.plugins[call["source"]]
-    plugin = (_plain_handling(registry, call) if handle_now and call["status"] == "received"
-              else None)
-    event, created = _store(ctx, call, as_processed=plugin is not None,
+    handling = (_plain_handling(registry, call) if handle_now and call["status"] == "received"
+                else None)
+    event, created = _store(ctx, call, as_processed=handling is not None,
                             handled_by=handled_by)
-    if plugin is None or not created:
+    if handling is None or not created:
         return event, created, None
+    plugin, payload = handling
     # The row counts the attempt under way; should it fail, `_record_failure` counts it
     # from the attempts made before.
     event.attempts = 0
     started = time.monotonic()
     try:
         with savepoint():
-            outcome, effects = _run_plain(ctx, event, plugin, registry.decode(event.payload),
-                                          first_handling=True)
+            if payload is None:  # a plain plugin's: unreadable, the handling fails
+                payload = registry.decode(event.payload)
+            outcome, effects = _run_plain(ctx, event, plugin, payload, first_handling=True)
     except Exception as exc:
         raise_if_conflict(exc)
         log.exception("%s event #%s (%s) failed", event.source, event.id, event.event_type)
@@ -220,19 +222,25 @@ def _store_and_handle(ctx, call, handle_now, handled_by=None):
 
 
 def _plain_handling(registry, call):
-    """What handles `call` in the unit that stores it: its plugin when plain; an async
-    plugin's `plainly(payload)` when it has one and the call needs no other system (a
-    plain handling, or None). None: the call is handled once stored, by `process`."""
+    """(what handles `call` in the unit that stores it, its payload if read already), or
+    None when the call is handled once stored, by `process`. A plain plugin handles it
+    (its payload read where it runs); an async plugin's `plainly(payload)` does, when it
+    has one and the call needs no other system (the payload it was given is kept, not
+    read twice)."""
     plugin = registry.get(call["event_type"])
-    if plugin is None or not _is_async(plugin):
-        return plugin
+    if plugin is None:
+        return None
+    if not _is_async(plugin):
+        return plugin, None
     plainly = getattr(plugin, "plainly", None)
     if plainly is None:
         return None
     try:
-        return plainly(registry.decode(call["payload"]))
+        payload = registry.decode(call["payload"])
+        handle = plainly(payload)
     except Exception:  # unreadable: handled once stored, which records why
         return None
+    return None if handle is None else (handle, payload)
 
 
 def _call(ctx: EngineContext, source: str, event_type: str, dedup_key: str,
