@@ -1,5 +1,6 @@
 """Fixtures: a real database (SQLite, or PostgreSQL with TEST_DATABASE_URL), real peers
 on loopback, a settable clock, and the application under test."""
+import contextlib
 import datetime
 import json
 import os
@@ -22,6 +23,17 @@ from tests.door import ThreadCheck, service_refusals
 from tests.peers import HttpPeer, SmtpPeer
 
 WEBHOOK_SECRET = "test-webhook-secret"
+
+
+@contextlib.contextmanager
+def table_away(db, table):
+    """`table` renamed away for the code inside: every statement on it fails, as on a
+    database whose table is broken or gone."""
+    db.execute_sql(f"ALTER TABLE {table} RENAME TO {table}_away")
+    try:
+        yield
+    finally:
+        db.execute_sql(f"ALTER TABLE {table}_away RENAME TO {table}")
 
 
 def _postgres_scratch_database(url):

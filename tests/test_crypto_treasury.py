@@ -12,6 +12,7 @@ from models import (
     UTC, CrtcOrder, FormationOrder, LedgerEntry, Outbox, TreasuryJob, WebhookEvent)
 from domain import orders, treasury
 from tests import shkeeper
+from tests.conftest import table_away
 from tests.shkeeper import API_KEY, URL, key_headers
 
 
@@ -272,11 +273,8 @@ async def test_twenty_identical_paid_callbacks_at_once(post, telegram):
 async def test_a_failed_treasury_write_is_logged_and_the_payment_still_completed(
         post, db, telegram, caplog):
     CrtcOrder.create(order_number="CA-1001")
-    db.execute_sql("ALTER TABLE treasury_jobs RENAME TO treasury_jobs_away")
-    try:
+    with table_away(db, "treasury_jobs"):
         await send(post, shkeeper.paid("CA-1001"))
-    finally:
-        db.execute_sql("ALTER TABLE treasury_jobs_away RENAME TO treasury_jobs")
     assert "treasury job / ledger entry not written" in caplog.text
     # Written together: the ledger entry went with the job.
     assert TreasuryJob.select().count() == 0 and LedgerEntry.select().count() == 0
@@ -288,11 +286,8 @@ async def test_a_failed_treasury_write_is_logged_and_the_payment_still_completed
 @pytest.mark.gen_test
 async def test_a_failed_ledger_write_takes_the_job_with_it(post, db, telegram, caplog):
     CrtcOrder.create(order_number="CA-1001")
-    db.execute_sql("ALTER TABLE ledger_entries RENAME TO ledger_entries_away")
-    try:
+    with table_away(db, "ledger_entries"):
         await send(post, shkeeper.paid("CA-1001"))
-    finally:
-        db.execute_sql("ALTER TABLE ledger_entries_away RENAME TO ledger_entries")
     assert "treasury job / ledger entry not written" in caplog.text
     assert TreasuryJob.select().count() == 0
     assert CrtcOrder.get().payment_status == "paid"

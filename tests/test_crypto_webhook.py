@@ -15,6 +15,7 @@ from models import (
 )
 from engine import inbox, outbox
 from tests import shkeeper
+from tests.conftest import table_away
 from tests.shkeeper import API_KEY, URL, key_headers, signed_headers
 from tests.service_process import database_down
 
@@ -469,11 +470,8 @@ async def test_an_unknown_order_keeps_the_receipt_answers_202_and_is_retried(
 async def test_a_broken_order_table_is_an_internal_error_still_answered_202(
         post, db, telegram):
     CrtcOrder.create(order_number="CA-1001")
-    db.execute_sql("ALTER TABLE crtc_orders RENAME TO crtc_orders_away")
-    try:
+    with table_away(db, "crtc_orders"):
         status, reply, _ = await post(URL, shkeeper.paid("CA-1001"), key_headers())
-    finally:
-        db.execute_sql("ALTER TABLE crtc_orders_away RENAME TO crtc_orders")
     assert (status, reply) == (202, {"received": True, "error": "internal"})
     event = WebhookEvent.get()
     assert event.status == "failed" and event.next_attempt_at is not None

@@ -10,7 +10,7 @@ from models import UTC, BundleOrder, ComplianceOrder, CrtcOrder, FormationOrder,
 from domain.settlement import settle_crtc_orders
 from engine import inbox
 from tests import stripe_events as se
-from tests.conftest import WEBHOOK_SECRET
+from tests.conftest import WEBHOOK_SECRET, table_away
 from tests.stripe_events import send, settings  # noqa: F401 (fixtures)
 
 FRAPPE_HEADERS = {"X-Webhook-Secret": WEBHOOK_SECRET}
@@ -126,11 +126,8 @@ async def test_the_same_name_again_writes_nothing(webhook, worker, clock):
 async def test_a_name_that_cannot_be_kept_is_logged_and_the_job_still_goes(
         webhook, worker, db, caplog):
     FormationOrder.create(order_number="FO-7")
-    db.execute_sql("ALTER TABLE compliance_orders RENAME TO compliance_orders_away")
-    try:
+    with table_away(db, "compliance_orders"):
         await webhook("formation/ready", "FORM-7", "FO-7")
-    finally:
-        db.execute_sql("ALTER TABLE compliance_orders_away RENAME TO compliance_orders")
     assert "order FO-7: its workflow document name 'FORM-7' not kept" in caplog.text
     assert FormationOrder.get().order_name is None
     assert [request.json["order_number"] for request in worker.requests] == ["FO-7"]

@@ -13,7 +13,7 @@ import pytest
 from models import ComplianceOrder, CrtcOrder, Outbox, WebhookEvent
 from domain import fulfillment
 from plugins import registries
-from tests.conftest import WEBHOOK_SECRET
+from tests.conftest import WEBHOOK_SECRET, table_away
 from tests.service_process import database_down
 
 ORDER = {"order_name": "ORD-2026-0042", "order_number": "FO-10042"}
@@ -256,11 +256,8 @@ async def test_service_slug_of_an_unknown_order_is_empty_and_the_job_still_goes(
 
 @pytest.mark.gen_test
 async def test_service_slug_lookup_failure_is_empty_and_the_job_still_goes(post, worker, db):
-    db.execute_sql("ALTER TABLE compliance_orders RENAME TO compliance_orders_away")
-    try:
+    with table_away(db, "compliance_orders"):
         assert await queued(post, worker, ORDER) == ""
-    finally:
-        db.execute_sql("ALTER TABLE compliance_orders_away RENAME TO compliance_orders")
     [event] = WebhookEvent.select()
     assert event.status == "processed"
 
