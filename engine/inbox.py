@@ -14,6 +14,7 @@ import functools
 import hashlib
 import inspect
 import logging
+import operator
 import time
 from typing import Any, Callable, Sequence, TypedDict, Unpack
 
@@ -88,6 +89,11 @@ class CallFields(TypedDict, total=False):
     last_error: str | None
     # Earlier dedup keys of the same call (a workflow call's dedup window).
     also_known_as: Sequence[str]
+    # Earlier dedup keys as a range: every key from the first to the last, both included,
+    # in the index's order. Read as one range of the (source, dedup_key) index instead of
+    # one look-up per key, for keys no other call's key sorts among (a workflow body's
+    # hourly keys). Spooled calls written before it lack it.
+    also_known_between: tuple[str, str] | None
     # Written when the call is first stored, whichever way (the spool drain too).
     notice: Notice | None
     # Found by the reconciliation with Frappe, not delivered (domain/reconcile.py).
@@ -97,8 +103,8 @@ class CallFields(TypedDict, total=False):
 async def record(ctx: EngineContext, source: str, event_type: str, dedup_key: str,
                  payload: str | bytes, **fields: Unpack[CallFields]) -> Stored | None:
     """Store the call (in the database thread); return (event, created). A known dedup
-    key, or one of `also_known_as` (earlier keys of the same call), returns the first
-    copy.
+    key, or one of `also_known_as` or `also_known_between` (earlier keys of the same
+    call), returns the first copy.
 
     While the database is unavailable, or calls that came earlier wait in the spool, the
     call is appended to the spool instead and None is returned: it is durable, and the
@@ -247,6 +253,7 @@ def _call(ctx: EngineContext, source: str, event_type: str, dedup_key: str,
           payload: str | bytes, external_id: str | None = None,
           order_number: str | None = None, status: str = "received",
           last_error: str | None = None, also_known_as: Sequence[str] = (),
+          also_known_between: tuple[str, str] | None = None,
           notice: Notice | None = None, reconciled: bool = False) -> Entry:
     """`notice`: an admin notice (subject, template, variables) that belongs to the call,
     written when it is first stored, whichever way (the spool drain too). `reconciled`:
@@ -255,7 +262,9 @@ def _call(ctx: EngineContext, source: str, event_type: str, dedup_key: str,
         payload = payload.decode("utf-8", "replace")
     return {"source": source, "event_type": event_type, "dedup_key": dedup_key,
             "reconciled": reconciled,
-            "also_known_as": list(also_known_as), "external_id": _storable(external_id),
+            "also_known_as": list(also_known_as),
+            "also_known_between": also_known_between and list(also_known_between),
+            "external_id": _storable(external_id),
             "order_number": _storable(order_number), "status": status,
             "last_error": last_error and error_text(last_error),
             "payload": _storable(payload), "notice": notice,
@@ -368,14 +377,15 @@ def _store(ctx: EngineContext, call: Entry,
     """`as_processed`: the caller handles the call in this same transaction, and stored
     so it needs no UPDATE when that goes well (`_store_and_handle`). `handled_by`: see
     `accept`."""
-    source, event_type, known = call["source"], call["event_type"], call["also_known_as"]
+    source, event_type = call["source"], call["event_type"]
+    known = _EarlierKeys(call["also_known_as"], call.get("also_known_between"))
     existing = None
     if handled_by is not None:  # asked only when no key of the call is stored
-        existing = find_any(source, known) or handled_by()
+        existing = known.first_stored(source) or handled_by()
     if existing is None:
         now = ctx.clock()
-        event = _new_event_unless(len(known) if handled_by is None else 0).row(
-            source=source, **{f"key{n}": key for n, key in enumerate(known)},
+        event = (known.new_event_unless() if handled_by is None else NEW_EVENT).row(
+            source=source, **known.slots(),
             event_type=event_type, dedup_key=call["dedup_key"],
             external_id=call["external_id"],
             order_number=call["order_number"], payload=call["payload"],
@@ -388,7 +398,7 @@ def _store(ctx: EngineContext, call: Entry,
             if call.get("notice"):
                 _tell_admin_notice(ctx, event, call["notice"])
             return Stored(event, True)
-        existing = find_any(source, known) or find(ctx, source, call["dedup_key"])
+        existing = known.first_stored(source) or find(ctx, source, call["dedup_key"])
         # The insert found a key taken, in this transaction: the row is there to read.
         assert existing is not None
     ctx.metrics.event_duplicate(source, event_type)
@@ -422,46 +432,64 @@ def find(ctx: EngineContext, source: str, dedup_key: str) -> WebhookEvent | None
     return EVENT_BY_KEY.first(source=source, dedup_key=dedup_key)
 
 
-def find_any(source: str, dedup_keys: Sequence[str]) -> WebhookEvent | None:
-    """The first event stored under any of `dedup_keys`, in one query (a workflow call
-    names one key per hour of its dedup window); None when there is none. Built once per
-    number of keys: building it anew cost more than running it (docs/PERFORMANCE.md)."""
-    if not dedup_keys:
-        return None
-    statement = _FIND_ANY.get(len(dedup_keys))
-    if statement is None:
-        statement = _FIND_ANY[len(dedup_keys)] = _first_of_keys(len(dedup_keys))
-    return statement.first(source=source, **{f"key{n}": key for n, key in enumerate(dedup_keys)})
+class _EarlierKeys:
+    """A call's earlier dedup keys (`also_known_as`, `also_known_between`), and the
+    statements that look them up. Each statement is built once per number of keys and
+    whether there is a range: building one anew cost more than running it
+    (docs/PERFORMANCE.md)."""
+
+    _first_stored: dict[tuple[int, bool], Prepared] = {}
+    _new_event_unless: dict[tuple[int, bool], InsertOnce] = {}
+
+    def __init__(self, keys: Sequence[str], between: Sequence[str] | None) -> None:
+        self.keys = keys
+        self.between = between
+        self.shape = (len(keys), between is not None)
+
+    def slots(self) -> dict[str, str]:
+        """The keys, by the slots of the statements' names (key0 and on, first, last)."""
+        named = {f"key{n}": key for n, key in enumerate(self.keys)}
+        if self.between is not None:
+            named["first"], named["last"] = self.between
+        return named
+
+    def first_stored(self, source: str) -> WebhookEvent | None:
+        """The first event of `source` stored under any of the keys, in one query; None
+        when there is none."""
+        if self.shape == (0, False):
+            return None
+        statement = self._first_stored.get(self.shape)
+        if statement is None:
+            statement = self._first_stored[self.shape] = Prepared(functools.partial(
+                _first_stored_under, *self.shape))
+        return statement.first(source=source, **self.slots())
+
+    def new_event_unless(self) -> InsertOnce:
+        """NEW_EVENT, unless an event is stored under one of the keys: the dedup window's
+        read and the insert in one statement."""
+        if self.shape == (0, False):
+            return NEW_EVENT
+        statement = self._new_event_unless.get(self.shape)
+        if statement is None:
+            statement = self._new_event_unless[self.shape] = InsertOnce(
+                WebhookEvent, unless=functools.partial(
+                    _stored_under, *self.shape, peewee.SQL("1")))
+        return statement
 
 
-_FIND_ANY: dict[int, Prepared] = {}
+def _first_stored_under(count, ranged):
+    return _stored_under(count, ranged).order_by(WebhookEvent.id).limit(1)
 
 
-def _first_of_keys(count):
-    return Prepared(lambda: _stored_under_keys(count).order_by(WebhookEvent.id).limit(1))
-
-
-def _stored_under_keys(count, *columns):
+def _stored_under(count, ranged, *columns):
+    """The events of the source in the slot stored under one of `count` keys (slots key0
+    and on) or, when `ranged`, under a key from the slot `first` to the slot `last`."""
+    key = WebhookEvent.dedup_key
+    under = [key.in_([slot(key, f"key{n}") for n in range(count)])] if count else []
+    if ranged:
+        under.append(key.between(slot(key, "first"), slot(key, "last")))
     return WebhookEvent.select(*columns).where(
-        WebhookEvent.source == slot(WebhookEvent.source),
-        WebhookEvent.dedup_key.in_([slot(WebhookEvent.dedup_key, f"key{n}")
-                                    for n in range(count)]))
-
-
-def _new_event_unless(count):
-    """NEW_EVENT, unless an event is stored under one of `count` earlier keys (slots key0
-    and on): the dedup window's read and the insert in one statement. Built once per
-    number of keys."""
-    if not count:
-        return NEW_EVENT
-    statement = _NEW_EVENT_UNLESS.get(count)
-    if statement is None:
-        statement = _NEW_EVENT_UNLESS[count] = InsertOnce(
-            WebhookEvent, unless=lambda: _stored_under_keys(count, peewee.SQL("1")))
-    return statement
-
-
-_NEW_EVENT_UNLESS: dict[int, InsertOnce] = {}
+        WebhookEvent.source == slot(WebhookEvent.source), functools.reduce(operator.or_, under))
 
 
 async def process(ctx: EngineContext, event: WebhookEvent, kept: Kept | None = None) -> str:

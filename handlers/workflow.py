@@ -26,6 +26,18 @@ DEDUP_BUCKET_SECONDS = 3600
 REJECTED = "rejected"
 
 
+def hourly_keys(prefix: str, first: int, last: int) -> inbox.CallFields:
+    """The inbox's earlier keys of one body: its keys of the hours `first` to `last`. As
+    one range (`also_known_between`) while both hours have as many digits (six, from 1981
+    to 2084), its keys then sorting as their hours; one key per hour otherwise. No other
+    call's key sorts among them, as none begins with this body's path and digest."""
+    if first > last:
+        return {}
+    if len(str(first)) == len(str(last)):
+        return {"also_known_between": (f"{prefix}:h{first}", f"{prefix}:h{last}")}
+    return {"also_known_as": tuple(f"{prefix}:h{hour}" for hour in range(first, last + 1))}
+
+
 class WorkflowWebhookHandler(ApiHandler):
     # Frappe's bodies are a few fields from a template: a few hundred bytes.
     body_limit = 64 * 1024
@@ -80,7 +92,8 @@ class WorkflowWebhookHandler(ApiHandler):
         if len(explicit) > inbox.MAX_KEY_LENGTH:
             self.fail(400, f"Idempotency-Key too long (at most {inbox.MAX_KEY_LENGTH} "
                            "characters)")
-        previous, handled_by = (), None
+        earlier: inbox.CallFields = {}
+        handled_by = None
         change = (change_key(path, body["order_name"], body.get("modified"))
                   if body.get("order_name") else None)
         if explicit:
@@ -89,17 +102,17 @@ class WorkflowWebhookHandler(ApiHandler):
             digest = hashlib.sha256(self.raw_body).hexdigest()
             hour = int(self.ctx.clock().timestamp()) // DEDUP_BUCKET_SECONDS
             dedup_key = f"{path}:{digest}:h{hour}"
-            previous = tuple(f"{path}:{digest}:h{earlier}" for earlier in range(
-                hour - self.ctx.settings.workflow_dedup_hours, hour))
+            first, last = hour - self.ctx.settings.workflow_dedup_hours, hour - 1
             if change:
                 # The body's own key too: a copy stored before state changes had keys.
-                dedup_key, previous = change, (*previous, dedup_key)
+                dedup_key, last = change, hour
                 if reconcile.came_late(self.ctx.settings, body["modified"], self.ctx.clock()):
                     # A run may have handled this change first, under a later `modified`
                     # (BEHAVIOUR.md 4.1.1): one lookup more, for a late webhook only.
                     handled_by = functools.partial(
                         reconcile.handled_since, path, body["order_name"],
                         body["order_number"], body["modified"])
+            earlier = hourly_keys(f"{path}:{digest}", first, last)
         # The earlier hours are looked up by the inbox, or by the spool drain when the
         # database is down now.
         # Frappe gives up on an answer after 5 s (its webhook timeout) and re-sends later;
@@ -107,6 +120,6 @@ class WorkflowWebhookHandler(ApiHandler):
         # the answer waits for them only within the budget, once the call is stored.
         event, _created, outcome = await inbox.accept(
             self.ctx, "workflow", path, dedup_key, self.raw_body,
-            order_number=body["order_number"], also_known_as=previous,
+            order_number=body["order_number"], **earlier,
             handled_by=handled_by, send_within=self.ctx.settings.workflow_answer_budget_seconds)
         return event, outcome

@@ -441,6 +441,30 @@ async def test_the_dedup_window_follows_its_setting(post, worker, ctx, clock):
     assert len(worker.requests) == 2
 
 
+# Hour 1,000,000 since the epoch begins on 2084-01-29 at 16:00 UTC. A window whose hours
+# have as many digits is looked up as one range of keys; one that spans the change, key
+# by key.
+@pytest.mark.parametrize("first_at, hours_in_window", [
+    ((2084, 1, 29, 6, 30), (9, 10, 15, 36)),  # hour 999,990: a range, then keys
+    ((2084, 1, 29, 16, 10), (1, 35, 36)),  # hour 1,000,000: keys, then a range of 7 digits
+], ids=["six-digit-hours", "seven-digit-hours"])
+@pytest.mark.gen_test
+async def test_the_dedup_window_holds_where_the_hours_gain_a_digit(
+        post, worker, clock, first_at, hours_in_window):
+    clock.set(*first_at, 0)
+    first = clock()
+    other = {**ORDER, "order_number": "FO-10043"}
+    await post(url("formation/ready"), ORDER, AUTH)
+    for hours in hours_in_window:
+        clock.fixed = first + datetime.timedelta(hours=hours)
+        await post(url("formation/ready"), ORDER, AUTH)
+        await post(url("formation/ready"), other, AUTH)
+        assert len(worker.requests) == 2  # the other body's first copy, once
+    clock.fixed = first + datetime.timedelta(hours=37)
+    await post(url("formation/ready"), ORDER, AUTH)
+    assert len(worker.requests) == 3
+
+
 @pytest.mark.gen_test
 async def test_an_idempotency_key_header_decides_what_is_a_duplicate(post, worker, clock):
     await post(url("formation/ready"), ORDER, {**AUTH, "Idempotency-Key": "fire-1"})
