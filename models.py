@@ -167,7 +167,15 @@ class ClassifiedErrors:
     nobody reads (`write_later`) wait in this thread, and go to the server in the same
     round trip as the next statement that is sent, or as the COMMIT. A held write that
     fails is raised by that statement or by the COMMIT, which the group commit takes as
-    the turn failing (engine.commits)."""
+    the turn failing (engine.commits).
+
+    Statements prepared on the server (`execute_prepared`, PostgreSQL only, while holding
+    writes): the server parses and plans a statement sent as text every time, which cost
+    about as much as running it. A statement compiled once (engine.prepared) is PREPAREd
+    on the connection with its first use there, in the same round trip, and EXECUTEd by
+    name from then on. PREPARE is not undone by a rollback; a round trip that carried one
+    and failed leaves unknown which ran, so the next one begins with DEALLOCATE ALL and
+    the statements are prepared again as they are used."""
 
     circuit = None
     # Statements asked of the database by this process, BEGIN, COMMIT and ROLLBACK
@@ -178,7 +186,8 @@ class ClassifiedErrors:
     round_trips = 0
     # Whether the driver sends several statements in one round trip: psycopg2 does
     # (one string, the last statement's result kept); sqlite3 runs one per call, and an
-    # embedded database has no round trip to save.
+    # embedded database has no round trip to save. Statements are prepared on the server
+    # only where it does: sqlite3 keeps its own cache of compiled statements.
     sends_several_at_once = False
     # Called before every statement, when set: the test suite's thread check
     # (tests/door.py) refuses one not run through the door (engine.commits).
@@ -211,6 +220,7 @@ class ClassifiedErrors:
     def rollback(self):
         self.statements += 1
         held = self._take_held()
+        self._state.preparing = []  # not sent, if they were held: not prepared
         if held and held[0] == b"BEGIN":
             return None  # the transaction never reached the server: nothing to undo
         self.round_trips += 1
@@ -246,9 +256,9 @@ class ClassifiedErrors:
         finally:
             _held.writes = None
 
-    def write_later(self, sql, params=None):
+    def write_later(self, sql, params=None, prepared=None):
         """`execute_sql` for a write whose cursor nobody reads: held, while holding, to
-        be sent with the next statement."""
+        be sent with the next statement. `prepared`: as `execute_prepared`."""
         held = getattr(_held, "writes", None)
         if held is None:
             self.execute_sql(sql, params)
@@ -256,7 +266,40 @@ class ClassifiedErrors:
         self._asked(sql)
         self._log_query(sql, params)
         with self._guarded():
+            if prepared is not None:
+                sql, params = self._executing(prepared, held), prepared.arguments(params)
             held.append(self._text_of(sql, params))
+
+    def execute_prepared(self, prepared, params):
+        """`execute_sql` of a statement compiled once (engine.prepared.ServerSide): by
+        name, prepared on the server with its first use on the connection, in a turn
+        that holds writes on a database that sends several statements at once; as text
+        otherwise."""
+        held = getattr(_held, "writes", None)
+        if held is None:
+            return self.execute_sql(prepared.sql, params)
+        self._asked(prepared.sql)
+        with self._guarded():
+            execute = self._text_of(self._executing(prepared, held), prepared.arguments(params))
+            self.round_trips += 1
+            self._log_query(prepared.sql, params)
+            return self._send_held([*self._take_held(), execute])
+
+    def _executing(self, prepared, held):
+        """The EXECUTE of `prepared`, its PREPARE held before it unless the connection
+        has it (or is about to). The database's own connection is open: its BEGIN is
+        held or sent."""
+        state = self._state
+        if getattr(state, "prepared_on", None) is not state.conn:
+            state.prepared_on, state.prepared, state.preparing = state.conn, set(), []
+            state.deallocate = False
+        if prepared.name not in state.prepared and prepared.name not in state.preparing:
+            if state.deallocate:
+                held.append(b"DEALLOCATE ALL")
+                state.deallocate, state.prepared = False, set()
+            held.append(prepared.prepare_text(self.cursor()))
+            state.preparing.append(prepared.name)
+        return prepared.execute
 
     def _asked(self, sql):
         self.statements += 1
@@ -276,9 +319,18 @@ class ClassifiedErrors:
 
     def _send_held(self, statements):
         """Several statements, already bound, in one round trip: the last one's cursor."""
-        with peewee.__exception_wrapper__:
-            cursor = self.cursor()
-            cursor.execute(b"; ".join(statements))
+        state = self._state
+        preparing, state.preparing = getattr(state, "preparing", []), []
+        try:
+            with peewee.__exception_wrapper__:
+                cursor = self.cursor()
+                cursor.execute(b"; ".join(statements))
+        except BaseException:
+            if preparing:  # which of them ran is unknown
+                state.deallocate, state.prepared = True, set()
+            raise
+        if preparing:
+            state.prepared.update(preparing)
         return cursor
 
     def _may_hold_begin(self):

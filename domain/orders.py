@@ -58,7 +58,7 @@ def _order_by_number(model, for_update):
     def build():
         query = model.select().where(model.order_number == slot(model.order_number))
         return locked(query) if for_update else query
-    return Prepared(build)
+    return Prepared(build, on_server=True)
 
 
 ORDER_BY_NUMBER = {(order_type, for_update): _order_by_number(model, for_update)
@@ -89,7 +89,7 @@ def _name_of_any_kind():
     return functools.reduce(lambda union, select: union.union_all(select), selects)
 
 
-NAME_OF_ANY_KIND = Prepared(_name_of_any_kind)
+NAME_OF_ANY_KIND = Prepared(_name_of_any_kind, on_server=True)
 
 
 def order_name_of_any_kind(order_number):
@@ -112,7 +112,7 @@ def document_name(order):
 
 RENAME = {order_type: Prepared(lambda model=model: model.update(
     order_name=slot(model.order_name), updated_at=slot(model.updated_at)).where(
-    model.order_number == slot(model.order_number)))
+    model.order_number == slot(model.order_number)), on_server=True)
     for order_type, model in ORDER_MODELS.items()}
 
 

@@ -55,7 +55,8 @@ EVENT_BY_KEY = Prepared(lambda: WebhookEvent.select().where(
     WebhookEvent.source == slot(WebhookEvent.source),
     WebhookEvent.dedup_key == slot(WebhookEvent.dedup_key)))
 STATUS_FOR_UPDATE = Prepared(lambda: locked(
-    WebhookEvent.select(WebhookEvent.status).where(WebhookEvent.id == slot(WebhookEvent.id))))
+    WebhookEvent.select(WebhookEvent.status).where(WebhookEvent.id == slot(WebhookEvent.id))),
+    on_server=True)
 def _finishing(count_the_attempt):
     counted = {WebhookEvent.attempts: WebhookEvent.attempts + 1} if count_the_attempt else {}
     return Prepared(lambda: WebhookEvent.update({
@@ -64,7 +65,7 @@ def _finishing(count_the_attempt):
         WebhookEvent.updated_at: slot(WebhookEvent.updated_at),
         WebhookEvent.last_error: slot(WebhookEvent.last_error),
         WebhookEvent.next_attempt_at: None, **counted,
-    }).where(WebhookEvent.id == slot(WebhookEvent.id)))
+    }).where(WebhookEvent.id == slot(WebhookEvent.id)), on_server=True)
 
 
 FINISH = _finishing(count_the_attempt=True)

@@ -90,7 +90,7 @@ NEW_ORDERED_EFFECT = {
 
 def _update_of(*fields):
     return Prepared(lambda: Outbox.update({field: slot(field) for field in fields})
-                    .where(Outbox.id == slot(Outbox.id)))
+                    .where(Outbox.id == slot(Outbox.id)), on_server=True)
 
 
 # What each outcome of a send writes. An outcome that counts an attempt writes the

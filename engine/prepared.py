@@ -4,8 +4,13 @@ Peewee builds a query's SQL anew each time it runs, and on this machine that cos
 0.3 ms for a select of one row that SQLite then runs in 12 µs (docs/PERFORMANCE.md). The
 request path runs the same dozen statements on every call, so those are written as
 peewee queries with named slots where the values go, compiled once per database, and run
-with new values bound in.
+with new values bound in. On PostgreSQL they are also prepared on the server
+(`ServerSide`), which then neither parses nor plans them again.
 """
+import itertools
+import re
+from typing import Any, Callable
+
 import peewee
 
 from models import POSTGRES_FIELD_TYPES, database, is_postgres
@@ -18,6 +23,9 @@ class Slot(peewee.Node):
     def __init__(self, name, field=None):
         self.name = name
         self.convert = field.db_value if field is not None else None
+        # Its type in a PREPARE: its column's, or left to the server to infer.
+        self.server_type = (SERVER_TYPES.get(field.field_type, "unknown")
+                            if field is not None else "unknown")
 
     def bind(self, values):
         value = values[self.name]
@@ -28,17 +36,72 @@ class Slot(peewee.Node):
         return ctx.literal(ctx.state.param or "?")
 
 
+# PostgreSQL's names of the column types a slot may fill (models' field types).
+SERVER_TYPES = {"AUTO": "integer", "BIGAUTO": "bigint", "INT": "integer",
+                "BIGINT": "bigint", "BOOL": "boolean", "TEXT": "text",
+                **{field_type: name.lower() for field_type, name in POSTGRES_FIELD_TYPES.items()}}
+_server_names = itertools.count(1)
+
+
+class ServerSide:
+    """A compiled statement as PostgreSQL prepares it (models.ClassifiedErrors
+    .execute_prepared): its PREPARE, with its constants written in and its slots as
+    typed parameters, and its EXECUTE, given the slots' values alone."""
+
+    def __init__(self, sql: str, params: list) -> None:
+        self.sql = sql
+        self.name = f"receiver_{next(_server_names)}"
+        self._params = params
+        self._slots = [n for n, param in enumerate(params) if isinstance(param, Slot)]
+        self.execute = (f"EXECUTE {self.name}({', '.join(['%s'] * len(self._slots))})"
+                        if self._slots else f"EXECUTE {self.name}")
+
+    def arguments(self, bound: list) -> list:
+        """The EXECUTE's values, of all the statement's bound ones."""
+        return [bound[n] for n in self._slots]
+
+    def prepare_text(self, cursor: Any) -> bytes:
+        """The PREPARE, its constants written in as `cursor` would send them."""
+        params = iter(self._params)
+        text, types = [], []
+        for piece in re.split(r"(%%|%s)", self.sql):
+            if piece == "%%":
+                text.append("%")
+            elif piece != "%s":
+                text.append(piece)
+            elif isinstance(param := next(params), Slot):
+                types.append(param.server_type)
+                text.append(f"${len(types)}")
+            else:
+                text.append(cursor.mogrify("%s", (param,)).decode())
+        typed = f"({', '.join(types)})" if types else ""
+        return f"PREPARE {self.name}{typed} AS {''.join(text)}".encode()
+
+
 def slot(field, name=None):
     """A value for `field`, named after it unless `name` says otherwise."""
     return Slot(name or field.name, field)
 
 
 class Prepared:
-    """`build()` returns a peewee query whose values are slots; `execute(**values)` runs it."""
+    """`build()` returns a peewee query whose values are slots; `execute(**values)` runs it.
 
-    def __init__(self, build):
+    `on_server`: on PostgreSQL, prepared on the server too (`ServerSide`), which then
+    keeps one plan for the connection, made without the values. Only for a statement
+    whose every read goes by equality on the primary key or on a whole unique key: that
+    plan is then the right one whatever the tables hold. A plan made without the values
+    may otherwise pick a worse index for good (on a new, small table: one that holds the
+    whole range a dedup window reads). tests/test_prepared.py holds each to that."""
+
+    # Every statement prepared on the server, for the test of their plans.
+    on_server_statements: list["Prepared"] = []
+
+    def __init__(self, build: Callable[[], peewee.Query], on_server: bool = False) -> None:
         self._build = build
-        self._compiled = None
+        self._compiled: tuple | None = None
+        self.on_server = on_server
+        if on_server:
+            self.on_server_statements.append(self)
 
     def _statement(self):
         db = database.obj
@@ -50,18 +113,22 @@ class Prepared:
                 # Peewee fills a column left out with its default, computed now: a
                 # creation time would be frozen into the statement.
                 raise ValueError(f"every column of a prepared insert needs a slot: {sql}")
-            self._compiled = (db, sql, params, getattr(query, "model", None))
+            server = (ServerSide(sql, params) if self.on_server and db.sends_several_at_once
+                      else None)
+            self._compiled = (db, sql, params, getattr(query, "model", None), server)
         return self._compiled
 
     def execute(self, **values):
-        db, sql, params, _ = self._statement()
-        return db.execute_sql(sql, self._bound(params, values))
+        db, sql, params, _, server = self._statement()
+        if server is None:
+            return db.execute_sql(sql, self._bound(params, values))
+        return db.execute_prepared(server, self._bound(params, values))
 
     def execute_later(self, **values: object) -> None:
         """`execute` for a write whose result is not read: in a turn of the group commit
         on PostgreSQL it goes to the server with the next statement (engine.commits)."""
-        db, sql, params, _ = self._statement()
-        db.write_later(sql, self._bound(params, values))
+        db, sql, params, _, server = self._statement()
+        db.write_later(sql, self._bound(params, values), prepared=server)
 
     @staticmethod
     def _bound(params, values):
@@ -99,6 +166,8 @@ class InsertOnce(Prepared):
         self.fields = [field for field in model._meta.sorted_fields
                        if not isinstance(field, peewee.AutoField)]
         self.also_returning = tuple(also_returning)
+        # An insert that reads nothing but its unique keys' indexes (ON CONFLICT).
+        reads_nothing = unless is None and not self.also_returning
 
         def build():
             values = {field: slot(field) for field in self.fields}
@@ -114,7 +183,7 @@ class InsertOnce(Prepared):
                 query = query.returning(model._meta.primary_key, *(
                     expression().alias(name) for name, expression in self.also_returning))
             return query
-        super().__init__(build)
+        super().__init__(build, on_server=reads_nothing)
 
     def run(self, **values):
         """The new row's id (True for a table without one), or None when it was there."""
@@ -182,7 +251,8 @@ def save_changes(instance):
     if statement is None:
         primary_key = model._meta.primary_key
         statement = _SAVES[key] = Prepared(lambda: model.update(
-            {field: slot(field) for field in changed}).where(primary_key == slot(primary_key)))
+            {field: slot(field) for field in changed}).where(primary_key == slot(primary_key)),
+            on_server=True)
     statement.execute_later(**{field.name: instance.__data__[field.name]
                                for field in (*changed, model._meta.primary_key)})
     instance._dirty.clear()

@@ -3,6 +3,7 @@ on loopback, a settable clock, and the application under test."""
 import contextlib
 import datetime
 import json
+import logging
 import os
 import tempfile
 import urllib.parse
@@ -102,6 +103,15 @@ def statements_through_the_door(thread_check):
     refused, thread_check.refused[:] = list(thread_check.refused), []
     refused += service_refusals()
     assert not refused, "statements outside the door:\n" + "\n".join(refused)
+
+
+@pytest.fixture
+def statements(caplog):
+    """The SQL statements run, as peewee logs them (a statement prepared on the server
+    by its own text, not its EXECUTE)."""
+    caplog.set_level(logging.DEBUG, logger="peewee")
+    return lambda: [record.msg[0] for record in caplog.records
+                    if record.name == "peewee" and isinstance(record.msg, tuple)]
 
 
 @pytest.fixture(autouse=True)

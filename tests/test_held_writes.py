@@ -12,7 +12,7 @@ import pytest
 
 from models import BoundedWaits, FormationOrder, WebhookEvent, database
 from engine.commits import GroupCommit
-from engine.prepared import InsertOnce, save_changes
+from engine.prepared import InsertOnce, Prepared, save_changes
 
 NEW_EVENT = InsertOnce(WebhookEvent)
 
@@ -210,3 +210,78 @@ async def test_a_session_lost_within_a_turn_fails_the_turn_once_only(
                                    commits.run(paid(orders[1])))
     assert results == ["FO-0", "ran again", "FO-1"]
     assert stored_statuses() == {"FO-0": "paid", "FO-1": "paid", "FO-2": "pending_payment"}
+
+
+# --- statements prepared on the server ---------------------------------------------------
+
+def prepared_on_the_connection():
+    """The statements the database thread's session has prepared: {name: the string
+    its PREPARE came in}."""
+    return dict(database.execute_sql(
+        "SELECT name, statement FROM pg_prepared_statements").fetchall())
+
+
+@pytest.mark.gen_test
+async def test_a_statement_is_prepared_once_per_session_then_executed_by_name(
+        postgres_only, orders, other_connection):
+    commits = GroupCommit()
+    await commits.run(paid(orders[0]))
+    [(name, text)] = (await commits.run(prepared_on_the_connection)).items()
+    assert f'PREPARE {name}(text, integer) AS UPDATE "formation_orders"' in text
+    await commits.run(paid(orders[1]))
+    assert list(await commits.run(prepared_on_the_connection)) == [name]
+    # A new session (the server ended the old one) prepares it anew.
+    end_backend(other_connection, await commits.run(the_database_threads_backend))
+    await commits.run(paid(orders[2]))
+    assert list(await commits.run(prepared_on_the_connection)) == [name]
+    assert set(stored_statuses().values()) == {"paid"}
+
+
+@pytest.mark.gen_test
+async def test_after_a_failed_round_trip_that_prepared_the_statements_are_prepared_anew(
+        postgres_only, orders, statements):
+    """The failed string prepared both statements before the refused write failed; which
+    of its PREPAREs ran is unknown to the service, so the next one starts from none
+    (DEALLOCATE ALL). Preparing one again over itself would fail every later turn, each
+    then run again with savepoints."""
+    commits = GroupCommit()
+    failed = await asyncio.gather(commits.run(paid(orders[0])),
+                                  commits.run(refused_write(orders[1])),
+                                  return_exceptions=True)
+    assert failed[0] == "FO-0" and isinstance(failed[1], peewee.IntegrityError)
+    before = len(statements())
+    assert await commits.run(paid(orders[2])) == "FO-2"
+    assert not [sql for sql in statements()[before:] if "SAVEPOINT" in sql]
+    [text] = (await commits.run(prepared_on_the_connection)).values()
+    assert 'DEALLOCATE ALL; PREPARE' in text and 'UPDATE "formation_orders"' in text
+    assert stored_statuses()["FO-2"] == "paid"
+
+
+@pytest.mark.gen_test
+async def test_statements_prepared_on_the_server_read_by_unique_keys_alone(
+        postgres_only, other_connection, orders):
+    """The plan PostgreSQL keeps for a prepared statement is made without the values,
+    here on empty tables: every read in it must go by equality on the primary key or a
+    unique key (Prepared's `on_server`), never a scan whose filter does the choosing."""
+    import app.server  # noqa: F401  (every module with statements of its own)
+    await GroupCommit().run(paid(orders[0]))  # save_changes builds its statement on use
+    other_connection.autocommit = True
+    cursor = other_connection.cursor()
+    cursor.execute("SELECT indexrelid::regclass::text FROM pg_index WHERE indisunique")
+    unique = {name for (name,) in cursor.fetchall()}
+    checked = 0
+    for statement in Prepared.on_server_statements:
+        server = await GroupCommit().run(lambda statement=statement: statement._statement()[4])
+        cursor.execute("BEGIN")
+        cursor.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+        cursor.execute(server.prepare_text(cursor))
+        cursor.execute(f"EXPLAIN {server.execute}", [None] * server.execute.count("%s"))
+        plan = [line for (line,) in cursor.fetchall()]
+        cursor.execute("ROLLBACK")
+        cursor.execute(f"DEALLOCATE {server.name}")  # not undone by the rollback
+        indexes = [line.partition(" using ")[2].partition(" on ")[0]
+                   for line in plan if " Scan " in line]
+        filters = [line for line in plan if line.strip().startswith("Filter:")]
+        assert not filters and all(index in unique for index in indexes), (server.sql, plan)
+        checked += 1
+    assert checked >= 10

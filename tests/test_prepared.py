@@ -1,7 +1,6 @@
 """Statements built once (engine.prepared) and the group commit (engine.commits)."""
 import asyncio
 import datetime
-import logging
 import sqlite3
 import threading
 import time
@@ -104,14 +103,6 @@ def test_save_changes_writes_only_the_changed_columns(second_connection):
     stored = FormationOrder.get(FormationOrder.order_number == "FO-9")
     assert (stored.payment_status, stored.customer_name) == ("paid", "Bea")
     assert not order.dirty_fields
-
-
-@pytest.fixture
-def statements(caplog):
-    """The SQL statements run, as peewee logs them."""
-    caplog.set_level(logging.DEBUG, logger="peewee")
-    return lambda: [record.msg[0] for record in caplog.records
-                    if record.name == "peewee" and isinstance(record.msg, tuple)]
 
 
 @pytest.mark.gen_test
