@@ -34,6 +34,20 @@ def locked(query: Query) -> Query:
     return query.for_update() if is_postgres() else query
 
 
+def due_by(column: peewee.Field, moment: object) -> peewee.Expression:
+    """`column <= moment`, in a form SQLite does not choose an index by (its own way of
+    saying so: a unary + on the column). Without statistics SQLite takes a range of
+    (status, next_attempt_at) for a claim of the due rows oldest first, reads every row
+    of the range and sorts it: 21 ms for 100 of a backlog of 45,000, against 0.2 ms
+    walking an index in id order (docs/PERFORMANCE.md). PostgreSQL chooses by its
+    statistics, and has no unary + for a time. The moment is converted as the column's
+    own values are: a bare expression would leave it to the driver."""
+    if is_postgres():
+        return column <= moment
+    return (peewee.NodeList((peewee.SQL("+"), column), glue="")
+            <= peewee.Value(moment, converter=column.db_value))
+
+
 class ProbedDatabase(Protocol):
     """The database a Circuit watches (models.ClassifiedErrors): it consults `circuit`
     before each statement, and `probe()` raises unless it answers and takes a write."""

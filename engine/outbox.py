@@ -24,7 +24,7 @@ from engine import commits, retry
 from engine.claims import claim, lease
 from engine.commits import Unit
 from engine.contracts import EngineContext, SendOutcome
-from engine.db import UNAVAILABLE
+from engine.db import UNAVAILABLE, due_by
 from engine.destinations import ORDERED_KINDS
 from engine.prepared import InsertOnce, Prepared, slot, write_later
 
@@ -570,20 +570,23 @@ def _due(now, kinds):
     unsent_before = earlier.select(earlier.id).where(
         earlier.order_number == Outbox.order_number, earlier.kind == Outbox.kind,
         earlier.status.in_(UNSENT), earlier.id < Outbox.id)
-    return ((Outbox.status == "pending") & (Outbox.next_attempt_at <= now)
+    return ((Outbox.status == "pending") & due_by(Outbox.next_attempt_at, now)
             & Outbox.kind.in_(kinds)
             & (Outbox.kind.not_in(ORDERED_KINDS) | ~fn.EXISTS(unsent_before)))
 
 
 async def _claim_due(ctx):
     """The due rows of the destinations that are up, and one row of each destination
-    that is down and due for a probe."""
+    that is down and due for a probe. Each kind's rows are claimed apart (in one turn):
+    the (kind, status, id) index gives one kind's oldest first, where rows of several
+    kinds would all be read and sorted, a backlog's too (docs/PERFORMANCE.md)."""
     now = ctx.clock()
     destinations = ctx.destinations
     rows = []
     up = destinations.kinds(lambda destination: destination.up)
-    if up:
-        rows += await claim(ctx, Outbox, _due(now, up))
+    for claimed in await asyncio.gather(*(claim(ctx, Outbox, _due(now, [kind]))
+                                          for kind in up)):
+        rows += claimed
     for kind in destinations.kinds(lambda destination: destination.take_probe()):
         rows += await claim(ctx, Outbox, _due(now, [kind]), limit=1)
     return rows

@@ -76,7 +76,9 @@ async def test_a_drain_keeps_each_rows_own_attempt_in_its_one_statement(ctx, clo
     tried = list(Attempt.select().order_by(Attempt.outbox_id))
     assert [attempt.outbox_id for attempt in tried] == [row.id for row in effects.rows]
     assert {(attempt.outcome, attempt.status_code) for attempt in tried} == {("sent", 200)}
-    assert count.total <= 13
+    # Sending them one by one would cost over 40. Here: each of the two claims (the 20
+    # rows, then none) asks the four kinds apart (engine.outbox._claim_due).
+    assert count.total <= 19
 
 
 @pytest.mark.gen_test

@@ -5,11 +5,12 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import datetime
+import logging
 import threading
 
 import pytest
 
-from models import Outbox
+from models import Outbox, database
 from engine import outbox
 from engine.outbox import Effects
 from tests.door import through_the_door
@@ -211,3 +212,33 @@ async def test_a_mail_whose_lease_has_run_down_is_re_taken_from_its_mail_thread(
     assert result.ok and row.status == "sent" and len(smtp.messages) == 1
     assert row.next_attempt_at == clock() + datetime.timedelta(
         seconds=ctx.settings.claim_lease_seconds)
+
+
+@pytest.mark.gen_test
+async def test_a_claim_walks_a_backlog_in_index_order_rather_than_sorting_all_of_it(
+        ctx, clock, caplog, database_url):
+    """A backlog (a destination back after an outage) is claimed a hundred rows at a
+    time. Each claim must walk one kind's due rows oldest first on an index and stop
+    there: a plan that read every due row and sorted them cost each claim as much as
+    the backlog (21 ms at 45,000 rows on SQLite, 30-55 ms on PostgreSQL), and the live
+    requests' turns waited behind it."""
+    clock.set(2026, 11, 20, 9, 0)
+    now = clock()
+    due = dict(created_at=now, updated_at=now, payload="{}", status="pending", attempts=0,
+               next_attempt_at=now - datetime.timedelta(seconds=5))
+    Outbox.insert_many([{**due, "kind": kind, "order_number": f"FO-{n}",
+                         "idempotency_key": f"{kind}-{n}"}
+                        for n in range(2_000) for kind in ("job", "alert")]).execute()
+    caplog.set_level(logging.DEBUG, logger="peewee")
+    claimed = await outbox._claim_due(ctx)
+    assert sorted(row.kind for row in claimed) == ["alert"] * 100 + ["job"] * 100
+    assert [row.order_number for row in claimed if row.kind == "job"] == [
+        f"FO-{n}" for n in range(100)]
+    selects = [record.msg for record in caplog.records if record.name == "peewee"
+               and isinstance(record.msg, tuple) and record.msg[0].startswith("SELECT")]
+    explain = "EXPLAIN " if database_url.startswith("postgres") else "EXPLAIN QUERY PLAN "
+    for sql, params in selects:
+        plan = str(await ctx.db(lambda sql=sql, params=params: database.execute_sql(
+            explain + sql, params).fetchall()))
+        assert "Sort" not in plan and "TEMP B-TREE" not in plan, plan
+    assert len(selects) == 4  # one claim per kind
