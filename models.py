@@ -111,6 +111,9 @@ class MaintenanceCutShort(StatementRefused):
 
 
 _maintenance = threading.local()
+# Held before the PREPAREs of a session whose prepared statements are unknown, and
+# counted among them: ClassifiedErrors.execute_prepared.
+_DEALLOCATE = b"DEALLOCATE ALL"
 # The writes held in this thread (ClassifiedErrors.holding_writes); only the database
 # thread's turns hold any, a probe or a mail thread sends its statements as they come.
 _held = threading.local()
@@ -174,8 +177,8 @@ class ClassifiedErrors:
     about as much as running it. A statement compiled once (engine.prepared) is PREPAREd
     on the connection with its first use there, in the same round trip, and EXECUTEd by
     name from then on. PREPARE is not undone by a rollback; a round trip that carried one
-    and failed leaves unknown which ran, so the next one begins with DEALLOCATE ALL and
-    the statements are prepared again as they are used."""
+    and failed leaves unknown which ran, so the session's next PREPARE goes after a
+    DEALLOCATE ALL, and the statements are prepared again as they are used."""
 
     circuit = None
     # Statements asked of the database by this process, BEGIN, COMMIT and ROLLBACK
@@ -220,7 +223,7 @@ class ClassifiedErrors:
     def rollback(self):
         self.statements += 1
         held = self._take_held()
-        self._state.preparing = []  # not sent, if they were held: not prepared
+        self._state.preparing = []  # held and never sent, if there were any
         if held and held[0] == b"BEGIN":
             return None  # the transaction never reached the server: nothing to undo
         self.round_trips += 1
@@ -293,12 +296,13 @@ class ClassifiedErrors:
         if getattr(state, "prepared_on", None) is not state.conn:
             state.prepared_on, state.prepared, state.preparing = state.conn, set(), []
             state.deallocate = False
-        if prepared.name not in state.prepared and prepared.name not in state.preparing:
-            if state.deallocate:
-                held.append(b"DEALLOCATE ALL")
-                state.deallocate, state.prepared = False, set()
-            held.append(prepared.prepare_text(self.cursor()))
-            state.preparing.append(prepared.name)
+        if prepared.name in state.prepared or prepared.name in state.preparing:
+            return prepared.execute
+        if state.deallocate and _DEALLOCATE not in state.preparing:
+            held.append(_DEALLOCATE)
+            state.preparing.append(_DEALLOCATE)
+        held.append(prepared.prepare_text(self.cursor()))
+        state.preparing.append(prepared.name)
         return prepared.execute
 
     def _asked(self, sql):
@@ -330,7 +334,9 @@ class ClassifiedErrors:
                 state.deallocate, state.prepared = True, set()
             raise
         if preparing:
-            state.prepared.update(preparing)
+            if _DEALLOCATE in preparing:
+                state.deallocate, state.prepared = False, set()
+            state.prepared.update(name for name in preparing if name != _DEALLOCATE)
         return cursor
 
     def _may_hold_begin(self):

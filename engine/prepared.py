@@ -4,8 +4,8 @@ Peewee builds a query's SQL anew each time it runs, and on this machine that cos
 0.3 ms for a select of one row that SQLite then runs in 12 µs (docs/PERFORMANCE.md). The
 request path runs the same dozen statements on every call, so those are written as
 peewee queries with named slots where the values go, compiled once per database, and run
-with new values bound in. On PostgreSQL they are also prepared on the server
-(`ServerSide`), which then neither parses nor plans them again.
+with new values bound in. On PostgreSQL those whose plan cannot go wrong are also
+prepared on the server (`ServerSide`), which then neither parses nor plans them again.
 """
 import itertools
 import re
@@ -91,7 +91,7 @@ class Prepared:
     whose every read goes by equality on the primary key or on a whole unique key: that
     plan is then the right one whatever the tables hold. A plan made without the values
     may otherwise pick a worse index for good (on a new, small table: one that holds the
-    whole range a dedup window reads). tests/test_prepared.py holds each to that."""
+    whole range a dedup window reads). tests/test_held_writes.py holds each to that."""
 
     # Every statement prepared on the server, for the test of their plans.
     on_server_statements: list["Prepared"] = []
