@@ -258,6 +258,27 @@ async def test_after_a_failed_round_trip_that_prepared_the_statements_are_prepar
 
 
 @pytest.mark.gen_test
+async def test_a_deallocate_held_and_never_sent_is_held_again(postgres_only, orders, statements):
+    """After a failed round trip that prepared, the next turn holds DEALLOCATE ALL before
+    its PREPARE; that turn's unit raises before anything is sent, so the rollback drops
+    them unsent. The turn after must still deallocate first."""
+    commits = GroupCommit()
+    await asyncio.gather(commits.run(paid(orders[0])), commits.run(refused_write(orders[1])),
+                         return_exceptions=True)
+
+    def paid_then_raises():
+        paid(orders[2])()
+        raise ValueError("the unit's own failure, before any statement is sent")
+    with pytest.raises(ValueError):
+        await commits.run(paid_then_raises)
+    before = len(statements())
+    assert await commits.run(paid(orders[2])) == "FO-2"
+    assert not [sql for sql in statements()[before:] if "SAVEPOINT" in sql]
+    [text] = (await commits.run(prepared_on_the_connection)).values()
+    assert text.startswith("BEGIN; DEALLOCATE ALL; PREPARE")
+
+
+@pytest.mark.gen_test
 async def test_statements_prepared_on_the_server_read_by_unique_keys_alone(
         postgres_only, other_connection, orders):
     """The plan PostgreSQL keeps for a prepared statement is made without the values,
