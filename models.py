@@ -335,7 +335,7 @@ class ClassifiedErrors:
             raise
         if preparing:
             if _DEALLOCATE in preparing:
-                state.deallocate, state.prepared = False, set()
+                state.deallocate = False  # `prepared` is empty since it was set
             state.prepared.update(name for name in preparing if name != _DEALLOCATE)
         return cursor
 

@@ -2,9 +2,9 @@
 
 One JSON object per line in SPOOL_DIR/inbox.jsonl (the arguments of `inbox.record`: source,
 event_type, dedup_key, also_known_as, also_known_between, external_id, order_number,
-status, last_error, the payload as text, received_at in ISO 8601), appended and fsynced before the sender is
-acknowledged. Several processes may share the directory: a writer holds an
-exclusive flock while it appends and checks that the path still names the file it
+status, last_error, the payload as text, received_at in ISO 8601), appended and fsynced
+before the sender is acknowledged. Several processes may share the directory: a writer
+holds an exclusive flock while it appends and checks that the path still names the file it
 opened (a drain may have renamed it meanwhile). A last line without its newline was torn
 by a writer that died mid-append (never acknowledged): the next append cuts it off first.
 
