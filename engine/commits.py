@@ -36,6 +36,14 @@ reads (`engine.prepared.Prepared.execute_later`: an order's UPDATE, an event's s
 send's outcome) goes with the next statement or the COMMIT. A turn of such writes alone
 is one round trip. Should a held write fail, the statement it went with raises, the
 turn is undone, and the run with savepoints, which holds nothing, finds its unit.
+
+Such a turn also runs its units' like statements together, on a database that sends
+several statements at once (PostgreSQL), where each would be a round trip of its own:
+the statement a unit asks to have done ahead (`Ahead`: a call's event, say) is run for
+every unit of the turn that asks the same, in one statement, before the units run; and
+the writes a unit leaves for the turn's end (`at_turn_end`: its effects) go in one
+statement before the COMMIT. The run with savepoints does neither: there each unit runs
+its own statements, as it does on SQLite, which has no round trip to save.
 """
 import asyncio
 import concurrent.futures
@@ -44,7 +52,7 @@ import contextvars
 import functools
 import threading
 import time
-from typing import Callable, Iterator, TypeVar
+from typing import Callable, Iterator, Self, TypeVar
 
 from peewee import DatabaseError
 
@@ -52,6 +60,7 @@ from models import DatabaseDown, database
 from engine.db import is_conflict
 
 T = TypeVar("T")
+Ending = TypeVar("Ending", bound=Callable[[], object])
 # A unit of work: plain synchronous code, called with no arguments in the database thread
 # inside a turn's transaction, safe to run again from its start (above); what it returns
 # is handed to its caller once committed.
@@ -76,6 +85,22 @@ _allowance: contextvars.ContextVar["Allowance | None"] = contextvars.ContextVar(
     "allowance", default=None)
 # Set in the database thread while it runs a turn: the thread check (`in_a_turn`).
 _turn = threading.local()
+
+
+class Ahead:
+    """What a unit asks to have done before the turn's units run, together with the same
+    of the turn's other units (above). `run_together(items)`, a class method, does it
+    for every item of its class in the turn, in one statement, and sets `done` on each
+    item it did; it runs where the units run, in their transaction, when at least two of
+    the turn's units ask for it. A unit whose item is not done (alone in its turn, or in
+    a run with savepoints, or on SQLite) does the work itself: an item must come to what
+    the unit's own statement would have come to, had the units before it run first."""
+
+    done = False
+
+    @classmethod
+    def run_together(cls, items: list[Self]) -> None:
+        raise NotImplementedError
 
 
 class OverBudget(DatabaseDown):
@@ -153,6 +178,23 @@ def on_commit(callback: Callable[[], object]) -> None:
         callback()
 
 
+def together() -> bool:
+    """Whether this thread runs a turn whose like statements go together (above): a unit
+    may then leave its writes for the turn's end (`at_turn_end`)."""
+    return (in_a_turn() and not _with_savepoints.get()
+            and database.sends_several_at_once)
+
+
+def at_turn_end(key: object, make: Callable[[], Ending]) -> Ending:
+    """The callable run at the end of the current turn (`together()` must be true),
+    before its COMMIT, under `key`: made by `make()` the first time the turn asks for it,
+    the same one after that. Should it raise, the turn is undone as if a unit had."""
+    ending = _turn.at_end.get(key)
+    if ending is None:
+        ending = _turn.at_end[key] = make()
+    return ending
+
+
 def _counted_so_far() -> int:
     return len(_turn.on_commit) if in_a_turn() else 0
 
@@ -201,8 +243,9 @@ def savepoint() -> Iterator[None]:
         raise _PartFailed from failure
 
 
-# A unit waiting for its turn: the unit, its caller's future, the conflicts it met.
-Waiting = tuple[Unit, "asyncio.Future", int]
+# A unit waiting for its turn: the unit, its caller's future, the conflicts it met, what it
+# asks to have done ahead.
+Waiting = tuple[Unit, "asyncio.Future", int, Ahead | None]
 # What a unit came to in its turn: its result, or what it raised.
 Outcome = tuple[object, BaseException | None]
 
@@ -212,9 +255,10 @@ class GroupCommit:
         self._waiting: list[Waiting] = []
         self._turn_running = False
 
-    async def run(self, unit: Unit[T]) -> T:
+    async def run(self, unit: Unit[T], ahead: Ahead | None = None) -> T:
         """Run `unit()` in a transaction shared with the other units of this turn; return
         what it returns, or raise what it raised, once the transaction is committed.
+        `ahead`: what the unit asks to have done before the turn's units run (`Ahead`).
 
         Within a `budget`, past its deadline OverBudget is raised and the circuit opens;
         within an `allowance`, once it is spent AllowanceSpent is raised, and the circuit
@@ -223,7 +267,7 @@ class GroupCommit:
         dedup key recognises)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._enqueue(unit, future, conflicts=0)
+        self._enqueue(unit, future, conflicts=0, ahead=ahead)
         deadline, allowed = _deadline.get(), _allowance.get()
         if deadline is None and allowed is None:
             return await future
@@ -249,8 +293,9 @@ class GroupCommit:
             if allowed is not None:
                 allowed.left -= time.monotonic() - started
 
-    def _enqueue(self, unit: Unit, future: asyncio.Future, conflicts: int) -> None:
-        self._waiting.append((unit, future, conflicts))
+    def _enqueue(self, unit: Unit, future: asyncio.Future, conflicts: int,
+                 ahead: Ahead | None) -> None:
+        self._waiting.append((unit, future, conflicts, ahead))
         if not self._turn_running:
             self._turn_running = True
             # At the loop's next turn: the units asked for until then join this one.
@@ -264,7 +309,7 @@ class GroupCommit:
             self._turn_running = False
             return
         turn = asyncio.get_running_loop().run_in_executor(
-            DATABASE_THREAD, _run_batch, [unit for unit, _, _ in batch])
+            DATABASE_THREAD, _run_batch, [(unit, ahead) for unit, _, _, ahead in batch])
         turn.add_done_callback(functools.partial(self._finish_turn, batch))
 
     def _finish_turn(self, batch: list[Waiting], turn: asyncio.Future) -> None:
@@ -272,13 +317,13 @@ class GroupCommit:
             outcomes = turn.result()
         except BaseException as error:  # the thread could not run the turn at all
             outcomes = [(None, error)] * len(batch)
-        for (unit, future, conflicts), (result, failure) in zip(batch, outcomes):
+        for (unit, future, conflicts, ahead), (result, failure) in zip(batch, outcomes):
             if future.done():  # its caller gave up meanwhile
                 continue
             if failure is None:
                 future.set_result(result)
             elif is_conflict(failure) and conflicts < MAX_CONFLICTS:
-                self._waiting.append((unit, future, conflicts + 1))
+                self._waiting.append((unit, future, conflicts + 1, ahead))
             else:
                 future.set_exception(failure)
         if self._waiting:
@@ -287,7 +332,7 @@ class GroupCommit:
             self._turn_running = False
 
 
-def _run_batch(units: list[Unit]) -> list[Outcome]:
+def _run_batch(units: list[tuple[Unit, Ahead | None]]) -> list[Outcome]:
     """In the database thread: each unit's (result, failure), committed together."""
     global turns_run
     turns_run += 1
@@ -303,15 +348,19 @@ def _run_batch(units: list[Unit]) -> list[Outcome]:
         _turn.running = False
 
 
-def _run_turn(units: list[Unit], with_savepoints: bool) -> list[Outcome]:
+def _run_turn(units: list[tuple[Unit, Ahead | None]],
+              with_savepoints: bool) -> list[Outcome]:
     """Each unit's (result, failure), all in one transaction. Without savepoints any
     unit's failure rolls back the turn and raises _TurnUndone."""
     token = _with_savepoints.set(with_savepoints)
-    _turn.on_commit = []
+    _turn.on_commit, _turn.at_end = [], {}
+    for _, ahead in units:  # what a turn undone did ahead is undone with it
+        if ahead is not None:
+            ahead.done = False
     try:
         if with_savepoints:
             with database.atomic():
-                outcomes = [_attempt(unit) for unit in units]
+                outcomes = [_attempt(unit) for unit, _ in units]
         else:
             outcomes = _run_plain(units)
     finally:
@@ -321,22 +370,38 @@ def _run_turn(units: list[Unit], with_savepoints: bool) -> list[Outcome]:
     return outcomes
 
 
-def _run_plain(units: list[Unit]) -> list[Outcome]:
+def _run_plain(units: list[tuple[Unit, Ahead | None]]) -> list[Outcome]:
     """The turn without savepoints, its writes held (models.ClassifiedErrors): on
     PostgreSQL the BEGIN goes with the first statement, and the writes nobody reads the
-    result of go with the next statement or the COMMIT. A held write fails in whatever
-    statement it was sent with, a unit's or the COMMIT: either undoes the turn, and the
-    run with savepoints (holding nothing) finds which unit it was."""
+    result of go with the next statement or the COMMIT; its units' like statements go
+    together (`Ahead`, `at_turn_end`). A held write fails in whatever statement it was
+    sent with, a unit's or the COMMIT: either undoes the turn, and the run with
+    savepoints (holding nothing) finds which unit it was."""
     try:
         with database.holding_writes(), database.atomic():
             try:
-                return [(unit(), None) for unit in units]
+                if database.sends_several_at_once:
+                    _run_ahead([ahead for _, ahead in units if ahead is not None])
+                outcomes: list[Outcome] = [(unit(), None) for unit, _ in units]
+                for ending in _turn.at_end.values():
+                    ending()
+                return outcomes
             except (Exception, _PartFailed) as failure:
                 raise _TurnUndone from failure
     except DatabaseDown:
         raise
     except DatabaseError as failure:  # the COMMIT, with the writes held for it
         raise _TurnUndone from failure
+
+
+def _run_ahead(items: list[Ahead]) -> None:
+    """Each class's items together, where at least two units of the turn ask for it."""
+    by_kind: dict[type[Ahead], list[Ahead]] = {}
+    for item in items:
+        by_kind.setdefault(type(item), []).append(item)
+    for kind, together in by_kind.items():
+        if len(together) > 1:
+            kind.run_together(together)
 
 
 def _attempt(unit: Unit) -> Outcome:

@@ -25,11 +25,11 @@ from clients.http import error_text
 from models import Outbox, WebhookEvent
 from engine import outbox, retry, spool
 from engine.claims import CLAIM_BATCH, Kept, claim, lease
-from engine.commits import AllowanceSpent, raise_if_conflict, savepoint
+from engine.commits import Ahead, AllowanceSpent, raise_if_conflict, savepoint
 from engine.contracts import Accepted, EngineContext, Stored
 from engine.spool import Entry
 from engine.db import UNAVAILABLE, locked, why_unavailable
-from engine.prepared import InsertOnce, Prepared, slot
+from engine.prepared import InsertMany, InsertOnce, Prepared, slot
 
 log = logging.getLogger("receiver.events")
 # During an outage every call is spooled: one line per minute and reason, with a count.
@@ -152,10 +152,12 @@ async def accept(ctx: EngineContext, source: str, event_type: str, dedup_key: st
     call = _call(ctx, source, event_type, dedup_key, payload, **fields)
     if _behind_the_spool(ctx, call):
         return Accepted(None, False, None)
+    ahead = (_NewEvent(ctx, call, handle_now=not in_background)
+             if handled_by is None and not call["also_known_as"] else None)
     try:
         try:
-            event, created, handled = await ctx.commits.run(
-                functools.partial(_store_and_handle, ctx, call, not in_background, handled_by))
+            event, created, handled = await ctx.commits.run(functools.partial(
+                _store_and_handle, ctx, call, not in_background, handled_by, ahead), ahead)
         except UNAVAILABLE:
             raise
         except Exception:
@@ -196,18 +198,21 @@ async def _deliver(ctx, rows, within):
         sending.result()
 
 
-def _store_and_handle(ctx, call, handle_now, handled_by=None):
+def _store_and_handle(ctx, call, handle_now, handled_by=None, ahead=None):
     """(event, created, (outcome, effects, started) or None when not handled).
 
     A new call whose plugin runs here (`_plain_handling`) is stored as `processed`, what
     the plugin's success makes it, in the same transaction: the row is written once, and
     updated only when the handling ends otherwise (rejected, failed, or the plugin
-    raised)."""
+    raised). `ahead`: the call's event, inserted ahead of the turn's units (`_NewEvent`)
+    when it is done."""
     registry = ctx.plugins[call["source"]]
-    handling = (_plain_handling(registry, call) if handle_now and call["status"] == "received"
-                else None)
+    if ahead is not None and ahead.done:
+        handling = ahead.handling
+    else:
+        ahead, handling = None, _handling_here(registry, call, handle_now)
     event, created = _store(ctx, call, as_processed=handling is not None,
-                            handled_by=handled_by)
+                            handled_by=handled_by, ahead=ahead)
     if handling is None or not created:
         return event, created, None
     plugin, payload = handling
@@ -226,6 +231,13 @@ def _store_and_handle(ctx, call, handle_now, handled_by=None):
         _record_failure(ctx, event, f"{type(exc).__name__}: {exc}")
         return event, created, ("failed", None, started)
     return event, created, (outcome, effects, started)
+
+
+def _handling_here(registry, call, handle_now):
+    """`_plain_handling`, for a call to be handled now and stored as received."""
+    if not handle_now or call["status"] != "received":
+        return None
+    return _plain_handling(registry, call)
 
 
 def _plain_handling(registry, call):
@@ -374,27 +386,22 @@ def store_spooled(ctx: EngineContext, call: Entry) -> Stored:
 def _store(ctx: EngineContext, call: Entry,
            next_attempt_at: datetime.datetime | None = None,
            as_processed: bool = False,
-           handled_by: Callable[[], WebhookEvent | None] | None = None) -> Stored:
+           handled_by: Callable[[], WebhookEvent | None] | None = None,
+           ahead: "_NewEvent | None" = None) -> Stored:
     """`as_processed`: the caller handles the call in this same transaction, and stored
     so it needs no UPDATE when that goes well (`_store_and_handle`). `handled_by`: see
-    `accept`."""
+    `accept`. `ahead`: the call's event, inserted already with the turn's others."""
     source, event_type = call["source"], call["event_type"]
     known = _EarlierKeys(call["also_known_as"], call.get("also_known_between"))
     existing = None
     if handled_by is not None:  # asked only when no key of the call is stored
         existing = known.first_stored(source) or handled_by()
     if existing is None:
-        now = ctx.clock()
-        event = (known.new_event_unless() if handled_by is None else NEW_EVENT).row(
-            source=source, **known.slots(),
-            event_type=event_type, dedup_key=call["dedup_key"],
-            external_id=call["external_id"],
-            order_number=call["order_number"], payload=call["payload"],
-            status="processed" if as_processed else call["status"],
-            processed_at=now if as_processed else None, attempts=1 if as_processed else 0,
-            last_error=call["last_error"],
-            received_at=call["received_at"], next_attempt_at=next_attempt_at,
-            reconciled=bool(call.get("reconciled")), created_at=now, updated_at=now)
+        if ahead is not None:
+            event = ahead.event
+        else:
+            event = (known.new_event_unless() if handled_by is None else NEW_EVENT).row(
+                **known.slots(), **_event_values(ctx, call, as_processed, next_attempt_at))
         if event is not None:
             if call.get("notice"):
                 _tell_admin_notice(ctx, event, call["notice"])
@@ -406,6 +413,83 @@ def _store(ctx: EngineContext, call: Entry,
     log.info("duplicate %s event %s (%s) ignored; first stored as #%s",
              source, event_type, call["external_id"] or call["dedup_key"], existing.id)
     return Stored(existing, False)
+
+
+def _event_values(ctx, call, as_processed, next_attempt_at=None):
+    """The columns of a call's new event."""
+    now = ctx.clock()
+    return dict(
+        source=call["source"], event_type=call["event_type"], dedup_key=call["dedup_key"],
+        external_id=call["external_id"],
+        order_number=call["order_number"], payload=call["payload"],
+        status="processed" if as_processed else call["status"],
+        processed_at=now if as_processed else None, attempts=1 if as_processed else 0,
+        last_error=call["last_error"],
+        received_at=call["received_at"], next_attempt_at=next_attempt_at,
+        reconciled=bool(call.get("reconciled")), created_at=now, updated_at=now)
+
+
+_KNOWN = WebhookEvent.alias("known")
+# The new events of a turn (`_NewEvent`): each unless an event of its source is stored
+# under a key of its dedup window (`first` to `last`, both NULL for a call without one).
+NEW_EVENTS = InsertMany(
+    WebhookEvent, returning=lambda: (WebhookEvent.id, WebhookEvent.source,
+                                     WebhookEvent.dedup_key),
+    extra={"first": WebhookEvent.dedup_key, "last": WebhookEvent.dedup_key},
+    unless=lambda batch: batch("first").is_null() | ~peewee.fn.EXISTS(
+        _KNOWN.select(peewee.SQL("1")).where(
+            _KNOWN.source == batch("source"),
+            _KNOWN.dedup_key.between(batch("first"), batch("last")))))
+
+
+class _NewEvent(Ahead):
+    """A call's event, inserted ahead of its turn's units together with the other calls'
+    of the turn (engine.commits.Ahead): one statement instead of one round trip each.
+    For a call whose earlier keys, if any, are one range, and not a late workflow call
+    (`handled_by` reads before the insert). Once done, `event` is the new row, or None
+    when a key of the call was stored already (the unit finds that row, as its own
+    insert would have); `handling` is what handles the call in its unit.
+
+    The insert of each row does not see the rows of the same statement: copies of one
+    call in one turn under the same key are kept once by the unique key, but a copy whose
+    dedup window holds another's key (they came either side of the hour) would not be
+    seen, so a turn with such a pair inserts none of its events together. Which of two
+    copies answered together is the first one kept is no order their senders could see."""
+
+    def __init__(self, ctx, call, handle_now):
+        self.ctx, self.call, self.handle_now = ctx, call, handle_now
+        self.event: WebhookEvent | None = None
+        self.handling = None
+
+    @classmethod
+    def run_together(cls, items: list["_NewEvent"]) -> None:
+        if _windows_overlap([item.call for item in items]):
+            return
+        rows = []
+        for item in items:
+            registry = item.ctx.plugins[item.call["source"]]
+            item.handling = _handling_here(registry, item.call, item.handle_now)
+            first, last = item.call.get("also_known_between") or (None, None)
+            rows.append({**_event_values(item.ctx, item.call, item.handling is not None),
+                         "first": first, "last": last})
+        inserted = {(source, key): event_id
+                    for event_id, source, key in NEW_EVENTS.rows(rows)}
+        for item, values in zip(items, rows):
+            event_id = inserted.pop((values["source"], values["dedup_key"]), None)
+            item.event = None if event_id is None else NEW_EVENTS.written(event_id, values)
+            item.done = True
+
+
+def _windows_overlap(calls):
+    """Whether one call's dedup key lies in another's window (a key equal to another's
+    is the unique key's to keep once)."""
+    ranged = [call for call in calls if call.get("also_known_between")]
+    for call in ranged:
+        first, last = call["also_known_between"]
+        if any(other["source"] == call["source"] and other["dedup_key"] != call["dedup_key"]
+               and first <= other["dedup_key"] <= last for other in calls):
+            return True
+    return False
 
 
 def _tell_admin_notice(ctx, event, notice):

@@ -26,7 +26,7 @@ from engine.commits import Unit
 from engine.contracts import EngineContext, SendOutcome
 from engine.db import UNAVAILABLE, due_by
 from engine.destinations import ORDERED_KINDS
-from engine.prepared import InsertOnce, Prepared, slot, write_later
+from engine.prepared import InsertMany, InsertOnce, Prepared, slot, write_later
 
 log = logging.getLogger("receiver.outbox")
 REPEATS = lograte.Repeats(log)
@@ -51,16 +51,21 @@ NEW_EFFECT = InsertOnce(Outbox)
 UNSENT = ("pending", "waiting")
 
 
-def _earlier_unsent_of(earlier, than, of_other_events):
+def _earlier_unsent_of(earlier, than, of_other_events, row=None):
     """A select, from `earlier` (Outbox or an alias of it), of an unsent row of the order
     and kind in the slots, written before the row whose id is `than`: of another event,
-    or without one, when `of_other_events`. The unsent statuses are literals, not
-    parameters: every parameter of a prepared insert must be a slot."""
+    or without one, when `of_other_events`. `row`: the table whose columns give the
+    order, kind and event instead of the slots (the rows being inserted, in RETURNING).
+    The unsent statuses are literals, not parameters: every parameter of a prepared
+    insert must be a slot."""
+    order_number, kind, event = ((row.order_number, row.kind, row.event) if row is not None
+                                 else (slot(Outbox.order_number), slot(Outbox.kind),
+                                       slot(Outbox.event)))
     query = earlier.select(earlier.id).where(
-        earlier.order_number == slot(Outbox.order_number), earlier.kind == slot(Outbox.kind),
+        earlier.order_number == order_number, earlier.kind == kind,
         earlier.status.in_([SQL(f"'{status}'") for status in UNSENT]), earlier.id < than)
     if of_other_events:
-        query = query.where(earlier.event.is_null() | (earlier.event != slot(Outbox.event)))
+        query = query.where(earlier.event.is_null() | (earlier.event != event))
     return query
 
 
@@ -86,6 +91,14 @@ NEW_ORDERED_EFFECT = {
     of_other_events: InsertOnce(Outbox, also_returning=(
         ("behind", functools.partial(_earlier_unsent_exists, of_other_events)),))
     for of_other_events in (False, True)}
+# The effects of events asked for in a turn whose like statements go together
+# (`_TurnEffects`): each with whether a row of another event, stored before the turn,
+# holds it behind (the rows of the same statement are not seen: the turn's own rows are
+# looked at by `_TurnEffects`).
+NEW_EFFECTS = InsertMany(Outbox, returning=lambda: (
+    Outbox.id, Outbox.idempotency_key,
+    fn.EXISTS(_earlier_unsent_of(Outbox.alias("earlier"), Outbox.id, of_other_events=True,
+                                 row=Outbox))))
 
 
 def _update_of(*fields):
@@ -142,12 +155,18 @@ class Effects:
 
     `first_handling`: the event was stored in this same unit of work, so none of its
     effects can be stored yet (the rows stored before effects were named are not looked
-    for)."""
+    for). `for_scheduler`: nobody sends the rows once committed; they are written due at
+    once, for the scheduled sender.
+
+    In a turn whose like statements go together (engine.commits.together) the effects
+    of an event are written at the turn's end, with the turn's others, in one statement;
+    `rows` has them from then on, before the COMMIT."""
 
     def __init__(self, ctx: EngineContext, event: WebhookEvent | None = None,
-                 first_handling: bool = False) -> None:
+                 first_handling: bool = False, for_scheduler: bool = False) -> None:
         self.ctx = ctx
         self.event = event
+        self.for_scheduler = for_scheduler
         # The rows added (Outbox instances, as written): `deliver` sends them once committed.
         self.rows: list[Outbox] = []
         # The keys derived from purposes in this handling, to refuse a purpose asked twice.
@@ -210,28 +229,27 @@ class Effects:
         self.rejection = reason
 
     def add(self, kind: str, payload: dict[str, Any], purpose: str | None = None,
-            key: str | None = None, order_number: str | None = None) -> int | None:
-        """Write one effect, named by `purpose` (among its event's effects) or by `key`;
-        its row id, or None when it is stored already."""
+            key: str | None = None, order_number: str | None = None) -> None:
+        """Write one effect, named by `purpose` (among its event's effects) or by `key`,
+        unless it is stored already."""
         position, self.position = self.position, self.position + 1
         if key is None:
             key = self._named_key(kind, purpose)
             if self._stored_by_position(kind, position):
-                return None
+                return
         now = self.ctx.clock()
-        ordered = order_number is not None and kind in ORDERED_KINDS
-        insert = NEW_ORDERED_EFFECT[self.event is not None] if ordered else NEW_EFFECT
-        # While the cause's own request sends the row, the scheduler leaves it alone.
-        row = insert.row(
+        values = dict(
             event=self.event.id if self.event else None, kind=kind,
-            order_number=order_number, payload=json.dumps(payload),
-            idempotency_key=key, next_attempt_at=now + lease(self.ctx),
+            order_number=order_number, payload=json.dumps(payload), idempotency_key=key,
+            # While the cause's own request sends the row, the scheduler leaves it alone.
+            next_attempt_at=now if self.for_scheduler else now + lease(self.ctx),
             created_at=now, updated_at=now)
-        if row is None:
-            return None
-        row.behind = bool(getattr(row, "behind", False))
-        self.rows.append(row)
-        return row.id
+        if self.event is not None and commits.together():
+            commits.at_turn_end(_TurnEffects, _TurnEffects).asked.append((self, values))
+            return
+        row = _insert_effect(values)
+        if row is not None:
+            self.rows.append(row)
 
     def _named_key(self, kind: str, purpose: str | None) -> str:
         if self.event is None or not purpose:
@@ -259,20 +277,20 @@ class Effects:
 
 
     def job(self, action: str, payload: dict[str, Any], purpose: str | None = None,
-            key: str | None = None) -> int | None:
+            key: str | None = None) -> None:
         return self.add("job", {"action": action, "payload": payload}, purpose, key,
                         payload.get("order_number"))
 
     def workflow_action(self, doctype: str, name: str, action: str,
                         purpose: str | None = None, key: str | None = None,
-                        order_number: str | None = None) -> int | None:
+                        order_number: str | None = None) -> None:
         return self.add("workflow_action",
                         {"doctype": doctype, "name": name, "action": action},
                         purpose, key, order_number)
 
     def email(self, to: Iterable[str], subject: str, template: str,
               purpose: str | None = None, key: str | None = None,
-              order_number: str | None = None, **variables: Any) -> int | None:
+              order_number: str | None = None, **variables: Any) -> None:
         """Render `template`.txt and .html now, so what is sent is what was true then."""
         env = self.ctx.templates
         text = env.get_template(f"{template}.txt").render(**variables)
@@ -281,8 +299,56 @@ class Effects:
                                   "text": text, "html": html}, purpose, key, order_number)
 
     def alert(self, text: str, purpose: str | None = None, key: str | None = None,
-              order_number: str | None = None) -> int | None:
+              order_number: str | None = None) -> None:
         return self.add("alert", {"text": text}, purpose, key, order_number)
+
+
+def _ordered(values):
+    return values["order_number"] is not None and values["kind"] in ORDERED_KINDS
+
+
+def _insert_effect(values):
+    """The row written, `behind` set; None when its key is stored already."""
+    ordered = _ordered(values)
+    insert = NEW_ORDERED_EFFECT[values["event"] is not None] if ordered else NEW_EFFECT
+    row = insert.row(**values)
+    if row is not None:
+        row.behind = bool(getattr(row, "behind", False))
+    return row
+
+
+class _TurnEffects:
+    """The effects of events asked for in a turn whose like statements go together,
+    written when its units are done (engine.commits.at_turn_end): what each row's own
+    insert would have come to, in one statement."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[Effects, dict]] = []
+
+    def __call__(self) -> None:
+        if len(self.asked) == 1:
+            effects, values = self.asked[0]
+            row = _insert_effect(values)
+            if row is not None:
+                effects.rows.append(row)
+            return
+        inserted = {key: (row_id, behind) for row_id, key, behind
+                    in NEW_EFFECTS.rows([values for _, values in self.asked])}
+        # The ordered rows written so far in this statement: (order, kind, event) each.
+        written: list[tuple] = []
+        for effects, values in self.asked:
+            new = inserted.pop(values["idempotency_key"], None)
+            if new is None:
+                continue
+            row = NEW_EFFECTS.written(new[0], values)
+            row.behind = False
+            if _ordered(values):
+                mine = (values["order_number"], values["kind"])
+                row.behind = new[1] or any(
+                    (order, kind) == mine and event != values["event"]
+                    for order, kind, event in written)
+                written.append((*mine, values["event"]))
+            effects.rows.append(row)
 
 
 # Each sender calls `await confirm_held()` right before its request goes out: it raises
@@ -659,18 +725,16 @@ def release_waiting(ctx: EngineContext) -> int:
 
 
 def tell_admin(ctx: EngineContext, key: str, subject: str, template: str,
-               **variables: Any) -> int | None:
+               **variables: Any) -> None:
     """One e-mail to the administrator, keyed so it exists once; the scheduled sender
     sends it on its next run. Without ADMIN_EMAIL it is only logged."""
     admin = ctx.settings.admin_email
     if not admin:
         log.error("no ADMIN_EMAIL to tell: %s", subject)
-        return None
-    row_id = Effects(ctx).email([admin], subject, f"email/{template}",
-                                key=ADMIN_NOTICE_PREFIX + key, title=subject, **variables)
-    if row_id:
-        _hand_to_scheduler(ctx, [row_id])
-    return row_id
+        return
+    Effects(ctx, for_scheduler=True).email([admin], subject, f"email/{template}",
+                                           key=ADMIN_NOTICE_PREFIX + key, title=subject,
+                                           **variables)
 
 
 def tell_credentials_refused(ctx, destination):

@@ -196,10 +196,7 @@ class InsertOnce(Prepared):
         returned = self._insert(values)
         if returned is None:
             return None
-        model = self._statement()[3]
-        instance = model(__no_default__=1, **{model._meta.primary_key.name: returned[0]},
-                         **{field.name: values[field.name] for field in self.fields})
-        instance._dirty.clear()
+        instance = _written(self._statement()[3], self.fields, returned[0], values)
         for (name, _), value in zip(self.also_returning, returned[1:]):
             setattr(instance, name, value)
         return instance
@@ -224,6 +221,79 @@ class InsertOnce(Prepared):
                 default = field.default
                 values[field.name] = default() if callable(default) else default
         return values
+
+
+class ArraySlot(Slot):
+    """Where a list of values goes, each converted as `field` converts one."""
+
+    def bind(self, values):
+        convert = self.convert
+        return [convert(value) if convert else value for value in values[self.name]]
+
+
+class InsertMany(Prepared):
+    """Several rows of `model` in one INSERT, as InsertOnce writes one (ON CONFLICT DO
+    NOTHING, every column but the id given, a value left out the field's default); for
+    a database that sends several statements at once (PostgreSQL), where each row's own
+    statement would be a round trip of its own. Each column's values go as one array,
+    which the server unnests: the statement is the same whatever the number of rows.
+
+    `returning()` gives the expressions RETURNING yields for each new row (the rows a
+    unique key already held yield nothing). `extra`: per-row values that are not columns
+    (name: the field whose type and conversion they take), for `unless(batch)`, which
+    builds the condition a row must meet to be inserted, `batch(name)` naming a value of
+    the row (a column's or an extra one)."""
+
+    def __init__(self, model, returning, extra=None, unless=None):
+        self.fields = [field for field in model._meta.sorted_fields
+                       if not isinstance(field, peewee.AutoField)]
+        self.extra = extra = extra or {}
+
+        def batch(name):
+            return peewee.Entity("batch", name)
+
+        def build():
+            named = {field.column_name: field for field in self.fields}
+            named.update(extra)
+            arrays = [peewee.Cast(ArraySlot(name, field),
+                                  f"{SERVER_TYPES[field.field_type]}[]")
+                      for name, field in named.items()]
+            rows = peewee.NodeList((peewee.fn.unnest(*arrays), peewee.SQL("AS"), peewee.Entity("batch"),
+                                    peewee.EnclosedNodeList(
+                                        [peewee.Entity(name) for name in named])))
+            select = peewee.Select(from_list=[rows], columns=[
+                batch(field.column_name) for field in self.fields])
+            if unless is not None:
+                select = select.where(unless(batch))
+            return (model.insert_from(select, self.fields).on_conflict("nothing")
+                    .returning(*returning()))
+        super().__init__(build)
+
+    def written(self, row_id: int, values: dict) -> Any:
+        """The row `rows` wrote from `values` and gave `row_id`, as a model instance: every
+        column was written from `values`, so the row is not read back."""
+        return _written(self._statement()[3], self.fields, row_id, values)
+
+    def rows(self, rows: list[dict]) -> list[tuple]:
+        """Insert `rows` (each a dict of values by name: the fields' and the extra
+        ones); RETURNING's rows, one for each row inserted."""
+        for row in rows:
+            for field in self.fields:
+                if field.name not in row:
+                    default = field.default
+                    row[field.name] = default() if callable(default) else default
+        names = [field.name for field in self.fields]
+        by_column = {field.column_name: [row[name] for row in rows]
+                     for field, name in zip(self.fields, names)}
+        by_column.update({name: [row[name] for row in rows] for name in self.extra})
+        return list(self.execute(**by_column).fetchall())
+
+
+def _written(model, fields, row_id, values):
+    instance = model(__no_default__=1, **{model._meta.primary_key.name: row_id},
+                     **{field.name: values[field.name] for field in fields})
+    instance._dirty.clear()  # as peewee leaves a row it wrote: nothing to save yet
+    return instance
 
 
 def _as_column(field, value):

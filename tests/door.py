@@ -86,10 +86,19 @@ def through_the_door(unit, *args, **kwargs):
     """For a test's own set-up and checks that call the service's synchronous database
     code: run it in a turn of its own in the database thread, and wait for it."""
     [(result, failure)] = DATABASE_THREAD.submit(
-        _run_batch, [functools.partial(unit, *args, **kwargs)]).result()
+        _run_batch, [(functools.partial(unit, *args, **kwargs), None)]).result()
     if failure is not None:
         raise failure
     return result
+
+
+def new_row_id(ask, *args, **kwargs):
+    """`through_the_door` for an Effects method (`effects.job`, say): the id of the row it
+    wrote, or None when its key was stored already."""
+    effects = ask.__self__
+    written = len(effects.rows)
+    through_the_door(ask, *args, **kwargs)
+    return effects.rows[-1].id if len(effects.rows) > written else None
 
 
 # The refusal files of the services started as subprocesses since the last check.

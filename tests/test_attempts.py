@@ -10,7 +10,7 @@ from engine import outbox, retention
 from engine.outbox import Effects
 from models import Attempt, Outbox
 from ops import operator
-from tests.door import through_the_door
+from tests.door import new_row_id, through_the_door
 
 
 def attempts_of(row_id):
@@ -21,7 +21,7 @@ def attempts_of(row_id):
 async def test_each_attempt_is_kept_with_its_status_reply_and_duration(ctx, clock, worker):
     clock.set(2026, 11, 20, 9, 0)
     effects = Effects(ctx)
-    row_id = through_the_door(effects.job, "name_search", {"order_number": "FO-1"}, key="job-FO-1")
+    row_id = new_row_id(effects.job, "name_search", {"order_number": "FO-1"}, key="job-FO-1")
     worker.fail_with(503, {"error": "worker\nbusy"})
     await outbox.deliver(ctx, effects.rows)
     first = Outbox.get_by_id(row_id)
@@ -47,7 +47,7 @@ async def test_each_attempt_is_kept_with_its_status_reply_and_duration(ctx, cloc
 async def test_a_connection_error_is_an_attempt_without_a_status_code(ctx, clock, worker):
     clock.set(2026, 11, 20, 9, 0)
     effects = Effects(ctx)
-    row_id = through_the_door(effects.job, "name_search", {"order_number": "FO-1"}, key="job-FO-1")
+    row_id = new_row_id(effects.job, "name_search", {"order_number": "FO-1"}, key="job-FO-1")
     worker.stop()
     await outbox.deliver(ctx, effects.rows)
     (attempt,) = attempts_of(row_id)
@@ -59,7 +59,7 @@ async def test_a_connection_error_is_an_attempt_without_a_status_code(ctx, clock
 async def test_an_effect_waiting_for_its_configuration_has_no_attempt(ctx, clock):
     ctx.settings.__dict__["worker_url"] = ""
     effects = Effects(ctx)
-    row_id = through_the_door(effects.job, "name_search", {"order_number": "FO-1"}, key="job-FO-1")
+    row_id = new_row_id(effects.job, "name_search", {"order_number": "FO-1"}, key="job-FO-1")
     await outbox.deliver(ctx, effects.rows)
     assert Outbox.get_by_id(row_id).status == "waiting" and attempts_of(row_id) == []
 
@@ -84,7 +84,7 @@ async def test_a_drain_keeps_each_rows_own_attempt_in_its_one_statement(ctx, clo
 @pytest.mark.gen_test
 async def test_a_retry_put_back_in_line_is_no_attempt_and_the_next_send_is(ctx, clock, worker):
     effects = Effects(ctx)
-    row_id = through_the_door(effects.job, "name_search", {"order_number": "FO-1"}, key="job-FO-1")
+    row_id = new_row_id(effects.job, "name_search", {"order_number": "FO-1"}, key="job-FO-1")
     worker.fail_with(400)
     await outbox.deliver(ctx, effects.rows)
     assert Outbox.get_by_id(row_id).status == "dead"

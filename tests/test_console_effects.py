@@ -106,9 +106,11 @@ async def test_the_effect_page_shows_the_request_without_credentials_and_every_a
 @pytest.mark.gen_test(timeout=60)
 async def test_a_workflow_action_is_shown_without_frappes_credentials(logged_in, ctx, frappe):
     effects = Effects(ctx)
-    row_id = await ctx.db(lambda: effects.workflow_action(
+    await ctx.db(lambda: effects.workflow_action(
         "Formation Order", "ORD-0001", "Start Name Check", key="action-FO-1",
         order_number="FO-1"))
+    [row] = effects.rows
+    row_id = row.id
     shown = text(await logged_in.get(f"/console/outbox/{row_id}"))
     assert "Effect #%d: Frappe: Start Name Check on ORD-0001" % row_id in shown
     assert f"POST {frappe.url}/api/method/frappe.model.workflow.apply_workflow" in shown
@@ -119,8 +121,9 @@ async def test_a_workflow_action_is_shown_without_frappes_credentials(logged_in,
 @pytest.mark.gen_test(timeout=60)
 async def test_the_telegram_token_is_not_shown(logged_in, ctx, telegram):
     effects = Effects(ctx)
-    row_id = await ctx.db(lambda: effects.alert("FO-1 paid", key="alert-FO-1",
-                                                order_number="FO-1"))
+    await ctx.db(lambda: effects.alert("FO-1 paid", key="alert-FO-1", order_number="FO-1"))
+    [row] = effects.rows
+    row_id = row.id
     page = text(await logged_in.get(f"/console/outbox/{row_id}"))
     assert "alert to Telegram" in page and "/bot[hidden]/sendMessage" in page
     assert "bot-token" not in page
@@ -129,10 +132,11 @@ async def test_the_telegram_token_is_not_shown(logged_in, ctx, telegram):
 @pytest.mark.gen_test(timeout=60)
 async def test_an_admin_mail_is_named_by_its_subject(logged_in, ctx):
     effects = Effects(ctx)
-    row_id = await ctx.db(lambda: effects.email(["admin@example.test"], "Payment failed",
-                                                "email/outbox_dead", key="mail-1", title="Payment failed",
-                                                row=Outbox(id=1, kind="job"), attempts=1,
-                                                error="x"))
+    await ctx.db(lambda: effects.email(["admin@example.test"], "Payment failed",
+                                       "email/outbox_dead", key="mail-1", title="Payment failed",
+                                       row=Outbox(id=1, kind="job"), attempts=1, error="x"))
+    [row] = effects.rows
+    row_id = row.id
     page = text(await logged_in.get(f"/console/outbox/{row_id}"))
     assert "mail to admin: Payment failed" in page and "SMTP smtp://127.0.0.1:" in page
 

@@ -13,7 +13,7 @@ import pytest
 from models import Outbox, database
 from engine import outbox
 from engine.outbox import Effects
-from tests.door import through_the_door
+from tests.door import new_row_id, through_the_door
 
 
 def mail(to="customer@example.test", subject="Your order", text="Hello"):
@@ -29,8 +29,8 @@ def new_job(ctx, clock):
     """A worker job for FO-1 just written at 2026-11-20 09:00: (its Effects, its row id)."""
     clock.set(2026, 11, 20, 9, 0)
     effects = Effects(ctx)
-    return effects, through_the_door(effects.job, "deliver", {"order_number": "FO-1"},
-                                     key="job-FO-1-deliver")
+    return effects, new_row_id(effects.job, "deliver", {"order_number": "FO-1"},
+                               key="job-FO-1-deliver")
 
 
 @pytest.fixture
@@ -51,7 +51,7 @@ async def test_a_mail_waiting_for_a_thread_past_its_lease_is_sent_once(
         ctx, clock, smtp, one_mail_thread):
     clock.set(2026, 11, 20, 9, 0)
     effects = Effects(ctx)
-    row_id = through_the_door(effects.add, "email", mail(), key="email-FO-1", order_number="FO-1")
+    row_id = new_row_id(effects.add, "email", mail(), key="email-FO-1", order_number="FO-1")
     request = asyncio.ensure_future(outbox.deliver(ctx, effects.rows))  # its request sends it
     await asyncio.sleep(0.2)
 
@@ -86,11 +86,11 @@ async def test_a_sender_that_raises_makes_its_row_dead_not_stuck(ctx, clock, smt
     clock.set(2026, 11, 20, 9, 0)
     effects = Effects(ctx)
     # A line break in an address cannot go into a header: composing the mail raises.
-    poison = through_the_door(effects.add, "email",
-                              mail(to="a@example.test\nBcc: b@example.test"),
-                              key="email-FO-1-poison", order_number="FO-1")
-    later = through_the_door(effects.add, "email", mail(subject="Next step"),
-                             key="email-FO-1-later", order_number="FO-1")
+    poison = new_row_id(effects.add, "email",
+                        mail(to="a@example.test\nBcc: b@example.test"),
+                        key="email-FO-1-poison", order_number="FO-1")
+    later = new_row_id(effects.add, "email", mail(subject="Next step"),
+                       key="email-FO-1-later", order_number="FO-1")
     clock.advance(seconds=ctx.settings.claim_lease_seconds + 1)
 
     # The order's later mail is not held behind it (mails are ordered behind nothing),
@@ -127,7 +127,7 @@ async def test_a_mail_sent_again_after_its_outcome_was_lost_keeps_its_message_id
         ctx, clock, smtp):
     clock.set(2026, 11, 20, 9, 0)
     effects = Effects(ctx)
-    first = through_the_door(effects.add, "email", mail(), key="email-first")
+    first = new_row_id(effects.add, "email", mail(), key="email-first")
     through_the_door(effects.add, "email", mail(), key="email-second")
     await outbox.deliver(ctx, effects.rows)
     # The process died before it recorded the first one as sent: it goes out again.
@@ -189,8 +189,8 @@ async def test_a_mail_only_logged_whose_lease_has_run_down_is_re_taken_through_t
     ctx.settings = ctx.mailer.settings = dataclasses.replace(ctx.settings, smtp_url="")
     clock.set(2026, 11, 20, 9, 0)
     effects = Effects(ctx)
-    row_id = through_the_door(effects.add, "email", mail(), key="email-FO-1",
-                              order_number="FO-1")
+    row_id = new_row_id(effects.add, "email", mail(), key="email-FO-1",
+                        order_number="FO-1")
     clock.advance(seconds=2)  # more than RETAKE_SLACK of the lease is gone
     [result] = await outbox.deliver(ctx, effects.rows)
     row = Outbox.get_by_id(row_id)
@@ -204,8 +204,8 @@ async def test_a_mail_whose_lease_has_run_down_is_re_taken_from_its_mail_thread(
         ctx, clock, smtp):
     clock.set(2026, 11, 20, 9, 0)
     effects = Effects(ctx)
-    row_id = through_the_door(effects.add, "email", mail(), key="email-FO-1",
-                              order_number="FO-1")
+    row_id = new_row_id(effects.add, "email", mail(), key="email-FO-1",
+                        order_number="FO-1")
     clock.advance(seconds=2)
     [result] = await outbox.deliver(ctx, effects.rows)
     row = Outbox.get_by_id(row_id)

@@ -18,7 +18,7 @@ from models import Outbox
 from scheduler import Scheduler
 from tests.conftest import WEBHOOK_SECRET
 from tests.test_faults import eventually, figures
-from tests.door import through_the_door
+from tests.door import new_row_id, through_the_door
 
 AUTH = {"X-Webhook-Secret": WEBHOOK_SECRET, "Content-Type": "application/json"}
 
@@ -224,7 +224,7 @@ async def test_a_2xx_reply_that_is_not_json_is_delivered_once_with_a_warning(
     worker.status, worker.body = status, body
     worker.content_type = content_type or "text/plain"
     effects = Effects(ctx)
-    row_id = through_the_door(effects.job, "name_search", {"order_number": "FO-1"}, key="job-FO-1")
+    row_id = new_row_id(effects.job, "name_search", {"order_number": "FO-1"}, key="job-FO-1")
     [result] = await outbox.deliver(ctx, effects.rows)
 
     assert result.ok and result.status == status
@@ -243,8 +243,8 @@ async def test_a_2xx_reply_that_is_not_json_is_delivered_once_with_a_warning(
 def jobs(ctx, count, first=1):
     """`count` jobs of as many orders, written now; their row ids."""
     effects = Effects(ctx)
-    return [through_the_door(effects.job, "name_search", {"order_number": f"FO-{n}"},
-                             key=f"job-FO-{n}")
+    return [new_row_id(effects.job, "name_search", {"order_number": f"FO-{n}"},
+                       key=f"job-FO-{n}")
             for n in range(first, first + count)]
 
 

@@ -1,0 +1,143 @@
+"""A turn of the group commit runs its units' like statements together on PostgreSQL
+(engine.commits: the calls' events inserted ahead of the units in one statement, their
+effects at the turn's end in another), and comes to what the units' own statements
+come to, one after another, on SQLite. Every test here runs on both databases
+(tests/test_round_trips.py counts what a turn of webhooks costs)."""
+import asyncio
+
+import pytest
+
+from engine import inbox, outbox
+from handlers.workflow import hourly_keys
+from models import Outbox, WebhookEvent
+from tests.door import through_the_door
+from tests.test_inbox import card_plugin  # noqa: F401 (a fixture)
+
+def one_turn(*calls):
+    """The calls' units, asked in the same turn of the loop: one turn of the commit."""
+    return asyncio.gather(*calls)
+
+
+def asking_a_job(card_plugin, event_type="test.job"):  # noqa: F811
+    """A plain plugin whose event asks for one job of the order the payload names."""
+    def handle(ctx, payload, effects):
+        effects.job("deliver", {"order_number": payload["order"]}, purpose="deliver")
+    card_plugin(event_type, handle)
+
+
+def accept(ctx, key, order, event_type="test.job", **fields):
+    body = f'{{"order": "{order}", "key": "{key}"}}'.encode()
+    return inbox.accept(ctx, "card", event_type, key, body, order_number=order, **fields)
+
+
+@pytest.mark.gen_test
+async def test_copies_of_a_call_either_side_of_the_hour_in_one_turn_are_handled_once(
+        ctx, card_plugin, worker):  # noqa: F811
+    """The second copy's dedup window holds the first's key: inserted in one statement
+    neither would see the other, so that turn inserts its events one by one."""
+    asking_a_job(card_plugin)
+    hour = 500_000
+    before = accept(ctx, f"copy:h{hour}", "FO-1", **hourly_keys("copy", hour - 36, hour - 1))
+    after = accept(ctx, f"copy:h{hour + 1}", "FO-1", **hourly_keys("copy", hour - 35, hour))
+    other = accept(ctx, "other:h1", "FO-2")
+    first, second, third = await one_turn(before, after, other)
+    assert (first.created, second.created, third.created) == (True, False, True)
+    assert second.event.id == first.event.id
+    assert WebhookEvent.select().count() == 2
+    assert sorted(request.json["order_number"] for request in worker.posts) == [
+        "FO-1", "FO-2"]
+
+
+@pytest.mark.gen_test
+async def test_copies_of_a_call_under_one_key_in_one_turn_are_handled_once(
+        ctx, card_plugin, worker):  # noqa: F811
+    asking_a_job(card_plugin)
+    calls = await one_turn(*(accept(ctx, "same:h7", "FO-1") for _ in range(3)),
+                           accept(ctx, "else:h7", "FO-2"))
+    assert [call.created for call in calls] == [True, False, False, True]
+    assert {call.event.id for call in calls[:3]} == {calls[0].event.id}
+    assert [call.outcome for call in calls] == ["processed", None, None, "processed"]
+    assert len(worker.posts) == 2
+
+
+@pytest.mark.gen_test
+async def test_a_job_behind_another_of_its_order_in_the_same_turn_waits_for_it(
+        ctx, card_plugin, worker, clock):  # noqa: F811
+    """The second event's job is behind the first's (another event of its order, unsent
+    when it was written), as if written after it in a turn of its own; an order's job
+    with nothing before it goes at once."""
+    asking_a_job(card_plugin)
+    await one_turn(accept(ctx, "first", "FO-1"), accept(ctx, "second", "FO-1"),
+                   accept(ctx, "alone", "FO-2"))
+    jobs = {row.event.dedup_key: row for row in Outbox.select()}
+    assert (jobs["first"].status, jobs["alone"].status) == ("sent", "sent")
+    assert jobs["second"].status == "pending" and len(worker.posts) == 2
+    clock.advance(seconds=ctx.settings.claim_lease_seconds + 1)
+    assert await outbox.send_due(ctx) == 1
+    assert worker.posts[-1].json["order_number"] == "FO-1"
+    assert Outbox.select().where(Outbox.status == "sent").count() == 3
+
+
+@pytest.mark.gen_test
+async def test_jobs_behind_an_unsent_one_stored_before_the_turn_wait_for_it(
+        ctx, card_plugin, worker):  # noqa: F811
+    asking_a_job(card_plugin)
+    effects = outbox.Effects(ctx)
+    through_the_door(effects.job, "deliver", {"order_number": "FO-1"}, key="job-earlier")
+    await one_turn(accept(ctx, "first", "FO-1"), accept(ctx, "second", "FO-1"))
+    assert not worker.posts
+    assert Outbox.select().where(Outbox.status == "pending").count() == 3
+
+
+@pytest.mark.gen_test
+async def test_a_unit_that_raises_undoes_its_turn_and_the_others_are_kept_once(
+        ctx, card_plugin, worker, database_url):  # noqa: F811
+    """The turn that ran its events and effects together is rolled back and run again,
+    each unit on its own: the failing call is kept as failed, its effect not written,
+    and each other call stored, handled and sent once."""
+    asking_a_job(card_plugin)
+
+    def fail(ctx, payload, effects):
+        effects.job("deliver", {"order_number": payload["order"]}, purpose="deliver")
+        raise RuntimeError("cannot handle this")
+    card_plugin("test.raises", fail)
+    calls = await one_turn(accept(ctx, "a", "FO-1"), accept(ctx, "b", "FO-2", "test.raises"),
+                           accept(ctx, "c", "FO-3"))
+    assert [call.outcome for call in calls] == ["processed", "failed", "processed"]
+    assert [event.status for event in WebhookEvent.select().order_by(WebhookEvent.id)] == [
+        "processed", "failed", "processed"]
+    assert sorted(row.order_number for row in Outbox.select()) == ["FO-1", "FO-3"]
+    assert sorted(request.json["order_number"] for request in worker.posts) == [
+        "FO-1", "FO-3"]
+
+
+@pytest.mark.gen_test
+async def test_one_effect_asked_for_by_two_calls_of_a_turn_is_written_once(
+        ctx, card_plugin, worker):  # noqa: F811
+    def alert_once(ctx, payload, effects):
+        effects.job("deliver", {"order_number": payload["order"]}, key="job-once")
+    card_plugin("test.once", alert_once)
+    calls = await one_turn(accept(ctx, "x", "FO-1", "test.once"),
+                           accept(ctx, "y", "FO-1", "test.once"))
+    assert [call.outcome for call in calls] == ["processed", "processed"]
+    [row] = Outbox.select()
+    assert (row.event_id, row.status) == (calls[0].event.id, "sent")
+    assert len(worker.posts) == 1
+
+
+@pytest.mark.gen_test
+async def test_an_effect_the_database_refuses_fails_its_own_call_alone(
+        ctx, card_plugin, worker, database_url):  # noqa: F811
+    """PostgreSQL's text cannot hold a NUL: the turn's effects, written in one statement,
+    are refused together, and the turn run again unit by unit finds the call that asked
+    for it. SQLite stores it."""
+    asking_a_job(card_plugin)
+    # JSON's escape: the body is text without a NUL, the order number read from it has one.
+    with_a_nul = inbox.accept(ctx, "card", "test.job", "b", b'{"order": "FO-\\u00002"}')
+    calls = await one_turn(accept(ctx, "a", "FO-1"), with_a_nul, accept(ctx, "c", "FO-3"))
+    refused = database_url.startswith("postgres")
+    assert [call.outcome for call in calls] == [
+        "processed", "failed" if refused else "processed", "processed"]
+    expected = sorted(["FO-1", "FO-3"] if refused else ["FO-1", "FO-\x002", "FO-3"])
+    assert sorted(row.order_number for row in Outbox.select()) == expected
+    assert sorted(request.json["order_number"] for request in worker.posts) == expected
