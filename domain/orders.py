@@ -8,9 +8,10 @@ import logging
 import peewee
 
 from models import ORDER_MODELS, SubscriptionCycle
-from engine.commits import raise_if_conflict, savepoint
+from engine import commits
+from engine.commits import Ahead, raise_if_conflict, savepoint
 from engine.db import locked
-from engine.prepared import Prepared, save_changes, slot
+from engine.prepared import ArraySlot, Prepared, save_changes, slot
 
 log = logging.getLogger("receiver.orders")
 
@@ -92,11 +93,50 @@ def _name_of_any_kind():
 NAME_OF_ANY_KIND = Prepared(_name_of_any_kind, on_server=True)
 
 
+def _names_of_any_kind():
+    """`_name_of_any_kind` for several numbers at once: (kind, order_number, order_name)."""
+    selects = [model.select(peewee.Value(kind).alias("kind"), model.order_number,
+                            model.order_name)
+               .where(model.order_number == peewee.fn.ANY(
+                   peewee.Cast(ArraySlot("numbers", model.order_number), "text[]")))
+               for kind, model in ORDER_MODELS.items()]
+    return functools.reduce(lambda union, select: union.union_all(select), selects)
+
+
+# Not prepared on the server: a plan made without the array would not know how few it
+# holds, and would scan each table.
+NAMES_OF_ANY_KIND = Prepared(_names_of_any_kind)
+
+
+class OrderNameAhead(Ahead):
+    """The order name a workflow call's plugin reads (`remember_order_name`), read ahead
+    with the turn's others (engine.commits.Ahead) and kept for the turn: used by the
+    first read of that order's name in the turn, which comes before the only write of a
+    name (RENAME) that could make it stale; a second read goes to the database."""
+
+    def __init__(self, order_number: str) -> None:
+        self.order_number = order_number
+
+    @classmethod
+    def run_together(cls, items: list["OrderNameAhead"]) -> None:
+        numbers = sorted({item.order_number for item in items})
+        found: dict[str, dict[str, str | None]] = {number: {} for number in numbers}
+        for kind, number, name in NAMES_OF_ANY_KIND.execute(numbers=numbers).fetchall():
+            found[number][kind] = name
+        commits.for_this_turn(OrderNameAhead, dict).update(found)
+        for item in items:
+            item.done = True
+
+
 def order_name_of_any_kind(order_number):
     """(kind, order_name) of the order with that number, whatever its kind, in one
-    round trip; the kind its prefix names wins (as in find_any_kind). None when no
-    order has that number."""
-    found = dict(NAME_OF_ANY_KIND.execute(order_number=order_number).fetchall())
+    round trip (none when read ahead, `OrderNameAhead`); the kind its prefix names wins
+    (as in find_any_kind). None when no order has that number."""
+    found = None
+    if commits.together():
+        found = commits.for_this_turn(OrderNameAhead, dict).pop(order_number, None)
+    if found is None:
+        found = dict(NAME_OF_ANY_KIND.execute(order_number=order_number).fetchall())
     if not found:
         return None
     first = order_type_of(order_number)

@@ -39,8 +39,9 @@ turn is undone, and the run with savepoints, which holds nothing, finds its unit
 
 Such a turn also runs its units' like statements together, on a database that sends
 several statements at once (PostgreSQL), where each would be a round trip of its own:
-the statement a unit asks to have done ahead (`Ahead`: a call's event, say) is run for
-every unit of the turn that asks the same, in one statement, before the units run; and
+what a unit asks to have done ahead (`Ahead`: a call's event, a read its plugin will
+make) is done for every unit of the turn that asks the same, in one statement, before
+the units run; and
 the writes a unit leaves for the turn's end (`at_turn_end`: its effects) go in one
 statement before the COMMIT. The run with savepoints does neither: there each unit runs
 its own statements, as it does on SQLite, which has no round trip to save.
@@ -52,7 +53,7 @@ import contextvars
 import functools
 import threading
 import time
-from typing import Callable, Iterator, Self, TypeVar
+from typing import Callable, Iterator, Self, Sequence, TypeVar
 
 from peewee import DatabaseError
 
@@ -60,6 +61,7 @@ from models import DatabaseDown, database
 from engine.db import is_conflict
 
 T = TypeVar("T")
+Kept = TypeVar("Kept")
 Ending = TypeVar("Ending", bound=Callable[[], object])
 # A unit of work: plain synchronous code, called with no arguments in the database thread
 # inside a turn's transaction, safe to run again from its start (above); what it returns
@@ -94,7 +96,9 @@ class Ahead:
     item it did; it runs where the units run, in their transaction, when at least two of
     the turn's units ask for it. A unit whose item is not done (alone in its turn, or in
     a run with savepoints, or on SQLite) does the work itself: an item must come to what
-    the unit's own statement would have come to, had the units before it run first."""
+    the unit's own statement would have come to, had the units before it run first. What
+    a unit finds may be the item's (`done` and what it set) or kept for the turn
+    (`for_this_turn`)."""
 
     done = False
 
@@ -195,6 +199,16 @@ def at_turn_end(key: object, make: Callable[[], Ending]) -> Ending:
     return ending
 
 
+def for_this_turn(key: object, make: Callable[[], Kept]) -> Kept:
+    """What the current turn keeps under `key` (`together()` must be true): made by
+    `make()` the first time the turn asks for it, the same after that, gone with the
+    turn (and with a run of it undone)."""
+    kept = _turn.kept.get(key)
+    if kept is None:
+        kept = _turn.kept[key] = make()
+    return kept
+
+
 def _counted_so_far() -> int:
     return len(_turn.on_commit) if in_a_turn() else 0
 
@@ -245,7 +259,7 @@ def savepoint() -> Iterator[None]:
 
 # A unit waiting for its turn: the unit, its caller's future, the conflicts it met, what it
 # asks to have done ahead.
-Waiting = tuple[Unit, "asyncio.Future", int, Ahead | None]
+Waiting = tuple[Unit, "asyncio.Future", int, Sequence[Ahead]]
 # What a unit came to in its turn: its result, or what it raised.
 Outcome = tuple[object, BaseException | None]
 
@@ -255,7 +269,7 @@ class GroupCommit:
         self._waiting: list[Waiting] = []
         self._turn_running = False
 
-    async def run(self, unit: Unit[T], ahead: Ahead | None = None) -> T:
+    async def run(self, unit: Unit[T], ahead: Sequence[Ahead] = ()) -> T:
         """Run `unit()` in a transaction shared with the other units of this turn; return
         what it returns, or raise what it raised, once the transaction is committed.
         `ahead`: what the unit asks to have done before the turn's units run (`Ahead`).
@@ -294,7 +308,7 @@ class GroupCommit:
                 allowed.left -= time.monotonic() - started
 
     def _enqueue(self, unit: Unit, future: asyncio.Future, conflicts: int,
-                 ahead: Ahead | None) -> None:
+                 ahead: Sequence[Ahead]) -> None:
         self._waiting.append((unit, future, conflicts, ahead))
         if not self._turn_running:
             self._turn_running = True
@@ -332,7 +346,7 @@ class GroupCommit:
             self._turn_running = False
 
 
-def _run_batch(units: list[tuple[Unit, Ahead | None]]) -> list[Outcome]:
+def _run_batch(units: list[tuple[Unit, Sequence[Ahead]]]) -> list[Outcome]:
     """In the database thread: each unit's (result, failure), committed together."""
     global turns_run
     turns_run += 1
@@ -348,15 +362,15 @@ def _run_batch(units: list[tuple[Unit, Ahead | None]]) -> list[Outcome]:
         _turn.running = False
 
 
-def _run_turn(units: list[tuple[Unit, Ahead | None]],
+def _run_turn(units: list[tuple[Unit, Sequence[Ahead]]],
               with_savepoints: bool) -> list[Outcome]:
     """Each unit's (result, failure), all in one transaction. Without savepoints any
     unit's failure rolls back the turn and raises _TurnUndone."""
     token = _with_savepoints.set(with_savepoints)
-    _turn.on_commit, _turn.at_end = [], {}
+    _turn.on_commit, _turn.at_end, _turn.kept = [], {}, {}
     for _, ahead in units:  # what a turn undone did ahead is undone with it
-        if ahead is not None:
-            ahead.done = False
+        for item in ahead:
+            item.done = False
     try:
         if with_savepoints:
             with database.atomic():
@@ -370,7 +384,7 @@ def _run_turn(units: list[tuple[Unit, Ahead | None]],
     return outcomes
 
 
-def _run_plain(units: list[tuple[Unit, Ahead | None]]) -> list[Outcome]:
+def _run_plain(units: list[tuple[Unit, Sequence[Ahead]]]) -> list[Outcome]:
     """The turn without savepoints, its writes held (models.ClassifiedErrors): on
     PostgreSQL the BEGIN goes with the first statement, and the writes nobody reads the
     result of go with the next statement or the COMMIT; its units' like statements go
@@ -381,7 +395,7 @@ def _run_plain(units: list[tuple[Unit, Ahead | None]]) -> list[Outcome]:
         with database.holding_writes(), database.atomic():
             try:
                 if database.sends_several_at_once:
-                    _run_ahead([ahead for _, ahead in units if ahead is not None])
+                    _run_ahead([item for _, ahead in units for item in ahead])
                 outcomes: list[Outcome] = [(unit(), None) for unit, _ in units]
                 for ending in _turn.at_end.values():
                     ending()

@@ -132,6 +132,7 @@ async def accept(ctx: EngineContext, source: str, event_type: str, dedup_key: st
                  payload: str | bytes, in_background: bool = False,
                  send_within: float | None = None,
                  handled_by: Callable[[], WebhookEvent | None] | None = None,
+                 ahead: Sequence[Ahead] = (),
                  **fields: Unpack[CallFields]) -> Accepted:
     """The request path's way in: store the call as `record` does and, when it is new,
     handle it (after the answer, when `in_background`). Returns (event, created,
@@ -148,16 +149,23 @@ async def accept(ctx: EngineContext, source: str, event_type: str, dedup_key: st
     `handled_by`: run in the storing's transaction when no key of the call is stored, it
     returns an event that already handled what the call asks for under another key (a
     late workflow webhook, domain.reconcile.handled_since); the call is then that event's
-    duplicate. A call spooled meanwhile is stored by the drain without it."""
+    duplicate. A call spooled meanwhile is stored by the drain without it.
+
+    `ahead`: what the unit that stores and handles the call asks to have done before the
+    turn's units run (engine.commits.Ahead: a read its plugin will make), beside its
+    event's insert."""
     call = _call(ctx, source, event_type, dedup_key, payload, **fields)
     if _behind_the_spool(ctx, call):
         return Accepted(None, False, None)
-    ahead = (_NewEvent(ctx, call, handle_now=not in_background)
-             if handled_by is None and not call["also_known_as"] else None)
+    new_event = (_NewEvent(ctx, call, handle_now=not in_background)
+                 if handled_by is None and not call["also_known_as"] else None)
+    if new_event is not None:
+        ahead = (new_event, *ahead)
     try:
         try:
             event, created, handled = await ctx.commits.run(functools.partial(
-                _store_and_handle, ctx, call, not in_background, handled_by, ahead), ahead)
+                _store_and_handle, ctx, call, not in_background, handled_by, new_event),
+                ahead)
         except UNAVAILABLE:
             raise
         except Exception:

@@ -226,6 +226,11 @@ class InsertOnce(Prepared):
 class ArraySlot(Slot):
     """Where a list of values goes, each converted as `field` converts one."""
 
+    def __init__(self, name, field=None):
+        super().__init__(name, field)
+        if self.server_type != "unknown":
+            self.server_type += "[]"
+
     def bind(self, values):
         convert = self.convert
         return [convert(value) if convert else value for value in values[self.name]]

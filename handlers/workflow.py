@@ -9,7 +9,7 @@ import hmac
 import logging
 
 from handlers.base import ApiHandler, same_secret
-from domain import reconcile
+from domain import orders, reconcile
 from domain.reconcile import change_key
 from engine import inbox
 
@@ -121,5 +121,6 @@ class WorkflowWebhookHandler(ApiHandler):
         event, _created, outcome = await inbox.accept(
             self.ctx, "workflow", path, dedup_key, self.raw_body,
             order_number=body["order_number"], **earlier,
-            handled_by=handled_by, send_within=self.ctx.settings.workflow_answer_budget_seconds)
+            handled_by=handled_by, send_within=self.ctx.settings.workflow_answer_budget_seconds,
+            ahead=(orders.OrderNameAhead(body["order_number"]),))
         return event, outcome

@@ -86,7 +86,7 @@ def through_the_door(unit, *args, **kwargs):
     """For a test's own set-up and checks that call the service's synchronous database
     code: run it in a turn of its own in the database thread, and wait for it."""
     [(result, failure)] = DATABASE_THREAD.submit(
-        _run_batch, [(functools.partial(unit, *args, **kwargs), None)]).result()
+        _run_batch, [(functools.partial(unit, *args, **kwargs), ())]).result()
     if failure is not None:
         raise failure
     return result

@@ -7,11 +7,13 @@ import asyncio
 
 import pytest
 
+from domain import orders
 from engine import inbox, outbox
 from handlers.workflow import hourly_keys
-from models import Outbox, WebhookEvent
+from models import FormationOrder, Outbox, WebhookEvent
 from tests.door import through_the_door
 from tests.test_inbox import card_plugin  # noqa: F401 (a fixture)
+from tests.test_order_names import frappe_body
 
 def one_turn(*calls):
     """The calls' units, asked in the same turn of the loop: one turn of the commit."""
@@ -141,3 +143,25 @@ async def test_an_effect_the_database_refuses_fails_its_own_call_alone(
     expected = sorted(["FO-1", "FO-3"] if refused else ["FO-1", "FO-\x002", "FO-3"])
     assert sorted(row.order_number for row in Outbox.select()) == expected
     assert sorted(request.json["order_number"] for request in worker.posts) == expected
+
+
+@pytest.mark.gen_test
+async def test_an_order_renamed_by_a_call_of_the_turn_is_read_anew_by_the_next(
+        ctx, worker, frappe):
+    """The names read ahead are each used once: after the first call renames the order,
+    the second reads the name it left, and renames it back."""
+    FormationOrder.create(order_number="FO-1", order_name="FORM-OLD")
+    FormationOrder.create(order_number="FO-2", order_name="FORM-2")
+
+    def ready(name, number="FO-1"):
+        body = frappe_body({"order_name": name, "order_number": number})
+        return inbox.accept(ctx, "workflow", "formation/ready", f"{name}:{number}", body,
+                            order_number=number, ahead=(orders.OrderNameAhead(number),))
+    calls = await one_turn(ready("FORM-NEW"), ready("FORM-OLD"), ready("FORM-2", "FO-2"),
+                           ready("FORM-3", "FO-3"))
+    assert [call.outcome for call in calls] == ["processed"] * 4
+    assert [order.order_name for order in FormationOrder.select().order_by(
+        FormationOrder.order_number)] == ["FORM-OLD", "FORM-2"]
+    # FO-1's second job waits behind its first.
+    assert sorted(request.json["order_name"] for request in worker.posts) == [
+        "FORM-2", "FORM-3", "FORM-NEW"]
