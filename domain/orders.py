@@ -287,10 +287,9 @@ def email_admin(ctx, effects, subject, template, order, key=None, **variables):
     template among its event's effects."""
     if not ctx.settings.admin_email:
         log.warning("ADMIN_EMAIL unset; not e-mailed: %s", subject)
-        return None
-    return effects.email([ctx.settings.admin_email], subject, f"email/{template}",
-                         purpose=template, key=key,
-                         order_number=order, title=subject, order=order, **variables)
+        return
+    effects.email([ctx.settings.admin_email], subject, f"email/{template}", purpose=template,
+                  key=key, order_number=order, title=subject, order=order, **variables)
 
 
 def _redispatch_parent(effects, child):

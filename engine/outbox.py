@@ -278,15 +278,14 @@ class Effects:
 
     def job(self, action: str, payload: dict[str, Any], purpose: str | None = None,
             key: str | None = None) -> None:
-        return self.add("job", {"action": action, "payload": payload}, purpose, key,
-                        payload.get("order_number"))
+        self.add("job", {"action": action, "payload": payload}, purpose, key,
+                 payload.get("order_number"))
 
     def workflow_action(self, doctype: str, name: str, action: str,
                         purpose: str | None = None, key: str | None = None,
                         order_number: str | None = None) -> None:
-        return self.add("workflow_action",
-                        {"doctype": doctype, "name": name, "action": action},
-                        purpose, key, order_number)
+        self.add("workflow_action", {"doctype": doctype, "name": name, "action": action},
+                 purpose, key, order_number)
 
     def email(self, to: Iterable[str], subject: str, template: str,
               purpose: str | None = None, key: str | None = None,
@@ -295,12 +294,12 @@ class Effects:
         env = self.ctx.templates
         text = env.get_template(f"{template}.txt").render(**variables)
         html = env.get_template(f"{template}.html").render(**variables)
-        return self.add("email", {"to": list(to), "subject": subject,
-                                  "text": text, "html": html}, purpose, key, order_number)
+        self.add("email", {"to": list(to), "subject": subject, "text": text, "html": html},
+                 purpose, key, order_number)
 
     def alert(self, text: str, purpose: str | None = None, key: str | None = None,
               order_number: str | None = None) -> None:
-        return self.add("alert", {"text": text}, purpose, key, order_number)
+        self.add("alert", {"text": text}, purpose, key, order_number)
 
 
 def _ordered(values):

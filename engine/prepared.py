@@ -263,9 +263,9 @@ class InsertMany(Prepared):
             arrays = [peewee.Cast(ArraySlot(name, field),
                                   f"{SERVER_TYPES[field.field_type]}[]")
                       for name, field in named.items()]
-            rows = peewee.NodeList((peewee.fn.unnest(*arrays), peewee.SQL("AS"), peewee.Entity("batch"),
-                                    peewee.EnclosedNodeList(
-                                        [peewee.Entity(name) for name in named])))
+            rows = peewee.NodeList((
+                peewee.fn.unnest(*arrays), peewee.SQL("AS"), peewee.Entity("batch"),
+                peewee.EnclosedNodeList([peewee.Entity(name) for name in named])))
             select = peewee.Select(from_list=[rows], columns=[
                 batch(field.column_name) for field in self.fields])
             if unless is not None:
