@@ -95,10 +95,12 @@ class Ahead:
     for every item of its class in the turn, in one statement, and sets `done` on each
     item it did; it runs where the units run, in their transaction, when at least two of
     the turn's units ask for it. A unit whose item is not done (alone in its turn, or in
-    a run with savepoints, or on SQLite) does the work itself: an item must come to what
-    the unit's own statement would have come to, had the units before it run first. What
-    a unit finds may be the item's (`done` and what it set) or kept for the turn
-    (`for_this_turn`)."""
+    a run with savepoints, or on SQLite) does the work itself. Done ahead, an item's work
+    is seen by the units asked for before it: it must come to what the units' own
+    statements would have come to in some order of the turn's units, which were asked for
+    together (the order of calls answered together is no order their senders could
+    see). What a unit finds may be the item's (`done` and what it set) or kept for the
+    turn (`for_this_turn`)."""
 
     done = False
 

@@ -173,8 +173,9 @@ async def accept(ctx: EngineContext, source: str, event_type: str, dedup_key: st
             # storing with it: the call is stored alone, and handled as a stored event.
             log.exception("%s %s: storing and handling it together failed; storing it alone",
                           call["source"], call["event_type"])
-            event, created = await ctx.commits.run(
-                functools.partial(_store, ctx, call, handled_by=handled_by))
+            alone = new_event and _NewEvent(ctx, call, handle_now=False)
+            event, created = await ctx.commits.run(functools.partial(
+                _store_alone, ctx, call, handled_by, alone), () if alone is None else (alone,))
             handled = None
     except AllowanceSpent:
         raise  # a background run's own limit, not an outage: the run finds the call again
@@ -239,6 +240,12 @@ def _store_and_handle(ctx, call, handle_now, handled_by=None, ahead=None):
         _record_failure(ctx, event, f"{type(exc).__name__}: {exc}")
         return event, created, ("failed", None, started)
     return event, created, (outcome, effects, started)
+
+
+def _store_alone(ctx, call, handled_by, ahead):
+    """Store the call without handling it; `ahead`: its event, inserted ahead if done."""
+    return _store(ctx, call, handled_by=handled_by,
+                  ahead=ahead if ahead is not None and ahead.done else None)
 
 
 def _handling_here(registry, call, handle_now):
@@ -462,7 +469,12 @@ class _NewEvent(Ahead):
     call in one turn under the same key are kept once by the unique key, but a copy whose
     dedup window holds another's key (they came either side of the hour) would not be
     seen, so a turn with such a pair inserts none of its events together. Which of two
-    copies answered together is the first one kept is no order their senders could see."""
+    copies answered together is the first one kept is no order their senders could see.
+    Nor do they see the events the turn's other units store after them: so every unit
+    that stores a live call asks for its event ahead, and the spool drain stores its
+    calls while live calls wait behind the spool. (When the spool cannot be written,
+    live calls go to the database ahead of those it holds, and arrival order, dedup
+    window included, is given up already: said in the log.)"""
 
     def __init__(self, ctx, call, handle_now):
         self.ctx, self.call, self.handle_now = ctx, call, handle_now

@@ -55,9 +55,9 @@ def _earlier_unsent_of(earlier, than, of_other_events, row=None):
     """A select, from `earlier` (Outbox or an alias of it), of an unsent row of the order
     and kind in the slots, written before the row whose id is `than`: of another event,
     or without one, when `of_other_events`. `row`: the table whose columns give the
-    order, kind and event instead of the slots (the rows being inserted, in RETURNING).
-    The unsent statuses are literals, not parameters: every parameter of a prepared
-    insert must be a slot."""
+    order, kind and event instead of the slots (the rows being inserted, in RETURNING),
+    of another event only for a row that has one. The unsent statuses are literals, not
+    parameters: every parameter of a prepared insert must be a slot."""
     order_number, kind, event = ((row.order_number, row.kind, row.event) if row is not None
                                  else (slot(Outbox.order_number), slot(Outbox.kind),
                                        slot(Outbox.event)))
@@ -65,7 +65,8 @@ def _earlier_unsent_of(earlier, than, of_other_events, row=None):
         earlier.order_number == order_number, earlier.kind == kind,
         earlier.status.in_([SQL(f"'{status}'") for status in UNSENT]), earlier.id < than)
     if of_other_events:
-        query = query.where(earlier.event.is_null() | (earlier.event != event))
+        other = earlier.event.is_null() | (earlier.event != event)
+        query = query.where(event.is_null() | other if row is not None else other)
     return query
 
 
@@ -91,10 +92,10 @@ NEW_ORDERED_EFFECT = {
     of_other_events: InsertOnce(Outbox, also_returning=(
         ("behind", functools.partial(_earlier_unsent_exists, of_other_events)),))
     for of_other_events in (False, True)}
-# The effects of events asked for in a turn whose like statements go together
-# (`_TurnEffects`): each with whether a row of another event, stored before the turn,
-# holds it behind (the rows of the same statement are not seen: the turn's own rows are
-# looked at by `_TurnEffects`).
+# The effects asked for in a turn whose like statements go together (`_TurnEffects`):
+# each with whether an unsent row stored before the turn holds it behind (of another
+# event, for a row that has one: as NEW_ORDERED_EFFECT says). The rows of the same
+# statement are not seen: `_TurnEffects` looks at the turn's own.
 NEW_EFFECTS = InsertMany(Outbox, returning=lambda: (
     Outbox.id, Outbox.idempotency_key,
     fn.EXISTS(_earlier_unsent_of(Outbox.alias("earlier"), Outbox.id, of_other_events=True,
@@ -159,8 +160,8 @@ class Effects:
     once, for the scheduled sender.
 
     In a turn whose like statements go together (engine.commits.together) the effects
-    of an event are written at the turn's end, with the turn's others, in one statement;
-    `rows` has them from then on, before the COMMIT."""
+    are written at the turn's end, with the turn's others, in one statement: `rows` has
+    them from then on, before the COMMIT (what it is in a unit is not read before)."""
 
     def __init__(self, ctx: EngineContext, event: WebhookEvent | None = None,
                  first_handling: bool = False, for_scheduler: bool = False) -> None:
@@ -244,7 +245,7 @@ class Effects:
             # While the cause's own request sends the row, the scheduler leaves it alone.
             next_attempt_at=now if self.for_scheduler else now + lease(self.ctx),
             created_at=now, updated_at=now)
-        if self.event is not None and commits.together():
+        if commits.together():
             commits.at_turn_end(_TurnEffects, _TurnEffects).asked.append((self, values))
             return
         row = _insert_effect(values)
@@ -317,9 +318,9 @@ def _insert_effect(values):
 
 
 class _TurnEffects:
-    """The effects of events asked for in a turn whose like statements go together,
-    written when its units are done (engine.commits.at_turn_end): what each row's own
-    insert would have come to, in one statement."""
+    """The effects asked for in a turn whose like statements go together, written when
+    its units are done (engine.commits.at_turn_end): what each row's own insert would
+    have come to, in one statement."""
 
     def __init__(self) -> None:
         self.asked: list[tuple[Effects, dict]] = []
@@ -342,11 +343,11 @@ class _TurnEffects:
             row = NEW_EFFECTS.written(new[0], values)
             row.behind = False
             if _ordered(values):
-                mine = (values["order_number"], values["kind"])
+                mine, event = (values["order_number"], values["kind"]), values["event"]
                 row.behind = new[1] or any(
-                    (order, kind) == mine and event != values["event"]
-                    for order, kind, event in written)
-                written.append((*mine, values["event"]))
+                    (order, kind) == mine and (event is None or other != event)
+                    for order, kind, other in written)
+                written.append((*mine, event))
             effects.rows.append(row)
 
 

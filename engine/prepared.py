@@ -263,11 +263,14 @@ class InsertMany(Prepared):
             arrays = [peewee.Cast(ArraySlot(name, field),
                                   f"{SERVER_TYPES[field.field_type]}[]")
                       for name, field in named.items()]
+            # In the arrays' order: of two rows under one unique key, the first is kept.
             rows = peewee.NodeList((
-                peewee.fn.unnest(*arrays), peewee.SQL("AS"), peewee.Entity("batch"),
-                peewee.EnclosedNodeList([peewee.Entity(name) for name in named])))
+                peewee.fn.unnest(*arrays), peewee.SQL("WITH ORDINALITY AS"),
+                peewee.Entity("batch"), peewee.EnclosedNodeList(
+                    [peewee.Entity(name) for name in (*named, "position")])))
             select = peewee.Select(from_list=[rows], columns=[
-                batch(field.column_name) for field in self.fields])
+                batch(field.column_name) for field in self.fields]).order_by(
+                    batch("position"))
             if unless is not None:
                 select = select.where(unless(batch))
             return (model.insert_from(select, self.fields).on_conflict("nothing")

@@ -162,6 +162,7 @@ class CryptoProcessorWebhookHandler(ApiHandler):
             effects = outbox.Effects(self.ctx, event, first_handling=created)
             if created and treasury.claims_paid(body):
                 self.tell_admin(effects, event, external_id, reason, raw)
+            # The list itself: on PostgreSQL it is filled at the turn's end (Effects).
             return effects.rows
         try:
             return await self.ctx.commits.run(keep_and_tell)

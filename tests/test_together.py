@@ -165,3 +165,36 @@ async def test_an_order_renamed_by_a_call_of_the_turn_is_read_anew_by_the_next(
     # FO-1's second job waits behind its first.
     assert sorted(request.json["order_name"] for request in worker.posts) == [
         "FORM-2", "FORM-3", "FORM-NEW"]
+
+
+@pytest.mark.gen_test
+async def test_a_job_of_no_event_asked_after_an_events_in_the_same_turn_waits_for_it(
+        ctx, card_plugin, worker):  # noqa: F811
+    """A job without an event (the commission holdback's release) is written with the
+    turn's other effects, after the ones asked for before it: behind the event's job of
+    its order, as it would be written after it in a turn of its own."""
+    asking_a_job(card_plugin)
+    release = outbox.Effects(ctx)
+    await one_turn(accept(ctx, "first", "FO-1"), releasing(ctx, release, "FO-1"))
+    [row] = release.rows
+    assert row.behind
+    await outbox.deliver(ctx, release.rows)
+    assert [request.json["order_number"] for request in worker.posts] == ["FO-1"]
+    assert Outbox.get_by_id(row.id).status == "pending"
+
+
+def releasing(ctx, effects, order, key=None):
+    return ctx.commits.run(lambda: effects.job(
+        "release_commission", {"order_number": order}, key=key or f"job-release-{order}"))
+
+
+@pytest.mark.gen_test
+async def test_of_two_jobs_of_no_event_for_one_order_in_a_turn_the_second_waits(ctx):
+    """As each would be written alone; FO-3's waits for an event's stored before."""
+    event, _ = through_the_door(inbox.store, ctx, "card", "test.job", "before", b"{}")
+    through_the_door(outbox.Effects(ctx, event).job, "deliver", {"order_number": "FO-3"},
+                     purpose="deliver")
+    release = outbox.Effects(ctx)
+    await one_turn(releasing(ctx, release, "FO-1"), releasing(ctx, release, "FO-1", "again"),
+                   releasing(ctx, release, "FO-2"), releasing(ctx, release, "FO-3"))
+    assert [row.behind for row in release.rows] == [False, True, False, True]
