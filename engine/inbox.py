@@ -470,11 +470,12 @@ class _NewEvent(Ahead):
     dedup window holds another's key (they came either side of the hour) would not be
     seen, so a turn with such a pair inserts none of its events together. Which of two
     copies answered together is the first one kept is no order their senders could see.
-    Nor do they see the events the turn's other units store after them: so every unit
-    that stores a live call asks for its event ahead, and the spool drain stores its
-    calls while live calls wait behind the spool. (When the spool cannot be written,
-    live calls go to the database ahead of those it holds, and arrival order, dedup
-    window included, is given up already: said in the log.)"""
+    Nor do they see the events the turn's other units store after them, so no such unit
+    may store a key a batched row's window holds: a late workflow call is stored under
+    its change's key, the calls `record` and `store` keep have no window, and the spool
+    drain stores its calls while live calls wait behind the spool. (When the spool
+    cannot be written, live calls go to the database ahead of those it holds, and
+    arrival order, dedup window included, is given up already: said in the log.)"""
 
     def __init__(self, ctx, call, handle_now):
         self.ctx, self.call, self.handle_now = ctx, call, handle_now
