@@ -1,7 +1,7 @@
 """A turn of the group commit runs its units' like statements together on PostgreSQL
-(engine.commits: the calls' events inserted ahead of the units in one statement, their
-effects at the turn's end in another), and comes to what the units' own statements
-come to, one after another, on SQLite. Every test here runs on both databases
+(engine.commits: the calls' events and the order names inserted and read ahead of the
+units, each in one statement, their effects at the turn's end in another), and comes to
+what the units' own statements come to, one after another, on SQLite. Every test here runs on both databases
 (tests/test_round_trips.py counts what a turn of webhooks costs)."""
 import asyncio
 
@@ -14,6 +14,7 @@ from models import FormationOrder, Outbox, WebhookEvent
 from tests.door import through_the_door
 from tests.test_inbox import card_plugin  # noqa: F401 (a fixture)
 from tests.test_order_names import frappe_body
+
 
 def one_turn(*calls):
     """The calls' units, asked in the same turn of the loop: one turn of the commit."""
