@@ -81,13 +81,18 @@ def find_any_kind(order_number):
     return None
 
 
-def _name_of_any_kind():
-    """One statement for every order table: (kind, order_name) of each order with that
-    number (at most one a kind)."""
-    selects = [model.select(peewee.Value(kind).alias("kind"), model.order_name)
-               .where(model.order_number == slot(model.order_number))
+def _every_order_table(select):
+    """One statement for every order table: the rows `select(model, kind)` gives for each,
+    `kind` the column that names the table's kind."""
+    selects = [select(model, peewee.Value(kind).alias("kind"))
                for kind, model in ORDER_MODELS.items()]
     return functools.reduce(lambda union, select: union.union_all(select), selects)
+
+
+def _name_of_any_kind():
+    """(kind, order_name) of each order with that number (at most one a kind)."""
+    return _every_order_table(lambda model, kind: model.select(kind, model.order_name)
+                              .where(model.order_number == slot(model.order_number)))
 
 
 NAME_OF_ANY_KIND = Prepared(_name_of_any_kind, on_server=True)
@@ -95,12 +100,10 @@ NAME_OF_ANY_KIND = Prepared(_name_of_any_kind, on_server=True)
 
 def _names_of_any_kind():
     """`_name_of_any_kind` for several numbers at once: (kind, order_number, order_name)."""
-    selects = [model.select(peewee.Value(kind).alias("kind"), model.order_number,
-                            model.order_name)
-               .where(model.order_number == peewee.fn.ANY(
-                   peewee.Cast(ArraySlot("numbers", model.order_number), "text[]")))
-               for kind, model in ORDER_MODELS.items()]
-    return functools.reduce(lambda union, select: union.union_all(select), selects)
+    return _every_order_table(lambda model, kind: model.select(
+        kind, model.order_number, model.order_name).where(
+            model.order_number == peewee.fn.ANY(
+                peewee.Cast(ArraySlot("numbers", model.order_number), "text[]"))))
 
 
 # Not prepared on the server: a plan made without the array would not know how few it

@@ -195,20 +195,22 @@ def at_turn_end(key: object, make: Callable[[], Ending]) -> Ending:
     """The callable run at the end of the current turn (`together()` must be true),
     before its COMMIT, under `key`: made by `make()` the first time the turn asks for it,
     the same one after that. Should it raise, the turn is undone as if a unit had."""
-    ending = _turn.at_end.get(key)
-    if ending is None:
-        ending = _turn.at_end[key] = make()
-    return ending
+    return _made(_turn.at_end, key, make)
 
 
 def for_this_turn(key: object, make: Callable[[], Kept]) -> Kept:
     """What the current turn keeps under `key` (`together()` must be true): made by
     `make()` the first time the turn asks for it, the same after that, gone with the
     turn (and with a run of it undone)."""
-    kept = _turn.kept.get(key)
-    if kept is None:
-        kept = _turn.kept[key] = make()
-    return kept
+    return _made(_turn.kept, key, make)
+
+
+def _made(store: dict, key: object, make: Callable[[], Kept]) -> Kept:
+    """`store[key]`, made by `make()` if it is not there yet."""
+    made = store.get(key)
+    if made is None:
+        made = store[key] = make()
+    return made
 
 
 def _counted_so_far() -> int:

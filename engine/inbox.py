@@ -175,7 +175,8 @@ async def accept(ctx: EngineContext, source: str, event_type: str, dedup_key: st
                           call["source"], call["event_type"])
             alone = new_event and _NewEvent(ctx, call, handle_now=False)
             event, created = await ctx.commits.run(functools.partial(
-                _store_alone, ctx, call, handled_by, alone), () if alone is None else (alone,))
+                _store, ctx, call, handled_by=handled_by, ahead=alone),
+                () if alone is None else (alone,))
             handled = None
     except AllowanceSpent:
         raise  # a background run's own limit, not an outage: the run finds the call again
@@ -216,10 +217,8 @@ def _store_and_handle(ctx, call, handle_now, handled_by=None, ahead=None):
     raised). `ahead`: the call's event, inserted ahead of the turn's units (`_NewEvent`)
     when it is done."""
     registry = ctx.plugins[call["source"]]
-    if ahead is not None and ahead.done:
-        handling = ahead.handling
-    else:
-        ahead, handling = None, _handling_here(registry, call, handle_now)
+    handling = (ahead.handling if ahead is not None and ahead.done
+                else _handling_here(registry, call, handle_now))
     event, created = _store(ctx, call, as_processed=handling is not None,
                             handled_by=handled_by, ahead=ahead)
     if handling is None or not created:
@@ -240,12 +239,6 @@ def _store_and_handle(ctx, call, handle_now, handled_by=None, ahead=None):
         _record_failure(ctx, event, f"{type(exc).__name__}: {exc}")
         return event, created, ("failed", None, started)
     return event, created, (outcome, effects, started)
-
-
-def _store_alone(ctx, call, handled_by, ahead):
-    """Store the call without handling it; `ahead`: its event, inserted ahead if done."""
-    return _store(ctx, call, handled_by=handled_by,
-                  ahead=ahead if ahead is not None and ahead.done else None)
 
 
 def _handling_here(registry, call, handle_now):
@@ -405,14 +398,15 @@ def _store(ctx: EngineContext, call: Entry,
            ahead: "_NewEvent | None" = None) -> Stored:
     """`as_processed`: the caller handles the call in this same transaction, and stored
     so it needs no UPDATE when that goes well (`_store_and_handle`). `handled_by`: see
-    `accept`. `ahead`: the call's event, inserted already with the turn's others."""
+    `accept`. `ahead`: the call's event, inserted with the turn's others when it is
+    done."""
     source, event_type = call["source"], call["event_type"]
     known = _EarlierKeys(call["also_known_as"], call.get("also_known_between"))
     existing = None
     if handled_by is not None:  # asked only when no key of the call is stored
         existing = known.first_stored(source) or handled_by()
     if existing is None:
-        if ahead is not None:
+        if ahead is not None and ahead.done:
             event = ahead.event
         else:
             event = (known.new_event_unless() if handled_by is None else NEW_EVENT).row(

@@ -80,10 +80,12 @@ EARLIER_UNSENT = _earlier_unsent(of_other_events=False)
 EARLIER_UNSENT_OF_OTHER_EVENTS = _earlier_unsent(of_other_events=True)
 
 
-def _earlier_unsent_exists(of_other_events):
+def _earlier_unsent_exists(of_other_events, row=None):
     """`_earlier_unsent` as an expression of the row being inserted (in its RETURNING):
-    whether an unsent row of its order and kind was written before it."""
-    return fn.EXISTS(_earlier_unsent_of(Outbox.alias("earlier"), Outbox.id, of_other_events))
+    whether an unsent row of its order and kind was written before it. `row`: as
+    `_earlier_unsent_of`."""
+    return fn.EXISTS(_earlier_unsent_of(Outbox.alias("earlier"), Outbox.id, of_other_events,
+                                        row))
 
 
 # NEW_EFFECT for a job or workflow action of an order: the insert also says whether it is
@@ -97,9 +99,7 @@ NEW_ORDERED_EFFECT = {
 # event, for a row that has one: as NEW_ORDERED_EFFECT says). The rows of the same
 # statement are not seen: `_TurnEffects` looks at the turn's own.
 NEW_EFFECTS = InsertMany(Outbox, returning=lambda: (
-    Outbox.id, Outbox.idempotency_key,
-    fn.EXISTS(_earlier_unsent_of(Outbox.alias("earlier"), Outbox.id, of_other_events=True,
-                                 row=Outbox))))
+    Outbox.id, Outbox.idempotency_key, _earlier_unsent_exists(True, row=Outbox)))
 
 
 def _update_of(*fields):

@@ -163,8 +163,7 @@ class InsertOnce(Prepared):
         `unless`: builds a select; when it finds a row, nothing is inserted, as when the
         unique key is taken: what would otherwise be a read of its own before the
         insert. Its slots' values are given to `run` or `row` beside the columns'."""
-        self.fields = [field for field in model._meta.sorted_fields
-                       if not isinstance(field, peewee.AutoField)]
+        self.fields = _written_fields(model)
         self.also_returning = tuple(also_returning)
         # An insert that reads nothing but its unique keys' indexes (ON CONFLICT).
         reads_nothing = unless is None and not self.also_returning
@@ -216,11 +215,7 @@ class InsertOnce(Prepared):
         return ((cursor.lastrowid or True),) if cursor.rowcount == 1 else None
 
     def _with_defaults(self, values):
-        for field in self.fields:
-            if field.name not in values:
-                default = field.default
-                values[field.name] = default() if callable(default) else default
-        return values
+        return _with_defaults(self.fields, values)
 
 
 class ArraySlot(Slot):
@@ -250,8 +245,7 @@ class InsertMany(Prepared):
     the row (a column's or an extra one)."""
 
     def __init__(self, model, returning, extra=None, unless=None):
-        self.fields = [field for field in model._meta.sorted_fields
-                       if not isinstance(field, peewee.AutoField)]
+        self.fields = _written_fields(model)
         self.extra = extra = extra or {}
 
         def batch(name):
@@ -286,15 +280,26 @@ class InsertMany(Prepared):
         """Insert `rows` (each a dict of values by name: the fields' and the extra
         ones); RETURNING's rows, one for each row inserted."""
         for row in rows:
-            for field in self.fields:
-                if field.name not in row:
-                    default = field.default
-                    row[field.name] = default() if callable(default) else default
-        names = [field.name for field in self.fields]
-        by_column = {field.column_name: [row[name] for row in rows]
-                     for field, name in zip(self.fields, names)}
+            _with_defaults(self.fields, row)
+        by_column = {field.column_name: [row[field.name] for row in rows]
+                     for field in self.fields}
         by_column.update({name: [row[name] for row in rows] for name in self.extra})
         return list(self.execute(**by_column).fetchall())
+
+
+def _written_fields(model):
+    """The columns an insert writes: every one but the id."""
+    return [field for field in model._meta.sorted_fields
+            if not isinstance(field, peewee.AutoField)]
+
+
+def _with_defaults(fields, values):
+    """`values`, each field left out given its default, computed now."""
+    for field in fields:
+        if field.name not in values:
+            default = field.default
+            values[field.name] = default() if callable(default) else default
+    return values
 
 
 def _written(model, fields, row_id, values):
