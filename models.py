@@ -14,7 +14,7 @@ import os
 import select
 import threading
 import time
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import peewee
 from peewee import (
@@ -195,6 +195,15 @@ class ClassifiedErrors:
     # Called before every statement, when set: the test suite's thread check
     # (tests/door.py) refuses one not run through the door (engine.commits).
     before_statement = None
+    # Told of the model of every write peewee builds and runs (Model.save and create,
+    # update, insert, delete; None for a table of no model), when set: engine.commits
+    # drops the rows kept for the turn that the write may change.
+    on_write: Callable[[Any], None] | None = None
+
+    def execute(self, query, **context_options):
+        if self.on_write is not None and isinstance(query, peewee._WriteQuery):
+            self.on_write(getattr(query, "model", None))
+        return super().execute(query, **context_options)
 
     def execute_sql(self, sql, params=None):
         self._asked(sql)

@@ -88,10 +88,12 @@ async def accept(ctx, event, raw):
     BEHAVIOUR.md handles so, before returning for the others. A handling error is logged and
     left on the inbox row for retry; it never raises."""
     check_version(event)
+    in_background = event["type"] in BACKGROUND_TYPES
     await inbox.accept(
         ctx, SOURCE, event["type"], dedup_key(event), raw, external_id=event["id"],
         order_number=metadata_of(object_of(event)).get("order_id"),
-        in_background=event["type"] in BACKGROUND_TYPES)
+        in_background=in_background,
+        ahead=() if in_background else ctx.plugins[SOURCE].ahead_of(event["type"], event))
 
 
 async def reject(ctx, raw, reason):

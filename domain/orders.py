@@ -67,7 +67,52 @@ ORDER_BY_NUMBER = {(order_type, for_update): _order_by_number(model, for_update)
 
 
 def find_order(order_type, order_number, for_update=False):
+    """The order of that kind and number, or None; `for_update`: locked for the
+    transaction, and taken from the turn's orders read ahead (`OrderAhead`) when kept."""
+    if for_update:
+        kept = commits.take_row(ORDER_MODELS[order_type], order_number)
+        if kept is not commits.NOT_KEPT:
+            return kept
     return ORDER_BY_NUMBER[order_type, for_update].first(order_number=order_number)
+
+
+def _orders_by_numbers(model):
+    """`_order_by_number` locked, for several numbers at once, in their order: two
+    processes lock the same orders in the same order."""
+    return Prepared(lambda: locked(model.select().where(
+        model.order_number == peewee.fn.ANY(peewee.Cast(
+            ArraySlot("numbers", model.order_number), "text[]"))).order_by(model.order_number)))
+
+
+# Not prepared on the server, as NAMES_OF_ANY_KIND (below).
+ORDERS_BY_NUMBERS = {order_type: _orders_by_numbers(model)
+                     for order_type, model in ORDER_MODELS.items()}
+
+
+class OrderAhead(Ahead):
+    """The order a plugin locks and reads (`find_order(..., for_update=True)`), read
+    ahead with the turn's others of its kind in one statement (engine.commits.Ahead),
+    locked as the plugin's own read would lock it, and kept for the turn
+    (`commits.keep_rows`): the plugin's read takes it, unless a write to its table in
+    the turn came first and dropped it; a second read goes to the database. Asked for
+    where the call's unit will read it (a plugin's `ahead`, plugins.registry): an order
+    read ahead and not taken stays locked until the turn's COMMIT all the same."""
+
+    def __init__(self, order_type: str, order_number: str) -> None:
+        self.order_type, self.order_number = order_type, order_number
+
+    @classmethod
+    def run_together(cls, items: list["OrderAhead"]) -> None:
+        numbers_by_kind: dict[str, set[str]] = {}
+        for item in items:
+            numbers_by_kind.setdefault(item.order_type, set()).add(item.order_number)
+        for order_type, numbers in sorted(numbers_by_kind.items()):
+            found = dict.fromkeys(numbers)
+            for order in ORDERS_BY_NUMBERS[order_type].all(numbers=sorted(numbers)):
+                found[order.order_number] = order
+            commits.keep_rows(ORDER_MODELS[order_type], found)
+        for item in items:
+            item.done = True
 
 
 def find_any_kind(order_number):

@@ -16,13 +16,19 @@ import peewee
 from models import LedgerEntry, TreasuryJob
 from engine.payload import exact_json
 from engine.commits import raise_if_conflict, savepoint
-from domain.orders import OrderNotFound, complete_payment, email_admin, order_type_of
-from engine.prepared import InsertOnce
+from domain.orders import OrderAhead, OrderNotFound, complete_payment, email_admin, order_type_of
+from engine.prepared import InsertOnce, InsertOrUpdate, slot
 
 log = logging.getLogger("receiver.crypto")
 
 PROVIDER = "crypto-processor"
-NEW_TREASURY_JOB = InsertOnce(TreasuryJob)
+# The job of an order still `received` (the state a new job is written in: the `state`
+# slot) follows the latest callback's amounts; one taken further is left as it is.
+SAVE_TREASURY_JOB = InsertOrUpdate(
+    TreasuryJob, TreasuryJob.order_id,
+    (TreasuryJob.amount_coin, TreasuryJob.fiat_currency, TreasuryJob.amount_fiat_cents,
+     TreasuryJob.amount_usd_cents, TreasuryJob.updated_at),
+    lambda: TreasuryJob.state == slot(TreasuryJob.state))
 NEW_LEDGER_ENTRY = InsertOnce(LedgerEntry)
 PAID_STATUSES = ("PAID", "OVERPAID")
 # An invoice naming no fiat currency is in SHKeeper's default.
@@ -256,6 +262,15 @@ def receive_payment(ctx, payload, effects):
         effects.retry_later(f"payment not completed: {type(failure).__name__}: {failure}")
 
 
+def read_ahead(payload):
+    """The order `receive_payment` completes (locked and read), read ahead with the
+    turn's others (domain.orders.OrderAhead); none when the callback is only logged."""
+    callback = Callback.parse(payload)
+    if not callback.to_be_processed:
+        return ()
+    return (OrderAhead(callback.order_type, callback.external_id),)
+
+
 def tell_not_in_usd(ctx, effects, callback):
     """The treasury job sizes its off-ramp in USD: one in another currency needs a person.
     Once per order (the mail's key)."""
@@ -307,26 +322,13 @@ def _save_treasury_job(ctx, callback, txid):
     """One job per order. While it is still `received` its amounts follow the latest
     callback; once the settlement worker has taken it further it is left as it is."""
     now = ctx.clock()
-    created = NEW_TREASURY_JOB.run(
+    SAVE_TREASURY_JOB.run_later(
         order_id=callback.external_id, order_type=callback.order_type, state="received",
         coin=callback.coin, amount_coin=callback.amount_coin,
         fiat_currency=callback.fiat_currency, amount_fiat_cents=cents(callback.amount_fiat),
         amount_usd_cents=callback.usd_cents(callback.amount_fiat),
         idempotency_key=f"crypto-settle:{callback.external_id}:{txid}",
         received_at=now, created_at=now, updated_at=now)
-    if created:
-        return
-    updated = (TreasuryJob
-               .update(amount_coin=callback.amount_coin,
-                       fiat_currency=callback.fiat_currency,
-                       amount_fiat_cents=cents(callback.amount_fiat),
-                       amount_usd_cents=callback.usd_cents(callback.amount_fiat),
-                       updated_at=now)
-               .where(TreasuryJob.order_id == callback.external_id,
-                      TreasuryJob.state == "received")
-               .execute())
-    if not updated:
-        log.info("treasury job of %s is past `received`; left untouched", callback.external_id)
 
 
 def ledger_key(order_id, txid):

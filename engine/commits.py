@@ -57,7 +57,7 @@ from typing import Callable, Iterator, Self, Sequence, TypeVar
 
 from peewee import DatabaseError
 
-from models import DatabaseDown, database
+from models import ClassifiedErrors, DatabaseDown, database
 from engine.db import is_conflict
 
 T = TypeVar("T")
@@ -203,6 +203,57 @@ def for_this_turn(key: object, make: Callable[[], Kept]) -> Kept:
     `make()` the first time the turn asks for it, the same after that, gone with the
     turn (and with a run of it undone)."""
     return _made(_turn.kept, key, make)
+
+
+# The turn keeps the rows of a model read ahead under (_ROWS, model) (`keep_rows`).
+_ROWS = object()
+# What `take_row` returns for a key under which no row is kept.
+NOT_KEPT = object()
+
+
+def keep_rows(model: type, rows: dict) -> None:
+    """Rows of `model` read ahead (an `Ahead`'s), kept for the current turn
+    (`together()` must be true) under keys of the reader's choosing; None for a row
+    found absent. Each is taken once (`take_row`): the unit that takes it may change
+    it. A write to `model`'s table drops those it may change (`wrote`), so a row taken
+    is the one the unit's own read would have found."""
+    for_this_turn((_ROWS, model), dict).update(rows)
+
+
+def take_row(model: type, key: object) -> object:
+    """The row of `model` kept for this turn under `key`, no longer kept; NOT_KEPT
+    when there is none (not read ahead, taken already, or dropped by a write)."""
+    if not together():
+        return NOT_KEPT
+    rows = _turn.kept.get((_ROWS, model))
+    return NOT_KEPT if not rows else rows.pop(key, NOT_KEPT)
+
+
+def wrote(model: type | None, row_id: object = None) -> None:
+    """Told of every write to a table, before it is sent (engine.prepared, and
+    models.ClassifiedErrors for what peewee builds): the rows of that model kept for
+    the turn that it may change are dropped, so a later read goes to the database.
+    `row_id`: the write changes that row alone (by its primary key). `model` None: a
+    write to a table of no model, which drops every row kept."""
+    if not in_a_turn() or not _turn.kept:
+        return
+    if model is None:
+        for key in [key for key in _turn.kept if isinstance(key, tuple) and key[0] is _ROWS]:
+            del _turn.kept[key]
+        return
+    rows = _turn.kept.get((_ROWS, model))
+    if not rows:
+        return
+    if row_id is None:
+        rows.clear()
+        return
+    for key in [key for key, row in rows.items()
+                if row is not None and row.get_id() == row_id]:
+        del rows[key]
+
+
+# What peewee builds and runs is told to the turn too (models.ClassifiedErrors.on_write).
+ClassifiedErrors.on_write = staticmethod(wrote)
 
 
 def _made(store: dict, key: object, make: Callable[[], Kept]) -> Kept:

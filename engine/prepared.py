@@ -14,6 +14,7 @@ from typing import Any, Callable
 import peewee
 
 from models import POSTGRES_FIELD_TYPES, database, is_postgres
+from engine import commits
 
 
 class Slot(peewee.Node):
@@ -115,11 +116,14 @@ class Prepared:
                 raise ValueError(f"every column of a prepared insert needs a slot: {sql}")
             server = (ServerSide(sql, params) if self.on_server and db.sends_several_at_once
                       else None)
-            self._compiled = (db, sql, params, getattr(query, "model", None), server)
+            self._compiled = (db, sql, params, getattr(query, "model", None), server,
+                              isinstance(query, peewee._WriteQuery))
         return self._compiled
 
     def execute(self, **values):
-        db, sql, params, _, server = self._statement()
+        db, sql, params, model, server, writes = self._statement()
+        if writes:
+            self._tell_turn(model, values)
         if server is None:
             return db.execute_sql(sql, self._bound(params, values))
         return db.execute_prepared(server, self._bound(params, values))
@@ -127,8 +131,14 @@ class Prepared:
     def execute_later(self, **values: object) -> None:
         """`execute` for a write whose result is not read: in a turn of the group commit
         on PostgreSQL it goes to the server with the next statement (engine.commits)."""
-        db, sql, params, _, server = self._statement()
+        db, sql, params, model, server, writes = self._statement()
+        if writes:
+            self._tell_turn(model, values)
         db.write_later(sql, self._bound(params, values), prepared=server)
+
+    def _tell_turn(self, model, values):
+        """A write: the rows of its table kept for the turn are dropped (commits.wrote)."""
+        commits.wrote(model)
 
     @staticmethod
     def _bound(params, values):
@@ -136,11 +146,17 @@ class Prepared:
 
     def first(self, **values):
         """Run a select; its first row as a model instance, or None."""
-        model = self._statement()[3]
         cursor = self.execute(**values)
         row = cursor.fetchone()
-        if row is None:
-            return None
+        return None if row is None else self._instance(cursor, row)
+
+    def all(self, **values):
+        """Run a select; its rows as model instances."""
+        cursor = self.execute(**values)
+        return [self._instance(cursor, row) for row in cursor.fetchall()]
+
+    def _instance(self, cursor, row):
+        model = self._statement()[3]
         columns = model._meta.columns
         fields = [columns[column[0]] for column in cursor.description]
         instance = model(__no_default__=1, **{field.name: field.python_value(value)
@@ -177,7 +193,7 @@ class InsertOnce(Prepared):
                     peewee.Select(columns=[_as_column(field, value)
                                            for field, value in values.items()])
                     .where(~peewee.fn.EXISTS(unless())), list(values))
-            query = query.on_conflict("nothing")
+            query = self._on_conflict(query)
             if self.also_returning:
                 query = query.returning(model._meta.primary_key, *(
                     expression().alias(name) for name, expression in self.also_returning))
@@ -216,6 +232,27 @@ class InsertOnce(Prepared):
 
     def _with_defaults(self, values):
         return _with_defaults(self.fields, values)
+
+    def _on_conflict(self, query):
+        return query.on_conflict("nothing")
+
+
+class InsertOrUpdate(InsertOnce):
+    """An insert of a row of `model` as InsertOnce writes one, unless the unique index
+    of `key` holds a row: that row's `updating` columns then take the new row's values,
+    where `only_if()` holds (ON CONFLICT ... DO UPDATE ... WHERE). One statement for
+    what would be an insert, a look at its outcome and an update: sent with the next one
+    (`run_later`), as nobody reads what it did."""
+
+    def __init__(self, model, key, updating, only_if):
+        self._key, self._updating, self._only_if = key, updating, only_if
+        super().__init__(model)
+
+    def _on_conflict(self, query):
+        return query.on_conflict(
+            conflict_target=[self._key], where=self._only_if(),
+            update={field: getattr(peewee.EXCLUDED, field.column_name)
+                    for field in self._updating})
 
 
 class ArraySlot(Slot):
@@ -333,7 +370,7 @@ def save_changes(instance):
     statement = _SAVES.get(key)
     if statement is None:
         primary_key = model._meta.primary_key
-        statement = _SAVES[key] = Prepared(lambda: model.update(
+        statement = _SAVES[key] = _SaveOfOneRow(lambda: model.update(
             {field: slot(field) for field in changed}).where(primary_key == slot(primary_key)),
             on_server=True)
     statement.execute_later(**{field.name: instance.__data__[field.name]
@@ -341,8 +378,17 @@ def save_changes(instance):
     instance._dirty.clear()
 
 
+class _SaveOfOneRow(Prepared):
+    """`save_changes`' UPDATE of one row by its primary key: of the rows of its table
+    kept for the turn, only that one is dropped."""
+
+    def _tell_turn(self, model, values):
+        commits.wrote(model, values[model._meta.primary_key.name])
+
+
 def write_later(query: peewee.Query) -> None:
     """A peewee write query whose result is not read, sent as `Prepared.execute_later`
     sends: with the next statement, in a turn on PostgreSQL."""
+    commits.wrote(getattr(query, "model", None))
     sql, params = query.sql()
     database.write_later(sql, params)

@@ -132,9 +132,11 @@ class CryptoProcessorWebhookHandler(ApiHandler):
             callback = treasury.Callback.parse(body)
         except treasury.MalformedCallback as malformed:
             return None, await self.reject(raw, body, str(malformed))
+        status = callback.status or "unknown"
         _, _, outcome = await inbox.accept(
-            self.ctx, SOURCE, callback.status or "unknown", callback.dedup_key(), raw,
-            external_id=callback.external_id, order_number=callback.external_id)
+            self.ctx, SOURCE, status, callback.dedup_key(), raw,
+            external_id=callback.external_id, order_number=callback.external_id,
+            ahead=self.ctx.plugins[SOURCE].ahead_of(status, body))
         return outcome, []
 
     async def ignore(self, raw, body):

@@ -21,6 +21,19 @@ class Registry:
     def get(self, key):
         return self._plugins.get(key)
 
+    def ahead_of(self, key, payload):
+        """What the plugin for `key` will read of the database when it handles `payload`
+        in the unit that stores it, to be read ahead with the turn's other units'
+        (engine.commits.Ahead): its `ahead(payload)`, if it has one. Nothing for a
+        payload it cannot read: its unit then reads what it can, and records why not."""
+        ahead = getattr(self.get(key), "ahead", None)
+        if ahead is None:
+            return ()
+        try:
+            return tuple(ahead(payload))
+        except Exception:
+            return ()
+
     def keys(self):
         return sorted(self._plugins)
 
@@ -41,6 +54,14 @@ def card_event(event_type):
 def crypto_status(status):
     """Register `handle(ctx, callback, effects)` for one crypto invoice status."""
     return crypto_statuses.register(status)
+
+
+def reads_ahead(ahead):
+    """Give a plugin function its `ahead(payload)` (`Registry.ahead_of`)."""
+    def decorator(plugin):
+        plugin.ahead = ahead
+        return plugin
+    return decorator
 
 
 def workflow_webhook(cls):

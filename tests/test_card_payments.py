@@ -12,7 +12,8 @@ import tornado.testing
 import tornado.web
 
 import plugins
-from models import ORDER_MODELS, BundleOrder, ComplianceOrder, CrtcOrder, FormationOrder, Outbox
+from models import (ORDER_MODELS, BundleOrder, ComplianceOrder, CrtcOrder, FormationOrder, Outbox,
+                    WebhookEvent)
 from domain import settlement
 from tests import stripe_events as se
 from tests.stripe_events import (  # noqa: F401 (fixtures)
@@ -190,6 +191,20 @@ async def test_a_trial_subscription_completes_the_order_and_links_it(send, clock
     assert "a trial or a discount" in order.notes
     [alert] = telegram.requests
     assert alert.json["text"].startswith("New order CO-1 (compliance): no payment required")
+
+
+@pytest.mark.gen_test
+async def test_a_session_whose_mode_cannot_be_read_is_kept_as_failed(post, clock, telegram):
+    """Signed, but its mode is no string: what its order is read ahead for cannot be
+    told either, so nothing is; the event is kept, its handling failed, and answered."""
+    ComplianceOrder.create(order_number="CO-1")
+    session = {**se.checkout_session_needing_no_payment("CO-1", "compliance"),
+               "mode": ["payment"]}
+    answer = await deliver(post, clock, se.event("checkout.session.completed", session))
+    assert answer[:2] == RECEIVED
+    [event] = WebhookEvent.select()
+    assert event.status == "failed" and "TypeError" in event.last_error
+    assert ComplianceOrder.get().payment_status == "pending_payment" and not telegram.requests
 
 
 @pytest.mark.gen_test

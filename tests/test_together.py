@@ -10,6 +10,7 @@ import pytest
 
 from domain import orders
 from engine import inbox, outbox
+from engine.prepared import Prepared, save_changes, slot
 from handlers.workflow import hourly_keys
 from models import FormationOrder, Outbox, WebhookEvent
 from tests.door import through_the_door
@@ -200,3 +201,74 @@ async def test_of_two_jobs_of_no_event_for_one_order_in_a_turn_the_second_waits(
     await one_turn(releasing(ctx, release, "FO-1"), releasing(ctx, release, "FO-1", "again"),
                    releasing(ctx, release, "FO-2"), releasing(ctx, release, "FO-3"))
     assert [row.behind for row in release.rows] == [False, True, False, True]
+
+
+def paying(card_plugin):  # noqa: F811
+    """A plain plugin that completes the payment of the formation order the payload
+    names, under the payload's key as its reference (domain.orders.complete_payment)."""
+    def handle(ctx, payload, effects):
+        orders.complete_payment(ctx, effects, payload["order"], "formation", payload["key"],
+                                source="card")
+    card_plugin("test.pays", handle)
+
+
+def paid_by_peewee(ctx, payload, effects):
+    (FormationOrder.update(payment_status="paid", stripe_session_id=payload["key"])
+     .where(FormationOrder.order_number == payload["order"]).execute())
+
+
+def paid_by_saving_a_row_read_otherwise(ctx, payload, effects):
+    order = orders.find_order("formation", payload["order"])
+    order.payment_status, order.stripe_session_id = "paid", payload["key"]
+    save_changes(order)
+
+
+PAY = Prepared(lambda: FormationOrder.update(
+    payment_status="paid", stripe_session_id=slot(FormationOrder.stripe_session_id)).where(
+    FormationOrder.order_number == slot(FormationOrder.order_number)))
+
+
+def paid_by_a_prepared_statement(ctx, payload, effects):
+    PAY.execute_later(stripe_session_id=payload["key"], order_number=payload["order"])
+
+
+@pytest.mark.gen_test
+@pytest.mark.parametrize("writer", [paid_by_peewee, paid_by_saving_a_row_read_otherwise,
+                                    paid_by_a_prepared_statement])
+async def test_an_order_written_in_the_turn_before_its_read_is_read_anew(
+        ctx, card_plugin, writer):  # noqa: F811
+    """The orders the turn's payments lock are read ahead; a call before them pays FO-1
+    (through peewee, by saving a row it read itself, or by a statement of its own): the
+    payment after it finds FO-1 paid by another payment, as it would on its own, not the
+    row read before the turn."""
+    FormationOrder.create(order_number="FO-1")
+    FormationOrder.create(order_number="FO-2")
+    paying(card_plugin)
+    card_plugin("test.writes", writer)
+
+    def pay(key, order):
+        return accept(ctx, key, order, "test.pays",
+                      ahead=(orders.OrderAhead("formation", order),))
+    calls = await one_turn(accept(ctx, "cs_first", "FO-1", "test.writes"),
+                           pay("cs_second", "FO-1"), pay("cs_other", "FO-2"))
+    assert [call.outcome for call in calls] == ["processed"] * 3
+    assert [(order.payment_status, order.stripe_session_id) for order in
+            FormationOrder.select().order_by(FormationOrder.order_number)] == [
+        ("paid", "cs_first"), ("paid", "cs_other")]
+
+
+@pytest.mark.gen_test
+async def test_two_payments_of_one_order_in_a_turn_pay_it_once(ctx, card_plugin):  # noqa: F811
+    """The order read ahead is taken by the first payment; the second reads it anew and
+    finds it paid by another payment."""
+    FormationOrder.create(order_number="FO-1")
+    FormationOrder.create(order_number="FO-2")
+    paying(card_plugin)
+    calls = await one_turn(*(accept(ctx, key, order, "test.pays",
+                                    ahead=(orders.OrderAhead("formation", order),))
+                             for key, order in (("cs_a", "FO-1"), ("cs_b", "FO-1"),
+                                                ("cs_c", "FO-2"))))
+    assert [call.outcome for call in calls] == ["processed"] * 3
+    assert [order.stripe_session_id for order in FormationOrder.select().order_by(
+        FormationOrder.order_number)] == ["cs_a", "cs_c"]
+    assert Outbox.select().where(Outbox.kind == "alert").count() == 2

@@ -16,10 +16,12 @@ idempotent, so running this again is safe.
 import functools
 import logging
 
+from models import ORDER_MODELS
 from plugins.registry import card_event
+from engine.prepared import save_changes
 from domain.card_events import (metadata_of, method_of_payment, object_of, order_of_metadata,
                                 payment_method_used)
-from domain.orders import FREE, OrderNotFound, complete_payment, find_order
+from domain.orders import FREE, OrderAhead, OrderNotFound, complete_payment, find_order
 
 log = logging.getLogger("receiver.card")
 
@@ -54,12 +56,32 @@ class CheckoutSessionCompleted:
             return None
         return functools.partial(record, method=method)
 
+    def ahead(self, event):
+        """The order the plain handling completes (locked and read by `record`), read
+        ahead with the turn's others (domain.orders.OrderAhead); none when the session
+        is handled once stored, or completes nothing yet."""
+        session = object_of(event)
+        order = metadata_of(session)
+        order_id, order_type = order.get("order_id"), order.get("order_type")
+        if (not isinstance(order_id, str) or order_type not in ORDER_MODELS
+                or not (_paid(session) or _free_because(session))
+                or self.plainly(event) is None):
+            return ()
+        return (OrderAhead(order_type, order_id),)
+
 
 card_event("checkout.session.completed")(CheckoutSessionCompleted())
 
 
 def _paid(session):
     return session.get("payment_status") == "paid"
+
+
+def _free_because(session):
+    """Why the session needed no payment, or None when it did."""
+    if session.get("payment_status") != "no_payment_required":
+        return None
+    return NOTHING_TO_PAY.get(session.get("mode"))
 
 
 def record(ctx, event, effects, method):
@@ -70,8 +92,7 @@ def record(ctx, event, effects, method):
     if order is None:
         return
     order_id, order_type = order
-    free_because = (NOTHING_TO_PAY.get(session.get("mode"))
-                    if session.get("payment_status") == "no_payment_required" else None)
+    free_because = _free_because(session)
     if _paid(session):
         complete_payment(ctx, effects, order_id, order_type, session["id"],
                          source="card", payment_intent_id=session.get("payment_intent"),
@@ -96,4 +117,4 @@ def link_subscription(ctx, order_id, order_type, subscription_id):
         raise OrderNotFound(f"no compliance order {order_id}")
     order.stripe_subscription_id = subscription_id
     order.updated_at = ctx.clock()
-    order.save()
+    save_changes(order)
