@@ -96,7 +96,10 @@ class OrderAhead(Ahead):
     (`commits.keep_rows`): the plugin's read takes it, unless a write to its table in
     the turn came first and dropped it; a second read goes to the database. Asked for
     where the call's unit will read it (a plugin's `ahead`, plugins.registry): an order
-    read ahead and not taken stays locked until the turn's COMMIT all the same."""
+    read ahead and not taken (the call was a copy) stays locked until the turn's COMMIT
+    all the same. Locked before the unit's own writes (a crypto payment's treasury job),
+    where the unit alone would lock it after them: a deadlock with a process locking in
+    the other order is a conflict, and its unit is run again (engine.commits)."""
 
     def __init__(self, order_type: str, order_number: str) -> None:
         self.order_type, self.order_number = order_type, order_number

@@ -1,5 +1,9 @@
 """The decorator-based registry that maps an event's name to its plugin."""
+import logging
+
 from engine.payload import exact_json, read_json
+
+log = logging.getLogger("receiver.plugins")
 
 
 class Registry:
@@ -31,7 +35,9 @@ class Registry:
             return ()
         try:
             return tuple(ahead(payload))
-        except Exception:
+        except Exception as unreadable:
+            log.warning("%s %s: nothing asked ahead, its unit reads for itself (%s: %.200s)",
+                        self.what, key, type(unreadable).__name__, unreadable)
             return ()
 
     def keys(self):

@@ -1,4 +1,5 @@
-"""The layers import one way, down, and no two modules import each other.
+"""The layers import one way, down, and no two modules import each other; SQL text goes
+to the database through one door.
 
 handlers -> plugins -> domain -> engine -> clients -> models/settings; ops beside the
 domain (it reads what the engine and the domain keep); app and receiver.py wire it all."""
@@ -78,3 +79,31 @@ def test_the_rule_sees_a_wrong_import(tmp_path):
     wrong.write_text("from plugins import registries\n")
     assert imports_of(wrong) == {"plugins", "plugins.registries"}
     assert "plugins" not in MAY_IMPORT["engine"]
+
+
+# The modules that may send SQL text of their own, which no query builder sees: the door
+# itself (models, engine.prepared); the scheduler's advisory lock, which writes nothing;
+# the migrations, which run before the service serves.
+SENDS_SQL_TEXT = {"models", "engine.prepared", "scheduler"}
+SQL_TEXT_CALLS = {"execute_sql", "execute_prepared", "raw"}
+
+
+def sends_sql_text(path):
+    return any(isinstance(node, ast.Attribute) and node.attr in SQL_TEXT_CALLS
+               for node in ast.walk(ast.parse(path.read_text(), str(path))))
+
+
+def test_only_the_door_sends_sql_text():
+    """Every write must pass by engine.commits.wrote, which drops the rows a turn read
+    ahead (domain.orders.OrderAhead) when their table is written: a write sent as SQL
+    text would pass it by, and a later unit of the turn would take a stale row."""
+    senders = sorted(module for module, path in modules()
+                     if module not in SENDS_SQL_TEXT and module.split(".")[0] != "migrations"
+                     and sends_sql_text(path))
+    assert senders == []
+
+
+def test_the_rule_sees_sql_text(tmp_path):
+    wrong = tmp_path / "wrong.py"
+    wrong.write_text("database.execute_sql('UPDATE formation_orders SET notes = 1')\n")
+    assert sends_sql_text(wrong)

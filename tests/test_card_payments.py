@@ -194,7 +194,8 @@ async def test_a_trial_subscription_completes_the_order_and_links_it(send, clock
 
 
 @pytest.mark.gen_test
-async def test_a_session_whose_mode_cannot_be_read_is_kept_as_failed(post, clock, telegram):
+async def test_a_session_whose_mode_cannot_be_read_is_kept_as_failed(post, clock, telegram,
+                                                                     caplog):
     """Signed, but its mode is no string: what its order is read ahead for cannot be
     told either, so nothing is; the event is kept, its handling failed, and answered."""
     ComplianceOrder.create(order_number="CO-1")
@@ -204,7 +205,27 @@ async def test_a_session_whose_mode_cannot_be_read_is_kept_as_failed(post, clock
     assert answer[:2] == RECEIVED
     [event] = WebhookEvent.select()
     assert event.status == "failed" and "TypeError" in event.last_error
+    assert "checkout.session.completed: nothing asked ahead" in caplog.text
     assert ComplianceOrder.get().payment_status == "pending_payment" and not telegram.requests
+
+
+def test_a_session_asks_its_order_read_ahead_only_when_its_unit_locks_it():
+    """What the plain handling will lock and read (domain.orders.OrderAhead): the order
+    a paid or free session completes; none for a session paid through several allowed
+    methods on a CRTC order (Stripe is asked first, and the order read after), one not
+    paid yet, or one naming no order of ours."""
+    registry = plugins.registries()["card"]
+
+    def asked(session):
+        return [(item.order_type, item.order_number) for item in registry.ahead_of(
+            "checkout.session.completed", se.event("checkout.session.completed", session))]
+    assert asked(se.checkout_session("FO-1", "formation")) == [("formation", "FO-1")]
+    assert asked(se.checkout_session_needing_no_payment("BU-1", "bundle")) == [
+        ("bundle", "BU-1")]
+    assert asked(se.checkout_session("CA-1", "canada_crtc", payment_method_types=(
+        "card", "us_bank_account"))) == []
+    assert asked(se.checkout_session("FO-2", "formation", payment_status="unpaid")) == []
+    assert asked(se.checkout_session("FO-3", "nonsense")) == []
 
 
 @pytest.mark.gen_test

@@ -10,6 +10,7 @@ import pytest
 
 from models import (
     UTC, CrtcOrder, FormationOrder, LedgerEntry, Outbox, TreasuryJob, WebhookEvent)
+import plugins
 from domain import orders, treasury
 from tests import shkeeper
 from tests.conftest import table_away
@@ -291,6 +292,20 @@ async def test_a_failed_ledger_write_takes_the_job_with_it(post, db, telegram, c
     assert "treasury job / ledger entry not written" in caplog.text
     assert TreasuryJob.select().count() == 0
     assert CrtcOrder.get().payment_status == "paid"
+
+
+def test_a_callback_asks_its_order_read_ahead_only_when_it_completes_it():
+    """What PAID and OVERPAID lock and read (domain.orders.OrderAhead): the order a paid
+    callback completes, its kind from its number; none for a notice or a callback not
+    paid."""
+    registry = plugins.registries()["crypto"]
+
+    def asked(body):
+        return [(item.order_type, item.order_number)
+                for item in registry.ahead_of(body["status"], body)]
+    assert asked(shkeeper.paid("CO-7")) == [("compliance", "CO-7")]
+    assert asked({**shkeeper.paid("X-7"), "status": "OVERPAID"}) == [("canada_crtc", "X-7")]
+    assert asked({**shkeeper.paid("CO-8"), "paid": False}) == []
 
 
 # --- reading a callback --------------------------------------------------------------------

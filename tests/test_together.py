@@ -6,13 +6,14 @@ runs on both databases (tests/test_round_trips.py counts what a turn of webhooks
 costs)."""
 import asyncio
 
+import peewee
 import pytest
 
 from domain import orders
 from engine import inbox, outbox
-from engine.prepared import Prepared, save_changes, slot
+from engine.prepared import Prepared, save_changes, slot, write_later
 from handlers.workflow import hourly_keys
-from models import FormationOrder, Outbox, WebhookEvent
+from models import FormationOrder, Outbox, WebhookEvent, database
 from tests.door import through_the_door
 from tests.test_inbox import card_plugin  # noqa: F401 (a fixture)
 from tests.test_order_names import frappe_body
@@ -232,15 +233,27 @@ def paid_by_a_prepared_statement(ctx, payload, effects):
     PAY.execute_later(stripe_session_id=payload["key"], order_number=payload["order"])
 
 
+def paid_by_a_held_query(ctx, payload, effects):
+    write_later(FormationOrder.update(payment_status="paid", stripe_session_id=payload["key"])
+                .where(FormationOrder.order_number == payload["order"]))
+
+
+def paid_through_a_table_of_no_model(ctx, payload, effects):
+    table = peewee.Table(FormationOrder._meta.table_name).bind(database)
+    (table.update(payment_status="paid", stripe_session_id=payload["key"])
+     .where(table.c.order_number == payload["order"]).execute())
+
+
 @pytest.mark.gen_test
-@pytest.mark.parametrize("writer", [paid_by_peewee, paid_by_saving_a_row_read_otherwise,
-                                    paid_by_a_prepared_statement])
+@pytest.mark.parametrize("writer", [
+    paid_by_peewee, paid_by_saving_a_row_read_otherwise, paid_by_a_prepared_statement,
+    paid_by_a_held_query, paid_through_a_table_of_no_model])
 async def test_an_order_written_in_the_turn_before_its_read_is_read_anew(
         ctx, card_plugin, writer):  # noqa: F811
     """The orders the turn's payments lock are read ahead; a call before them pays FO-1
-    (through peewee, by saving a row it read itself, or by a statement of its own): the
-    payment after it finds FO-1 paid by another payment, as it would on its own, not the
-    row read before the turn."""
+    (through peewee, by saving a row it read itself, by a compiled statement, by a held
+    query, through a table of no model): the payment after it finds FO-1 paid by another
+    payment, as it would on its own, not the row read before the turn."""
     FormationOrder.create(order_number="FO-1")
     FormationOrder.create(order_number="FO-2")
     paying(card_plugin)
