@@ -8,9 +8,9 @@ from decimal import Decimal
 
 import pytest
 
+import plugins
 from models import (
     UTC, CrtcOrder, FormationOrder, LedgerEntry, Outbox, TreasuryJob, WebhookEvent)
-import plugins
 from domain import orders, treasury
 from tests import shkeeper
 from tests.conftest import table_away
@@ -306,6 +306,7 @@ def test_a_callback_asks_its_order_read_ahead_only_when_it_completes_it():
     assert asked(shkeeper.paid("CO-7")) == [("compliance", "CO-7")]
     assert asked({**shkeeper.paid("X-7"), "status": "OVERPAID"}) == [("canada_crtc", "X-7")]
     assert asked({**shkeeper.paid("CO-8"), "paid": False}) == []
+    assert asked({**shkeeper.paid("CO-9"), "status": "PARTIAL", "paid": False}) == []
 
 
 # --- reading a callback --------------------------------------------------------------------
