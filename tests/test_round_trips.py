@@ -92,24 +92,11 @@ async def test_a_turn_of_webhooks_costs_four_round_trips_whatever_their_number(
     read, its jobs' INSERT and the COMMIT, as a webhook alone does: 8 round trips for
     the eight, where each webhook's own statements cost 26 (counted until the jobs are
     at the worker, before their outcomes). Every call is stored and sent once."""
-    asked = []
-    enqueue = ctx.commits._enqueue
-    monkeypatch.setattr(ctx.commits, "_enqueue",
-                        lambda *unit, **how: asked.append(unit) or enqueue(*unit, **how))
-    held, worker.hold = threading.Event(), asyncio.Event()
-    commits.DATABASE_THREAD.submit(held.wait, 10)
-    with StatementCount().open() as count:
-        answers = asyncio.gather(*(post(
-            "/api/v1/webhooks/formation/ready",
-            frappe_body({"order_name": f"FORM-{n}", "order_number": f"FO-{n}"}),
-            FRAPPE_HEADERS) for n in range(WEBHOOKS)))
-        try:
-            await until(lambda: len(asked) == WEBHOOKS)
-        finally:
-            held.set()
-        await until(lambda: worker.in_flight == WEBHOOKS)
-    worker.hold.set()
-    assert [status for status, _, _ in await answers] == [200] * WEBHOOKS
+    count, answers = await in_held_turns(ctx, monkeypatch, worker, [post(
+        "/api/v1/webhooks/formation/ready",
+        frappe_body({"order_name": f"FORM-{n}", "order_number": f"FO-{n}"}),
+        FRAPPE_HEADERS) for n in range(WEBHOOKS)])
+    assert [status for status, _, _ in answers] == [200] * WEBHOOKS
     assert WebhookEvent.select().count() == WEBHOOKS
     assert sorted(request.json["order_number"] for request in worker.posts) == [
         f"FO-{n}" for n in range(WEBHOOKS)]
@@ -130,31 +117,40 @@ async def test_a_turn_of_payments_costs_four_round_trips_whatever_their_number(
     numbers = [f"CA-{1000 + n}" for n in range(WEBHOOKS)]
     for number in numbers:
         CrtcOrder.create(order_number=number)
-    asked = []
-    enqueue = ctx.commits._enqueue
-    monkeypatch.setattr(ctx.commits, "_enqueue",
-                        lambda *unit, **how: asked.append(unit) or enqueue(*unit, **how))
 
     def pay(number):
         if receiver == "crypto":
             return post(shkeeper.URL, shkeeper.paid(number), shkeeper.key_headers())
         return se.deliver(post, clock, se.event("checkout.session.completed",
                                                 se.checkout_session(number, "canada_crtc")))
-    held, telegram.hold = threading.Event(), asyncio.Event()
-    commits.DATABASE_THREAD.submit(held.wait, 10)
-    with StatementCount().open() as count:
-        answers = asyncio.gather(*(pay(number) for number in numbers))
-        try:
-            await until(lambda: len(asked) == WEBHOOKS)
-        finally:
-            held.set()
-        await until(lambda: telegram.in_flight == WEBHOOKS)
-    telegram.hold.set()
-    statuses = [status for status, _, _ in await answers]
+    count, answers = await in_held_turns(ctx, monkeypatch, telegram,
+                                         [pay(number) for number in numbers])
+    statuses = [status for status, _, _ in answers]
     assert statuses == [202 if receiver == "crypto" else 200] * WEBHOOKS
     assert CrtcOrder.select().where(CrtcOrder.payment_status == "paid").count() == WEBHOOKS
     if database_url.startswith("postgres"):
         assert count.round_trips <= 2 * 4, count.round_trips
+
+
+async def in_held_turns(ctx, monkeypatch, peer, calls):
+    """`calls` asked while the database thread is held, so that they share at most two
+    turns; their statements counted until each has its send at `peer`, which holds the
+    sends until then. Returns (the count, the calls' answers)."""
+    asked = []
+    enqueue = ctx.commits._enqueue
+    monkeypatch.setattr(ctx.commits, "_enqueue",
+                        lambda *unit, **how: asked.append(unit) or enqueue(*unit, **how))
+    held, peer.hold = threading.Event(), asyncio.Event()
+    commits.DATABASE_THREAD.submit(held.wait, 10)
+    with StatementCount().open() as count:
+        answers = asyncio.gather(*calls)
+        try:
+            await until(lambda: len(asked) == len(calls))
+        finally:
+            held.set()
+        await until(lambda: peer.in_flight == len(calls))
+    peer.hold.set()
+    return count, await answers
 
 
 async def until(condition):
