@@ -8,7 +8,7 @@ import argparse
 import asyncio
 
 import tornado.web
-from aiosmtpd.controller import Controller
+from aiosmtpd.smtp import SMTP
 
 
 class Keys:
@@ -44,9 +44,13 @@ class DropMail:
 async def main(http_port, smtp_port, delay):
     app = tornado.web.Application([(r"/(.*)", Answer, {"delay": delay, "keys": Keys()})],
                                   log_function=lambda handler: None)
-    app.listen(http_port, "127.0.0.1")
+    # SMTP on this loop and first: the bench takes the HTTP port answering for every
+    # stand-in being up. aiosmtpd's Controller would start it on a thread of its own
+    # after the HTTP port, and fail, on a busy machine, after its ready timeout.
     if smtp_port:
-        Controller(DropMail(), hostname="127.0.0.1", port=smtp_port).start()
+        await asyncio.get_running_loop().create_server(
+            lambda: SMTP(DropMail()), "127.0.0.1", smtp_port)
+    app.listen(http_port, "127.0.0.1")
     await asyncio.Event().wait()
 
 

@@ -52,9 +52,11 @@ def free_port():
         return sock.getsockname()[1]
 
 
-def wait_for_port(port, timeout=30.0):
+def wait_for_port(port, process=None, timeout=30.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            return  # it will never answer; the caller reports why it exited
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
             return
         time.sleep(0.05)
@@ -62,16 +64,33 @@ def wait_for_port(port, timeout=30.0):
 
 
 class Processes:
+    """The processes a run starts, each with its stderr kept in a file of its own, so
+    that one that exits is reported with why, instead of being measured against."""
+
     def __init__(self):
         self.running = []
 
-    def start(self, args, port, env=None, log=None, cwd=ROOT):
+    def start(self, args, port, env=None, cwd=ROOT):
+        stderr = tempfile.TemporaryFile()
         process = subprocess.Popen(
             [PYTHON, *args], cwd=cwd, env={**os.environ, **(env or {})},
-            stdout=subprocess.DEVNULL, stderr=log or subprocess.DEVNULL)
+            stdout=subprocess.DEVNULL, stderr=stderr)
+        process.stderr_file = stderr
         self.running.append(process)
-        wait_for_port(port)
+        wait_for_port(port, process)
+        self.check()
         return process
+
+    def check(self):
+        """Raise if any process started here has exited, with its code and its last
+        words: a peer that died mid-run leaves every later figure without meaning."""
+        for process in self.running:
+            if process.poll() is not None:
+                size = os.fstat(process.stderr_file.fileno()).st_size
+                process.stderr_file.seek(max(0, size - 2000))
+                last_words = process.stderr_file.read().decode(errors="replace")
+                raise RuntimeError(f"{' '.join(process.args[1:])} exited with "
+                                   f"{process.returncode}:\n{last_words}")
 
     def stop_all(self):
         for process in self.running:
@@ -81,6 +100,7 @@ class Processes:
                 process.wait(20)
             except subprocess.TimeoutExpired:
                 process.kill()
+            process.stderr_file.close()
         self.running = []
 
 
@@ -319,6 +339,7 @@ class Bench:
         return ratios
 
     def record(self, row):
+        self.processes.check()
         self.rows.append(row)
         print(format_row(row), flush=True)
 
@@ -343,9 +364,8 @@ class Bench:
                 "CRYPTO_PROCESSOR_API_KEY": scenarios.CRYPTO_KEY,
             }
             try:
-                with open(os.path.join(folder, "service.log"), "wb") as log:
-                    yield port, processes.start(["receiver.py", "serve"], port, env, log=log,
-                                                cwd=getattr(self.args, "root", ROOT))
+                yield port, processes.start(["receiver.py", "serve"], port, env,
+                                            cwd=getattr(self.args, "root", ROOT))
             finally:
                 processes.stop_all()
 

@@ -3,9 +3,14 @@
 machine is shared; figures belong in docs/PERFORMANCE.md, from `make bench`."""
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 
+import pytest
+
+from bench.run import Bench, Processes, free_port
 from tests.service_process import ON_POSTGRES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,3 +66,30 @@ def test_make_bench_harness_runs_on_a_tiny_load(tmp_path):
     for receiver in ("workflow", "card", "crypto"):
         # Every event the load sent was handled for real, none failed.
         assert set(scenarios[receiver]["inbox"]) == {"processed"}, scenarios[receiver]
+
+
+def test_a_stand_in_that_dies_after_answering_stops_the_run_with_its_last_words():
+    bench = Bench(None)
+    port = free_port()
+    script = (f"import socket, sys, time; server = socket.create_server(('127.0.0.1', {port}));"
+              " time.sleep(0.5); sys.exit('the stand-in fell over')")
+    try:
+        bench.processes.start(["-c", script], port)
+        bench.processes.running[0].wait(10)
+        with pytest.raises(RuntimeError, match="exited with 1:\n.*the stand-in fell over"):
+            bench.record({"scenario": "workflow"})
+        assert bench.rows == []
+    finally:
+        bench.processes.stop_all()
+
+
+def test_a_stand_in_that_cannot_start_is_reported_at_once_with_why():
+    processes = Processes()
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        smtp_port, http_port = taken.getsockname()[1], free_port()
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="(?i)address already in use"):
+            processes.start(["-m", "bench.peers", "--http-port", str(http_port),
+                             "--smtp-port", str(smtp_port)], http_port)
+        processes.stop_all()
+    assert time.monotonic() - started < 20, "it waited for a port that would never answer"
