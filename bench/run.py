@@ -5,14 +5,16 @@ the service (on SQLite, and on PostgreSQL when reachable), drives each scenario 
 load generator in its own process, and writes bench/results/latest.json and .md.
 
 Measured: every receiver against the ceiling and against the durable floor (a bare app
-that commits each body to SQLite before answering); isolation (the crypto callback while
-the worker answers workflow jobs after 2 s); drain (the worker down under steady workflow
-traffic, then back: how fast the backlog empties, the live p99 meanwhile, every job once);
-on PostgreSQL, 2 instances of the service on one database against 1; with --scale, the
-per-event cost of a card payment and a dispute with 1k and with 1M rows (--scale-rows) in
-the order and ledger tables; with --memory N, the service's RSS over N events; with
---console, the operator console's pages with 1M (--console-rows) events, outbox rows and
-send attempts, and what recording the attempts costs (bench/console.py).
+that commits each body to SQLite before answering), and each at one connection alone
+after its run (the wait of a caller who finds the service idle); isolation (the crypto
+callback while the worker answers workflow jobs after 2 s); drain (the worker down under
+steady workflow traffic, then back: how fast the backlog empties, the live p99
+meanwhile, every job once); on PostgreSQL, 2 instances of the service on one database
+against 1; with --scale, the per-event cost of a card payment and a dispute with 1k and
+with 1M rows (--scale-rows) in the order and ledger tables; with --memory N, the
+service's RSS over N events; with --console, the operator console's pages with 1M
+(--console-rows) events, outbox rows and send attempts, and what recording the attempts
+costs (bench/console.py).
 
 It is one module so that `make bench` reads top to bottom as the run it makes, one
 method a scenario; that is why it is longer than the others.
@@ -251,6 +253,8 @@ def format_row(row):
             + (f"  round trips/webhook {row['round_trips_per_webhook']}"
                f"  round trips/turn {row['round_trips_per_turn']}"
                if "round_trips_per_turn" in row else "")
+            + (f"  one connection p50 {row['alone_p50_ms']:.2f} ms p99 "
+               f"{row['alone_p99_ms']:.2f} ms" if "alone_p50_ms" in row else "")
             + (f"  inbox {row['inbox']}" if row.get("inbox") else ""))
 
 
@@ -370,7 +374,9 @@ class Bench:
                 processes.stop_all()
 
     def run_receiver(self, label, database_url, port, scenario, start):
-        """Warm up on the first third of the seeded orders, measure on the second."""
+        """Warm up on the first third of the seeded orders, measure on the second; then,
+        on the orders of the second third that run left, one connection alone: the wait
+        of a caller who finds the service idle."""
         third = self.args.orders // 3
         options = (lambda offset: {"start": offset}) if start is not None else (lambda _: None)
         load(scenario, port, self.args.connections, self.args.warmup, options(0))
@@ -378,6 +384,8 @@ class Bench:
         result = load(scenario, port, self.args.connections, self.args.duration,
                       options(third))
         *counts_after, spooled = run_counts(port)
+        alone = load(scenario, port, 1, self.args.alone_duration,
+                     options(third + result["requests"]))
         statements, round_trips, turns = (after - before for after, before in zip(
             counts_after, counts_before))
         requests = max(1, result["requests"])
@@ -392,6 +400,7 @@ class Bench:
                       round_trips_per_webhook=round(round_trips / requests, 1),
                       round_trips_per_turn=round(round_trips / max(1, turns), 1),
                       webhooks_per_turn=round(result["requests"] / max(1, turns), 1),
+                      alone_p50_ms=alone["p50_ms"], alone_p99_ms=alone["p99_ms"],
                       inbox=outcomes(database_url, scenario))
         result.update(self.ratios(result))
         self.record(result)
@@ -613,8 +622,9 @@ class Bench:
             out.write("| scenario | database | req/s | p50 ms | p99 ms | ratio to ceiling "
                       "| ratio to floor | ratio to its database's floor "
                       "| statements per webhook | statements per turn "
-                      "| round trips per webhook | round trips per turn |\n")
-            out.write("|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+                      "| round trips per webhook | round trips per turn "
+                      "| one connection: p50 ms | p99 ms |\n")
+            out.write("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
             for row in self.rows:
                 out.write(f"| {row['scenario']} | {row['database']} | {row['rps']} | "
                           f"{row['p50_ms']} | {row['p99_ms']} | {row['ratio_to_ceiling']} "
@@ -623,7 +633,8 @@ class Bench:
                           f"| {row.get('statements_per_webhook', '')} "
                           f"| {row.get('statements_per_turn', '')} "
                           f"| {row.get('round_trips_per_webhook', '')} "
-                          f"| {row.get('round_trips_per_turn', '')} |\n")
+                          f"| {row.get('round_trips_per_turn', '')} "
+                          f"| {row.get('alone_p50_ms', '')} | {row.get('alone_p99_ms', '')} |\n")
             for row in self.rows:
                 if row["scenario"] in ("drain", "2 instances"):
                     details = {k: v for k, v in row.items() if k.startswith(
@@ -641,6 +652,8 @@ def main(argv=None):
     parser.add_argument("--connections", type=int, default=32)
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--warmup", type=float, default=2.0)
+    parser.add_argument("--alone-duration", type=float, default=5.0,
+                        help="seconds of each receiver at one connection, after its run")
     parser.add_argument("--databases", default="sqlite,postgres",
                         help="comma-separated: sqlite, postgres (BENCH_POSTGRES_URL)")
     parser.add_argument("--orders", type=int, default=300_000,

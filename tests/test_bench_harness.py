@@ -23,7 +23,7 @@ def test_make_bench_harness_runs_on_a_tiny_load(tmp_path):
     env = {**os.environ, "BENCH_POSTGRES_URL": os.environ.get("TEST_DATABASE_URL", "")}
     result = subprocess.run(
         [sys.executable, "-m", "bench.run", "--databases", DATABASE, "--duration", "0.5",
-         "--warmup", "0.2", "--connections", "2", "--orders", "3000",
+         "--warmup", "0.2", "--alone-duration", "0.3", "--connections", "2", "--orders", "3000",
          "--scale", "--scale-rows", "2000", "--scale-events", "20", "--memory", "100",
          "--drain-outage", "1", "--drain-window", "60",
          "--console", "--console-rows", "3000", "--results", str(tmp_path)],
@@ -55,6 +55,7 @@ def test_make_bench_harness_runs_on_a_tiny_load(tmp_path):
         row = scenarios[receiver]
         assert row["statements_per_turn"] > 0 and row["webhooks_per_turn"] > 0, row
         assert row["spool_files"] == 0, row  # the database path was measured
+        assert 0 < row["alone_p50_ms"] <= row["alone_p99_ms"], row
         assert 0 < row["round_trips_per_turn"] <= row["statements_per_turn"], row
         if ON_POSTGRES:  # the BEGINs at least go with another statement
             assert row["round_trips_per_turn"] < row["statements_per_turn"], row
