@@ -4,6 +4,7 @@ import asyncio
 import fcntl
 import os
 import pty
+import signal
 import struct
 import termios
 import threading
@@ -75,5 +76,8 @@ class OnATerminal:
 
 def _take_the_terminal():
     """In the child, a session leader: stdin's terminal becomes its controlling one, so
-    Ctrl-C typed there is SIGINT to it, as in a shell."""
+    Ctrl-C typed there is SIGINT to it, as in a shell. And SIGINT is taken as a shell's
+    foreground job takes it, whatever the test run inherited: a run started in the
+    background of a non-interactive shell ignores it, and would pass that on."""
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -73,7 +73,7 @@ def test_a_stand_in_that_dies_after_answering_stops_the_run_with_its_last_words(
     bench = Bench(None)
     port = free_port()
     script = (f"import socket, sys, time; server = socket.create_server(('127.0.0.1', {port}));"
-              " time.sleep(0.5); sys.exit('the stand-in fell over')")
+              " time.sleep(2); sys.exit('the stand-in fell over')")
     try:
         bench.processes.start(["-c", script], port)
         bench.processes.running[0].wait(10)
