@@ -54,10 +54,10 @@ def free_port():
         return sock.getsockname()[1]
 
 
-def wait_for_port(port, process=None, timeout=30.0):
+def wait_for_port(port, process, timeout=30.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
+        if process.poll() is not None:
             return  # it will never answer; the caller reports why it exited
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
             return
