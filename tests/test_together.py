@@ -213,6 +213,11 @@ def paying(card_plugin):  # noqa: F811
     card_plugin("test.pays", handle)
 
 
+def pays(ctx, key, order):
+    """A call of the `paying` plugin, its order read ahead as a payment plugin asks."""
+    return accept(ctx, key, order, "test.pays", ahead=(orders.OrderAhead("formation", order),))
+
+
 def paid_by_peewee(ctx, payload, effects):
     (FormationOrder.update(payment_status="paid", stripe_session_id=payload["key"])
      .where(FormationOrder.order_number == payload["order"]).execute())
@@ -258,12 +263,8 @@ async def test_an_order_written_in_the_turn_before_its_read_is_read_anew(
     FormationOrder.create(order_number="FO-2")
     paying(card_plugin)
     card_plugin("test.writes", writer)
-
-    def pay(key, order):
-        return accept(ctx, key, order, "test.pays",
-                      ahead=(orders.OrderAhead("formation", order),))
     calls = await one_turn(accept(ctx, "cs_first", "FO-1", "test.writes"),
-                           pay("cs_second", "FO-1"), pay("cs_other", "FO-2"))
+                           pays(ctx, "cs_second", "FO-1"), pays(ctx, "cs_other", "FO-2"))
     assert [call.outcome for call in calls] == ["processed"] * 3
     assert [(order.payment_status, order.stripe_session_id) for order in
             FormationOrder.select().order_by(FormationOrder.order_number)] == [
@@ -277,10 +278,8 @@ async def test_two_payments_of_one_order_in_a_turn_pay_it_once(ctx, card_plugin)
     FormationOrder.create(order_number="FO-1")
     FormationOrder.create(order_number="FO-2")
     paying(card_plugin)
-    calls = await one_turn(*(accept(ctx, key, order, "test.pays",
-                                    ahead=(orders.OrderAhead("formation", order),))
-                             for key, order in (("cs_a", "FO-1"), ("cs_b", "FO-1"),
-                                                ("cs_c", "FO-2"))))
+    calls = await one_turn(pays(ctx, "cs_a", "FO-1"), pays(ctx, "cs_b", "FO-1"),
+                           pays(ctx, "cs_c", "FO-2"))
     assert [call.outcome for call in calls] == ["processed"] * 3
     assert [order.stripe_session_id for order in FormationOrder.select().order_by(
         FormationOrder.order_number)] == ["cs_a", "cs_c"]
