@@ -9,7 +9,12 @@ length of a load run. Writes, in --out:
 Each thread apart (the loop, the database thread, the others), a sample is put in the first category whose rule matches a frame, walking its stack from
 the innermost frame out, so a statement made by a plugin counts as a statement and the
 plugin's own Python as plugin. "other" is what no rule names (Tornado's own loop
-bookkeeping, asyncio, the scheduler)."""
+bookkeeping, asyncio, the scheduler).
+
+With --gil only the thread holding the interpreter's lock is sampled, and each share is
+of all the samples, every thread together: the service runs its Python on one core at a
+time, so when it is bound by that core (`make bench` prints its share of a core), this
+is what the core's time goes to, and what cutting a part would win."""
 import argparse
 import collections
 import json
@@ -21,7 +26,7 @@ import tempfile
 
 from bench import scenarios
 from bench.run import (Bench, PYTHON, RECEIVERS, ROOT, load, postgres_scratch,
-                       sqlite_scratch)
+                       sqlite_scratch, with_cpu)
 from bench.seed import seed_orders
 
 # (category, substrings of a frame's "function (file:line)"), tried in this order.
@@ -76,10 +81,11 @@ def own_functions(stack: str) -> set:
     return found
 
 
-def summarise(raw_path: str) -> dict:
+def summarise(raw_path: str, of_all: bool = False) -> dict:
     """Per thread, the share of its samples in each category, from py-spy's raw
-    (collapsed stack) output (a thread's total is the time it was sampled running); and
-    the service's functions that took the most samples, their callees included."""
+    (collapsed stack) output (a thread's total is the time it was sampled running), or of
+    every thread's samples together when `of_all`; and the service's functions that took
+    the most samples, their callees included."""
     counts = collections.defaultdict(collections.Counter)
     inclusive = collections.Counter()
     with open(raw_path) as raw:
@@ -92,7 +98,8 @@ def summarise(raw_path: str) -> dict:
                     inclusive[function] += int(samples)
     total = sum(sum(names.values()) for names in counts.values()) or 1
     summary = {thread: {"samples": sum(names.values()),
-                        "share": {name: round(100 * count / sum(names.values()), 1)
+                        "share": {name: round(100 * count / (
+                            total if of_all else sum(names.values())), 1)
                                   for name, count in names.most_common()}}
                for thread, names in counts.items()}
     summary["functions, share of all samples"] = {
@@ -100,11 +107,11 @@ def summarise(raw_path: str) -> dict:
     return summary
 
 
-def sample(pid: int, seconds: float, svg: str, raw: str) -> list:
+def sample(pid: int, seconds: float, svg: str, raw: str, gil: bool) -> list:
     """Two py-spy samplers on the service: a flame graph and collapsed stacks."""
     py_spy = shutil.which("py-spy", path=os.path.dirname(PYTHON)) or "py-spy"
     common = ["record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", "100",
-              "--nonblocking", "--threads"]
+              "--nonblocking", "--threads", *(["--gil"] if gil else [])]
     return [subprocess.Popen([py_spy, *common, "--format", fmt, "--output", path],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             for fmt, path in (("flamegraph", svg), ("raw", raw))]
@@ -122,35 +129,41 @@ def profile_receiver(bench: Bench, label: str, url: str, receiver: str, out: str
         with tempfile.TemporaryDirectory() as folder:
             raw = os.path.join(folder, "stacks.txt")
             samplers = sample(process.pid, bench.args.duration,
-                              os.path.join(out, f"{receiver}-{label}.svg"), raw)
-            result = load(receiver, port, bench.args.connections, bench.args.duration,
-                          options(third))
+                              os.path.join(out, f"{receiver}-{label}.svg"), raw, bench.args.gil)
+            result = with_cpu(process.pid, lambda: load(
+                receiver, port, bench.args.connections, bench.args.duration, options(third)))
             for sampler in samplers:
                 sampler.wait(60)
-            summary = summarise(raw)
-    print(f"{receiver:<9} {label:<9} {result['rps']:>7.1f} req/s", flush=True)
+            summary = summarise(raw, of_all=bench.args.gil)
+    print(f"{receiver:<9} {label:<9} {result['rps']:>7.1f} req/s, CPU {result['cpu_share']:.2f} "
+          f"of a core, {result['cpu_us_per_request']} us/request", flush=True)
     functions = summary.pop("functions, share of all samples")
     for thread, row in summary.items():
         print(f"    {thread:<16} {row['share']}", flush=True)
-    return {"rps": result["rps"], "p50_ms": result["p50_ms"], "threads": summary,
+    return {"rps": result["rps"], "p50_ms": result["p50_ms"], "cpu_share": result["cpu_share"],
+            "cpu_us_per_request": result["cpu_us_per_request"], "threads": summary,
             "functions": functions}
 
 
-def write(out: str, report: dict) -> None:
+def write(out: str, report: dict, args: argparse.Namespace) -> None:
     with open(os.path.join(out, "profile.json"), "w") as handle:
         json.dump(report, handle, indent=2)
     names = [name for name, _ in RULES] + ["other"]
     with open(os.path.join(out, "profile.md"), "w") as handle:
-        handle.write("| receiver | database | req/s | thread | samples | "
+        handle.write(("Shares of all samples, every thread together (--gil: the thread "
+                      "holding the interpreter's lock)\n\n" if args.gil else
+                      "Shares of each thread's samples\n\n")
+                     + "| receiver | database | req/s | CPU us per request | thread | samples | "
                      + " | ".join(names) + " |\n")
-        handle.write("|---|---|---|---|---|" + "---|" * len(names) + "\n")
+        handle.write("|---|---|---|---|---|---|" + "---|" * len(names) + "\n")
         for key, row in report.items():
             receiver, label = key.split("/")
             for thread in ("loop", "database thread", "other threads"):
                 if thread in row["threads"]:
                     part = row["threads"][thread]
                     shares = [f"{part['share'].get(name, 0.0)}" for name in names]
-                    handle.write(f"| {receiver} | {label} | {row['rps']} | {thread} | "
+                    handle.write(f"| {receiver} | {label} | {row['rps']} | "
+                                 f"{row['cpu_us_per_request']} | {thread} | "
                                  f"{part['samples']} | " + " | ".join(shares) + " |\n")
         for key, row in report.items():
             handle.write(f"\n{key}, the service's functions by their share of all samples "
@@ -168,6 +181,9 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--orders", type=int, default=60_000)
     parser.add_argument("--out", default=os.path.join("bench", "results", "profile"))
+    parser.add_argument("--gil", action="store_true",
+                        help="sample only the thread holding the interpreter's lock; shares "
+                             "of all samples")
     parser.add_argument("--root", default=ROOT,
                         help="the checkout whose `receiver.py serve` is profiled (default: "
                              "this one), to compare a commit before a change with the same "
@@ -189,7 +205,7 @@ def main(argv=None) -> int:
                         bench, label, url, receiver, args.out)
     finally:
         bench.processes.stop_all()
-    write(args.out, report)
+    write(args.out, report, args)
     print(f"results: {args.out}/profile.json, profile.md and one flame graph per receiver")
     return 0
 

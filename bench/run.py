@@ -229,6 +229,64 @@ def handling_ms(database_url, source, event_type, since):
     return round(statistics.fmean(costs), 2) if costs else None
 
 
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid):
+    """The CPU time (user and system) process `pid` has used, 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def postgres_cpu():
+    """{pid: CPU seconds} of every PostgreSQL process on this machine (its server, on
+    127.0.0.1 in the bench, shares the cores with the service)."""
+    used = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/comm") as comm:
+                    if comm.read().strip() != "postgres":
+                        continue
+            except OSError:
+                continue
+            used[int(name)] = cpu_seconds(name)
+    return used
+
+
+def machine_seconds():
+    """(all, idle) CPU seconds of the machine's cores since boot."""
+    with open("/proc/stat") as stat:
+        ticks = [int(field) for field in stat.readline().split()[1:]]
+    return sum(ticks) / CLOCK_TICKS, (ticks[3] + ticks[4]) / CLOCK_TICKS
+
+
+def with_cpu(pid, run, database=None):
+    """`run()`'s load row, with what the run cost: the CPU process `pid` used (its share
+    of one core over the run's time, and per request), how busy the machine's cores were
+    meanwhile, and on PostgreSQL its server's CPU per request. A process whose share is
+    near one core while the machine has cores idle is bound by its own CPU: one core is
+    all one Python process's interpreter runs on."""
+    before, machine_before = cpu_seconds(pid), machine_seconds()
+    server_before = postgres_cpu() if database == "postgres" else None
+    row = run()
+    used = cpu_seconds(pid) - before
+    total, idle = (after - then for after, then in zip(machine_seconds(), machine_before))
+    requests = max(1, row["requests"])
+    row.update(cpu_share=round(used / row["seconds"], 2),
+               cpu_us_per_request=round(1e6 * used / requests),
+               machine_busy=round(1 - idle / total, 2) if total else None)
+    if server_before is not None:
+        server = sum(now - server_before.get(server_pid, 0.0)
+                     for server_pid, now in postgres_cpu().items())
+        row["database_cpu_us_per_request"] = round(1e6 * server / requests)
+    return row
+
+
 def rss_kib(pid):
     with open(f"/proc/{pid}/status") as status:
         for line in status:
@@ -255,6 +313,10 @@ def format_row(row):
                if "round_trips_per_turn" in row else "")
             + (f"  one connection p50 {row['alone_p50_ms']:.2f} ms p99 "
                f"{row['alone_p99_ms']:.2f} ms" if "alone_p50_ms" in row else "")
+            + (f"  CPU {row['cpu_share']:.2f} of a core, {row['cpu_us_per_request']} us/request"
+               f" (machine {row['machine_busy']:.0%} busy)" if "cpu_share" in row else "")
+            + (f"  PostgreSQL {row['database_cpu_us_per_request']} us/request"
+               if "database_cpu_us_per_request" in row else "")
             + (f"  inbox {row['inbox']}" if row.get("inbox") else ""))
 
 
@@ -322,10 +384,11 @@ class Bench:
         """A bare app serving the ceiling scenario's requests, measured alone."""
         port = free_port()
         reference = Processes()
-        reference.start(["-m", module, str(port), *arguments], port)
+        process = reference.start(["-m", module, str(port), *arguments], port)
         try:
             load("ceiling", port, self.args.connections, self.args.warmup)
-            row = load("ceiling", port, self.args.connections, self.args.duration)
+            row = with_cpu(process.pid, lambda: load(
+                "ceiling", port, self.args.connections, self.args.duration), label)
         finally:
             reference.stop_all()
         row.update(scenario=name, database=label)
@@ -373,16 +436,17 @@ class Bench:
             finally:
                 processes.stop_all()
 
-    def run_receiver(self, label, database_url, port, scenario, start):
+    def run_receiver(self, label, database_url, service, scenario, start):
         """Warm up on the first third of the seeded orders, measure on the second; then,
         on the orders of the second third that run left, one connection alone: the wait
         of a caller who finds the service idle."""
+        port, process = service
         third = self.args.orders // 3
         options = (lambda offset: {"start": offset}) if start is not None else (lambda _: None)
         load(scenario, port, self.args.connections, self.args.warmup, options(0))
         *counts_before, _ = run_counts(port)
-        result = load(scenario, port, self.args.connections, self.args.duration,
-                      options(third))
+        result = with_cpu(process.pid, lambda: load(
+            scenario, port, self.args.connections, self.args.duration, options(third)), label)
         *counts_after, spooled = run_counts(port)
         alone = load(scenario, port, 1, self.args.alone_duration,
                      options(third + result["requests"]))
@@ -412,11 +476,11 @@ class Bench:
             paying = scenarios.SCENARIOS[scenario]
             if hasattr(paying, "orders"):
                 seed_orders(database_url, paying, self.args.orders)
-        with self.service(database_url) as (port, _):
+        with self.service(database_url) as service:
             for scenario in RECEIVERS:
                 paying = scenarios.SCENARIOS[scenario]
                 baseline[scenario] = self.run_receiver(
-                    label, database_url, port, scenario,
+                    label, database_url, service, scenario,
                     0 if hasattr(paying, "orders") else None)
         self.measure_isolation(label, database_url, baseline["crypto"])
 
@@ -623,8 +687,10 @@ class Bench:
                       "| ratio to floor | ratio to its database's floor "
                       "| statements per webhook | statements per turn "
                       "| round trips per webhook | round trips per turn "
-                      "| one connection: p50 ms | p99 ms |\n")
-            out.write("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+                      "| one connection: p50 ms | p99 ms "
+                      "| CPU, share of a core | CPU us per request | machine busy "
+                      "| PostgreSQL's CPU us per request |\n")
+            out.write("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
             for row in self.rows:
                 out.write(f"| {row['scenario']} | {row['database']} | {row['rps']} | "
                           f"{row['p50_ms']} | {row['p99_ms']} | {row['ratio_to_ceiling']} "
@@ -634,7 +700,10 @@ class Bench:
                           f"| {row.get('statements_per_turn', '')} "
                           f"| {row.get('round_trips_per_webhook', '')} "
                           f"| {row.get('round_trips_per_turn', '')} "
-                          f"| {row.get('alone_p50_ms', '')} | {row.get('alone_p99_ms', '')} |\n")
+                          f"| {row.get('alone_p50_ms', '')} | {row.get('alone_p99_ms', '')} "
+                          f"| {row.get('cpu_share', '')} | {row.get('cpu_us_per_request', '')} "
+                          f"| {row.get('machine_busy', '')} "
+                          f"| {row.get('database_cpu_us_per_request', '')} |\n")
             for row in self.rows:
                 if row["scenario"] in ("drain", "2 instances"):
                     details = {k: v for k, v in row.items() if k.startswith(

@@ -44,6 +44,13 @@ def test_make_bench_harness_runs_on_a_tiny_load(tmp_path):
         report["console"][DATABASE])
     for row in rows:
         assert row["requests"] > 0 and row["unexpected_statuses"] == {}, row
+    for row in rows:
+        if row["scenario"] in ("ceiling", "floor", "workflow", "card", "crypto"):
+            # What each run cost: the process measured, the machine, the database server.
+            assert row["cpu_share"] > 0 and row["cpu_us_per_request"] > 0, row
+            assert 0 < row["machine_busy"] <= 1, row
+            assert (row.get("database_cpu_us_per_request", 0) > 0) == (
+                row["database"] == "postgres"), row
     drain = scenarios["drain"]
     assert drain["backlog"] > 0, "the worker was down: jobs must have waited"
     assert drain["jobs_arrived"] == drain["jobs_acknowledged"]

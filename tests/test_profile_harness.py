@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from bench.profile import category
+from bench.profile import category, summarise
 from tests.service_process import ON_POSTGRES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,6 +21,20 @@ def test_a_statement_made_by_a_plugin_counts_as_a_statement():
     assert category("thread (1): MainThread;run (asyncio/events.py:80)") == ("loop", "other")
 
 
+def test_with_gil_each_share_is_of_every_threads_samples_together(tmp_path):
+    raw = tmp_path / "stacks.txt"
+    raw.write_text("thread (1): MainThread;handle (plugins/workflow/x.py:3) 3\n"
+                   "thread (1): MainThread;run (asyncio/events.py:80) 1\n"
+                   "thread (7): database_0;Database.execute_sql (peewee.py:3300) 4\n")
+    apart = summarise(str(raw))
+    assert apart["loop"]["share"] == {"plugin": 75.0, "other": 25.0}
+    assert apart["database thread"]["share"] == {"statements": 100.0}
+    together = summarise(str(raw), of_all=True)
+    assert together["loop"]["share"] == {"plugin": 37.5, "other": 12.5}
+    assert together["database thread"]["share"] == {"statements": 50.0}
+    assert together["loop"]["samples"] == 4
+
+
 def test_make_profile_runs_on_a_tiny_load(tmp_path):
     database = "postgres" if ON_POSTGRES else "sqlite"
     env = {**os.environ, "BENCH_POSTGRES_URL": os.environ.get("TEST_DATABASE_URL", "")}
@@ -33,5 +47,6 @@ def test_make_profile_runs_on_a_tiny_load(tmp_path):
     report = json.loads((tmp_path / "profile.json").read_text())
     for receiver in ("workflow", "card"):  # card: orders seeded, paid by the load
         threads = report[f"{receiver}/{database}"]["threads"]
+        assert report[f"{receiver}/{database}"]["cpu_us_per_request"] > 0
         assert threads["loop"]["samples"] > 0 and threads["database thread"]["samples"] > 0
         assert (tmp_path / f"{receiver}-{database}.svg").read_text().startswith("<?xml")
