@@ -92,6 +92,15 @@ def through_the_door(unit, *args, **kwargs):
     return result
 
 
+def name_search_jobs(effects, numbers):
+    """A worker job (name_search) for each order FO-<number> of `numbers`, each written
+    in a turn of its own as the request that asks for it would write it: a backlog for
+    the sender to claim."""
+    for number in numbers:
+        through_the_door(effects.job, "name_search", {"order_number": f"FO-{number}"},
+                         key=f"job-FO-{number}")
+
+
 def new_row_id(ask, *args, **kwargs):
     """`through_the_door` for an Effects method (`effects.job`, say): the id of the row it
     wrote, or None when its key was stored already."""

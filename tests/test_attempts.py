@@ -10,7 +10,7 @@ from engine import outbox, retention
 from engine.outbox import Effects
 from models import Attempt, Outbox
 from ops import operator
-from tests.door import new_row_id, through_the_door
+from tests.door import name_search_jobs, new_row_id, through_the_door
 
 
 def attempts_of(row_id):
@@ -67,9 +67,7 @@ async def test_an_effect_waiting_for_its_configuration_has_no_attempt(ctx, clock
 @pytest.mark.gen_test
 async def test_a_drain_keeps_each_rows_own_attempt_in_its_one_statement(ctx, clock, worker):
     effects = Effects(ctx)
-    for number in range(1, 21):
-        through_the_door(effects.job, "name_search", {"order_number": f"FO-{number}"},
-                         key=f"job-FO-{number}")
+    name_search_jobs(effects, range(1, 21))
     clock.advance(minutes=5)
     with StatementCount().open() as count:
         assert await outbox.send_due(ctx) == 20

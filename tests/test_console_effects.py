@@ -13,7 +13,7 @@ from ops import console
 from tests.console_helpers import (  # noqa: F401 (fixture)
     console_settings, logged_in, operator, text,
 )
-from tests.door import through_the_door
+from tests.door import name_search_jobs, through_the_door
 from tests.test_cli import at
 
 SUBMITTED = {"order_name": "ORD-1", "order_number": "FO-1", "state_code": "WY",
@@ -177,9 +177,7 @@ async def test_the_overview_shows_each_destinations_health(logged_in, ctx, clock
     frappe.fail_with(401, {"exc_type": "AuthenticationError"})
     worker.stop()
     effects = Effects(ctx)
-    for number in range(ctx.settings.outbound_down_after):
-        through_the_door(effects.job, "name_search", {"order_number": f"FO-{number}"},
-                         key=f"job-{number}")
+    name_search_jobs(effects, range(ctx.settings.outbound_down_after))
     through_the_door(effects.workflow_action, "Formation Order", "ORD-1", "Start Name Check",
                      key="action-1")
     await outbox.deliver(ctx, effects.rows)

@@ -13,7 +13,7 @@ import pytest
 from models import Outbox, database
 from engine import outbox
 from engine.outbox import Effects
-from tests.door import new_row_id, through_the_door
+from tests.door import name_search_jobs, new_row_id, through_the_door
 
 
 def mail(to="customer@example.test", subject="Your order", text="Hello"):
@@ -248,9 +248,7 @@ async def test_a_claim_walks_a_backlog_in_index_order_rather_than_sorting_all_of
 async def test_a_backlog_larger_than_a_claim_is_sent_in_one_run(ctx, clock, worker):
     clock.set(2026, 11, 20, 9, 0)
     effects = Effects(ctx)
-    for number in range(outbox.SEND_BATCH + 10):
-        through_the_door(effects.job, "name_search", {"order_number": f"FO-{number}"},
-                         key=f"job-FO-{number}")
+    name_search_jobs(effects, range(outbox.SEND_BATCH + 10))
     clock.advance(minutes=5)  # past the lease their request held them under
     assert await outbox.send_due(ctx) == outbox.SEND_BATCH + 10
     assert len(worker.requests) == outbox.SEND_BATCH + 10

@@ -16,7 +16,7 @@ from models import CrtcOrder, FormationOrder, Outbox, WebhookEvent
 from tests import shkeeper
 from tests import stripe_events as se
 from tests.test_order_names import FRAPPE_HEADERS, frappe_body
-from tests.door import through_the_door
+from tests.door import name_search_jobs
 
 # The statements one webhook costs today, from its request to its response (the same on
 # both databases): the event's INSERT (as processed, so no UPDATE after its handling,
@@ -194,9 +194,7 @@ async def test_a_drain_records_a_whole_batch_of_sends_in_one_statement(ctx, cloc
     one UPDATE, not one each (each would hold the database thread, and the live
     requests' turns behind it, for a round trip)."""
     effects = Effects(ctx)
-    for number in range(1, 51):
-        through_the_door(effects.job, "name_search", {"order_number": f"FO-{number}"},
-                         key=f"job-FO-{number}")
+    name_search_jobs(effects, range(1, 51))
     clock.advance(minutes=5)  # past the lease their request held them under
     with StatementCount().open() as count:
         assert await outbox.send_due(ctx) == 50

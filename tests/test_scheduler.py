@@ -16,7 +16,7 @@ from engine.db import Circuit
 from settings import ConfigurationError, Settings
 from tests.conftest import WEBHOOK_SECRET
 from tests.service_process import postgres_only
-from tests.door import through_the_door
+from tests.door import name_search_jobs, through_the_door
 
 AUTH = {"X-Webhook-Secret": WEBHOOK_SECRET, "Content-Type": "application/json"}
 
@@ -383,9 +383,7 @@ async def test_a_destination_found_back_has_its_backlog_sent_at_once_not_at_the_
         worker_destination.observe(Result.failed("connection refused"))
     assert worker_destination.state == "down"
     effects = outbox.Effects(ctx)
-    for number in range(1, 4):
-        through_the_door(effects.job, "name_search", {"order_number": f"FO-{number}"},
-                         key=f"job-FO-{number}")
+    name_search_jobs(effects, range(1, 4))
     clock.advance(seconds=ctx.settings.claim_lease_seconds + 1)  # due, but not yet probed
 
     scheduler = Scheduler(ctx)
