@@ -279,7 +279,7 @@ def with_cpu(pid, run, database=None):
     requests = max(1, row["requests"])
     row.update(cpu_share=round(used / row["seconds"], 2),
                cpu_us_per_request=round(1e6 * used / requests),
-               machine_busy=round(1 - idle / total, 2) if total else None)
+               machine_busy=round(1 - idle / total, 2))
     if server_before is not None:
         server = sum(now - server_before.get(server_pid, 0.0)
                      for server_pid, now in postgres_cpu().items())
