@@ -77,13 +77,12 @@ DATABASE_THREAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="d
 
 # False while a turn runs without savepoints.
 _with_savepoints = contextvars.ContextVar("with_savepoints", default=True)
-# When the call being served must be done with the database (time.monotonic()), if it
-# has a budget (`budget`).
-_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar(
-    "deadline", default=None)
+# The time on the database left to the call being served, if it has a budget (`budget`).
+_budget: contextvars.ContextVar["TimeLeft | None"] = contextvars.ContextVar(
+    "budget", default=None)
 # The time on the database left to the background run being done, if it has one
 # (`allowance`).
-_allowance: contextvars.ContextVar["Allowance | None"] = contextvars.ContextVar(
+_allowance: contextvars.ContextVar["TimeLeft | None"] = contextvars.ContextVar(
     "allowance", default=None)
 # Set in the database thread while it runs a turn: the thread check (`in_a_turn`).
 _turn = threading.local()
@@ -120,8 +119,11 @@ class AllowanceSpent(DatabaseDown):
     spooled for it."""
 
 
-class Allowance:
-    """Seconds of waiting on the database left to a background run."""
+class TimeLeft:
+    """Seconds of waiting on the database left to a call (its budget) or to a background
+    run (its allowance). Only those waits use it up: the time a call spends on other
+    systems (a send, a password check, a processor's API) is not the database's. The
+    tasks a call gathers share it, and the waits they make at once each count."""
 
     def __init__(self, seconds: float) -> None:
         self.left = seconds
@@ -135,7 +137,7 @@ def allowance(seconds: float) -> Iterator[None]:
     circuit is left alone: a background run that had its share of the database thread
     (shared with the request path) says nothing about the database being down, which
     the statements' own bound (DATABASE_TIMEOUT_MS) and the calls' budgets find."""
-    token = _allowance.set(Allowance(seconds))
+    token = _allowance.set(TimeLeft(seconds))
     try:
         yield
     finally:
@@ -145,26 +147,28 @@ def allowance(seconds: float) -> Iterator[None]:
 @contextlib.contextmanager
 def budget(seconds: float | None) -> Iterator[None]:
     """Every `GroupCommit.run` of the code inside (the task and what it awaits, not the
-    background work it starts) must be answered within `seconds` from now, all of them
-    together: a database slow on each reply must not hold a call for many times the
-    per-statement bound. `None`: no budget (the scheduler's jobs, background work)."""
-    token = _deadline.set(None if seconds is None else time.monotonic() + seconds)
+    background work it starts) must be answered within `seconds` of waiting, all of
+    them together: a database slow on each reply must not hold a call for many times the
+    per-statement bound. Only the waits on the database count (`TimeLeft`): a call that
+    waited on a slow peer before its next statement has not found the database slow.
+    `None`: no budget (the scheduler's jobs, background work)."""
+    token = _budget.set(None if seconds is None else TimeLeft(seconds))
     try:
         yield
     finally:
-        _deadline.reset(token)
+        _budget.reset(token)
 
 
 def set_budget(seconds: float) -> None:
     """`budget` for the rest of the current task (an inbound call's handler)."""
-    _deadline.set(time.monotonic() + seconds)
+    _budget.set(TimeLeft(seconds))
 
 
 def without_budget() -> contextvars.Context:
     """A copy of the current context with no budget: for work that outlives the call
     (asyncio.create_task(..., context=without_budget()))."""
     context = contextvars.copy_context()
-    context.run(_deadline.set, None)
+    context.run(_budget.set, None)
     context.run(_allowance.set, None)
     return context
 
@@ -329,7 +333,7 @@ class GroupCommit:
         what it returns, or raise what it raised, once the transaction is committed.
         `ahead`: what the unit asks to have done before the turn's units run (`Ahead`).
 
-        Within a `budget`, past its deadline OverBudget is raised and the circuit opens;
+        Within a `budget`, once it is spent OverBudget is raised and the circuit opens;
         within an `allowance`, once it is spent AllowanceSpent is raised, and the circuit
         is left alone. Either way a unit not started yet is then never run (one already running in the thread may
         still commit: a caller that spools on OverBudget stores a copy the inbox's
@@ -337,19 +341,19 @@ class GroupCommit:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self._enqueue(unit, future, conflicts=0, ahead=ahead)
-        deadline, allowed = _deadline.get(), _allowance.get()
-        if deadline is None and allowed is None:
+        budgeted, allowed = _budget.get(), _allowance.get()
+        if budgeted is None and allowed is None:
             return await future
         started = time.monotonic()
-        to_deadline = float("inf") if deadline is None else deadline - started
+        budget_now = float("inf") if budgeted is None else budgeted.left
         allowed_now = float("inf") if allowed is None else allowed.left
         # A timer, not asyncio.wait_for: this is every request's path, and wait_for
         # with the shield it would need costs about 25 µs of the loop per call.
-        timer = loop.call_later(min(to_deadline, allowed_now), _time_out, future)
+        timer = loop.call_later(min(budget_now, allowed_now), _time_out, future)
         try:
             return await future
         except _TimedOut:
-            if allowed_now < to_deadline:
+            if allowed_now < budget_now:
                 raise AllowanceSpent("the run spent its allowance of time on the "
                                      "database") from None
             failure = OverBudget("the database did not answer within the call's budget")
@@ -359,8 +363,10 @@ class GroupCommit:
             raise failure from None
         finally:
             timer.cancel()
-            if allowed is not None:
-                allowed.left -= time.monotonic() - started
+            waited = time.monotonic() - started
+            for left in (budgeted, allowed):
+                if left is not None:
+                    left.left -= waited
 
     def _enqueue(self, unit: Unit, future: asyncio.Future, conflicts: int,
                  ahead: Sequence[Ahead]) -> None:

@@ -52,6 +52,30 @@ async def test_work_that_outlives_the_call_has_no_budget(ctx):
 
 
 @pytest.mark.gen_test(timeout=30)
+async def test_a_calls_budget_counts_only_its_waits_on_the_database(ctx, db):
+    circuit = Circuit(db)
+    circuit.attach()
+    release = threading.Event()
+    holding = None
+    try:
+        with commits.budget(0.3):
+            await asyncio.sleep(0.6)  # a send, a password check: not the database's time
+            assert await ctx.db(lambda: "within") == "within"
+            await asyncio.sleep(0.6)
+            assert await ctx.db(lambda: "still within") == "still within"
+            holding = ctx.background(ctx.db(functools.partial(release.wait, 30)))
+            await asyncio.sleep(0.05)  # the database thread is held by that unit's turn
+            with pytest.raises(commits.OverBudget):
+                await ctx.db(lambda: "never")
+        assert circuit.is_open  # a database that slow is taken for down
+    finally:
+        release.set()
+        if holding is not None:
+            await holding
+        await circuit.detach()
+
+
+@pytest.mark.gen_test(timeout=30)
 async def test_an_allowance_counts_only_the_waits_on_the_database_and_opens_no_circuit(
         ctx, db):
     circuit = Circuit(db)
