@@ -123,10 +123,27 @@ class TimeLeft:
     """Seconds of waiting on the database left to a call (its budget) or to a background
     run (its allowance). Only those waits use it up: the time a call spends on other
     systems (a send, a password check, a processor's API) is not the database's. The
-    tasks a call gathers share it, and the waits they make at once each count."""
+    tasks a call gathers share it, and waits they make at once count once: it is the
+    time during which the call was waiting on the database."""
 
     def __init__(self, seconds: float) -> None:
         self.left = seconds
+        self._waits = 0
+        self._since = 0.0
+
+    def at(self, now: float) -> float:
+        """What is left at `now`, the waits under way counted up to it."""
+        return self.left - (now - self._since if self._waits else 0.0)
+
+    def wait_started(self, now: float) -> None:
+        if not self._waits:
+            self._since = now
+        self._waits += 1
+
+    def wait_ended(self, now: float) -> None:
+        self._waits -= 1
+        if not self._waits:
+            self.left -= now - self._since
 
 
 @contextlib.contextmanager
@@ -345,8 +362,11 @@ class GroupCommit:
         if budgeted is None and allowed is None:
             return await future
         started = time.monotonic()
-        budget_now = float("inf") if budgeted is None else budgeted.left
-        allowed_now = float("inf") if allowed is None else allowed.left
+        budget_now = float("inf") if budgeted is None else budgeted.at(started)
+        allowed_now = float("inf") if allowed is None else allowed.at(started)
+        counted = [left for left in (budgeted, allowed) if left is not None]
+        for left in counted:
+            left.wait_started(started)
         # A timer, not asyncio.wait_for: this is every request's path, and wait_for
         # with the shield it would need costs about 25 µs of the loop per call.
         timer = loop.call_later(min(budget_now, allowed_now), _time_out, future)
@@ -363,10 +383,9 @@ class GroupCommit:
             raise failure from None
         finally:
             timer.cancel()
-            waited = time.monotonic() - started
-            for left in (budgeted, allowed):
-                if left is not None:
-                    left.left -= waited
+            ended = time.monotonic()
+            for left in counted:
+                left.wait_ended(ended)
 
     def _enqueue(self, unit: Unit, future: asyncio.Future, conflicts: int,
                  ahead: Sequence[Ahead]) -> None:

@@ -76,6 +76,24 @@ async def test_a_calls_budget_counts_only_its_waits_on_the_database(ctx, db):
 
 
 @pytest.mark.gen_test(timeout=30)
+async def test_the_waits_a_call_makes_at_once_count_once(ctx):
+    release = threading.Event()
+    holding = ctx.background(ctx.db(functools.partial(release.wait, 30)))
+    await asyncio.sleep(0.05)  # the database thread is held by that unit's turn
+    try:
+        with commits.budget(1.0):
+            both = asyncio.gather(ctx.db(lambda: 1), ctx.db(lambda: 2))
+            await asyncio.sleep(0.6)
+            release.set()
+            assert await both == [1, 2]
+            # 0.6 s of waiting, not 1.2: the budget is not spent.
+            assert await ctx.db(lambda: 3) == 3
+    finally:
+        release.set()
+        await holding
+
+
+@pytest.mark.gen_test(timeout=30)
 async def test_an_allowance_counts_only_the_waits_on_the_database_and_opens_no_circuit(
         ctx, db):
     circuit = Circuit(db)
