@@ -25,6 +25,8 @@ import uuid
 
 import aiohttp
 
+from bench.run import cpu_seconds, free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECRET = "bench-webhook-secret"
 BODY_SIZE = 1024 * 1024 - 1
@@ -57,24 +59,12 @@ def console_password_hash(root):
         cwd=root, capture_output=True, text=True, check=True).stdout.strip()
 
 
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def rss_mb(pid):
     with open(f"/proc/{pid}/status") as status:
         for line in status:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     return 0.0
-
-
-def cpu_seconds(pid):
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def start_service(root, folder):

@@ -12,18 +12,13 @@ import pytest
 import tornado.netutil
 
 from app.connections import ReceiverServer, connection_cap
+from bench.run import cpu_seconds
 from tests.conftest import WEBHOOK_SECRET
 from tests.service_process import ServiceProcess
 
 NOFILE = 200
 IDLE = 400
 BODY = json.dumps({"order_name": "ORD-1", "order_number": "FO-1"}).encode()
-
-
-def cpu_seconds(pid):
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def open_idle(port, count):

@@ -218,9 +218,9 @@ async def test_a_mail_whose_lease_has_run_down_is_re_taken_from_its_mail_thread(
 async def test_a_claim_walks_a_backlog_in_index_order_rather_than_sorting_all_of_it(
         ctx, clock, caplog, database_url):
     """A backlog (a destination back after an outage) is claimed SEND_BATCH rows of a
-    kind at a time. Each claim must walk one kind's due rows oldest first on an index and stop
-    there: a plan that read every due row and sorted them cost each claim as much as
-    the backlog (21 ms at 45,000 rows on SQLite, 30-55 ms on PostgreSQL), and the live
+    kind at a time. Each claim must walk one kind's due rows oldest first on an index
+    and stop there: a plan that read every due row and sorted them cost each claim as
+    much as the backlog (21 ms at 45,000 rows on SQLite, 30-55 ms on PostgreSQL), and the live
     requests' turns waited behind it."""
     clock.set(2026, 11, 20, 9, 0)
     now = clock()
