@@ -220,8 +220,8 @@ async def test_a_claim_walks_a_backlog_in_index_order_rather_than_sorting_all_of
     """A backlog (a destination back after an outage) is claimed SEND_BATCH rows of a
     kind at a time. Each claim must walk one kind's due rows oldest first on an index
     and stop there: a plan that read every due row and sorted them cost each claim as
-    much as the backlog (21 ms at 45,000 rows on SQLite, 30-55 ms on PostgreSQL), and the live
-    requests' turns waited behind it."""
+    much as the backlog (21 ms at 45,000 rows on SQLite, 30-55 ms on PostgreSQL), and
+    the live requests' turns waited behind it."""
     clock.set(2026, 11, 20, 9, 0)
     now = clock()
     due = dict(created_at=now, updated_at=now, payload="{}", status="pending", attempts=0,
