@@ -4,6 +4,7 @@ network. Each test prints its figures (run with -s to see them)."""
 import asyncio
 import collections
 import json
+import re
 import time
 
 import pytest
@@ -332,8 +333,14 @@ async def test_a_frozen_database_holds_the_database_thread_never_the_loop(
         services, service_env, database_url, client, worker):
     """With DATABASE_TIMEOUT_MS at 5 s, every statement in flight when the database
     freezes waits that long (here until the thaw, 4 s later). Were it run on the loop,
-    /healthz would wait with it; it runs in the database thread, so /healthz answers
-    throughout. The bound leaves room for a loaded machine; the quiet machine's figure
+    the loop would wait with it; it runs in the database thread, so /healthz answers
+    throughout.
+
+    The evidence is the service's own: asyncio's debug mode logs every callback that
+    held its loop, and none may have held it for a second. /healthz's wall time, seen
+    from this process, is printed, not asserted: on a shared machine either process
+    can stand still for a second for reasons of its own (a CI run once saw 1.6 s while
+    the service's loop logged nothing longer than 0.12 s). The quiet machine's figure
     is in docs/PERFORMANCE.md."""
     proxy, proxied_url = TcpProxy.in_front_of(database_url)
     try:
@@ -345,11 +352,10 @@ async def test_a_frozen_database_holds_the_database_thread_never_the_loop(
     finally:
         proxy.close()
     during = [seconds for phase, seconds, _ in load.health if phase == "during"]
-    # asyncio's debug mode logs what held the loop, should anything have.
-    held = [line for line in service.log().splitlines()
-            if " asyncio " in line and "took" in line]
+    held = [float(seconds) for seconds in re.findall(
+        r" asyncio Executing .* took (\d+\.\d+) seconds", service.log())]
     assert len(during) >= 20, (f"/healthz answered {len(during)} times in 4 s", held)
-    assert max(during) < 1.0, (f"/healthz waited {max(during):.2f} s", held)
+    assert max(held, default=0) < 1.0, f"the service's loop was held {max(held):.2f} s"
     assert await service.terminate() == 0
 
 
