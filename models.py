@@ -282,6 +282,32 @@ class ClassifiedErrors:
                 sql, params = self._executing(prepared, held), prepared.arguments(params)
             held.append(self._text_of(sql, params))
 
+    def rows_of_each(self, statements: list[tuple[str, list]]) -> list[tuple[list[str], list]]:
+        """Each statement's (column names, rows), of statements that each return rows (a
+        select, or a write with RETURNING), run as one: each is a part of a WITH, and
+        the select joins each part's rows to a row of VALUES of its own, so that a row
+        holds one part's columns and NULL in the others'; the part's `found_<n>` column,
+        never NULL in its rows, tells which. One round trip where each would be one
+        (engine.commits.Ahead); PostgreSQL only, as SQLite takes no write in a WITH."""
+        if len(statements) == 1:
+            cursor = self.execute_sql(*statements[0])
+            return [([column[0] for column in cursor.description], cursor.fetchall())]
+        parts = range(len(statements))
+        sql = "".join((
+            "WITH ", ", ".join(f"part_{n} AS ({statements[n][0]})" for n in parts),
+            " SELECT ", ", ".join(f"rows_{n}.*" for n in parts),
+            f" FROM (VALUES {', '.join(f'({n})' for n in parts)}) AS part(n) ",
+            " ".join(f"LEFT JOIN (SELECT 1 AS found_{n}, * FROM part_{n}) AS rows_{n} "
+                     f"ON part.n = {n}" for n in parts)))
+        cursor = self.execute_sql(sql, [param for _, params in statements for param in params])
+        names = [column[0] for column in cursor.description]
+        starts = [names.index(f"found_{n}") for n in parts] + [len(names)]
+        rows = cursor.fetchall()
+        return [(names[starts[n] + 1:starts[n + 1]],
+                 [row[starts[n] + 1:starts[n + 1]] for row in rows
+                  if row[starts[n]] is not None])
+                for n in parts]
+
     def execute_prepared(self, prepared, params):
         """`execute_sql` of a statement compiled once (engine.prepared.ServerSide): by
         name, prepared on the server with its first use on the connection, in a turn

@@ -9,7 +9,7 @@ import peewee
 
 from models import ORDER_MODELS, SubscriptionCycle
 from engine import commits
-from engine.commits import Ahead, raise_if_conflict, savepoint
+from engine.commits import Ahead, AheadStatement, raise_if_conflict, savepoint
 from engine.db import locked
 from engine.prepared import ArraySlot, Prepared, save_changes, slot
 
@@ -91,31 +91,41 @@ ORDERS_BY_NUMBERS = {order_type: _orders_by_numbers(model)
 
 class OrderAhead(Ahead):
     """The order a plugin locks and reads (`find_order(..., for_update=True)`), read
-    ahead with the turn's others of its kind in one statement (engine.commits.Ahead),
-    locked as the plugin's own read would lock it, and kept for the turn
-    (`commits.keep_rows`): the plugin's read takes it, unless a write to its table in
-    the turn came first and dropped it; a second read goes to the database. Asked for
-    where the call's unit will read it (a plugin's `ahead`, plugins.registry): an order
-    read ahead and not taken (the call was a copy) stays locked until the turn's COMMIT
-    all the same. Locked before the unit's own writes (a crypto payment's treasury job),
-    where the unit alone would lock it after them: a deadlock with a process locking in
-    the other order is a conflict, and its unit is run again (engine.commits)."""
+    ahead with the turn's others of its kind (engine.commits.Ahead: a part of the
+    statement that inserts the turn's events), locked as the plugin's own read would
+    lock it, and kept for the turn (`commits.keep_rows`): the plugin's read takes it,
+    unless a write to its table in the turn came first and dropped it; a second read
+    goes to the database. Asked for where the call's unit will read it (a plugin's
+    `ahead`, plugins.registry): an order read ahead and not taken (the call was a copy)
+    stays locked until the turn's COMMIT all the same. Locked before the unit's own
+    writes (a crypto payment's treasury job), where the unit alone would lock it after
+    them: a deadlock with a process locking in the other order is a conflict, and its
+    unit is run again (engine.commits)."""
 
     def __init__(self, order_type: str, order_number: str) -> None:
         self.order_type, self.order_number = order_type, order_number
 
     @classmethod
-    def run_together(cls, items: list["OrderAhead"]) -> None:
-        numbers_by_kind: dict[str, set[str]] = {}
+    def statements(cls, items: list["OrderAhead"]) -> list[AheadStatement]:
+        by_kind: dict[str, list[OrderAhead]] = {}
         for item in items:
-            numbers_by_kind.setdefault(item.order_type, set()).add(item.order_number)
-        for order_type, numbers in sorted(numbers_by_kind.items()):
+            by_kind.setdefault(item.order_type, []).append(item)
+        return [cls._locking(order_type, by_kind[order_type]) for order_type in sorted(by_kind)]
+
+    @staticmethod
+    def _locking(order_type: str, items: list["OrderAhead"]) -> AheadStatement:
+        """The statement that locks and reads the orders of one kind."""
+        numbers = sorted({item.order_number for item in items})
+        statement = ORDERS_BY_NUMBERS[order_type]
+
+        def take(names, rows):
             found = dict.fromkeys(numbers)
-            for order in ORDERS_BY_NUMBERS[order_type].all(numbers=sorted(numbers)):
+            for order in statement.instances(names, rows):
                 found[order.order_number] = order
             commits.keep_rows(ORDER_MODELS[order_type], found)
-        for item in items:
-            item.done = True
+            for item in items:
+                item.done = True
+        return statement.ahead(take, numbers=numbers)
 
 
 def find_any_kind(order_number):
@@ -169,14 +179,17 @@ class OrderNameAhead(Ahead):
         self.order_number = order_number
 
     @classmethod
-    def run_together(cls, items: list["OrderNameAhead"]) -> None:
+    def statements(cls, items: list["OrderNameAhead"]) -> list[AheadStatement]:
         numbers = sorted({item.order_number for item in items})
-        found: dict[str, dict[str, str | None]] = {number: {} for number in numbers}
-        for kind, number, name in NAMES_OF_ANY_KIND.execute(numbers=numbers).fetchall():
-            found[number][kind] = name
-        commits.for_this_turn(OrderNameAhead, dict).update(found)
-        for item in items:
-            item.done = True
+
+        def take(names, rows):
+            found: dict[str, dict[str, str | None]] = {number: {} for number in numbers}
+            for kind, number, name in rows:
+                found[number][kind] = name
+            commits.for_this_turn(OrderNameAhead, dict).update(found)
+            for item in items:
+                item.done = True
+        return [NAMES_OF_ANY_KIND.ahead(take, numbers=numbers)]
 
 
 def order_name_of_any_kind(order_number):

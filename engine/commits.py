@@ -39,12 +39,12 @@ turn is undone, and the run with savepoints, which holds nothing, finds its unit
 
 Such a turn also runs its units' like statements together, on a database that sends
 several statements at once (PostgreSQL), where each would be a round trip of its own:
-what a unit asks to have done ahead (`Ahead`: a call's event, a read its plugin will
-make) is done for every unit of the turn that asks the same, in one statement, before
-the units run; and
-the writes a unit leaves for the turn's end (`at_turn_end`: its effects) go in one
-statement before the COMMIT. The run with savepoints does neither: there each unit runs
-its own statements, as it does on SQLite, which has no round trip to save.
+what the units ask to have done ahead (`Ahead`: a call's event, a read its plugin will
+make) is done for all of them in one statement before the units run, each kind's
+work in one part of it (`AheadStatement`); and the writes a unit leaves for the turn's
+end (`at_turn_end`: its effects) go in one statement before the COMMIT. The run with
+savepoints does neither: there each unit runs its own statements, as it does on SQLite,
+which has no round trip to save.
 """
 import asyncio
 import concurrent.futures
@@ -53,7 +53,7 @@ import contextvars
 import functools
 import threading
 import time
-from typing import Callable, Iterator, Self, Sequence, TypeVar
+from typing import Callable, Iterator, NamedTuple, Self, Sequence, TypeVar
 
 from peewee import DatabaseError
 
@@ -89,13 +89,15 @@ _turn = threading.local()
 
 
 class Ahead:
-    """What a unit asks to have done before the turn's units run, together with the same
-    of the turn's other units (above). `run_together(items)`, a class method, does it
-    for every item of its class in the turn, in one statement, and sets `done` on each
-    item it did; it runs where the units run, in their transaction, when at least two of
-    the turn's units ask for it. A unit whose item is not done (alone in its turn, or in
-    a run with savepoints, or on SQLite) does the work itself. Done ahead, an item's work
-    is seen by the units asked for before it: it must come to what the units' own
+    """What a unit asks to have done before the turn's units run, together with what the
+    turn's other units ask (above). `statements(items)`, a class method, gives the
+    statements that do it for every item of its class in the turn (`AheadStatement`),
+    each with what takes its rows and sets `done` on the items it did; none when they
+    cannot be done together. The turn's statements of every kind go to the database as
+    one, in the units' transaction, when the turn's units ask for two items or more. A
+    unit whose item is not done (alone in its turn with nothing else asked, or in a run
+    with savepoints, or on SQLite) does the work itself. Done ahead, an item's work is
+    seen by the units asked for before it: it must come to what the units' own
     statements would have come to in some order of the turn's units, which were asked for
     together (the order of calls answered together is no order their senders could
     see). What a unit finds may be the item's (`done` and what it set) or kept for the
@@ -104,8 +106,18 @@ class Ahead:
     done = False
 
     @classmethod
-    def run_together(cls, items: list[Self]) -> None:
+    def statements(cls, items: list[Self]) -> list["AheadStatement"]:
         raise NotImplementedError
+
+
+class AheadStatement(NamedTuple):
+    """A statement an `Ahead` kind asks for: its SQL and bound values as the driver takes
+    them, a select or a write with RETURNING, and `take(names, rows)`, called with its
+    column names and rows once it has run."""
+
+    sql: str
+    params: list
+    take: Callable[[list[str], list[tuple]], None]
 
 
 class OverBudget(DatabaseDown):
@@ -489,13 +501,21 @@ def _run_plain(units: list[tuple[Unit, Sequence[Ahead]]]) -> list[Outcome]:
 
 
 def _run_ahead(items: list[Ahead]) -> None:
-    """Each class's items together, where at least two units of the turn ask for it."""
+    """The items of every kind in one statement, where there are two or more: one item
+    alone is left to its unit, whose own statement costs the same round trip."""
+    if len(items) < 2:
+        return
     by_kind: dict[type[Ahead], list[Ahead]] = {}
     for item in items:
         by_kind.setdefault(type(item), []).append(item)
-    for kind, together in by_kind.items():
-        if len(together) > 1:
-            kind.run_together(together)
+    statements = [statement for kind, together in by_kind.items()
+                  for statement in kind.statements(together)]
+    if not statements:
+        return
+    returned = database.rows_of_each([(statement.sql, statement.params)
+                                      for statement in statements])
+    for statement, (names, rows) in zip(statements, returned):
+        statement.take(names, rows)
 
 
 def _attempt(unit: Unit) -> Outcome:

@@ -25,7 +25,7 @@ from clients.http import error_text
 from models import Outbox, WebhookEvent
 from engine import outbox, retry, spool
 from engine.claims import CLAIM_BATCH, Kept, claim, lease
-from engine.commits import Ahead, AllowanceSpent, raise_if_conflict, savepoint
+from engine.commits import Ahead, AheadStatement, AllowanceSpent, raise_if_conflict, savepoint
 from engine.contracts import Accepted, EngineContext, Stored
 from engine.spool import Entry
 from engine.db import UNAVAILABLE, locked, why_unavailable
@@ -477,9 +477,9 @@ class _NewEvent(Ahead):
         self.handling = None
 
     @classmethod
-    def run_together(cls, items: list["_NewEvent"]) -> None:
+    def statements(cls, items: list["_NewEvent"]) -> list[AheadStatement]:
         if _windows_overlap([item.call for item in items]):
-            return
+            return []
         rows = []
         for item in items:
             registry = item.ctx.plugins[item.call["source"]]
@@ -487,12 +487,15 @@ class _NewEvent(Ahead):
             first, last = item.call.get("also_known_between") or (None, None)
             rows.append({**_event_values(item.ctx, item.call, item.handling is not None),
                          "first": first, "last": last})
-        inserted = {(source, key): event_id
-                    for event_id, source, key in NEW_EVENTS.rows(rows)}
-        for item, values in zip(items, rows):
-            event_id = inserted.pop((values["source"], values["dedup_key"]), None)
-            item.event = None if event_id is None else NEW_EVENTS.written(event_id, values)
-            item.done = True
+
+        def take(names, returned):
+            inserted = {(source, key): event_id for event_id, source, key in returned}
+            for item, values in zip(items, rows):
+                event_id = inserted.pop((values["source"], values["dedup_key"]), None)
+                item.event = (None if event_id is None
+                              else NEW_EVENTS.written(event_id, values))
+                item.done = True
+        return [NEW_EVENTS.ahead_rows(rows, take)]
 
 
 def _windows_overlap(calls):

@@ -136,6 +136,16 @@ class Prepared:
             self._tell_turn(model, values)
         db.write_later(sql, self._bound(params, values), prepared=server)
 
+    def ahead(self, take: Callable[[list[str], list[tuple]], None],
+              **values: object) -> commits.AheadStatement:
+        """The statement with `values` bound, for an `engine.commits.Ahead` kind: sent
+        with the turn's other statements ahead, in one; `take(names, rows)` gets what it
+        returned."""
+        db, sql, params, model, server, writes = self._statement()
+        if writes:
+            self._tell_turn(model, values)
+        return commits.AheadStatement(sql, self._bound(params, values), take)
+
     def _tell_turn(self, model, values):
         """A write: the rows of its table kept for the turn are dropped (commits.wrote)."""
         commits.wrote(model)
@@ -148,21 +158,25 @@ class Prepared:
         """Run a select; its first row as a model instance, or None."""
         cursor = self.execute(**values)
         row = cursor.fetchone()
-        return None if row is None else self._instance(cursor, row)
+        return None if row is None else self.instances(_names(cursor), [row])[0]
 
     def all(self, **values):
         """Run a select; its rows as model instances."""
         cursor = self.execute(**values)
-        return [self._instance(cursor, row) for row in cursor.fetchall()]
+        return self.instances(_names(cursor), cursor.fetchall())
 
-    def _instance(self, cursor, row):
+    def instances(self, names: list[str], rows: list[tuple]) -> list[Any]:
+        """Rows of this select, their columns named `names`, as model instances."""
         model = self._statement()[3]
         columns = model._meta.columns
-        fields = [columns[column[0]] for column in cursor.description]
-        instance = model(__no_default__=1, **{field.name: field.python_value(value)
-                                              for field, value in zip(fields, row)})
-        instance._dirty.clear()  # as peewee leaves a row it read: nothing to save yet
-        return instance
+        fields = [columns[name] for name in names]
+        found = []
+        for row in rows:
+            instance = model(__no_default__=1, **{field.name: field.python_value(value)
+                                                  for field, value in zip(fields, row)})
+            instance._dirty.clear()  # as peewee leaves a row it read: nothing to save yet
+            found.append(instance)
+        return found
 
 
 class InsertOnce(Prepared):
@@ -316,12 +330,24 @@ class InsertMany(Prepared):
     def rows(self, rows: list[dict]) -> list[tuple]:
         """Insert `rows` (each a dict of values by name: the fields' and the extra
         ones); RETURNING's rows, one for each row inserted."""
+        return list(self.execute(**self._by_column(rows)).fetchall())
+
+    def ahead_rows(self, rows: list[dict],
+                   take: Callable[[list[str], list[tuple]], None]) -> commits.AheadStatement:
+        """`rows` as `Prepared.ahead` asks for a statement: `take` gets RETURNING's."""
+        return self.ahead(take, **self._by_column(rows))
+
+    def _by_column(self, rows):
         for row in rows:
             _with_defaults(self.fields, row)
         by_column = {field.column_name: [row[field.name] for row in rows]
                      for field in self.fields}
         by_column.update({name: [row[name] for row in rows] for name in self.extra})
-        return list(self.execute(**by_column).fetchall())
+        return by_column
+
+
+def _names(cursor):
+    return [column[0] for column in cursor.description]
 
 
 def _written_fields(model):

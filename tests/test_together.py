@@ -5,6 +5,7 @@ what the units' own statements come to, one after another, on SQLite. Every test
 runs on both databases (tests/test_round_trips.py counts what a turn of webhooks
 costs)."""
 import asyncio
+import datetime
 
 import peewee
 import pytest
@@ -13,7 +14,7 @@ from domain import orders
 from engine import inbox, outbox
 from engine.prepared import Prepared, save_changes, slot, write_later
 from handlers.workflow import hourly_keys
-from models import FormationOrder, Outbox, WebhookEvent, database
+from models import CrtcOrder, FormationOrder, Outbox, WebhookEvent, database
 from tests.door import through_the_door
 from tests.test_inbox import card_plugin  # noqa: F401 (a fixture)
 from tests.test_order_names import frappe_body
@@ -284,3 +285,34 @@ async def test_two_payments_of_one_order_in_a_turn_pay_it_once(ctx, card_plugin)
     assert [order.stripe_session_id for order in FormationOrder.select().order_by(
         FormationOrder.order_number)] == ["cs_a", "cs_c"]
     assert Outbox.select().where(Outbox.kind == "alert").count() == 2
+
+
+@pytest.mark.gen_test
+async def test_orders_of_two_kinds_read_ahead_with_the_events_are_the_rows_as_read_alone(
+        ctx, card_plugin):  # noqa: F811
+    """A turn whose calls lock orders of two kinds, one of them absent, and one call a
+    copy of another: on PostgreSQL the events' INSERT and each kind's read are parts of
+    one statement (engine.commits), whose rows come apart as each part's. Each call finds
+    the row its own read would find, column for column and type for type (an aware time,
+    a count of cents, a flag), an absent order as absent, and the copy as a copy."""
+    paid_at = datetime.datetime(2026, 11, 2, 15, 4, 5, 123456, tzinfo=datetime.timezone.utc)
+    FormationOrder.create(order_number="FO-1", paid_at=paid_at, order_name="FORM-1")
+    CrtcOrder.create(order_number="CA-1", funds_available=True, total_cents=123_45)
+    found = {}
+
+    def reads(ctx, payload, effects):
+        order = orders.find_order(orders.order_type_of(payload["order"]), payload["order"],
+                                  for_update=True)
+        found[payload["key"]] = None if order is None else dict(order.__data__)
+    card_plugin("test.reads", reads)
+
+    def reading(key, order):
+        return accept(ctx, key, order, "test.reads",
+                      ahead=(orders.OrderAhead(orders.order_type_of(order), order),))
+    calls = await one_turn(reading("a", "FO-1"), reading("b", "CA-1"), reading("c", "FO-9"),
+                           reading("a", "FO-1"))
+    assert [call.created for call in calls] == [True, True, True, False]
+    assert found == {"a": FormationOrder.get().__data__, "b": CrtcOrder.get().__data__,
+                     "c": None}
+    assert found["a"]["paid_at"] == paid_at and found["a"]["order_name"] == "FORM-1"
+    assert found["b"]["total_cents"] == 123_45 and found["b"]["funds_available"] is True
