@@ -284,21 +284,28 @@ class ClassifiedErrors:
 
     def rows_of_each(self, statements: list[tuple[str, list]]) -> list[tuple[list[str], list]]:
         """Each statement's (column names, rows), of statements that each return rows (a
-        select, or a write with RETURNING), run as one: each is a part of a WITH, and
-        the select joins each part's rows to a row of VALUES of its own, so that a row
-        holds one part's columns and NULL in the others'; the part's `found_<n>` column,
-        never NULL in its rows, tells which. One round trip where each would be one
+        select, or a write with RETURNING), run as one, in the order given: each is a
+        part of a WITH, and the select is one branch of a UNION ALL per part, which
+        PostgreSQL runs in turn, so a part's writes and locks are all taken before the
+        next part's begin. A branch holds its part's columns beside the other parts',
+        NULL (an outer join to the other parts with WHERE false, which never runs them,
+        gives those NULLs their columns' types); the part's `found_<n>` column, never
+        NULL in its rows, tells which. One round trip where each would be one
         (engine.commits.Ahead); PostgreSQL only, as SQLite takes no write in a WITH."""
         if len(statements) == 1:
             cursor = self.execute_sql(*statements[0])
             return [([column[0] for column in cursor.description], cursor.fetchall())]
         parts = range(len(statements))
+
+        def branch(n):
+            others = " ".join(f"LEFT JOIN (SELECT 1 AS found_{other}, * FROM part_{other} "
+                              f"WHERE false) AS rows_{other} ON true"
+                              for other in parts if other != n)
+            return (f"SELECT {', '.join(f'rows_{part}.*' for part in parts)} "
+                    f"FROM (SELECT 1 AS found_{n}, * FROM part_{n}) AS rows_{n} {others}")
         sql = "".join((
-            "WITH ", ", ".join(f"part_{n} AS ({statements[n][0]})" for n in parts),
-            " SELECT ", ", ".join(f"rows_{n}.*" for n in parts),
-            f" FROM (VALUES {', '.join(f'({n})' for n in parts)}) AS part(n) ",
-            " ".join(f"LEFT JOIN (SELECT 1 AS found_{n}, * FROM part_{n}) AS rows_{n} "
-                     f"ON part.n = {n}" for n in parts)))
+            "WITH ", ", ".join(f"part_{n} AS ({statements[n][0]})" for n in parts), " ",
+            " UNION ALL ".join(branch(n) for n in parts)))
         cursor = self.execute_sql(sql, [param for _, params in statements for param in params])
         names = [column[0] for column in cursor.description]
         starts = [names.index(f"found_{n}") for n in parts] + [len(names)]

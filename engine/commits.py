@@ -101,9 +101,18 @@ class Ahead:
     statements would have come to in some order of the turn's units, which were asked for
     together (the order of calls answered together is no order their senders could
     see). What a unit finds may be the item's (`done` and what it set) or kept for the
-    turn (`for_this_turn`)."""
+    turn (`for_this_turn`).
+
+    A kind that `writes` has its statements run before the others' (the reads, some of
+    which lock rows), whatever the order its units were asked for in: every turn of every
+    process then inserts its events before it locks its orders, as a unit alone does,
+    and two turns' statements ahead never take the same rows in opposite orders. All the
+    statements read one snapshot, and the rows a kind keeps
+    for the turn are kept after every write ahead is told to the turn (`wrote`), so no
+    kind may write a table whose rows another keeps."""
 
     done = False
+    writes = False
 
     @classmethod
     def statements(cls, items: list[Self]) -> list["AheadStatement"]:
@@ -508,8 +517,8 @@ def _run_ahead(items: list[Ahead]) -> None:
     by_kind: dict[type[Ahead], list[Ahead]] = {}
     for item in items:
         by_kind.setdefault(type(item), []).append(item)
-    statements = [statement for kind, together in by_kind.items()
-                  for statement in kind.statements(together)]
+    statements = [statement for kind in sorted(by_kind, key=lambda kind: not kind.writes)
+                  for statement in kind.statements(by_kind[kind])]
     if not statements:
         return
     returned = database.rows_of_each([(statement.sql, statement.params)

@@ -471,6 +471,8 @@ class _NewEvent(Ahead):
     cannot be written, live calls go to the database ahead of those it holds, and
     arrival order, dedup window included, is given up already: said in the log.)"""
 
+    writes = True
+
     def __init__(self, ctx, call, handle_now):
         self.ctx, self.call, self.handle_now = ctx, call, handle_now
         self.event: WebhookEvent | None = None

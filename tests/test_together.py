@@ -8,6 +8,7 @@ import asyncio
 import datetime
 
 import peewee
+import psycopg2
 import pytest
 
 from domain import orders
@@ -16,6 +17,7 @@ from engine.prepared import Prepared, save_changes, slot, write_later
 from handlers.workflow import hourly_keys
 from models import CrtcOrder, FormationOrder, Outbox, WebhookEvent, database
 from tests.door import through_the_door
+from tests.service_process import ON_POSTGRES
 from tests.test_inbox import card_plugin  # noqa: F401 (a fixture)
 from tests.test_order_names import frappe_body
 
@@ -316,3 +318,55 @@ async def test_orders_of_two_kinds_read_ahead_with_the_events_are_the_rows_as_re
                      "c": None}
     assert found["a"]["paid_at"] == paid_at and found["a"]["order_name"] == "FORM-1"
     assert found["b"]["total_cents"] == 123_45 and found["b"]["funds_available"] is True
+
+
+@pytest.mark.skipif(not ON_POSTGRES, reason="SQLite runs each unit's own statements")
+@pytest.mark.gen_test(timeout=20)
+@pytest.mark.parametrize("first", ["a payment", "a call with earlier keys"])
+async def test_a_turn_inserts_all_its_events_before_it_locks_an_order(
+        ctx, card_plugin, other_connection, database_url, first):  # noqa: F811
+    """The statement ahead inserts the turn's events, then locks its orders, as a unit
+    alone does, whichever unit asked first (a call with earlier keys inserts its own
+    event, so the first unit may ask for an order alone). Were the locks taken between
+    two events' inserts, or before them, a turn waiting on an order would leave its
+    later events uninserted, and another process could insert a copy of one and then
+    wait on the order: each would wait on the other (a deadlock, one second of it, then
+    one of the turns undone). Here FO-1 is held elsewhere while the turn waits for it: a
+    copy of the turn's last event, inserted by another session, waits for the turn's
+    row, which is there already."""
+    for number in ("FO-1", "FO-2", "FO-3"):
+        FormationOrder.create(order_number=number)
+    paying(card_plugin)
+    other_connection.cursor().execute(
+        "SELECT 1 FROM formation_orders WHERE order_number = 'FO-1' FOR UPDATE")
+    earlier = {"also_known_as": ["cs_earlier"]} if first != "a payment" else {}
+    turn = asyncio.ensure_future(one_turn(
+        accept(ctx, "cs_a", "FO-1", "test.pays", ahead=(orders.OrderAhead("formation", "FO-1"),),
+               **earlier),
+        pays(ctx, "cs_b", "FO-2"), pays(ctx, "cs_c", "FO-3")))
+    sql, params = WebhookEvent.insert(
+        source="card", event_type="test.pays", dedup_key="cs_c", payload="{}",
+        status="received", received_at=ctx.clock()).on_conflict("nothing").sql()
+    copy = psycopg2.connect(database_url)
+    try:
+        copy.autocommit = True
+        cursor = copy.cursor()
+        await until_waiting_on_a_lock(cursor)
+        cursor.execute("SET lock_timeout = '300ms'")
+        with pytest.raises(psycopg2.errors.LockNotAvailable):
+            cursor.execute(sql, params)
+    finally:
+        copy.close()
+        other_connection.rollback()
+    assert [call.outcome for call in await turn] == ["processed"] * 3
+
+
+async def until_waiting_on_a_lock(cursor):
+    """Until another session waits for a lock: the turn, on the order held."""
+    for _ in range(200):
+        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                       " AND datname = current_database()")
+        if cursor.fetchone()[0]:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("the turn never waited on the order held")
