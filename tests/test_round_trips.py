@@ -33,8 +33,9 @@ WORKFLOW_BOUNDS = {"formation/submitted": 10, "formation/ready": 8}
 # go with the next statement or the COMMIT, and the event's INSERT and the order's read
 # are one statement (engine.commits.Ahead): for formation/ready, the INSERT of the event
 # with the order's read, the job's INSERT and the COMMIT, then the outcome's UPDATE with
-# its BEGIN and COMMIT.
-WORKFLOW_ROUND_TRIPS = {"formation/submitted": 5, "formation/ready": 4}
+# its BEGIN and COMMIT; formation/submitted the same, its workflow action and job in one
+# INSERT and their outcomes in one round trip.
+WORKFLOW_ROUND_TRIPS = {"formation/submitted": 4, "formation/ready": 4}
 CARD_ROUND_TRIPS, CRYPTO_ROUND_TRIPS = 4, 4
 WEBHOOKS = 8
 

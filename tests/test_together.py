@@ -1,9 +1,9 @@
 """A turn of the group commit runs its units' like statements together on PostgreSQL
-(engine.commits: the calls' events and the order names inserted and read ahead of the
-units, each in one statement, their effects at the turn's end in another), and comes to
-what the units' own statements come to, one after another, on SQLite. Every test here
-runs on both databases (tests/test_round_trips.py counts what a turn of webhooks
-costs)."""
+(engine.commits: the calls' events inserted and their orders or order names read ahead
+of the units, in one statement, their effects at the turn's end in another), and comes
+to what the units' own statements come to, one after another, on SQLite. Every test
+here runs on both databases but the one of PostgreSQL's lock order
+(tests/test_round_trips.py counts what a turn of webhooks costs)."""
 import asyncio
 import datetime
 
