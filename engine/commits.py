@@ -107,9 +107,9 @@ class Ahead:
     which lock rows), whatever the order its units were asked for in: every turn of every
     process then inserts its events before it locks its orders, as a unit alone does,
     and two turns' statements ahead never take the same rows in opposite orders. All the
-    statements read one snapshot, and the rows a kind keeps
-    for the turn are kept after every write ahead is told to the turn (`wrote`), so no
-    kind may write a table whose rows another keeps."""
+    statements read one snapshot, and the rows a kind keeps for the turn are kept after
+    every write ahead is told to the turn (`wrote`), so no kind may write a table whose
+    rows another keeps."""
 
     done = False
     writes = False
