@@ -5,6 +5,7 @@ database's own count: psycopg2 waits on the server once per round trip, through 
 wait callback. What a turn means (its reads, its failures, each unit's own outcome) is
 the same on both databases, and tested on both."""
 import asyncio
+import decimal
 
 import peewee
 import psycopg2.extensions
@@ -306,3 +307,28 @@ async def test_statements_prepared_on_the_server_read_by_unique_keys_alone(
         assert not filters and all(index in unique for index in indexes), (server.sql, plan)
         checked += 1
     assert checked >= 10
+
+
+def test_statements_of_their_own_results_go_as_one_round_trip_each_with_its_rows(
+        server_waits):
+    """models.ClassifiedErrors.rows_of_each: three statements, one with no rows between
+    two with some, in the round trips one statement takes; each gets its own columns'
+    names and its own rows, typed as its own columns (an exact amount, an aware time)."""
+    parts = [("SELECT n FROM generate_series(1, %s) AS n", [2]),
+             ("SELECT 1 AS never, 'x'::text AS seen WHERE false", []),
+             ("SELECT %s::numeric(12, 2) AS amount, now() AS at", [decimal.Decimal("1.10")])]
+
+    def waits(call):
+        before = server_waits()
+        returned = call()
+        waited = server_waits() - before
+        database.rollback()
+        return waited, returned
+    alone, _ = waits(lambda: database.execute_sql("SELECT 1").fetchall())
+    together, returned = waits(lambda: database.rows_of_each(parts))
+    assert together == alone
+    (counted, numbers), (empty, none), (priced, [(amount, at)]) = returned
+    assert (counted, numbers) == (["n"], [(1,), (2,)])
+    assert (empty, none) == (["never", "seen"], [])
+    assert priced == ["amount", "at"] and amount == decimal.Decimal("1.10")
+    assert at.tzinfo is not None
