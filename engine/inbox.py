@@ -441,9 +441,14 @@ def _event_values(ctx, call, as_processed, next_attempt_at=None):
 _KNOWN = WebhookEvent.alias("known")
 # The new events of a turn (`_NewEvent`): each unless an event of its source is stored
 # under a key of its dedup window (`first` to `last`, both NULL for a call without one).
+# Inserted in the order of their keys, not of their arrival: two processes' turns holding
+# copies of the same calls, come in different orders, would otherwise each wait for the
+# other's uncommitted key. The order of calls answered together is no order their
+# senders could see (`_NewEvent`).
 NEW_EVENTS = InsertMany(
     WebhookEvent, returning=lambda: (WebhookEvent.id, WebhookEvent.source,
                                      WebhookEvent.dedup_key),
+    in_order_of=("source", "dedup_key"),
     extra={"first": WebhookEvent.dedup_key, "last": WebhookEvent.dedup_key},
     unless=lambda batch: batch("first").is_null() | ~peewee.fn.EXISTS(
         _KNOWN.select(peewee.SQL("1")).where(

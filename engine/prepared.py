@@ -293,9 +293,15 @@ class InsertMany(Prepared):
     unique key already held yield nothing). `extra`: per-row values that are not columns
     (name: the field whose type and conversion they take), for `unless(batch)`, which
     builds the condition a row must meet to be inserted, `batch(name)` naming a value of
-    the row (a column's or an extra one)."""
+    the row (a column's or an extra one).
 
-    def __init__(self, model, returning, extra=None, unless=None):
+    `in_order_of`: columns (a unique key's) the rows are inserted in the order of, the
+    arrays' order after them, where the arrays' order alone is the default. An insert
+    waits on a key another transaction has inserted and not committed; two processes
+    inserting the same keys in opposite orders would each hold one the other waits for.
+    In the key's order, the second waits for the first and finds its keys taken."""
+
+    def __init__(self, model, returning, extra=None, unless=None, in_order_of=()):
         self.fields = _written_fields(model)
         self.extra = extra = extra or {}
 
@@ -308,14 +314,15 @@ class InsertMany(Prepared):
             arrays = [peewee.Cast(ArraySlot(name, field),
                                   f"{SERVER_TYPES[field.field_type]}[]")
                       for name, field in named.items()]
-            # In the arrays' order: of two rows under one unique key, the first is kept.
+            # Then in the arrays' order: of two rows under one unique key, the first is
+            # kept.
             rows = peewee.NodeList((
                 peewee.fn.unnest(*arrays), peewee.SQL("WITH ORDINALITY AS"),
                 peewee.Entity("batch"), peewee.EnclosedNodeList(
                     [peewee.Entity(name) for name in (*named, "position")])))
             select = peewee.Select(from_list=[rows], columns=[
                 batch(field.column_name) for field in self.fields]).order_by(
-                    batch("position"))
+                    *(batch(name) for name in in_order_of), batch("position"))
             if unless is not None:
                 select = select.where(unless(batch))
             return (model.insert_from(select, self.fields).on_conflict("nothing")

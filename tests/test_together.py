@@ -6,6 +6,7 @@ here runs on both databases but the one of PostgreSQL's lock order
 (tests/test_round_trips.py counts what a turn of webhooks costs)."""
 import asyncio
 import datetime
+import threading
 
 import peewee
 import psycopg2
@@ -370,3 +371,47 @@ async def until_waiting_on_a_lock(cursor):
             return
         await asyncio.sleep(0.02)
     raise AssertionError("the turn never waited on the order held")
+
+
+@pytest.mark.skipif(not ON_POSTGRES, reason="SQLite runs each unit's own statements")
+def test_two_processes_inserting_copies_of_the_same_calls_in_opposite_orders_both_end(
+        database_url):
+    """Two processes' turns hold copies of the same 200 calls, come in opposite orders
+    (a sender's retries, spread over two instances). Each turn's events go in one INSERT
+    in the order of their keys, so the second waits on the first key and then finds
+    every key taken; in the order of arrival each would insert half and wait on the
+    other's half (a deadlock). Both end, and each event is stored once."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    keys = [f"evt_{n:03}" for n in range(200)]
+    started, ended = threading.Barrier(2), []
+
+    def statement(order):
+        """The service's statement for a turn of these calls, as it sends it."""
+        rows = [dict(source="card", event_type="checkout.session.completed", dedup_key=key,
+                     external_id=None, order_number=None, payload="{}", status="received",
+                     processed_at=None, attempts=0, last_error=None, received_at=now,
+                     next_attempt_at=None, reconciled=False, created_at=now, updated_at=now,
+                     first=None, last=None) for key in order]
+        return inbox.NEW_EVENTS.ahead_rows(rows, take=None)[:2]
+
+    def turn(sql, params):
+        """In a process of its own: its own session, a deadlock found after 1 s."""
+        connection = psycopg2.connect(database_url)
+        try:
+            cursor = connection.cursor()
+            started.wait()
+            cursor.execute(sql, params)
+            ended.append(len(cursor.fetchall()))
+            connection.commit()
+        except psycopg2.Error as failure:
+            ended.append(failure)
+        finally:
+            connection.close()
+    threads = [threading.Thread(target=turn, args=statement(order))
+               for order in (keys, keys[::-1])]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert sorted(ended, key=str) == [0, 200]
+    assert WebhookEvent.select().count() == 200
