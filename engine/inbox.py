@@ -442,8 +442,8 @@ _KNOWN = WebhookEvent.alias("known")
 # The new events of a turn (`_NewEvent`): each unless an event of its source is stored
 # under a key of its dedup window (`first` to `last`, both NULL for a call without one).
 # Inserted in the order of their keys, not of their arrival: two processes' turns holding
-# copies of the same calls, come in different orders, would otherwise each wait for the
-# other's uncommitted key. The order of calls answered together is no order their
+# copies of the same calls that came in different orders would otherwise each wait for
+# the other's uncommitted key. The order of calls answered together is no order their
 # senders could see (`_NewEvent`).
 NEW_EVENTS = InsertMany(
     WebhookEvent, returning=lambda: (WebhookEvent.id, WebhookEvent.source,
