@@ -19,13 +19,13 @@ from tests.test_order_names import FRAPPE_HEADERS, frappe_body
 from tests.door import name_search_jobs
 
 # The statements one webhook costs today, from its request to its response (on SQLite;
-# on PostgreSQL the first two go as one, below): the event's INSERT (as processed, so no UPDATE after its handling,
-# and only if no event is stored under an earlier key of its dedup window: no read of
-# its own), the order's read, per effect an outbox INSERT (a job's or action's also says
-# whether an earlier one of its order is unsent), then the UPDATE of its send outcome;
-# with BEGIN and COMMIT of both transactions. A card payment (checkout.session.completed,
-# handled in the unit that stores it: its method needs no asking) costs 9, a crypto
-# payment 11, its background handling included.
+# on PostgreSQL the first two go as one, below): the event's INSERT (as processed, so no
+# UPDATE after its handling, and only if no event is stored under an earlier key of its
+# dedup window: no read of its own), the order's read, per effect an outbox INSERT (a
+# job's or action's also says whether an earlier one of its order is unsent), then the
+# UPDATE of its send outcome; with BEGIN and COMMIT of both transactions. A card payment
+# (checkout.session.completed, handled in the unit that stores it: its method needs no
+# asking) costs 9, a crypto payment 11, its background handling included.
 WORKFLOW_BOUNDS = {"formation/submitted": 10, "formation/ready": 8}
 # The round trips those cost on PostgreSQL, where a turn's BEGIN goes with its first
 # statement and the writes whose result nobody reads (an UPDATE of an order, of an
