@@ -106,7 +106,9 @@ class Ahead:
     A kind that `writes` has its statements run before the others' (the reads, some of
     which lock rows), whatever the order its units were asked for in: every turn of every
     process then inserts its events before it locks its orders, as a unit alone does,
-    and two turns' statements ahead never take the same rows in opposite orders. All the
+    and two turns' statements ahead never take the same rows in opposite orders. When it
+    gives no statement (its items cannot go together), the other kinds are left to the
+    units too, so no lock is taken ahead of the writes. All the
     statements read one snapshot, and the rows a kind keeps for the turn are kept after
     every write ahead is told to the turn (`wrote`), so no kind may write a table whose
     rows another keeps."""
@@ -517,8 +519,14 @@ def _run_ahead(items: list[Ahead]) -> None:
     by_kind: dict[type[Ahead], list[Ahead]] = {}
     for item in items:
         by_kind.setdefault(type(item), []).append(item)
-    statements = [statement for kind in sorted(by_kind, key=lambda kind: not kind.writes)
-                  for statement in kind.statements(by_kind[kind])]
+    statements: list[AheadStatement] = []
+    for kind in sorted(by_kind, key=lambda kind: not kind.writes):
+        asked = kind.statements(by_kind[kind])
+        if kind.writes and not asked:
+            # Its writes are left to the units: so are the reads, which would otherwise
+            # take their locks before the writes.
+            return
+        statements += asked
     if not statements:
         return
     returned = database.rows_of_each([(statement.sql, statement.params)

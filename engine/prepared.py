@@ -299,7 +299,10 @@ class InsertMany(Prepared):
     arrays' order after them, where the arrays' order alone is the default. An insert
     waits on a key another transaction has inserted and not committed; two processes
     inserting the same keys in opposite orders would each hold one the other waits for.
-    In the key's order, the second waits for the first and finds its keys taken."""
+    In the key's order, the second waits for the first and finds its keys taken. The
+    ids are still given in the arrays' order (each row's is drawn from the id's sequence
+    before the rows are put in the key's order), so the newest id is the last row
+    asked for, as it is without."""
 
     def __init__(self, model, returning, extra=None, unless=None, in_order_of=()):
         self.fields = _written_fields(model)
@@ -316,16 +319,28 @@ class InsertMany(Prepared):
                       for name, field in named.items()]
             # Then in the arrays' order: of two rows under one unique key, the first is
             # kept.
-            rows = peewee.NodeList((
+            rows: peewee.Node = peewee.NodeList((
                 peewee.fn.unnest(*arrays), peewee.SQL("WITH ORDINALITY AS"),
                 peewee.Entity("batch"), peewee.EnclosedNodeList(
                     [peewee.Entity(name) for name in (*named, "position")])))
+            fields = self.fields
+            if in_order_of:
+                primary_key = model._meta.primary_key
+                fields = [primary_key, *fields]
+                # Drawn in the arrays' order (PostgreSQL draws a select's nextval after
+                # its ORDER BY), before the rows are put in the key's order below.
+                sequence = peewee.SQL(f"pg_get_serial_sequence('{model._meta.table_name}', "
+                                      f"'{primary_key.column_name}')")
+                rows = peewee.Select(from_list=[rows], columns=[
+                    peewee.fn.nextval(sequence).alias(primary_key.column_name),
+                    *(batch(name) for name in (*named, "position"))]).order_by(
+                        batch("position")).alias("batch")
             select = peewee.Select(from_list=[rows], columns=[
-                batch(field.column_name) for field in self.fields]).order_by(
+                batch(field.column_name) for field in fields]).order_by(
                     *(batch(name) for name in in_order_of), batch("position"))
             if unless is not None:
                 select = select.where(unless(batch))
-            return (model.insert_from(select, self.fields).on_conflict("nothing")
+            return (model.insert_from(select, fields).on_conflict("nothing")
                     .returning(*returning()))
         super().__init__(build)
 

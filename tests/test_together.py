@@ -2,8 +2,9 @@
 (engine.commits: the calls' events inserted and their orders or order names read ahead
 of the units, in one statement, their effects at the turn's end in another), and comes
 to what the units' own statements come to, one after another, on SQLite. Every test
-here runs on both databases but the one of PostgreSQL's lock order
-(tests/test_round_trips.py counts what a turn of webhooks costs)."""
+here runs on both databases but those of what only PostgreSQL has, row locks and
+sessions waiting on each other (tests/test_round_trips.py counts what a turn of
+webhooks costs)."""
 import asyncio
 import datetime
 import threading
@@ -415,3 +416,39 @@ def test_two_processes_inserting_copies_of_the_same_calls_in_opposite_orders_bot
         thread.join(30)
     assert sorted(ended, key=str) == [0, 200]
     assert WebhookEvent.select().count() == 200
+
+
+@pytest.mark.gen_test
+async def test_the_events_of_a_turn_take_their_ids_in_the_order_they_were_asked(
+        ctx, card_plugin):  # noqa: F811
+    """Inserted in the order of their keys on PostgreSQL (above), a turn's events still
+    take their ids in the order their calls came, as each call's own INSERT gives them on
+    SQLite: the newest id is the call handled last (what a reconciliation run reads as a
+    path's newest event)."""
+    asking_a_job(card_plugin)
+    keys = ["z-first", "m-second", "a-third"]
+    await one_turn(*(accept(ctx, key, f"FO-{n}") for n, key in enumerate(keys)))
+    assert [event.dedup_key for event in WebhookEvent.select().order_by(WebhookEvent.id)] == keys
+
+
+@pytest.mark.skipif(not ON_POSTGRES, reason="SQLite locks no row")
+@pytest.mark.gen_test
+async def test_a_turn_whose_events_go_one_by_one_locks_no_order_ahead_of_them(
+        ctx, card_plugin, statements):  # noqa: F811
+    """Copies either side of the hour make the turn leave its events to its units (their
+    INSERTs one by one, above): the orders its payments lock are then left to the units
+    too, each locked after its own event is inserted, as a unit alone does, never all
+    ahead of the events."""
+    asking_a_job(card_plugin)
+    paying(card_plugin)
+    FormationOrder.create(order_number="FO-3")
+    hour = 500_000
+    calls = await one_turn(
+        accept(ctx, f"copy:h{hour}", "FO-1", **hourly_keys("copy", hour - 36, hour - 1)),
+        accept(ctx, f"copy:h{hour + 1}", "FO-1", **hourly_keys("copy", hour - 35, hour)),
+        pays(ctx, "cs_x", "FO-3"))
+    assert [call.created for call in calls] == [True, False, True]
+    sent = statements()
+    inserted = max(at for at, sql in enumerate(sent) if 'INTO "webhook_events"' in sql)
+    locked = min(at for at, sql in enumerate(sent) if "FOR UPDATE" in sql)
+    assert inserted < locked
