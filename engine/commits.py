@@ -108,10 +108,9 @@ class Ahead:
     process then inserts its events before it locks its orders, as a unit alone does,
     and two turns' statements ahead never take the same rows in opposite orders. When it
     gives no statement (its items cannot go together), the other kinds are left to the
-    units too, so no lock is taken ahead of the writes. All the
-    statements read one snapshot, and the rows a kind keeps for the turn are kept after
-    every write ahead is told to the turn (`wrote`), so no kind may write a table whose
-    rows another keeps."""
+    units too, so no lock is taken ahead of the writes. All the statements read one
+    snapshot, and the rows a kind keeps for the turn are kept after every write ahead is
+    told to the turn (`wrote`), so no kind may write a table whose rows another keeps."""
 
     done = False
     writes = False
