@@ -1,5 +1,17 @@
 """The inbox: every accepted call is stored raw before it is handled, once per dedup key.
 
+Arrival order is an invariant of the inbox, kept in one place: an event is handed to its
+plugin only when every earlier event of its order is finished (processed, ignored,
+rejected, or dead: given up by the retry policy or an operator). "Earlier" is the call's
+place in its order's sequence, fixed when the call first became durable: its
+`received_at`, stamped on arrival and kept in the spool line as in the row (the id breaks
+a tie). An event behind an unfinished one is `held`: it stays stored, unhandled and due,
+and is handed over once it is the first unfinished event of its order (`release` when the
+one before it finishes here, the inbox retry otherwise). Calls of different orders never
+wait for each other; a call of no order waits for nothing. Whatever path hands an event
+over (the call itself, the spool drain, the retry, a replay) and whatever went before it
+(a failure, a crash mid-drain, a second process), `_held_by` is asked first.
+
 Handling runs the event's plugin. A plain function runs inside one transaction with the
 status change, so its database changes and outbox rows happen once or not at all; an
 async plugin (one that must wait on another system between steps) runs outside it and
@@ -23,12 +35,12 @@ import peewee
 import lograte
 from clients.http import error_text
 from models import Outbox, WebhookEvent
-from engine import outbox, retry, spool
+from engine import commits, outbox, retry, spool
 from engine.claims import CLAIM_BATCH, Kept, claim, lease
 from engine.commits import Ahead, AheadStatement, AllowanceSpent, raise_if_conflict, savepoint
 from engine.contracts import Accepted, EngineContext, Stored
 from engine.spool import Entry
-from engine.db import UNAVAILABLE, locked, why_unavailable
+from engine.db import UNAVAILABLE, due_by, locked, why_unavailable
 from engine.prepared import InsertMany, InsertOnce, Prepared, slot
 
 log = logging.getLogger("receiver.events")
@@ -37,6 +49,8 @@ SPOOLED = lograte.Repeats(log)
 
 FINAL_STATUSES = ("processed", "ignored", "rejected", "dead")
 AWAITING_HANDLING = ("received", "failed")
+# What `process` and `accept` say of an event that waits behind an earlier one of its order.
+HELD = "held"
 # The longest text a sender may put in a column we index (order numbers, external ids,
 # event types, idempotency keys, dedup keys built from them). PostgreSQL refuses an index
 # row past about 2,700 bytes; 255 characters of UTF-8 are at most 1,020. Longer values are
@@ -45,18 +59,53 @@ MAX_KEY_LENGTH = 255
 # Orders whose drained calls are handled at once (each order's one after another).
 DRAIN_CONCURRENCY = 50
 
+# The events stored while the spool held calls it could not add them to, by SPOOL_DIR:
+# let go by this process's drain once the spool is empty (`_unpark`). Forgotten with the
+# process: a lease after they were stored, the inbox retry takes them as it takes any.
+_PARKED: dict[str, set[int]] = {}
+
 # A SPOOL_DIR that cannot be used stays so until fixed: said every 10 minutes, not at
 # every tick of the drain.
 SPOOL_UNUSABLE = spool.LastingProblem(logging.getLogger("receiver.spool"),
                                       datetime.timedelta(minutes=10))
 
-NEW_EVENT = InsertOnce(WebhookEvent)
+_EARLIER = WebhookEvent.alias("earlier")
+
+
+def first_unfinished_before(row: Any = WebhookEvent) -> peewee.Select:
+    """The id of the first event of `row`'s order that came before it and is not finished:
+    what `row` waits behind. `row`: the table (a row being inserted, in RETURNING, or the
+    row a select reads) or an alias of it. Nothing for a row of no order. The statuses are
+    literals, not parameters: every parameter of a prepared insert must be a slot."""
+    return (_EARLIER.select(_EARLIER.id).where(
+        _EARLIER.order_number == row.order_number,
+        _EARLIER.status.in_([peewee.SQL(f"'{status}'") for status in AWAITING_HANDLING]),
+        peewee.Tuple(_EARLIER.received_at, _EARLIER.id) < peewee.Tuple(row.received_at, row.id))
+        .order_by(_EARLIER.received_at, _EARLIER.id).limit(peewee.SQL("1")))
+
+
+# Each new event says, in its insert's RETURNING, what it waits behind (`held_behind`).
+_HELD_BEHIND = (("held_behind", first_unfinished_before),)
+NEW_EVENT = InsertOnce(WebhookEvent, also_returning=_HELD_BEHIND)
 EVENT_BY_KEY = Prepared(lambda: WebhookEvent.select().where(
     WebhookEvent.source == slot(WebhookEvent.source),
     WebhookEvent.dedup_key == slot(WebhookEvent.dedup_key)))
-STATUS_FOR_UPDATE = Prepared(lambda: locked(
-    WebhookEvent.select(WebhookEvent.status).where(WebhookEvent.id == slot(WebhookEvent.id))),
-    on_server=True)
+# An event's status, its row locked, and what it waits behind (`_held_by`).
+STATUS_AND_HOLD = Prepared(lambda: locked(
+    WebhookEvent.select(WebhookEvent.status, first_unfinished_before())
+    .where(WebhookEvent.id == slot(WebhookEvent.id))))
+# A held event: stored, unhandled, and due as soon as it is the first unfinished event
+# of its order (`_due`). One stored as processed, to be handled in the unit that stored
+# it, is put back as received, its attempt not made.
+HOLD = Prepared(lambda: WebhookEvent.update({
+    WebhookEvent.status: peewee.Case(None, [(WebhookEvent.status == "processed", "received")],
+                                     WebhookEvent.status),
+    WebhookEvent.attempts: peewee.Case(None, [(WebhookEvent.status == "processed", 0)],
+                                       WebhookEvent.attempts),
+    WebhookEvent.processed_at: None,
+    WebhookEvent.next_attempt_at: slot(WebhookEvent.next_attempt_at),
+    WebhookEvent.updated_at: slot(WebhookEvent.updated_at),
+}).where(WebhookEvent.id == slot(WebhookEvent.id)), on_server=True)
 def _finishing(count_the_attempt):
     counted = {WebhookEvent.attempts: WebhookEvent.attempts + 1} if count_the_attempt else {}
     return Prepared(lambda: WebhookEvent.update({
@@ -112,10 +161,11 @@ async def record(ctx: EngineContext, source: str, event_type: str, dedup_key: st
     spool drain will store and handle it. If even the spool cannot be written, the
     database error propagates (503)."""
     call = _call(ctx, source, event_type, dedup_key, payload, **fields)
-    if _behind_the_spool(ctx, call):
+    where = _behind_the_spool(ctx, call)
+    if where is JOINED:
         return None
     try:
-        return await ctx.commits.run(functools.partial(_store, ctx, call))
+        return await _store_now(ctx, call, parked=where is PARKED)
     except UNAVAILABLE as unavailable:
         _spool(ctx, call, unavailable)
         return None
@@ -155,12 +205,21 @@ async def accept(ctx: EngineContext, source: str, event_type: str, dedup_key: st
     turn's units run (engine.commits.Ahead: a read its plugin will make), beside its
     event's insert."""
     call = _call(ctx, source, event_type, dedup_key, payload, **fields)
-    if _behind_the_spool(ctx, call):
+    where = _behind_the_spool(ctx, call)
+    if where is JOINED:
         return Accepted(None, False, None)
+    if where is PARKED:
+        try:
+            event, created = await _store_now(ctx, call, parked=True)
+        except UNAVAILABLE as unavailable:
+            _spool(ctx, call, unavailable)
+            return Accepted(None, False, None)
+        return Accepted(event, created, None)
     new_event = (_NewEvent(ctx, call, handle_now=not in_background)
                  if handled_by is None and not call["also_known_as"] else None)
     if new_event is not None:
         ahead = (new_event, *ahead)
+    checked = True
     try:
         try:
             event, created, handled = await ctx.commits.run(functools.partial(
@@ -178,6 +237,7 @@ async def accept(ctx: EngineContext, source: str, event_type: str, dedup_key: st
                 _store, ctx, call, handled_by=handled_by, ahead=alone),
                 () if alone is None else (alone,))
             handled = None
+            checked = False
     except AllowanceSpent:
         raise  # a background run's own limit, not an outage: the run finds the call again
     except UNAVAILABLE as unavailable:
@@ -191,10 +251,13 @@ async def accept(ctx: EngineContext, source: str, event_type: str, dedup_key: st
         return Accepted(event, created, outcome)
     if not created or event.status not in AWAITING_HANDLING:
         return Accepted(event, created, None)
+    # Its insert looked for an earlier unfinished event of its order, and found none:
+    # unless it was stored alone after a failed handling (above), which looks again.
+    handle = _process_checked if checked else process
     if in_background:
-        ctx.background(process(ctx, event))
+        ctx.background(handle(ctx, event))
         return Accepted(event, created, None)
-    return Accepted(event, created, await process(ctx, event))
+    return Accepted(event, created, await handle(ctx, event))
 
 
 async def _deliver(ctx, rows, within):
@@ -221,13 +284,20 @@ def _store_and_handle(ctx, call, handle_now, handled_by=None, ahead=None):
                 else _handling_here(registry, call, handle_now))
     event, created = _store(ctx, call, as_processed=handling is not None,
                             handled_by=handled_by, ahead=ahead)
-    if handling is None or not created:
+    if not created:
+        return event, created, None
+    started = time.monotonic()
+    if _waits_in_turn(event, ahead):
+        _hold(ctx, event)
+        return event, created, (HELD, None, started)
+    if handling is None:
+        if event.status in AWAITING_HANDLING:  # handled once committed
+            _left_unfinished(event)
         return event, created, None
     plugin, payload = handling
     # The row counts the attempt under way; should it fail, `_record_failure` counts it
     # from the attempts made before.
     event.attempts = 0
-    started = time.monotonic()
     try:
         with savepoint():
             if payload is None:  # a plain plugin's: unreadable, the handling fails
@@ -237,8 +307,45 @@ def _store_and_handle(ctx, call, handle_now, handled_by=None, ahead=None):
         raise_if_conflict(exc)
         log.exception("%s event #%s (%s) failed", event.source, event.id, event.event_type)
         _record_failure(ctx, event, f"{type(exc).__name__}: {exc}")
-        return event, created, ("failed", None, started)
+        outcome, effects = "failed", None
+    if outcome not in FINAL_STATUSES:
+        _left_unfinished(event)
     return event, created, (outcome, effects, started)
+
+
+# The orders of which a turn's units left an event unfinished (`_left_unfinished`).
+_UNFINISHED_IN_TURN = object()
+
+
+def _waits_in_turn(event, ahead):
+    """Whether the new `event` waits behind an earlier one of its order: as its insert
+    found (`held_behind`), or, inserted ahead with events of its turn that its insert
+    could not see (`_NewEvent`), behind one of those that its unit left unfinished."""
+    if event.held_behind is not None:
+        return True
+    return (ahead is not None and ahead.done and ahead.after_one_of_its_order
+            and event.order_number in commits.for_this_turn(_UNFINISHED_IN_TURN, set))
+
+
+def _left_unfinished(event):
+    """The turn's later events of `event`'s order, inserted ahead with it, wait behind
+    it (`_waits_in_turn`)."""
+    if event.order_number is not None and commits.together():
+        commits.for_this_turn(_UNFINISHED_IN_TURN, set).add(event.order_number)
+
+
+def _hold(ctx, event):
+    """`event` waits behind an earlier event of its order: stored, not handled, and due
+    as soon as it is the first unfinished event of its order (`_due`)."""
+    now = ctx.clock()
+    HOLD.execute_later(id=event.id, next_attempt_at=now, updated_at=now)
+    if event.status == "processed":  # as stored to be handled in its unit
+        event.status, event.attempts = "received", 0
+    event.processed_at, event.next_attempt_at = None, now
+    _left_unfinished(event)
+    if event.order_number is not None:
+        order_number = event.order_number
+        commits.on_commit(lambda: _HOLDS.add(order_number))
 
 
 def _handling_here(registry, call, handle_now):
@@ -298,21 +405,43 @@ def _storable(text):
     return text.replace("\x00", "\ufffd") if isinstance(text, str) else text
 
 
+# Where `_behind_the_spool` puts a call.
+JOINED = "joined the spool"
+PARKED = "parked"
+
+
 def _behind_the_spool(ctx, call):
     """Arrival order (engine.spool): while calls wait in the spool, this one joins them
-    there, to be stored and handled after them. False, and the call goes to the database,
-    when nothing waits or the spool cannot take it."""
+    there, to be stored and handled after them (JOINED). When they wait there and the
+    spool cannot take this one (a full disk), it is PARKED: stored in the database and
+    not handled until the spool is drained, so that the calls before it are stored
+    first and it waits behind those of its order (`_store_now`). None when nothing
+    waits."""
     if not spool.backlog(ctx.settings.spool_dir):
-        return False
+        return None
     try:
         spool.append(ctx.settings.spool_dir,
                      {**call, "received_at": call["received_at"].isoformat()})
     except OSError:
         SPOOLED.exception(("unwritable",), "calls wait in the spool, and it cannot be "
-                          "written: this call goes to the database, ahead of them")
-        return False
+                          "written: new calls are stored and handled after them")
+        return PARKED
     SPOOLED.warning(("behind",), "calls wait in the spool: new calls join them")
-    return True
+    return JOINED
+
+
+async def _store_now(ctx, call, parked):
+    """Store the call; a `parked` one with a lease, so that the inbox retry leaves it to
+    the spool drain, which lets it go once the spool is empty (`_unpark`). The drain may
+    never come (the process stops): it is handled a lease later all the same, behind
+    whatever of its order the drain has stored by then."""
+    if not parked:
+        return await ctx.commits.run(functools.partial(_store, ctx, call))
+    stored = await ctx.commits.run(functools.partial(
+        _store, ctx, call, next_attempt_at=ctx.clock() + lease(ctx)))
+    if stored.created:
+        _PARKED.setdefault(ctx.settings.spool_dir, set()).add(stored.event.id)
+    return stored
 
 
 async def drain_spool(ctx: EngineContext) -> int:
@@ -338,8 +467,38 @@ async def drain_spool(ctx: EngineContext) -> int:
                 SPOOL_UNUSABLE.warn(ctx.clock(), str(exc))
                 return read
             read += now_read
-            if not now_read or not spool.backlog(ctx.settings.spool_dir):
+            if not spool.backlog(ctx.settings.spool_dir):
+                await _unpark(ctx)
                 return read
+            if not now_read:
+                return read
+
+
+async def _unpark(ctx):
+    """The calls parked while the spool could not take them (`_store_now`), due now that
+    the calls before them are stored: each order's handled in its sequence (`release`)."""
+    parked = _PARKED.pop(ctx.settings.spool_dir, None)
+    if not parked:
+        return
+    try:
+        orders = await ctx.db(functools.partial(_make_due, ctx, sorted(parked)))
+    except UNAVAILABLE:
+        _PARKED.setdefault(ctx.settings.spool_dir, set()).update(parked)
+        raise
+    for order_number in orders:
+        await release(ctx, order_number)
+
+
+def _make_due(ctx, event_ids):
+    """The received events of `event_ids` due now; the orders they belong to, in the order
+    of their first event."""
+    now = ctx.clock()
+    (WebhookEvent.update(next_attempt_at=now, updated_at=now)
+     .where(WebhookEvent.id.in_(event_ids), WebhookEvent.status == "received").execute())
+    rows = (WebhookEvent.select(WebhookEvent.order_number)
+            .where(WebhookEvent.id.in_(event_ids), WebhookEvent.order_number.is_null(False))
+            .order_by(WebhookEvent.received_at, WebhookEvent.id))
+    return list(dict.fromkeys(row.order_number for row in rows))
 
 
 async def _handle_drained(ctx, kept, drained):
@@ -447,7 +606,7 @@ _KNOWN = WebhookEvent.alias("known")
 # senders could see (`_NewEvent`).
 NEW_EVENTS = InsertMany(
     WebhookEvent, returning=lambda: (WebhookEvent.id, WebhookEvent.source,
-                                     WebhookEvent.dedup_key),
+                                     WebhookEvent.dedup_key, first_unfinished_before()),
     in_order_of=("source", "dedup_key"),
     extra={"first": WebhookEvent.dedup_key, "last": WebhookEvent.dedup_key},
     unless=lambda batch: batch("first").is_null() | ~peewee.fn.EXISTS(
@@ -482,6 +641,8 @@ class _NewEvent(Ahead):
         self.ctx, self.call, self.handle_now = ctx, call, handle_now
         self.event: WebhookEvent | None = None
         self.handling = None
+        # Whether the turn inserted an event of the same order before this one.
+        self.after_one_of_its_order = False
 
     @classmethod
     def statements(cls, items: list["_NewEvent"]) -> list[AheadStatement]:
@@ -496,11 +657,22 @@ class _NewEvent(Ahead):
                          "first": first, "last": last})
 
         def take(names, returned):
-            inserted = {(source, key): event_id for event_id, source, key in returned}
+            inserted = {(source, key): (event_id, held_behind)
+                        for event_id, source, key, held_behind in returned}
+            orders: set[str] = set()
             for item, values in zip(items, rows):
-                event_id = inserted.pop((values["source"], values["dedup_key"]), None)
+                event_id, held_behind = inserted.pop(
+                    (values["source"], values["dedup_key"]), (None, None))
                 item.event = (None if event_id is None
                               else NEW_EVENTS.written(event_id, values))
+                if item.event is not None:
+                    item.event.held_behind = held_behind
+                    # The insert's RETURNING does not see the rows of its own statement:
+                    # whether an earlier one of its order is finished is known once that
+                    # one's unit has run (`_left_unfinished`).
+                    item.after_one_of_its_order = values["order_number"] in orders
+                    if values["order_number"] is not None:
+                        orders.add(values["order_number"])
                 item.done = True
         return [NEW_EVENTS.ahead_rows(rows, take)]
 
@@ -582,7 +754,7 @@ class _EarlierKeys:
         statement = self._new_event_unless.get(self.shape)
         if statement is None:
             statement = self._new_event_unless[self.shape] = InsertOnce(
-                WebhookEvent, unless=functools.partial(
+                WebhookEvent, also_returning=_HELD_BEHIND, unless=functools.partial(
                     _stored_under, *self.shape, peewee.SQL("1")))
         return statement
 
@@ -603,20 +775,90 @@ def _stored_under(count, ranged, *columns):
 
 
 async def process(ctx: EngineContext, event: WebhookEvent, kept: Kept | None = None) -> str:
-    """Handle a stored event once. Never raises: a failure is logged and recorded on the
-    event, which the scheduler retries with backoff. One log line per event says how it
-    went, keyed by the event's id.
+    """Handle a stored event once, unless an earlier event of its order is unfinished
+    (HELD: it stays stored and due, and is handed over in its turn). Never raises: a
+    failure is logged and recorded on the event, which the scheduler retries with backoff.
+    One log line per event says how it went, keyed by the event's id. Once it is
+    finished, the events of its order held behind it here are handled (`release`).
 
     The event's lease is kept while it is handled, by `kept` when the caller keeps it
     already, so no other process takes it however long the handling lasts."""
+    outcome = await _process(ctx, event, kept)
+    await _release_after(ctx, event, outcome)
+    return outcome
+
+
+async def _process_checked(ctx, event):
+    """`process` for a new event whose insert found nothing it waits behind, just now."""
+    outcome = await _process(ctx, event, checked=True)
+    await _release_after(ctx, event, outcome)
+    return outcome
+
+
+async def _release_after(ctx, event, outcome):
+    """`release` the order of an event just finished, if this process held one of its
+    events; how many it handled."""
+    if outcome in FINAL_STATUSES and event.order_number in _HOLDS:
+        return await release(ctx, event.order_number)
+    return 0
+
+
+async def release(ctx: EngineContext, order_number: str) -> int:
+    """Hand the first unfinished event of the order to its plugin while it is due (a held
+    event is; a failed one whose retry time has not come holds the rest), one after
+    another; returns how many. What finishing an event of the order calls for, here
+    (`process`), or giving one up from the console or the command line."""
+    handled = 0
+    while True:
+        events = await claim(ctx, WebhookEvent,
+                             _due(ctx) & (WebhookEvent.order_number == order_number), limit=1)
+        if not events:
+            _HOLDS.discard(order_number)
+            return handled
+        handled += 1
+        if await _process(ctx, events[0]) not in FINAL_STATUSES:
+            return handled
+
+
+async def _process(ctx, event, kept=None, checked=False):
+    """`process` without `release`. `checked`: the event's insert found nothing it waits
+    behind, just now (`accept`)."""
     started = time.monotonic()
     if kept is None:
         async with _kept(ctx, event):
-            outcome = await _handle(ctx, event)
+            outcome = await _handle(ctx, event, checked)
     else:
-        outcome = await _handle(ctx, event)
+        outcome = await _handle(ctx, event, checked)
     _report(ctx, event, outcome, started)
     return outcome
+
+
+class _Holds:
+    """The orders in which this process held an event (`_hold`): finishing an event of one
+    of them here hands the next over at once (`release`), not at the inbox retry's next
+    run. A hint, and bounded: an order dropped from it, or held by another process, is
+    released by the inbox retry, which takes the first unfinished event of every order
+    (`_due`)."""
+
+    LIMIT = 10_000
+
+    def __init__(self) -> None:
+        self.orders: dict[str, None] = {}
+
+    def __contains__(self, order_number: object) -> bool:
+        return order_number in self.orders
+
+    def add(self, order_number: str) -> None:
+        self.orders.pop(order_number, None)
+        self.orders[order_number] = None
+        if len(self.orders) > self.LIMIT:
+            del self.orders[next(iter(self.orders))]
+
+    def discard(self, order_number: str) -> None:
+        self.orders.pop(order_number, None)
+
+
+_HOLDS = _Holds()
 
 
 def _kept(ctx, *events):
@@ -633,7 +875,7 @@ def _report(ctx, event, outcome, started):
                                     "outcome": outcome, "ms": round(1000 * seconds, 1)})
 
 
-async def _handle(ctx, event):
+async def _handle(ctx, event, checked):
     if event.status not in AWAITING_HANDLING:
         # Stored as rejected (malformed) or already settled: kept as it is, reason included.
         return event.status
@@ -645,6 +887,9 @@ async def _handle(ctx, event):
             await ctx.commits.run(functools.partial(_finish, ctx, event.id, "ignored"))
             return "ignored"
         if _is_async(plugin):
+            if not checked and await ctx.commits.run(functools.partial(
+                    _held_by, ctx, event)) is not None:
+                return HELD
             effects = outbox.Effects(ctx, event)
             await plugin(ctx, payload, effects)
             outcome = await ctx.commits.run(functools.partial(_conclude, ctx, event, effects))
@@ -677,11 +922,24 @@ async def deliver_committed(ctx: EngineContext, rows: list[Outbox]) -> None:
 
 def _handle_in_transaction(ctx, event, plugin, payload):
     """(outcome, the effects asked for); (status, None) when another handling had
-    already settled the event."""
-    current = STATUS_FOR_UPDATE.first(id=event.id)
-    if current.status in FINAL_STATUSES:
-        return current.status, None
+    already settled the event, (HELD, None) when it waits behind an earlier one."""
+    status, held_behind = STATUS_AND_HOLD.execute(id=event.id).fetchone()
+    if status in FINAL_STATUSES:
+        return status, None
+    if held_behind is not None:
+        _hold(ctx, event)
+        return HELD, None
     return _run_plain(ctx, event, plugin, payload)
+
+
+def _held_by(ctx, event):
+    """The id of the earlier unfinished event of its order that `event` waits behind,
+    held so (`_hold`); None when it waits for nothing, or has been finished meanwhile."""
+    status, held_behind = STATUS_AND_HOLD.execute(id=event.id).fetchone()
+    if held_behind is None or status in FINAL_STATUSES:
+        return None
+    _hold(ctx, event)
+    return held_behind
 
 
 def _run_plain(ctx, event, plugin, payload, first_handling=False):
@@ -783,19 +1041,26 @@ async def retry_due(ctx: EngineContext) -> int:
     a slow one (balance.available's settlements, a Stripe lookup), and another process
     take them too. The one being handled keeps its lease however long it takes (`process`).
 
-    Due: stored but left unhandled for a whole lease (the process that took it died), or
-    failed with its retry time come."""
+    Due: as `_due` says."""
     handled = 0
     while handled < CLAIM_BATCH:
-        now = ctx.clock()
-        abandoned = ((WebhookEvent.status == "received")
-                     & (WebhookEvent.received_at <= now - lease(ctx))
-                     & (WebhookEvent.next_attempt_at.is_null()
-                        | (WebhookEvent.next_attempt_at <= now)))
-        retry = (WebhookEvent.status == "failed") & (WebhookEvent.next_attempt_at <= now)
-        events = await claim(ctx, WebhookEvent, abandoned | retry, limit=1)
+        events = await claim(ctx, WebhookEvent, _due(ctx), limit=1)
         if not events:
             break
-        await process(ctx, events[0])
-        handled += 1
+        outcome = await _process(ctx, events[0])
+        handled += 1 + await _release_after(ctx, events[0], outcome)
     return handled
+
+
+def _due(ctx):
+    """The events to hand to their plugins now: each the first unfinished event of its
+    order (or of no order), and either held (due since it was held), stored but left
+    unhandled for a whole lease (the process that took it died, or its claim lapsed), or
+    failed with its retry time come."""
+    now = ctx.clock()
+    received = (WebhookEvent.status == "received") & (
+        due_by(WebhookEvent.next_attempt_at, now)
+        | (WebhookEvent.next_attempt_at.is_null()
+           & (WebhookEvent.received_at <= now - lease(ctx))))
+    retry = (WebhookEvent.status == "failed") & due_by(WebhookEvent.next_attempt_at, now)
+    return (received | retry) & ~peewee.fn.EXISTS(first_unfinished_before())

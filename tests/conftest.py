@@ -5,6 +5,7 @@ import datetime
 import json
 import logging
 import os
+import subprocess
 import tempfile
 import urllib.parse
 import uuid
@@ -256,3 +257,17 @@ def post(http_server, base_url, client):
             parsed = None
         return response.code, parsed, response
     return send
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A 4 MiB tmpfs of its own (the spool's disk, to fill); skipped where mounting is
+    not allowed."""
+    folder = tmp_path / "fs"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(folder)],
+                             capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here: " + mounted.stderr.decode().strip())
+    yield folder
+    subprocess.run(["umount", str(folder)], check=True)

@@ -1,13 +1,16 @@
-"""Arrival order survives an outage (issue 24, part 2): while calls wait in the spool, a
-new call joins them there, so it is handled after them, not before. The service itself,
-started with its database down: tests/test_faults.py."""
+"""Arrival order, the inbox's invariant: an event is handed to its plugin only once every
+earlier event of its order is finished, whatever went before it (a failure, a spool that
+holds calls, a full spool disk). The same under a killed or cut drain and two processes:
+tests/test_arrival_order_faults.py; over every ordering: tests/test_arrival_order_property.py."""
 import asyncio
+import dataclasses
 import os
 
 import pytest
 
 from models import ComplianceOrder, WebhookEvent
-from engine import inbox, spool
+from engine import inbox, outbox, spool
+from engine.claims import lease
 from tests.conftest import WEBHOOK_SECRET
 from tests.service_process import database_down
 
@@ -86,14 +89,133 @@ async def test_a_call_that_comes_while_the_spool_drains_waits_behind_it(
 
 
 @pytest.mark.gen_test
-async def test_a_spool_that_holds_calls_but_cannot_take_more_lets_a_call_reach_the_database(
-        post, ctx, worker, caplog):
+async def test_a_spool_that_holds_calls_but_cannot_take_more_stores_a_call_and_holds_it(
+        post, ctx, clock, worker, caplog):
     # The live file's name is taken by a directory: the spool holds "calls" it can
     # neither drain nor append to. Refusing every call would stop the service; the call
-    # goes to the database instead, and the log says it went ahead.
+    # is stored instead, and handled once the calls before it could be: here never, so a
+    # lease after it came, as a call whose handler died is.
+    clock.set(2026, 11, 20, 9, 0)
     os.makedirs(os.path.join(ctx.settings.spool_dir, spool.LIVE_NAME))
+    status, reply, _ = await post(webhook("formation/ready"), ORDER, AUTH)
+    assert (status, reply) == (200, {"received": True, "action": "delivery_dispatched"})
+    assert [e.status for e in WebhookEvent.select()] == ["received"]
+    assert worker.requests == []
+    assert "new calls are stored and handled after them" in caplog.text
+
+    clock.advance(seconds=lease(ctx).total_seconds() + 1)
+    assert await inbox.retry_due(ctx) == 1
+    assert [e.status for e in WebhookEvent.select()] == ["processed"]
+    assert [r.json["action"] for r in worker.requests] == ["deliver"]
+
+
+@pytest.mark.gen_test(timeout=30)
+async def test_a_call_the_full_spool_disk_cannot_take_is_handled_after_the_spooled_ones(
+        post, db, ctx, worker, frappe, small_filesystem):
+    """Calls of FO-10042 wait in the spool; its disk fills up; the next call of the order
+    cannot join them, and the database answers again: it is stored, and handled once the
+    drain has handled the spooled ones, not before them."""
+    ctx.settings = dataclasses.replace(ctx.settings, spool_dir=str(small_filesystem / "spool"))
+    with database_down(db):
+        status, _, _ = await post(webhook("formation/submitted"),
+                                  {**ORDER, "state_code": "WY", "entity_name": "Acme LLC"},
+                                  AUTH)
+    assert status == 200
+    fill(small_filesystem)
+    # Longer than the room left in the spool file's last page, which a full disk keeps.
+    status, reply, _ = await post(webhook("formation/name-available"),
+                                  {**ORDER, "note": "x" * 8192}, AUTH)
+    assert (status, reply) == (200, {"received": True, "action": "filing_dispatched"})
+    assert [e.status for e in WebhookEvent.select()] == ["received"]
+    assert worker.requests == [] and frappe.posts == []
+
+    assert await inbox.drain_spool(ctx) == 1
+    assert [r.json["action"] for r in worker.requests] == ["name_search", "file_entity"]
+    assert [r.json["action"] for r in frappe.posts] == ["Start Name Check", "Start Filing"]
+    assert {event.status for event in WebhookEvent.select()} == {"processed"}
+
+
+def fill(folder):
+    """Write until the filesystem of `folder` has no room left."""
+    with open(folder / "filler", "wb", buffering=0) as filler:
+        with pytest.raises(OSError):
+            while True:
+                filler.write(b"x" * 65536)
+
+
+# --- A failed event holds the later events of its order ----------------------------------------
+
+def report(post, status, number="CO-1"):
+    """The worker's report that compliance order `number` moved to `status`."""
+    return post(webhook(f"fulfillment/{status}"), {"order_number": number},
+                {**AUTH, "Idempotency-Key": f"{number}-{status}"})
+
+
+def compliance_order(number="CO-1", **fields):
+    return ComplianceOrder.create(order_number=number, customer_email="ada@example.test",
+                                  customer_name="Ada", service_name="IFTA filing", **fields)
+
+
+def events_by_status():
+    return [(e.event_type, e.status)
+            for e in WebhookEvent.select().order_by(WebhookEvent.received_at, WebhookEvent.id)]
+
+
+@pytest.mark.gen_test
+async def test_a_failed_event_holds_the_later_events_of_its_order_until_it_is_finished(
+        post, ctx, clock):
+    """The worker reports a move before the order is in (the first fails); the order comes
+    in; the next report is held behind the first, not refused for coming first, and both
+    are handled in turn when the first is retried."""
+    clock.set(2026, 11, 20, 9, 0)
+    recorded = (200, {"received": True, "action": "fulfillment_status_recorded"})
+    assert (await report(post, "authorization_required"))[:2] == recorded
+    compliance_order()
+    assert (await report(post, "authorization_signed"))[:2] == recorded
+    assert events_by_status() == [("fulfillment/authorization_required", "failed"),
+                                  ("fulfillment/authorization_signed", "received")]
+    assert ComplianceOrder.get().fulfillment_status is None
+
+    clock.advance(hours=1)
+    assert await inbox.retry_due(ctx) == 2
+    assert events_by_status() == [("fulfillment/authorization_required", "processed"),
+                                  ("fulfillment/authorization_signed", "processed")]
+    assert ComplianceOrder.get().fulfillment_status == "authorization_signed"
+
+
+@pytest.mark.gen_test
+async def test_an_earlier_event_given_up_or_refused_lets_the_held_ones_go_in_turn(
+        post, ctx, clock, smtp):
+    """Given up by the retry policy (dead, the administrator told) or refused for good
+    (rejected): finished either way, and the events behind it are handled in their turn."""
+    clock.set(2026, 11, 20, 9, 0)
+    ctx.settings = dataclasses.replace(ctx.settings, inbox_max_attempts=2)
+    await report(post, "authorization_required", "CO-1")
+    await report(post, "awaiting_intake", "CO-1")
+    await report(post, "authorization_required", "CO-2")
+    await report(post, "awaiting_intake", "CO-2")
+    # CO-1 never comes; CO-2 comes where the move it was first told of cannot start.
+    compliance_order("CO-2", fulfillment_status="completed")
+    clock.advance(hours=1)
+    await inbox.retry_due(ctx)
+    assert events_by_status() == [
+        ("fulfillment/authorization_required", "dead"),  # CO-1, given up
+        ("fulfillment/awaiting_intake", "failed"),  # CO-1: its turn came; no order still
+        ("fulfillment/authorization_required", "rejected"),  # CO-2: completed is final
+        ("fulfillment/awaiting_intake", "rejected")]
+    dead = WebhookEvent.get(WebhookEvent.status == "dead")
+    await outbox.send_due(ctx)
+    assert [m["Subject"] for _, m in smtp.messages] == [f"Webhook event #{dead.id} given up"]
+
+
+@pytest.mark.gen_test
+async def test_events_of_other_orders_and_of_no_order_wait_for_nothing(post, ctx, worker):
+    await report(post, "authorization_required", "CO-1")  # fails: no such order
+    compliance_order("CO-2")
+    await report(post, "authorization_required", "CO-2")
     status, _, _ = await post(webhook("formation/ready"), ORDER, AUTH)
     assert status == 200
-    assert [e.status for e in WebhookEvent.select()] == ["processed"]
-    assert len(worker.requests) == 1
-    assert "this call goes to the database, ahead of them" in caplog.text
+    assert events_by_status() == [("fulfillment/authorization_required", "failed"),
+                                  ("fulfillment/authorization_required", "processed"),
+                                  ("formation/ready", "processed")]
+    assert [r.json["action"] for r in worker.requests] == ["deliver"]

@@ -8,7 +8,6 @@ import ipaddress
 import json
 import logging
 import socket
-import subprocess
 
 import pytest
 
@@ -285,20 +284,6 @@ def test_an_ipv6_client_is_counted_by_its_64():
 
 
 # --- 9. /readyz and a full spool ---------------------------------------------------------------
-
-@pytest.fixture
-def small_filesystem(tmp_path):
-    """A 4 MiB tmpfs of its own (the spool's disk, to fill); skipped where mounting is
-    not allowed."""
-    folder = tmp_path / "fs"
-    folder.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(folder)],
-                             capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip("cannot mount a tmpfs here: " + mounted.stderr.decode().strip())
-    yield folder
-    subprocess.run(["umount", str(folder)], check=True)
-
 
 @pytest.mark.gen_test(timeout=60)
 async def test_readyz_says_the_spool_is_full_when_its_disk_is(ctx, client, small_filesystem):
