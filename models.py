@@ -781,9 +781,11 @@ class WebhookEvent(BaseModel):
     processed_at = UTCDateTimeField(null=True)
     # Nullable only so that adding it to a large table is one quick ALTER (migration 0016).
     reconciled = BooleanField(default=False, null=True, constraints=database_default("FALSE"))
-    # Not a column: the id of the earlier unfinished event of its order that the event
-    # waits behind when it was stored, or None; set by engine.inbox on an event it stores.
+    # Not columns: the id of the earlier unfinished event of its order that the event
+    # waits behind when it was stored, or None, set by engine.inbox on an event it
+    # stores; and what it waits behind as the operator reads it (ops.operator.note_holds).
     held_behind: int | None
+    held: str | None
 
     class Meta:
         table_name = "webhook_events"

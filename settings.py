@@ -125,6 +125,7 @@ POSITIVE_NUMBERS = {
     "SCHEDULER_TICK_SECONDS": "scheduler_tick_seconds",
     "CLAIM_LEASE_SECONDS": "claim_lease_seconds",
     "INBOX_MAX_ATTEMPTS": "inbox_max_attempts",
+    "INBOX_HOLD_ALERT_MINUTES": "inbox_hold_alert_minutes",
     "OUTBOX_MAX_ATTEMPTS": "outbox_max_attempts",
     "STOP_TIMEOUT_SECONDS": "stop_timeout_seconds",
     "RETENTION_DAYS": "retention_days",
@@ -236,6 +237,9 @@ class Settings:
     # given up (`dead`) and the administrator told (engine.retry).
     inbox_max_attempts: int = 10
     outbox_max_attempts: int = 12
+    # How long an order's events may wait behind an unfinished earlier one before the
+    # administrator is told (once for each event that holds them).
+    inbox_hold_alert_minutes: int = 60
     # How long a stop may take in all, as systemd's TimeoutStopSec gives it (deploy/).
     stop_timeout_seconds: int = 30
     outbound_max_in_flight: int = 16
@@ -334,6 +338,8 @@ class Settings:
                 env, "SCHEDULER_TICK_SECONDS", cls.scheduler_tick_seconds),
             claim_lease_seconds=_int(env, "CLAIM_LEASE_SECONDS", cls.claim_lease_seconds),
             inbox_max_attempts=_int(env, "INBOX_MAX_ATTEMPTS", cls.inbox_max_attempts),
+            inbox_hold_alert_minutes=_int(env, "INBOX_HOLD_ALERT_MINUTES",
+                                          cls.inbox_hold_alert_minutes),
             outbox_max_attempts=_int(env, "OUTBOX_MAX_ATTEMPTS", cls.outbox_max_attempts),
             stop_timeout_seconds=_int(env, "STOP_TIMEOUT_SECONDS", cls.stop_timeout_seconds),
             outbound_max_in_flight=_int(

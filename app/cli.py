@@ -300,8 +300,9 @@ OUTBOX_COLUMNS = ("ID", "EVENT", "KIND", "ORDER", "STATUS", "TRIES", "NEXT TRY (
 
 def event_row(event):
     return (event.id, operator.format_time(event.received_at), operator.source_of(event),
-            event.event_type, event.status, event.attempts, event.order_number,
-            event.external_id, operator.clip(event.last_error))
+            event.event_type, "held" if event.held else event.status, event.attempts,
+            event.order_number, event.external_id,
+            operator.clip(event.held or event.last_error))
 
 
 def outbox_row(row):
@@ -333,6 +334,7 @@ async def events_show(ctx, args):
             ("received", operator.format_time(event.received_at)),
             ("processed", operator.format_time(event.processed_at)),
             ("next attempt", operator.format_time(event.next_attempt_at)),
+            ("held", event.held or "-"),
             ("last error", event.last_error or "-")):
         print(f"{label + ':':<14}{value}")
     print("payload:")

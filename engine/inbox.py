@@ -28,7 +28,7 @@ import inspect
 import logging
 import operator
 import time
-from typing import Any, Callable, Sequence, TypedDict, Unpack
+from typing import Any, Callable, Iterable, NamedTuple, Sequence, TypedDict, Unpack, cast
 
 import peewee
 
@@ -1049,7 +1049,81 @@ async def retry_due(ctx: EngineContext) -> int:
             break
         outcome = await _process(ctx, events[0])
         handled += 1 + await _release_after(ctx, events[0], outcome)
+    await ctx.db(functools.partial(tell_of_long_holds, ctx))
     return handled
+
+
+class Hold(NamedTuple):
+    """What a held event waits behind: the first unfinished event of its order before it,
+    that event's status and its last error (why it is not finished)."""
+    behind: int
+    status: str
+    reason: str | None
+
+
+def holds(event_ids: Sequence[int]) -> dict[int, Hold]:
+    """What each of `event_ids` that waits behind an earlier event of its order waits
+    behind (the console, the command line); the others are not in it. In a unit."""
+    if not event_ids:
+        return {}
+    # (id, what it waits behind or None) rows: peewee's types know rows of models only.
+    rows = cast(Iterable[tuple[int, int | None]], WebhookEvent.select(
+        WebhookEvent.id, first_unfinished_before()).where(
+            WebhookEvent.id.in_(list(event_ids)),
+            WebhookEvent.status.in_(AWAITING_HANDLING)).tuples())
+    behind = {event_id: first for event_id, first in rows if first is not None}
+    earlier = {row.id: row for row in WebhookEvent.select(
+        WebhookEvent.id, WebhookEvent.status, WebhookEvent.last_error)
+        .where(WebhookEvent.id.in_(list(set(behind.values()))))}
+    return {event_id: Hold(first, earlier[first].status, earlier[first].last_error)
+            for event_id, first in behind.items() if first in earlier}
+
+
+def held_count() -> tuple[int, datetime.datetime | None]:
+    """How many events wait behind an earlier one of their order, and when the first of
+    them came (None when none). In a unit."""
+    # One (count, the earliest received_at as the database gives it) row.
+    count, since = cast(tuple[int, object], WebhookEvent.select(
+        peewee.fn.COUNT(WebhookEvent.id), peewee.fn.MIN(WebhookEvent.received_at))
+        .where(WebhookEvent.status.in_(AWAITING_HANDLING),
+               peewee.fn.EXISTS(first_unfinished_before())).tuples().get())
+    return count, WebhookEvent.received_at.python_value(since)
+
+
+def _held_long(ctx):
+    """The orders whose first held event has waited longer than INBOX_HOLD_ALERT_MINUTES:
+    (order, the event it waits behind, that event's row, how many wait, since when)."""
+    since = ctx.clock() - datetime.timedelta(minutes=ctx.settings.inbox_hold_alert_minutes)
+    held = (WebhookEvent.select(WebhookEvent.order_number,
+                                peewee.fn.MIN(WebhookEvent.received_at).alias("since"),
+                                peewee.fn.COUNT(WebhookEvent.id).alias("waiting"))
+            .where(WebhookEvent.status.in_(AWAITING_HANDLING),
+                   peewee.fn.EXISTS(first_unfinished_before()))
+            .group_by(WebhookEvent.order_number)
+            .having(peewee.fn.MIN(WebhookEvent.received_at) <= since))
+    return list(held)
+
+
+def tell_of_long_holds(ctx: EngineContext) -> int:
+    """Tell the administrator, once for each event that holds them, of the orders whose
+    events have waited behind it for longer than INBOX_HOLD_ALERT_MINUTES; how many
+    orders. In a unit (the inbox retry's run)."""
+    told = 0
+    for row in _held_long(ctx):
+        first = (WebhookEvent.select().where(
+            WebhookEvent.order_number == row.order_number,
+            WebhookEvent.status.in_(AWAITING_HANDLING))
+            .order_by(WebhookEvent.received_at, WebhookEvent.id).first())
+        if first is None:
+            continue
+        since = WebhookEvent.received_at.python_value(row.since)
+        outbox.tell_admin(
+            ctx, f"order-held-{first.id}", f"Order {row.order_number}: events wait behind "
+            f"event #{first.id}", "order_held", order=row.order_number, event=first,
+            waiting=row.waiting, since=since.isoformat(timespec="seconds"),
+            minutes=ctx.settings.inbox_hold_alert_minutes)
+        told += 1
+    return told
 
 
 def _due(ctx):

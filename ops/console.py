@@ -238,7 +238,7 @@ def event_page(filters, after=None, limit=PAGE_SIZE):
     rows = list(query.order_by(WebhookEvent.received_at.desc(), WebhookEvent.id.desc())
                 .limit(limit + 1))
     more = len(rows) > limit
-    rows = rows[:limit]
+    rows = operator.note_holds(rows[:limit])
     return Page(rows, cursor_of(rows[-1]) if more else None)
 
 
@@ -478,8 +478,12 @@ def timeline(ctx, order_number):
 
 
 def _event_moments(order_number):
-    for event in WebhookEvent.select().where(WebhookEvent.order_number == order_number):
+    events = operator.note_holds(list(
+        WebhookEvent.select().where(WebhookEvent.order_number == order_number)))
+    for event in events:
         detail = f"{event.status}, {event.attempts} attempt(s)"
+        if event.held:
+            detail = f"{event.held}; {detail}"
         if event.last_error:
             detail += f": {event.last_error}"
         yield Moment(event.received_at, f"{event.source} event {event.event_type}",

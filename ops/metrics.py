@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from models import Outbox, WebhookEvent, database
 from domain import reconcile
-from engine import commits, spool
+from engine import commits, inbox, spool
 from engine.commits import on_commit
 from engine.db import UNAVAILABLE
 from engine.destinations import DESTINATION_OF
@@ -224,6 +224,12 @@ def database_families(ctx):
                  "waits for a retry.", failed)
     yield _gauge("receiver_events_dead", "Stored events given up on after too many "
                  "failures; see `events replay --failed`.", dead_events)
+    held, held_since = inbox.held_count()
+    yield _gauge("receiver_events_held", "Stored events waiting behind an unfinished "
+                 "earlier event of their order.", held)
+    yield _gauge("receiver_events_oldest_held_age_seconds", "How long the event held "
+                 "longest has waited since it came (0 when none).",
+                 max(0.0, (ctx.clock() - held_since).total_seconds()) if held_since else 0.0)
     reconciled = GaugeMetricFamily(
         "receiver_reconcile_last_success_timestamp_seconds", "Unix time the "
         "reconciliation with Frappe last finished for a doctype, in any process (0: "

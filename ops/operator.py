@@ -43,8 +43,24 @@ class Refused(Exception):
     what to add to ask for it."""
 
 
+def note_holds(events):
+    """Set each event's `held`: what it waits behind, as the operator reads it ("held
+    behind event #12 (failed: ...)"), or None. In a unit."""
+    found = inbox.holds([event.id for event in events])
+    for event in events:
+        hold = found.get(event.id)
+        event.held = hold and held_text(hold)
+    return events
+
+
+def held_text(hold):
+    why = f"{hold.status}: {hold.reason}" if hold.reason else hold.status
+    return f"held behind event #{hold.behind} ({why})"
+
+
 def list_events(source=None, status=None, since=None, until=None, limit=50):
-    """The newest events first, filtered; `since` inclusive, `until` exclusive."""
+    """The newest events first, filtered; `since` inclusive, `until` exclusive; each with
+    what it is held behind (`note_holds`)."""
     query = WebhookEvent.select()
     if source:
         query = query.where(WebhookEvent.source == source)
@@ -54,8 +70,8 @@ def list_events(source=None, status=None, since=None, until=None, limit=50):
         query = query.where(WebhookEvent.received_at >= since)
     if until:
         query = query.where(WebhookEvent.received_at < until)
-    return list(query.order_by(WebhookEvent.received_at.desc(), WebhookEvent.id.desc())
-                .limit(limit))
+    return note_holds(list(query.order_by(WebhookEvent.received_at.desc(),
+                                          WebhookEvent.id.desc()).limit(limit)))
 
 
 def source_of(event):
@@ -71,8 +87,9 @@ def get_event(event_id):
 
 
 def event_with_effects(event_id):
-    """(the event, its outbox rows); NotFound when there is no such event."""
-    event = get_event(event_id)
+    """(the event, with what it is held behind (`note_holds`), its outbox rows);
+    NotFound when there is no such event."""
+    [event] = note_holds([get_event(event_id)])
     return event, list(Outbox.select().where(Outbox.event == event.id).order_by(Outbox.id))
 
 
