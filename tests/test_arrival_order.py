@@ -11,6 +11,7 @@ import pytest
 from models import ComplianceOrder, WebhookEvent
 from engine import inbox, outbox, spool
 from engine.claims import lease
+from tests import shkeeper, stripe_events as se
 from tests.conftest import WEBHOOK_SECRET
 from tests.service_process import database_down
 
@@ -219,3 +220,28 @@ async def test_events_of_other_orders_and_of_no_order_wait_for_nothing(post, ctx
                                   ("fulfillment/authorization_required", "processed"),
                                   ("formation/ready", "processed")]
     assert [r.json["action"] for r in worker.requests] == ["deliver"]
+
+
+@pytest.fixture
+def payment_senders(settings):
+    """The suite's settings with the card and crypto processors configured."""
+    return dataclasses.replace(settings, stripe_secret_key=se.SECRET_KEY,
+                               stripe_webhook_secrets=(se.SECRET,),
+                               crypto_processor_api_key=shkeeper.API_KEY)
+
+
+@pytest.mark.gen_test
+async def test_a_held_payment_is_answered_as_every_stored_one_by_its_sender(
+        post, ctx, clock, payment_senders):
+    """CRTC order CA-1's fulfilment report failed; its card and crypto payments that come
+    next wait behind it, and their senders get their usual answers."""
+    ctx.settings = payment_senders
+    await report(post, "authorization_required", "CA-1")  # fails: no compliance order
+    card = se.event("payment_intent.succeeded", se.payment_intent("CA-1", "canada_crtc"))
+    assert (await se.deliver(post, clock, card))[:2] == se.RECEIVED
+    raw = shkeeper.encode(shkeeper.paid("CA-1"))
+    status, reply, _ = await post(shkeeper.URL, raw, shkeeper.key_headers())
+    assert (status, reply) == (202, {"received": True})
+    assert events_by_status() == [("fulfillment/authorization_required", "failed"),
+                                  ("payment_intent.succeeded", "received"),
+                                  ("PAID", "received")]
