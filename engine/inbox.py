@@ -505,9 +505,11 @@ async def _handle_drained(ctx, kept, drained):
     """Before the spool file goes: should telling the administrator fail (the database
     gone again), the next drain finds the file and the quarantined calls again.
 
-    Each order's calls are handled one after another in the order they came; different
-    orders' side by side (DRAIN_CONCURRENCY at once), or the drain would fall behind the
-    calls that join the spool meanwhile."""
+    Each order's calls are handled one after another in the order they came, so that
+    none waits behind the one before it (it would be held, and let go when that one
+    ends); different orders' side by side (DRAIN_CONCURRENCY at once), or the drain would
+    fall behind the calls that join the spool meanwhile. The order itself is the
+    invariant's (`_held_by`), whatever the drain does."""
     if drained.quarantined:
         await ctx.db(functools.partial(_tell_admin_quarantined, ctx, drained.quarantined))
     by_order: dict[object, list[WebhookEvent]] = {}
