@@ -520,6 +520,12 @@ class ReconnectingPostgresqlDatabase(ClassifiedErrors, ReconnectMixin, Postgresq
     def _connection_broken(self):
         return not self.is_closed() and bool(self._state.conn.closed)
 
+    def session_apart(self):
+        """A connection of its own (any thread), in autocommit, bounded like every other
+        wait, that neither the circuit nor the held writes know of: for what must hold a
+        session (scheduler.AdvisoryLock). The caller closes it."""
+        return self._connect()
+
     def probe(self):
         """Raise unless PostgreSQL answers and takes writes: a connection of its own (any
         thread), bounded like every other wait."""
