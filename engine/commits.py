@@ -110,10 +110,15 @@ class Ahead:
     gives no statement (its items cannot go together), the other kinds are left to the
     units too, so no lock is taken ahead of the writes. All the statements read one
     snapshot, and the rows a kind keeps for the turn are kept after every write ahead is
-    told to the turn (`wrote`), so no kind may write a table whose rows another keeps."""
+    told to the turn (`wrote`), so no kind may write a table whose rows another keeps.
+
+    A kind `together_with` another has its items given to that one's `statements`, with
+    that kind's own: what must be done in one statement, such as rows locked in one
+    order whichever kind of item asked for them."""
 
     done = False
     writes = False
+    together_with: type["Ahead"] | None = None
 
     @classmethod
     def statements(cls, items: list[Self]) -> list["AheadStatement"]:
@@ -517,7 +522,7 @@ def _run_ahead(items: list[Ahead]) -> None:
         return
     by_kind: dict[type[Ahead], list[Ahead]] = {}
     for item in items:
-        by_kind.setdefault(type(item), []).append(item)
+        by_kind.setdefault(type(item).together_with or type(item), []).append(item)
     statements: list[AheadStatement] = []
     for kind in sorted(by_kind, key=lambda kind: not kind.writes):
         asked = kind.statements(by_kind[kind])

@@ -17,7 +17,7 @@ from domain import orders
 from engine import inbox, outbox
 from engine.prepared import Prepared, save_changes, slot, write_later
 from handlers.workflow import hourly_keys
-from models import CrtcOrder, FormationOrder, Outbox, WebhookEvent, database
+from models import ComplianceOrder, CrtcOrder, FormationOrder, Outbox, WebhookEvent, database
 from tests.door import through_the_door
 from tests.service_process import ON_POSTGRES
 from tests.test_inbox import card_plugin  # noqa: F401 (a fixture)
@@ -452,3 +452,61 @@ async def test_a_turn_whose_events_go_one_by_one_locks_no_order_ahead_of_them(
     inserted = max(at for at, sql in enumerate(sent) if 'INTO "webhook_events"' in sql)
     locked = min(at for at, sql in enumerate(sent) if "FOR UPDATE" in sql)
     assert inserted < locked
+
+
+def renaming(ctx, name, number):
+    """A workflow call that names the order `number` (of whichever kind) `name`, its
+    order's name read ahead as the workflow handler asks."""
+    body = frappe_body({"order_name": name, "order_number": number})
+    return inbox.accept(ctx, "workflow", "formation/ready", f"{name}:{number}", body,
+                        order_number=number, ahead=(orders.OrderNameAhead(number),))
+
+
+def locking(connection, table, number):
+    """Another process's turn locks the order `number` of `table`; its cursor."""
+    cursor = connection.cursor()
+    cursor.execute(f"SELECT 1 FROM {table} WHERE order_number = %s FOR UPDATE", (number,))
+    return cursor
+
+
+@pytest.fixture
+def watching(database_url):
+    """A session that sees the others' waits (pg_stat_activity, read outside any
+    transaction: within one it shows the same picture)."""
+    connection = psycopg2.connect(database_url)
+    connection.autocommit = True
+    yield connection.cursor()
+    connection.close()
+
+
+@pytest.mark.skipif(not ON_POSTGRES, reason="SQLite locks no row")
+@pytest.mark.gen_test(timeout=30)
+@pytest.mark.parametrize("first", ["a call that renames FO-1", "a payment of FO-1"])
+async def test_a_turn_locks_its_orders_by_kind_then_number_whatever_order_its_calls_came(
+        ctx, card_plugin, worker, other_connection, watching, first):  # noqa: F811
+    """Another process's turn holds CO-1 and will want FO-1 next: every turn takes a
+    compliance order before a formation one. This turn's first call renames or pays for
+    FO-1, its second renames CO-1: it locks CO-1 first all the same (the orders a
+    payment locks and those a workflow call names are locked together), waits for it,
+    and leaves FO-1 to the other turn, which ends. Locking as its calls came, it would
+    hold FO-1 while it waits for CO-1, and each turn would wait on the other (a
+    deadlock)."""
+    FormationOrder.create(order_number="FO-1", order_name="FORM-OLD")
+    ComplianceOrder.create(order_number="CO-1", order_name="COMP-OLD")
+    paying(card_plugin)
+    other = locking(other_connection, "compliance_orders", "CO-1")
+    turn = asyncio.ensure_future(one_turn(
+        renaming(ctx, "FORM-NEW", "FO-1") if first.startswith("a call")
+        else pays(ctx, "cs_1", "FO-1"),
+        renaming(ctx, "COMP-NEW", "CO-1")))
+    try:
+        await until_waiting_on_a_lock(watching)
+        other.execute("SET lock_timeout = '300ms'")
+        other.execute("SELECT 1 FROM formation_orders WHERE order_number = 'FO-1' "
+                      "FOR UPDATE")
+    finally:
+        other_connection.rollback()
+    assert [call.outcome for call in await turn] == ["processed"] * 2
+    assert ComplianceOrder.get().order_name == "COMP-NEW"
+    assert (FormationOrder.get().order_name, FormationOrder.get().stripe_session_id) == (
+        ("FORM-NEW", None) if first.startswith("a call") else ("FORM-OLD", "cs_1"))
