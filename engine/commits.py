@@ -25,10 +25,13 @@ is rolled back and run again with a savepoint around each unit and each such par
 Failing is rare on the request path, and running again from the start is needed anyway:
 
 On PostgreSQL two processes' turns can deadlock (each inserted a key the other is now
-inserting); the server rolls one statement back, and its unit is run again at the next
-turn, after this turn's commit has released what the other process waits for. A unit
-must therefore be safe to run again from its start, and code inside one that catches
-database errors lets a conflict through (`raise_if_conflict`).
+inserting), or wait long on a lock the other holds: the server rolls one statement back
+(a deadlock it found, or a lock waited for past lock_timeout, which is below the
+statement timeout: models.lock_timeout_ms), a conflict, and its unit is run again at the
+next turn, after this turn's commit has released what the other process waits for. A
+conflict opens no circuit: the database answers. A unit must therefore be safe to run
+again from its start, and code inside one that catches database errors lets a conflict
+through (`raise_if_conflict`).
 
 A turn run without savepoints holds its writes on PostgreSQL (models.ClassifiedErrors):
 the BEGIN goes to the server with the first statement, and a write whose result nobody
