@@ -516,6 +516,34 @@ async def test_a_turn_locks_its_orders_by_kind_then_number_whatever_order_its_ca
         ("FORM-NEW", None) if first.startswith("a call") else ("FORM-OLD", "cs_1"))
 
 
+@pytest.mark.skipif(not ON_POSTGRES, reason="SQLite locks no row")
+@pytest.mark.gen_test(timeout=30)
+async def test_stored_calls_handled_together_lock_their_orders_by_kind_then_number(
+        ctx, worker, other_connection, watching):
+    """As above, for calls stored first and handled later, together (a spool drain, the
+    inbox retry): their handling asks for its orders ahead as a call's own does, and
+    the turn locks CO-1 before FO-1 whatever order they came in."""
+    FormationOrder.create(order_number="FO-1", order_name="FORM-OLD")
+    ComplianceOrder.create(order_number="CO-1", order_name="COMP-OLD")
+    stored = []
+    for name, number in (("FORM-NEW", "FO-1"), ("COMP-NEW", "CO-1")):
+        body = frappe_body({"order_name": name, "order_number": number})
+        stored.append(through_the_door(inbox.store, ctx, "workflow", "formation/ready", name,
+                                       body, order_number=number).event)
+    other = locking(other_connection, "compliance_orders", "CO-1")
+    turn = asyncio.ensure_future(one_turn(*(inbox.process(ctx, event) for event in stored)))
+    try:
+        await until_waiting_on_a_lock(watching)
+        other.execute("SET lock_timeout = '300ms'")
+        other.execute("SELECT 1 FROM formation_orders WHERE order_number = 'FO-1' "
+                      "FOR UPDATE")
+    finally:
+        other_connection.rollback()
+    assert await turn == ["processed"] * 2
+    assert (FormationOrder.get().order_name, ComplianceOrder.get().order_name) == (
+        "FORM-NEW", "COMP-NEW")
+
+
 @contextlib.asynccontextmanager
 async def as_the_service_opens_it(db, database_url):
     """The database opened as the service opens it (DATABASE_TIMEOUT_MS=1000, PostgreSQL's
