@@ -483,6 +483,23 @@ def watching(database_url):
     connection.close()
 
 
+async def crossing(other_connection, watching, start):
+    """Another process's turn holds CO-1 while `start()` runs a turn of this one; once
+    that turn waits on a lock, the other asks for FO-1 too, and gives up after 300 ms
+    (LockNotAvailable: this turn holds FO-1 while it waits for CO-1). What the turn
+    came to, once the other has ended."""
+    other = locking(other_connection, "compliance_orders", "CO-1")
+    turn = asyncio.ensure_future(start())
+    try:
+        await until_waiting_on_a_lock(watching)
+        other.execute("SET lock_timeout = '300ms'")
+        other.execute("SELECT 1 FROM formation_orders WHERE order_number = 'FO-1' "
+                      "FOR UPDATE")
+    finally:
+        other_connection.rollback()
+    return await turn
+
+
 @pytest.mark.skipif(not ON_POSTGRES, reason="SQLite locks no row")
 @pytest.mark.gen_test(timeout=30)
 @pytest.mark.parametrize("first", ["a call that renames FO-1", "a payment of FO-1"])
@@ -498,19 +515,11 @@ async def test_a_turn_locks_its_orders_by_kind_then_number_whatever_order_its_ca
     FormationOrder.create(order_number="FO-1", order_name="FORM-OLD")
     ComplianceOrder.create(order_number="CO-1", order_name="COMP-OLD")
     paying(card_plugin)
-    other = locking(other_connection, "compliance_orders", "CO-1")
-    turn = asyncio.ensure_future(one_turn(
+    calls = await crossing(other_connection, watching, lambda: one_turn(
         renaming(ctx, "FORM-NEW", "FO-1") if first.startswith("a call")
         else pays(ctx, "cs_1", "FO-1"),
         renaming(ctx, "COMP-NEW", "CO-1")))
-    try:
-        await until_waiting_on_a_lock(watching)
-        other.execute("SET lock_timeout = '300ms'")
-        other.execute("SELECT 1 FROM formation_orders WHERE order_number = 'FO-1' "
-                      "FOR UPDATE")
-    finally:
-        other_connection.rollback()
-    assert [call.outcome for call in await turn] == ["processed"] * 2
+    assert [call.outcome for call in calls] == ["processed"] * 2
     assert ComplianceOrder.get().order_name == "COMP-NEW"
     assert (FormationOrder.get().order_name, FormationOrder.get().stripe_session_id) == (
         ("FORM-NEW", None) if first.startswith("a call") else ("FORM-OLD", "cs_1"))
@@ -530,16 +539,9 @@ async def test_stored_calls_handled_together_lock_their_orders_by_kind_then_numb
         body = frappe_body({"order_name": name, "order_number": number})
         stored.append(through_the_door(inbox.store, ctx, "workflow", "formation/ready", name,
                                        body, order_number=number).event)
-    other = locking(other_connection, "compliance_orders", "CO-1")
-    turn = asyncio.ensure_future(one_turn(*(inbox.process(ctx, event) for event in stored)))
-    try:
-        await until_waiting_on_a_lock(watching)
-        other.execute("SET lock_timeout = '300ms'")
-        other.execute("SELECT 1 FROM formation_orders WHERE order_number = 'FO-1' "
-                      "FOR UPDATE")
-    finally:
-        other_connection.rollback()
-    assert await turn == ["processed"] * 2
+    outcomes = await crossing(other_connection, watching, lambda: one_turn(
+        *(inbox.process(ctx, event) for event in stored)))
+    assert outcomes == ["processed"] * 2
     assert (FormationOrder.get().order_name, ComplianceOrder.get().order_name) == (
         "FORM-NEW", "COMP-NEW")
 
