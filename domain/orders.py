@@ -120,8 +120,9 @@ class OrderAhead(Ahead):
                 named.append(item)
             elif isinstance(item, OrderAhead):
                 by_kind.setdefault(item.order_type, []).append(item)
-        locking = [OrderNameAhead.locking(named, [item.order_number for kind in by_kind.values()
-                                                  for item in kind])] if named else []
+        read_in_full = [item.order_number for of_a_kind in by_kind.values()
+                        for item in of_a_kind]
+        locking = [OrderNameAhead.locking(named, read_in_full)] if named else []
         return locking + [cls._locking(order_type, by_kind[order_type])
                           for order_type in sorted(by_kind)]
 
