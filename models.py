@@ -85,7 +85,8 @@ class ExactDecimalField(Field):
 # statement the database refuses and will refuse again (a value past PostgreSQL's index
 # row limit, SQLSTATE 54000, which psycopg2 raises as OperationalError). PostgreSQL's by
 # SQLSTATE: connection (08), conflict (40, the group commit runs the unit again),
-# insufficient resources (53: too many connections, disk full), lock timeout (55P03),
+# insufficient resources (53: too many connections, disk full), lock timeout (55P03, a
+# conflict too),
 # statement timeout or shutdown (57: 57014, 57P01-57P05), system error (58), read-only
 # (25006, a standby after a failover), idle session ended (25P03).
 DOWN_SQLSTATE_CLASSES = ("08", "40", "53", "57", "58")
@@ -131,15 +132,18 @@ def maintenance():
         _maintenance.active = False
 
 
-# SQLSTATE class 40: a deadlock or serialization failure, which the group commit runs
-# again; the database is up.
+# SQLSTATE class 40 (a deadlock, 40P01, or a serialization failure) and 55P03 (a lock
+# waited for past lock_timeout: another process's transaction holds it, or each waits on
+# the other): conflicts, which the group commit runs again; the database is up.
 CONFLICT_CLASS = "40"
+LOCK_NOT_AVAILABLE = "55P03"
 
 
 def is_conflict(failure):
     """peewee keeps the driver's error as `orig`; psycopg2's carries the SQLSTATE."""
     driver_error = getattr(failure, "orig", None)
-    return str(getattr(driver_error, "pgcode", "") or "").startswith(CONFLICT_CLASS)
+    sqlstate = str(getattr(driver_error, "pgcode", "") or "")
+    return sqlstate.startswith(CONFLICT_CLASS) or sqlstate == LOCK_NOT_AVAILABLE
 
 
 def is_down(exc):
@@ -520,6 +524,12 @@ class ReconnectingPostgresqlDatabase(ClassifiedErrors, ReconnectMixin, Postgresq
     def _connection_broken(self):
         return not self.is_closed() and bool(self._state.conn.closed)
 
+    def session_apart(self):
+        """A connection of its own (any thread), in autocommit, bounded like every other
+        wait, that neither the circuit nor the held writes know of: for what must hold a
+        session (scheduler.AdvisoryLock). The caller closes it."""
+        return self._connect()
+
     def probe(self):
         """Raise unless PostgreSQL answers and takes writes: a connection of its own (any
         thread), bounded like every other wait."""
@@ -537,11 +547,11 @@ class ReconnectingPostgresqlDatabase(ClassifiedErrors, ReconnectMixin, Postgresq
         """Statements that may wait long on purpose (migrations: one process migrates,
         the others wait for its lock) run without the service's bounds."""
         with BoundedWaits.lifted():
-            self.execute_sql("SET statement_timeout = 0")
+            self.execute_sql("SET statement_timeout = 0; SET lock_timeout = 0")
             try:
                 yield
             finally:
-                self.execute_sql("RESET statement_timeout")
+                self.execute_sql("RESET statement_timeout; RESET lock_timeout")
 
 
 def sqlite_file(url):
@@ -558,7 +568,8 @@ def open_database(url, timeout_ms=None):
     With `timeout_ms` (the service's DATABASE_TIMEOUT_MS), every wait on the database is
     bounded by it: on PostgreSQL the connect timeout (libpq's minimum is 2 s),
     tcp_user_timeout, TCP keepalives (a dead idle connection is found in about 4 s), the
-    statement timeout and BoundedWaits; on SQLite the busy timeout. Without it (the
+    statement timeout and BoundedWaits, and a lock's wait by half of it (`lock_timeout_ms`);
+    on SQLite the busy timeout. Without it (the
     operator's commands) only the connect timeout is bounded, and SQLite waits 5 s for a
     lock. Parameters in the URL's query string win."""
     parsed = parse(url)
@@ -596,11 +607,19 @@ def open_database(url, timeout_ms=None):
     return db
 
 
+def lock_timeout_ms(timeout_ms):
+    """A lock's wait, bounded below a statement's: a wait on another transaction's lock
+    (or two transactions waiting on each other) ends as a conflict (55P03), run again,
+    never as the statement timeout that says the database does not answer."""
+    return max(1, timeout_ms // 2)
+
+
 def _libpq_bounds(timeout_ms):
     return {"connect_timeout": max(2, math.ceil(timeout_ms / 1000)),
             "tcp_user_timeout": timeout_ms, "keepalives": 1, "keepalives_idle": 2,
             "keepalives_interval": 1, "keepalives_count": 2,
-            "options": f"-c statement_timeout={timeout_ms}"}
+            "options": f"-c statement_timeout={timeout_ms} "
+                       f"-c lock_timeout={lock_timeout_ms(timeout_ms)}"}
 
 
 def is_postgres(db=None):

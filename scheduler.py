@@ -8,9 +8,11 @@ WORKFLOW_RECONCILE_MINUTES (and once at start): the reconciliation with Frappe.
 Several processes may share one PostgreSQL: each run of a job first takes a
 PostgreSQL advisory lock named after the job, and a process that does not get it skips
 that run, so a job runs in one process at a time. On SQLite one process is assumed.
-The locks are taken and given back in a thread of their own (a session-level lock
-belongs to the connection that took it, which is that thread's), so a database that
-stops answering holds that thread, never the loop.
+The spool drain takes none: each process drains its own spool, whatever another holds
+(processes that share a SPOOL_DIR on one host take each file in turn, under its flock:
+engine.spool). A lock is taken and given back in a thread of its own, on a session of
+its own (`AdvisoryLock`), so a database that stops answering holds that thread, never
+the loop.
 """
 import asyncio
 import concurrent.futures
@@ -20,11 +22,12 @@ import logging
 import typing
 import zlib
 
+import psycopg2
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 
 import lograte
-from models import UTC, database, is_postgres
+from models import UTC, DatabaseDown, database, is_postgres
 from domain import holdback, reconcile, reminders
 from engine import inbox, outbox, retention, spool
 from engine.commits import budget
@@ -56,6 +59,8 @@ class Job:
     run: typing.Callable
     every: typing.Callable  # settings -> seconds
     at_start: bool = True
+    # Runs in one process at a time (its advisory lock); False: in each process.
+    one_process: bool = True
 
     @property
     def lock_id(self):
@@ -65,7 +70,7 @@ class Job:
 JOBS = (
     Job("outbox", outbox.send_due, lambda s: s.scheduler_tick_seconds),
     Job("inbox", inbox.retry_due, lambda s: s.scheduler_tick_seconds),
-    Job("spool", inbox.drain_spool, lambda s: s.scheduler_tick_seconds),
+    Job("spool", inbox.drain_spool, lambda s: s.scheduler_tick_seconds, one_process=False),
     Job("settlement", settle, lambda s: 60 * s.settlement_interval_minutes),
     Job("reminders", reminders.send_reminders, lambda s: HOURLY),
     Job("holdback", holdback.release_due, lambda s: HOURLY),
@@ -81,24 +86,67 @@ LOCK_THREAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="job-l
 
 class AdvisoryLock:
     """A PostgreSQL session-level advisory lock, taken without waiting; on SQLite the one
-    process always has it."""
+    process always has it.
 
-    def __init__(self, lock_id):
+    Each lock has a session of its own (`session_apart`: outside the circuit), opened to
+    take it and closed once it is given back. A database known to be down is not asked
+    for it (the circuit is open: DatabaseDown, as any statement would raise). Giving it
+    back goes to its session whatever the circuit says: a circuit opened meanwhile (a
+    short false alarm somewhere in the process) must not leave the lock with a session
+    that lives on, which would keep the job from every other process for as long as this
+    one lives. The session is closed whether the unlock went through or not: the server
+    then ends it, and the lock with it."""
+
+    def __init__(self, lock_id: int) -> None:
         self.lock_id = lock_id
+        self.session: typing.Any = None
 
-    async def acquire(self):
+    async def acquire(self) -> bool:
         if not is_postgres():
             return True
-        cursor = await self._in_lock_thread("SELECT pg_try_advisory_lock(%s)")
-        return bool(cursor.fetchone()[0])
+        circuit = database.obj.circuit
+        if circuit is not None and circuit.is_open:
+            raise DatabaseDown(f"the database is down ({circuit.reason}); not tried until "
+                               "a probe finds it back")
+        try:
+            return await asyncio.get_running_loop().run_in_executor(LOCK_THREAD, self._take)
+        except asyncio.CancelledError:
+            # The thread takes it all the same: given back after, in the same thread.
+            LOCK_THREAD.submit(self._give_back)
+            raise
 
-    async def release(self):
-        if is_postgres():
-            await self._in_lock_thread("SELECT pg_advisory_unlock(%s)")
+    async def release(self) -> None:
+        if self.session is not None:
+            await asyncio.get_running_loop().run_in_executor(LOCK_THREAD, self._give_back)
 
-    def _in_lock_thread(self, sql):
-        return asyncio.get_running_loop().run_in_executor(
-            LOCK_THREAD, database.execute_sql, sql, (self.lock_id,))
+    def _take(self) -> bool:
+        try:
+            self.session = database.obj.session_apart()
+            cursor = self.session.cursor()
+            cursor.execute("SELECT pg_try_advisory_lock(%s)", (self.lock_id,))
+            taken = bool(cursor.fetchone()[0])
+        except psycopg2.Error as failure:
+            self._close()
+            raise DatabaseDown(why_unavailable(failure)) from failure
+        if not taken:
+            self._close()
+        return taken
+
+    def _give_back(self) -> None:
+        if self.session is None:
+            return
+        try:
+            self.session.cursor().execute("SELECT pg_advisory_unlock(%s)", (self.lock_id,))
+        except psycopg2.Error as failure:
+            log.debug("lock %s not given back, its session is closed instead: %s",
+                      self.lock_id, why_unavailable(failure))
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        session, self.session = self.session, None
+        if session is not None:
+            session.close()
 
 
 def _still_running(record):
@@ -195,7 +243,7 @@ class Scheduler:
     async def _run_locked(self, job):
         lock = AdvisoryLock(job.lock_id)
         try:
-            if not await lock.acquire():
+            if job.one_process and not await lock.acquire():
                 log.debug("job %s skipped: running in another process", job.name)
                 self.ctx.metrics.job_ran(job.name, "skipped", self.ctx.clock())
                 return None
@@ -215,9 +263,6 @@ class Scheduler:
         except Exception as exc:
             REPEATS.exception((job.name, *lograte.key_of(exc)), "job %s failed", job.name)
         finally:
-            try:
-                await lock.release()
-            except UNAVAILABLE:
-                pass  # the session is gone, and its locks with it
+            await lock.release()
         self.ctx.metrics.job_ran(job.name, "failed", self.ctx.clock())
         return None

@@ -141,6 +141,7 @@ POSITIVE_NUMBERS = {
     "METRICS_CACHE_SECONDS": "metrics_cache_seconds",
     "MAX_CONNECTIONS": "max_connections",
     "DATABASE_TIMEOUT_MS": "database_timeout_ms",
+    "SPOOL_WAIT_LIMIT_SECONDS": "spool_wait_limit_seconds",
 }
 
 # The workflow paths reconciliation looks for, with the Frappe workflow state each is
@@ -229,6 +230,10 @@ class Settings:
     settlement_refusals_before_alert: int = 24
     max_body_bytes: int = 1024 * 1024
     spool_dir: str = "var/spool"
+    # How long acknowledged calls may wait in the spool while the database answers before
+    # /readyz says not ready: the drain runs at every tick and as soon as the database is
+    # back, so calls that wait longer are stuck, not on their way.
+    spool_wait_limit_seconds: int = 60
     log_format: str = "text"
     outbound_timeout_seconds: int = 10
     scheduler_tick_seconds: int = 10
@@ -331,6 +336,8 @@ class Settings:
                 env, "SETTLEMENT_REFUSALS_BEFORE_ALERT", cls.settlement_refusals_before_alert),
             max_body_bytes=_int(env, "MAX_BODY_BYTES", cls.max_body_bytes),
             spool_dir=text("SPOOL_DIR", cls.spool_dir),
+            spool_wait_limit_seconds=_int(
+                env, "SPOOL_WAIT_LIMIT_SECONDS", cls.spool_wait_limit_seconds),
             log_format=text("RECEIVER_LOG_FORMAT", cls.log_format),
             outbound_timeout_seconds=_int(
                 env, "OUTBOUND_TIMEOUT_SECONDS", cls.outbound_timeout_seconds),

@@ -106,11 +106,25 @@ class OrderAhead(Ahead):
         self.order_type, self.order_number = order_type, order_number
 
     @classmethod
-    def statements(cls, items: list["OrderAhead"]) -> list[AheadStatement]:
+    def statements(cls, items: list[Ahead]) -> list[AheadStatement]:
+        """The turn's orders locked in one order, whichever kind of item asked: kind
+        after kind (by name), each kind's by number. Two turns that lock the same orders
+        then lock them in the same order, and neither waits on the other while holding
+        what the other waits for (a deadlock). The names read ahead
+        (`OrderNameAhead`, made here) lock every order asked for; the orders read in
+        full after them are then the turn's already."""
         by_kind: dict[str, list[OrderAhead]] = {}
+        named = []
         for item in items:
-            by_kind.setdefault(item.order_type, []).append(item)
-        return [cls._locking(order_type, by_kind[order_type]) for order_type in sorted(by_kind)]
+            if isinstance(item, OrderNameAhead):
+                named.append(item)
+            elif isinstance(item, OrderAhead):
+                by_kind.setdefault(item.order_type, []).append(item)
+        read_in_full = [item.order_number for of_a_kind in by_kind.values()
+                        for item in of_a_kind]
+        locking = [OrderNameAhead.locking(named, read_in_full)] if named else []
+        return locking + [cls._locking(order_type, by_kind[order_type])
+                          for order_type in sorted(by_kind)]
 
     @staticmethod
     def _locking(order_type: str, items: list["OrderAhead"]) -> AheadStatement:
@@ -141,9 +155,10 @@ def find_any_kind(order_number):
 
 def _every_order_table(select):
     """One statement for every order table: the rows `select(model, kind)` gives for each,
-    `kind` the column that names the table's kind."""
+    `kind` the column that names the table's kind; the tables in the order of their
+    kinds' names (the order a turn locks orders in, OrderAhead)."""
     selects = [select(model, peewee.Value(kind).alias("kind"))
-               for kind, model in ORDER_MODELS.items()]
+               for kind, model in sorted(ORDER_MODELS.items())]
     return functools.reduce(lambda union, select: union.union_all(select), selects)
 
 
@@ -157,11 +172,16 @@ NAME_OF_ANY_KIND = Prepared(_name_of_any_kind, on_server=True)
 
 
 def _names_of_any_kind():
-    """`_name_of_any_kind` for several numbers at once: (kind, order_number, order_name)."""
-    return _every_order_table(lambda model, kind: model.select(
-        kind, model.order_number, model.order_name).where(
+    """`_name_of_any_kind` for several numbers at once, each order locked, the kinds in
+    turn and each kind's by number (OrderAhead): (kind, order_number, order_name)."""
+    def locked_names(model, kind):
+        rows = locked(model.select(model.order_number, model.order_name).where(
             model.order_number == peewee.fn.ANY(
-                peewee.Cast(ArraySlot("numbers", model.order_number), "text[]"))))
+                peewee.Cast(ArraySlot("numbers", model.order_number), "text[]")))
+            .order_by(model.order_number)).alias("locked")
+        return peewee.Select([rows], [kind, rows.c.order_number, rows.c.order_name]).bind(
+            model._meta.database)
+    return _every_order_table(locked_names)
 
 
 # Not prepared on the server: a plan made without the array would not know how few it
@@ -173,23 +193,31 @@ class OrderNameAhead(Ahead):
     """The order name a workflow call's plugin reads (`remember_order_name`), read ahead
     with the turn's others (engine.commits.Ahead) and kept for the turn: used by the
     first read of that order's name in the turn, which comes before the only write of a
-    name (RENAME) that could make it stale; a second read goes to the database."""
+    name (RENAME) that could make it stale; a second read goes to the database. The
+    orders of that number, of every kind, are locked as they are read, in the turn's
+    one order with the orders the payments lock (`OrderAhead`, which makes the
+    statement): the call may rename one, or move its fulfilment status."""
+
+    together_with = OrderAhead
 
     def __init__(self, order_number: str) -> None:
         self.order_number = order_number
 
-    @classmethod
-    def statements(cls, items: list["OrderNameAhead"]) -> list[AheadStatement]:
-        numbers = sorted({item.order_number for item in items})
+    @staticmethod
+    def locking(items: list["OrderNameAhead"], also: list[str]) -> AheadStatement:
+        """The statement that locks and reads the names of the orders of `items`' numbers
+        and `also`'s, of every kind."""
+        asked = {item.order_number for item in items}
 
         def take(names, rows):
-            found: dict[str, dict[str, str | None]] = {number: {} for number in numbers}
+            found: dict[str, dict[str, str | None]] = {number: {} for number in asked}
             for kind, number, name in rows:
-                found[number][kind] = name
+                if number in asked:
+                    found[number][kind] = name
             commits.for_this_turn(OrderNameAhead, dict).update(found)
             for item in items:
                 item.done = True
-        return [NAMES_OF_ANY_KIND.ahead(take, numbers=numbers)]
+        return NAMES_OF_ANY_KIND.ahead(take, numbers=sorted(asked.union(also)))
 
 
 def order_name_of_any_kind(order_number):

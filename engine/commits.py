@@ -25,10 +25,13 @@ is rolled back and run again with a savepoint around each unit and each such par
 Failing is rare on the request path, and running again from the start is needed anyway:
 
 On PostgreSQL two processes' turns can deadlock (each inserted a key the other is now
-inserting); the server rolls one statement back, and its unit is run again at the next
-turn, after this turn's commit has released what the other process waits for. A unit
-must therefore be safe to run again from its start, and code inside one that catches
-database errors lets a conflict through (`raise_if_conflict`).
+inserting), or wait long on a lock the other holds: the server rolls one statement back
+(a deadlock it found, or a lock waited for past lock_timeout, which is below the
+statement timeout: models.lock_timeout_ms), a conflict, and its unit is run again at the
+next turn, after this turn's commit has released what the other process waits for. A
+conflict opens no circuit: the database answers. A unit must therefore be safe to run
+again from its start, and code inside one that catches database errors lets a conflict
+through (`raise_if_conflict`).
 
 A turn run without savepoints holds its writes on PostgreSQL (models.ClassifiedErrors):
 the BEGIN goes to the server with the first statement, and a write whose result nobody
@@ -110,10 +113,15 @@ class Ahead:
     gives no statement (its items cannot go together), the other kinds are left to the
     units too, so no lock is taken ahead of the writes. All the statements read one
     snapshot, and the rows a kind keeps for the turn are kept after every write ahead is
-    told to the turn (`wrote`), so no kind may write a table whose rows another keeps."""
+    told to the turn (`wrote`), so no kind may write a table whose rows another keeps.
+
+    A kind `together_with` another has its items given to that one's `statements`, with
+    that kind's own: what must be done in one statement, such as rows locked in one
+    order whichever kind of item asked for them."""
 
     done = False
     writes = False
+    together_with: type["Ahead"] | None = None
 
     @classmethod
     def statements(cls, items: list[Self]) -> list["AheadStatement"]:
@@ -517,7 +525,7 @@ def _run_ahead(items: list[Ahead]) -> None:
         return
     by_kind: dict[type[Ahead], list[Ahead]] = {}
     for item in items:
-        by_kind.setdefault(type(item), []).append(item)
+        by_kind.setdefault(type(item).together_with or type(item), []).append(item)
     statements: list[AheadStatement] = []
     for kind in sorted(by_kind, key=lambda kind: not kind.writes):
         asked = kind.statements(by_kind[kind])

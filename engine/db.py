@@ -74,6 +74,8 @@ class Circuit:
         self.interval = interval
         self.reason: str | None = None
         self.opened_at = 0.0
+        # When the database was last found back (time.monotonic()); made closed.
+        self.closed_at = time.monotonic()
         # The service's loop, from `attach` on.
         self.loop: asyncio.AbstractEventLoop
         self.prober: asyncio.Future | None = None
@@ -89,6 +91,11 @@ class Circuit:
     @property
     def is_open(self) -> bool:
         return self.reason is not None
+
+    def answering_for(self) -> float:
+        """Seconds the database has answered since it was last found back (or since
+        the circuit was made, when it never opened); 0 while it is open."""
+        return 0.0 if self.is_open else time.monotonic() - self.closed_at
 
     def lets_through(self) -> bool:
         """Whether this thread's statements go to the database though the circuit is open:
@@ -138,6 +145,7 @@ class Circuit:
                 break
         log.warning("database back after %.1f s: calls are stored again",
                     time.monotonic() - self.opened_at)
+        self.closed_at = time.monotonic()
         self.reason = None
         for callback in self.on_back:
             callback()

@@ -897,7 +897,8 @@ async def _handle(ctx, event, checked):
             outcome = await ctx.commits.run(functools.partial(_conclude, ctx, event, effects))
         else:
             outcome, effects = await ctx.commits.run(
-                functools.partial(_handle_in_transaction, ctx, event, plugin, payload))
+                functools.partial(_handle_in_transaction, ctx, event, plugin, payload),
+                registry.ahead_of(event.event_type, payload))
             if effects is None:
                 return outcome
     except Exception as exc:

@@ -17,6 +17,7 @@ from models import database
 from engine import spool
 from engine.commits import set_budget
 from engine.db import why_unavailable
+from ops.metrics import spool_waits
 
 log = logging.getLogger("receiver.ops")
 REPEATS = lograte.Repeats(log)
@@ -35,14 +36,22 @@ class HealthHandler(ApiHandler):
 
 
 class ReadyHandler(ApiHandler):
-    """Ready to take webhooks: the database answers, the scheduler runs, and the spool
-    (where calls go while the database is down) can be written. The destinations'
+    """Ready to take webhooks: the database answers, the scheduler runs, the spool
+    (where calls go while the database is down) can be written, and no call has waited
+    in it past SPOOL_WAIT_LIMIT_SECONDS with the database answering. The destinations'
     health is told too, but does not make the service unready: webhooks are still
     accepted, and their effects wait."""
 
     async def get(self):
         checks = {"database": await self.database_check(),
                   "scheduler": self.scheduler_check(), "spool": self.spool_check()}
+        age, waiting = spool_waits(self.ctx)
+        # Calls that wait with the database answering are stuck: the drain runs at every
+        # tick and as soon as the database is back. With the database down, its own
+        # check says so.
+        checks["spool_drain"] = ("behind" if checks["database"] == "ok"
+                                 and waiting > self.ctx.settings.spool_wait_limit_seconds
+                                 else "ok")
         # The destinations' configuration (Frappe's credentials and doctypes): asked at
         # most every CHECK_SECONDS, waited for only briefly.
         await self.ctx.destinations.check(within=READY_TIMEOUT_SECONDS)
@@ -60,6 +69,8 @@ class ReadyHandler(ApiHandler):
         quarantined = len(spool.quarantined(self.ctx.settings.spool_dir))
         if quarantined:
             body["spool_quarantined"] = quarantined
+        if age:
+            body["spool_oldest_seconds"] = round(age)
         if checks["database"] == "ok":
             # When reconciliation with Frappe last finished, per doctype (null: never).
             last = await self.ctx.db(

@@ -9,7 +9,7 @@ import hmac
 import logging
 
 from handlers.base import ApiHandler, same_secret
-from domain import orders, reconcile
+from domain import reconcile
 from domain.reconcile import change_key
 from engine import inbox
 
@@ -122,5 +122,5 @@ class WorkflowWebhookHandler(ApiHandler):
             self.ctx, "workflow", path, dedup_key, self.raw_body,
             order_number=body["order_number"], **earlier,
             handled_by=handled_by, send_within=self.ctx.settings.workflow_answer_budget_seconds,
-            ahead=(orders.OrderNameAhead(body["order_number"]),))
+            ahead=self.ctx.plugins["workflow"].ahead_of(path, body))
         return event, outcome

@@ -8,7 +8,10 @@ a scrape costs what formatting the counters costs (docs/PERFORMANCE.md).
 
 Each Context owns its own registry, so tests and several apps in one process never share
 counts."""
+import datetime
 import functools
+import itertools
+import json
 import logging
 import os
 
@@ -16,7 +19,7 @@ from peewee import fn
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from models import Outbox, WebhookEvent, database
+from models import UTC, Outbox, WebhookEvent, database
 from domain import reconcile
 from engine import commits, inbox, spool
 from engine.commits import on_commit
@@ -146,7 +149,7 @@ class StatementCollector:
 
 class StateCollector:
     """Gauges computed at scrape time. Every query uses the (status, next_attempt_at)
-    indexes; the spool is a directory listing."""
+    indexes; the spool is a directory listing and the first line of each file."""
 
     def __init__(self, ctx, counted):
         self.ctx = ctx
@@ -192,6 +195,12 @@ class StateCollector:
         yield _gauge("receiver_spool_quarantined", "Spooled calls the database refused to "
                      "store; see `receiver.py spool quarantined`.",
                      len(spool.quarantined(self.ctx.settings.spool_dir)))
+        age, waiting = spool_waits(self.ctx)
+        yield _gauge("receiver_spool_oldest_age_seconds", "Age of the oldest call waiting "
+                     "in the spool (0 when none waits).", age)
+        yield _gauge("receiver_spool_waiting_seconds", "How long calls have waited in the "
+                     "spool while the database answered (0 when none waits); past "
+                     "SPOOL_WAIT_LIMIT_SECONDS /readyz is not ready.", waiting)
 
 
 def database_families(ctx):
@@ -247,6 +256,52 @@ def _gauge(name, documentation, value):
     family = GaugeMetricFamily(name, documentation)
     family.add_metric([], value)
     return family
+
+
+def spool_waits(ctx):
+    """(the oldest spooled call's age, how long calls have waited in the spool while the
+    database answered), in seconds; (0, 0) when none waits. The second counts from the
+    later of the oldest call's arrival and the database's return as this process last
+    found it (`Circuit.answering_for`): a spool left by an outage is on its way once the
+    database is back (the drain starts at once), one that outlasts it is stuck."""
+    oldest = oldest_spooled_at(ctx.settings.spool_dir)
+    if oldest is None:
+        return 0.0, 0.0
+    age = max(0.0, (ctx.clock() - oldest).total_seconds())
+    circuit = getattr(database.obj, "circuit", None)
+    return age, age if circuit is None else min(age, circuit.answering_for())
+
+
+def oldest_spooled_at(folder):
+    """When the oldest call waiting in the spool came (in the live file or a file being
+    drained), or None when none waits. A file's calls are appended as they come, so its
+    first readable line is its oldest (engine.spool's lines)."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return None
+    came = [_first_call_at(os.path.join(folder, name)) for name in names
+            if name == spool.LIVE_NAME or name.endswith(spool.DRAINING_SUFFIX)]
+    return min((at for at in came if at is not None), default=None)
+
+
+# Lines of a file read for its first readable call at most: one that cannot be read is
+# quarantined by the drain, and a file of them is not worth reading whole here.
+FIRST_LINES_READ = 10
+
+
+def _first_call_at(path):
+    try:
+        with open(path, "rb") as lines:
+            for line in itertools.islice(lines, FIRST_LINES_READ):
+                try:
+                    return datetime.datetime.fromisoformat(
+                        json.loads(line)["received_at"]).astimezone(UTC)
+                except (ValueError, KeyError, TypeError):
+                    continue
+    except OSError:  # drained and deleted while we looked
+        return None
+    return None
 
 
 def spool_usage(folder):

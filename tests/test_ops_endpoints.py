@@ -1,4 +1,5 @@
 """GET /healthz, /readyz and /metrics against the real app, database and peers."""
+import asyncio
 import contextlib
 import json
 import os
@@ -8,18 +9,22 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.statements import StatementCount
-from models import Outbox, ReconnectingPostgresqlDatabase, WebhookEvent, database
+from models import DatabaseDown, Outbox, ReconnectingPostgresqlDatabase, WebhookEvent, database
 from app.server import prepare_spool
+from engine import inbox
+from engine.db import Circuit
 from engine.spool import UNSTORABLE_NAME, append as append_to_spool
 from scheduler import Scheduler
 from app.context import Context
 from tests.conftest import WEBHOOK_SECRET
+from tests.service_process import database_down
 
 ALL_UP = {"worker": "up", "workflow": "up", "telegram": "up", "smtp": "up"}
 
 AUTH = {"X-Webhook-Secret": WEBHOOK_SECRET, "Content-Type": "application/json"}
 SUBMITTED = {"order_name": "ORD-1", "order_number": "FO-1", "state_code": "WY",
              "entity_name": "Acme LLC"}
+SUBMITTED_PATH = "/api/v1/webhooks/formation/submitted"
 
 
 @pytest.fixture
@@ -90,7 +95,8 @@ async def test_readyz_is_ready_with_database_scheduler_and_spool(get, ctx, sched
     code, response = await get("/readyz")
     assert code == 200
     assert json.loads(response.body) == {
-        "status": "ready", "checks": {"database": "ok", "scheduler": "ok", "spool": "ok"},
+        "status": "ready", "checks": {"database": "ok", "scheduler": "ok", "spool": "ok",
+                                     "spool_drain": "ok"},
         "destinations": ALL_UP,
         "reconciled": {"CRTC Order": None, "Formation Order": None}}
 
@@ -100,7 +106,7 @@ async def test_readyz_without_a_scheduler_is_not_ready(get, spool):
     code, response = await get("/readyz")
     assert code == 503
     assert json.loads(response.body)["checks"] == {
-        "database": "ok", "scheduler": "not started", "spool": "ok"}
+        "database": "ok", "scheduler": "not started", "spool": "ok", "spool_drain": "ok"}
 
 
 @pytest.mark.gen_test
@@ -138,7 +144,7 @@ async def test_readyz_names_an_unreachable_database_without_its_secrets(get, ctx
         code, response = await get("/readyz")
     assert code == 503
     assert json.loads(response.body) == {"status": "not ready", "checks": {
-        "database": "unreachable", "scheduler": "ok", "spool": "ok"},
+        "database": "unreachable", "scheduler": "ok", "spool": "ok", "spool_drain": "ok"},
         "destinations": ALL_UP}
     assert b"db-password-x" not in response.body and b"nobody" not in response.body
 
@@ -232,11 +238,81 @@ async def test_quarantined_spooled_calls_show_in_readyz_and_metrics(get, ctx, sc
     append_to_spool(spool, refused, name=UNSTORABLE_NAME)
     code, response = await get("/readyz")
     assert code == 200 and json.loads(response.body) == {
-        "status": "ready", "checks": {"database": "ok", "scheduler": "ok", "spool": "ok"},
+        "status": "ready", "checks": {"database": "ok", "scheduler": "ok", "spool": "ok",
+                                     "spool_drain": "ok"},
         "destinations": ALL_UP, "spool_quarantined": 1,
         "reconciled": {"CRTC Order": None, "Formation Order": None}}
     code, response = await get("/metrics")
     assert value(samples(response.body), "receiver_spool_quarantined") == 1
+
+
+def spool_wait(found):
+    """What /metrics says of the calls waiting in the spool: (the oldest one's age, how
+    long they have waited with the database answering)."""
+    return (value(found, "receiver_spool_oldest_age_seconds"),
+            value(found, "receiver_spool_waiting_seconds"))
+
+
+@pytest.mark.gen_test
+async def test_calls_the_spool_keeps_while_the_database_answers_make_the_service_unready(
+        get, post, ctx, db, scheduled, spool, clock):
+    """A call acknowledged into the spool that no drain stores while the database
+    answers (another process held the drain's lock, say): up to SPOOL_WAIT_LIMIT_SECONDS
+    on /readyz is ready and says how old it is; past it, not ready, and /metrics says
+    how long it has waited. Drained, ready again."""
+    await start_scheduler(ctx)  # its drain at start ran before the call came
+    clock.set(2026, 11, 20, 9, 0, 0)
+    with database_down(db):
+        assert (await post(SUBMITTED_PATH, SUBMITTED, AUTH))[0] == 200
+    limit = ctx.settings.spool_wait_limit_seconds
+    clock.advance(seconds=limit)
+    code, response = await get("/readyz")
+    ready = json.loads(response.body)
+    assert (code, ready["checks"]["spool_drain"], ready["spool_oldest_seconds"]) == (
+        200, "ok", limit)
+    assert spool_wait(samples((await get("/metrics"))[1].body)) == (limit, limit)
+
+    clock.advance(seconds=1)
+    code, response = await get("/readyz")
+    assert (code, json.loads(response.body)["checks"]["spool_drain"]) == (503, "behind")
+    clock.advance(seconds=ctx.settings.metrics_cache_seconds)
+    waited = limit + 1 + ctx.settings.metrics_cache_seconds
+    assert spool_wait(samples((await get("/metrics"))[1].body)) == (waited, waited)
+
+    assert await inbox.drain_spool(ctx) == 1
+    code, response = await get("/readyz")
+    ready = json.loads(response.body)
+    assert (code, ready["checks"]["spool_drain"], "spool_oldest_seconds" in ready) == (
+        200, "ok", False)
+    clock.advance(seconds=ctx.settings.metrics_cache_seconds)
+    assert spool_wait(samples((await get("/metrics"))[1].body)) == (0, 0)
+
+
+@pytest.mark.gen_test(timeout=30)
+async def test_a_spool_an_outage_left_waits_from_the_database_return_not_its_first_call(
+        get, post, ctx, db, scheduled, spool, clock):
+    """Calls spooled through a ten-minute outage are older than the limit when the
+    database is back: on their way (the drain starts at once), not stuck, so the
+    service stays ready; /metrics has their age, and a wait counted from the return."""
+    await start_scheduler(ctx)
+    circuit = Circuit(db, interval=0.05)
+    circuit.attach()
+    try:
+        clock.set(2026, 11, 20, 9, 0, 0)
+        with database_down(db):
+            assert (await post(SUBMITTED_PATH, SUBMITTED, AUTH))[0] == 200
+        circuit.trip(DatabaseDown("the database did not answer within 1 s"))
+        clock.advance(minutes=10)
+        while circuit.is_open:  # its probe finds the database back
+            await asyncio.sleep(0.05)
+        code, response = await get("/readyz")
+        ready = json.loads(response.body)
+        assert (code, ready["checks"]["spool_drain"], ready["spool_oldest_seconds"]) == (
+            200, "ok", 600)
+        age, waiting = spool_wait(samples((await get("/metrics"))[1].body))
+        assert age == 600 and waiting < ctx.settings.spool_wait_limit_seconds
+    finally:
+        await circuit.detach()
 
 
 @pytest.mark.gen_test

@@ -265,7 +265,7 @@ async def test_a_worker_down_is_left_alone_but_for_one_probe_on_a_backoff(
     readiness = json.loads((await client.fetch(base_url + "/readyz")).body)
     # Told, but not a check: the webhooks are still taken, and their effects wait.
     assert readiness["destinations"]["worker"] == "down"
-    assert set(readiness["checks"]) == {"database", "scheduler", "spool"}
+    assert set(readiness["checks"]) == {"database", "scheduler", "spool", "spool_drain"}
 
     async def tried_after(seconds, live=None):
         """Requests the worker got when `seconds` had passed and the scheduled sender

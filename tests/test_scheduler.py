@@ -9,13 +9,13 @@ import pytest
 
 import migrations
 from clients.http import Result
-from models import ComplianceOrder, CrtcOrder, Outbox, WebhookEvent
+from models import ComplianceOrder, CrtcOrder, DatabaseDown, Outbox, WebhookEvent, database
 from scheduler import JOBS_BY_NAME, AdvisoryLock, Job, Scheduler
 from engine import inbox, outbox, retention
 from engine.db import Circuit
 from settings import ConfigurationError, Settings
 from tests.conftest import WEBHOOK_SECRET
-from tests.service_process import postgres_only
+from tests.service_process import database_down, postgres_only
 from tests.door import name_search_jobs, through_the_door
 
 AUTH = {"X-Webhook-Secret": WEBHOOK_SECRET, "Content-Type": "application/json"}
@@ -247,6 +247,60 @@ async def test_a_job_another_process_is_running_is_skipped(ctx, clock, frappe,
     assert len(frappe.requests) == 1
     assert await AdvisoryLock(settlement.lock_id).acquire()  # released after the run
     await AdvisoryLock(settlement.lock_id).release()
+
+
+def taken_elsewhere(connection, lock_id):
+    """Whether another process (`connection`'s session) gets the lock now; it gives it
+    back at once."""
+    cursor = connection.cursor()
+    cursor.execute("SELECT pg_try_advisory_lock(%s)", (lock_id,))
+    taken = cursor.fetchone()[0]
+    if taken:
+        cursor.execute("SELECT pg_advisory_unlock(%s)", (lock_id,))
+    connection.commit()
+    return taken
+
+
+@postgres_only
+@pytest.mark.gen_test
+async def test_a_lock_is_given_back_though_the_database_was_taken_for_down_meanwhile(
+        ctx, other_connection):
+    """A short false "database down" over a run's end (a statement timeout of a call
+    somewhere in the process): the circuit is open when the run gives its lock back.
+    The lock is given back on its own session all the same, so the other processes get
+    the job again at once, not once this process ends."""
+    circuit = Circuit(database.obj, interval=3600)  # no probe closes it meanwhile
+    circuit.attach()
+
+    async def taken_for_down(ctx):
+        circuit.trip(DatabaseDown("the database did not answer within 1 s"))
+    job = Job("false-alarm", taken_for_down, lambda s: 10)
+    try:
+        await Scheduler(ctx, jobs=()).run(job)
+        assert circuit.is_open
+    finally:
+        await circuit.detach()
+    assert taken_elsewhere(other_connection, job.lock_id)
+
+
+@postgres_only
+@pytest.mark.gen_test
+async def test_each_process_drains_its_own_spool_whatever_another_holds(
+        post, ctx, db, worker, other_connection):
+    """Another process holds the spool job's lock for good (leaked by a session that
+    lives on): this process's spooled calls are stored and handled all the same. The
+    spool is this process's own (or shared on one host, each file drained under its
+    flock), so no lock across processes guards it."""
+    with database_down(db):
+        status, _, _ = await post(url("formation/ready"), order("FO-1"), AUTH)
+    assert status == 200 and not WebhookEvent.select().exists()
+    cursor = other_connection.cursor()
+    cursor.execute("SELECT pg_advisory_lock(%s)", (JOBS_BY_NAME["spool"].lock_id,))
+    other_connection.commit()
+
+    assert await Scheduler(ctx).run(JOBS_BY_NAME["spool"]) == 1
+    assert WebhookEvent.get().status == "processed"
+    assert [r.json["order_number"] for r in worker.requests] == ["FO-1"]
 
 
 # --- the scheduler itself ----------------------------------------------------------------

@@ -61,18 +61,18 @@ async def test_job_runs_and_last_success_show_on_metrics(http_server, base_url, 
 @postgres_only
 @pytest.mark.gen_test
 async def test_a_run_another_process_holds_counts_as_skipped(ctx, database_url):
-    spool = JOBS_BY_NAME["spool"]
+    retry = JOBS_BY_NAME["inbox"]
     parts = urllib.parse.urlsplit(database_url)
     other = psycopg2.connect(host=parts.hostname, port=parts.port or 5432,
                              user=parts.username, dbname=parts.path.lstrip("/"))
     try:
-        other.cursor().execute("SELECT pg_advisory_lock(%s)", (spool.lock_id,))
+        other.cursor().execute("SELECT pg_advisory_lock(%s)", (retry.lock_id,))
         other.commit()
-        await Scheduler(ctx, jobs=(spool,)).run(spool)
+        await Scheduler(ctx, jobs=(retry,)).run(retry)
     finally:
         other.close()
     found = samples(generate_latest(ctx.metrics.registry))
-    assert runs(found, "spool", "skipped") == 1 and runs(found, "spool", "ok") == 0
+    assert runs(found, "inbox", "skipped") == 1 and runs(found, "inbox", "ok") == 0
 
 
 @pytest.mark.gen_test(timeout=30)

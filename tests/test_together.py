@@ -6,7 +6,9 @@ here runs on both databases but those of what only PostgreSQL has, row locks and
 sessions waiting on each other (tests/test_round_trips.py counts what a turn of
 webhooks costs)."""
 import asyncio
+import contextlib
 import datetime
+import os
 import threading
 
 import peewee
@@ -14,12 +16,14 @@ import psycopg2
 import pytest
 
 from domain import orders
-from engine import inbox, outbox
+from engine import inbox, outbox, spool
+from engine.db import Circuit
 from engine.prepared import Prepared, save_changes, slot, write_later
 from handlers.workflow import hourly_keys
-from models import CrtcOrder, FormationOrder, Outbox, WebhookEvent, database
+from models import (BoundedWaits, ComplianceOrder, CrtcOrder, FormationOrder, Outbox,
+                    WebhookEvent, database, open_database)
 from tests.door import through_the_door
-from tests.service_process import ON_POSTGRES
+from tests.service_process import ON_POSTGRES, database_down
 from tests.test_inbox import card_plugin  # noqa: F401 (a fixture)
 from tests.test_order_names import frappe_body
 
@@ -452,3 +456,178 @@ async def test_a_turn_whose_events_go_one_by_one_locks_no_order_ahead_of_them(
     inserted = max(at for at, sql in enumerate(sent) if 'INTO "webhook_events"' in sql)
     locked = min(at for at, sql in enumerate(sent) if "FOR UPDATE" in sql)
     assert inserted < locked
+
+
+def renaming(ctx, name, number):
+    """A workflow call that names the order `number` (of whichever kind) `name`, its
+    order's name read ahead as the workflow handler asks."""
+    body = frappe_body({"order_name": name, "order_number": number})
+    return inbox.accept(ctx, "workflow", "formation/ready", f"{name}:{number}", body,
+                        order_number=number, ahead=(orders.OrderNameAhead(number),))
+
+
+def locking(connection, table, number):
+    """Another process's turn locks the order `number` of `table`; its cursor."""
+    cursor = connection.cursor()
+    cursor.execute(f"SELECT 1 FROM {table} WHERE order_number = %s FOR UPDATE", (number,))
+    return cursor
+
+
+@pytest.fixture
+def watching(database_url):
+    """A session that sees the others' waits (pg_stat_activity, read outside any
+    transaction: within one it shows the same picture)."""
+    connection = psycopg2.connect(database_url)
+    connection.autocommit = True
+    yield connection.cursor()
+    connection.close()
+
+
+async def crossing(other_connection, watching, start):
+    """Another process's turn holds CO-1 while `start()` runs a turn of this one; once
+    that turn waits on a lock, the other asks for FO-1 too, and gives up after 300 ms
+    (LockNotAvailable: this turn holds FO-1 while it waits for CO-1). What the turn
+    came to, once the other has ended."""
+    other = locking(other_connection, "compliance_orders", "CO-1")
+    turn = asyncio.ensure_future(start())
+    try:
+        await until_waiting_on_a_lock(watching)
+        other.execute("SET lock_timeout = '300ms'")
+        other.execute("SELECT 1 FROM formation_orders WHERE order_number = 'FO-1' "
+                      "FOR UPDATE")
+    finally:
+        other_connection.rollback()
+    return await turn
+
+
+@pytest.mark.skipif(not ON_POSTGRES, reason="SQLite locks no row")
+@pytest.mark.gen_test(timeout=30)
+@pytest.mark.parametrize("first", ["a call that renames FO-1", "a payment of FO-1"])
+async def test_a_turn_locks_its_orders_by_kind_then_number_whatever_order_its_calls_came(
+        ctx, card_plugin, worker, other_connection, watching, first):  # noqa: F811
+    """Another process's turn holds CO-1 and will want FO-1 next: every turn takes a
+    compliance order before a formation one. This turn's first call renames or pays for
+    FO-1, its second renames CO-1: it locks CO-1 first all the same (the orders a
+    payment locks and those a workflow call names are locked together), waits for it,
+    and leaves FO-1 to the other turn, which ends. Locking as its calls came, it would
+    hold FO-1 while it waits for CO-1, and each turn would wait on the other (a
+    deadlock)."""
+    FormationOrder.create(order_number="FO-1", order_name="FORM-OLD")
+    ComplianceOrder.create(order_number="CO-1", order_name="COMP-OLD")
+    paying(card_plugin)
+    calls = await crossing(other_connection, watching, lambda: one_turn(
+        renaming(ctx, "FORM-NEW", "FO-1") if first.startswith("a call")
+        else pays(ctx, "cs_1", "FO-1"),
+        renaming(ctx, "COMP-NEW", "CO-1")))
+    assert [call.outcome for call in calls] == ["processed"] * 2
+    assert ComplianceOrder.get().order_name == "COMP-NEW"
+    assert (FormationOrder.get().order_name, FormationOrder.get().stripe_session_id) == (
+        ("FORM-NEW", None) if first.startswith("a call") else ("FORM-OLD", "cs_1"))
+
+
+@pytest.mark.skipif(not ON_POSTGRES, reason="SQLite locks no row")
+@pytest.mark.gen_test(timeout=30)
+async def test_stored_calls_handled_together_lock_their_orders_by_kind_then_number(
+        ctx, worker, other_connection, watching):
+    """As above, for calls stored first and handled later, together (a spool drain, the
+    inbox retry): their handling asks for its orders ahead as a call's own does, and
+    the turn locks CO-1 before FO-1 whatever order they came in."""
+    FormationOrder.create(order_number="FO-1", order_name="FORM-OLD")
+    ComplianceOrder.create(order_number="CO-1", order_name="COMP-OLD")
+    stored = []
+    for name, number in (("FORM-NEW", "FO-1"), ("COMP-NEW", "CO-1")):
+        body = frappe_body({"order_name": name, "order_number": number})
+        stored.append(through_the_door(inbox.store, ctx, "workflow", "formation/ready", name,
+                                       body, order_number=number).event)
+    outcomes = await crossing(other_connection, watching, lambda: one_turn(
+        *(inbox.process(ctx, event) for event in stored)))
+    assert outcomes == ["processed"] * 2
+    assert (FormationOrder.get().order_name, ComplianceOrder.get().order_name) == (
+        "FORM-NEW", "COMP-NEW")
+
+
+@contextlib.asynccontextmanager
+async def as_the_service_opens_it(db, database_url):
+    """The database opened as the service opens it (DATABASE_TIMEOUT_MS=1000, PostgreSQL's
+    deadlock_timeout by default), a circuit attached that no probe closes meanwhile;
+    the suite's database back after."""
+    bound = BoundedWaits.seconds
+    circuit = Circuit(open_database(database_url, timeout_ms=1000), interval=3600)
+    circuit.attach()
+    try:
+        yield circuit
+    finally:
+        await circuit.detach()
+        BoundedWaits.seconds = bound
+        database.initialize(db)
+
+
+@pytest.mark.skipif(not ON_POSTGRES, reason="SQLite locks no row")
+@pytest.mark.gen_test(timeout=30)
+async def test_crossed_locks_on_orders_between_two_processes_are_a_conflict_run_again(
+        ctx, db, database_url, worker, other_connection, watching):
+    """Another process's turn took FO-1 and then wants CO-1 (taken in the other order:
+    an older release, or units run one by one); this turn holds CO-1 and waits for
+    FO-1. Each waits on the other: a deadlock, which ends as a lock wait past its bound
+    (lock_timeout, below the statement timeout) or as PostgreSQL's deadlock_detected,
+    a conflict: this turn is undone and run again once the other has ended. Not a
+    statement timeout: the database answers, and is not taken for down."""
+    FormationOrder.create(order_number="FO-1", order_name="FORM-OLD")
+    ComplianceOrder.create(order_number="CO-1", order_name="COMP-OLD")
+    async with as_the_service_opens_it(db, database_url) as circuit:
+        other = locking(other_connection, "formation_orders", "FO-1")
+        turn = asyncio.ensure_future(one_turn(renaming(ctx, "COMP-NEW", "CO-1"),
+                                              renaming(ctx, "FORM-NEW", "FO-1")))
+        await until_waiting_on_a_lock(watching)
+
+        def other_goes_on():
+            other.execute("UPDATE compliance_orders SET order_name = 'COMP-OTHER' "
+                          "WHERE order_number = 'CO-1'")
+            other_connection.commit()
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, other_goes_on)
+        finally:
+            other_connection.rollback()
+        calls = await turn
+        assert not circuit.is_open
+    assert [call.outcome for call in calls] == ["processed"] * 2
+    assert (ComplianceOrder.get().order_name, FormationOrder.get().order_name) == (
+        "COMP-NEW", "FORM-NEW")
+    assert not os.path.exists(ctx.settings.spool_dir) or not os.listdir(ctx.settings.spool_dir)
+
+
+@pytest.mark.skipif(not ON_POSTGRES, reason="SQLite runs one writer at a time")
+@pytest.mark.gen_test(timeout=30)
+async def test_copies_of_spooled_calls_another_process_stores_in_the_other_order_conflict(
+        ctx, db, database_url, card_plugin, other_connection, watching):  # noqa: F811
+    """The drain stores its spooled calls one by one, each its own unit, in the order
+    they came: a, then b. Another process stores copies of them (the sender's retries
+    went to both instances) in the other order: b, then a. Each waits on a key the other
+    has not committed: a conflict, which undoes the drain's turn and runs it again once
+    the other has ended; the database is not taken for down, and the spool is drained."""
+    asking_a_job(card_plugin)
+    async with as_the_service_opens_it(db, database_url) as circuit:
+        with database_down(circuit.db):
+            for key in ("evt_a", "evt_b"):
+                assert (await accept(ctx, key, "FO-1")).event is None  # spooled
+        other = other_connection.cursor()
+
+        def copy_of(key):
+            other.execute(*WebhookEvent.insert(
+                source="card", event_type="test.job", dedup_key=key, payload="{}",
+                status="received", received_at=ctx.clock()).on_conflict("nothing").sql())
+        copy_of("evt_b")
+        drain = asyncio.ensure_future(inbox.drain_spool(ctx))
+        await until_waiting_on_a_lock(watching)
+
+        def other_goes_on():
+            copy_of("evt_a")
+            other_connection.commit()
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, other_goes_on)
+        finally:
+            other_connection.rollback()
+        assert await drain == 2
+        assert not circuit.is_open
+    assert sorted(event.dedup_key for event in WebhookEvent.select()) == ["evt_a", "evt_b"]
+    assert not spool.backlog(ctx.settings.spool_dir)

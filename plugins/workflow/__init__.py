@@ -2,7 +2,7 @@
 fields it requires, the workflow action it applies, the job it dispatches and the action
 it answers with; `WorkflowWebhook` does the rest."""
 from plugins.registry import workflow_webhook
-from domain.orders import remember_order_name
+from domain.orders import OrderNameAhead, remember_order_name
 from engine.inbox import MAX_KEY_LENGTH
 
 ORDER_FIELDS = ("order_name", "order_number")
@@ -31,6 +31,11 @@ class WorkflowWebhook:
             if len(value) > MAX_KEY_LENGTH:
                 return f"field too long: {name} (at most {MAX_KEY_LENGTH} characters)"
         return None
+
+    def ahead(self, body):
+        """The order it names, of whichever kind, locked and its name read with the
+        turn's others (domain.orders.OrderNameAhead)."""
+        return (OrderNameAhead(body["order_number"]),)
 
     def job_payload(self, ctx, body):
         return {**{name: body[name] for name in self.fields}, **self.job_constants}
