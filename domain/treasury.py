@@ -145,6 +145,17 @@ def amount(body, field):
     return number
 
 
+def _told(body, field):
+    """An amount that only informs a notice (SHKeeper's fee, its overpaid measure): one
+    that cannot be read is taken for 0, and the payment is not refused for it."""
+    try:
+        return amount(body, field)
+    except MalformedCallback as unreadable:
+        log.warning("crypto callback for %r: %s; taken for 0", body.get("external_id"),
+                    unreadable)
+        return decimal.Decimal(0)
+
+
 def _text(body, field):
     value = body.get(field)
     if value is None:
@@ -234,8 +245,8 @@ class Callback:
             amount_coin=amount(body, "balance_crypto" if "balance_crypto" in body else "amount"),
             amount_fiat=amount(body, "balance_fiat"),
             transactions=_transactions(body, coin), notice_txid=notice_txid,
-            fee_percent=amount(body, "fee_percent"),
-            overpaid_fiat=amount(body, "overpaid_fiat"))
+            fee_percent=_told(body, "fee_percent"),
+            overpaid_fiat=_told(body, "overpaid_fiat"))
 
     @property
     def txids(self):
