@@ -204,3 +204,13 @@ def test_every_ordering_of_an_invoices_callbacks_gives_one_ledger_job_and_paymen
     assert (order.payment_status, order.stripe_session_id) == ("paid", "crypto-tx-step-1")
     assert len([r for r in telegram.requests if number in r.json["text"]]) == 1
     assert not [s for s in subjects(smtp) if s == f"Second payment for order {number}"]
+
+
+@pytest.mark.parametrize("field", ["fee_percent", "overpaid_fiat"])
+@pytest.mark.gen_test
+async def test_an_unreadable_fee_or_overpaid_measure_does_not_refuse_the_payment(
+        post, ctx, smtp, field, caplog):
+    FormationOrder.create(order_number="FO-8")
+    await send(post, ctx, {**shkeeper.paid("FO-8"), field: "n/a"})
+    assert FormationOrder.get().payment_status == "paid"
+    assert f"{field} is not a number" in caplog.text

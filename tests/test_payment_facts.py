@@ -392,3 +392,34 @@ async def test_an_unknown_dispute_is_told_with_its_amount(send, smtp, stripe_api
     [(_, message)] = smtp.messages
     assert message["Subject"] == "Dispute opened on order unknown"
     assert "KWD 1.234" in parts(message)[0]
+
+
+# --- what cannot be done now, or at all -------------------------------------------------------
+
+@pytest.mark.gen_test
+async def test_a_dispute_of_an_order_stripe_names_but_not_stored_yet_is_retried(
+        send, stripe_api):
+    stripe_api.charged(se.payment_intent("CA-404", "canada_crtc", intent_id="pi_test_404"),
+                       "card")
+    stored = await send("charge.dispute.created", se.dispute("pi_test_404"), created=DISPUTED)
+    assert stored.status == "failed" and "OrderNotFound" in stored.last_error
+
+
+@pytest.mark.gen_test
+async def test_a_refund_of_a_payment_no_order_of_ours_made_is_logged(send, smtp, stripe_api,
+                                                                    caplog):
+    stored = await send("charge.refunded", se.charge("pi_test_elsewhere",
+                                                     amount_refunded=49900))
+    assert stored.status == "processed" and smtp.messages == []
+    assert "no order of ours was paid by it" in caplog.text
+
+
+@pytest.mark.gen_test
+async def test_a_disputed_order_never_has_its_commission_released_forfeit_recorded_or_not(
+        ctx, clock, worker):
+    """An order disputed before disputes forfeited the commission, or so written by
+    another system: no forfeit on record, and still no release."""
+    CrtcOrder.create(order_number="CA-15", payment_status="disputed",
+                     delivered_at=SETTLING_DAY, holdback_ends_at=SETTLING_DAY)
+    clock.fixed = SETTLING_DAY + datetime.timedelta(days=1)
+    assert (await holdback.release_due(ctx)).released == 0 and worker.requests == []
