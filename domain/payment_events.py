@@ -136,34 +136,35 @@ async def dispute_event(ctx, event, effects):
     the order's payment."""
     dispute = object_of(event)
     fact = DisputeFact.of(dispute, payment_state.as_of(event.get("created"), ctx.clock()))
-    note = DISPUTE_NOTES[event["type"]]
     found = await order_of_charge(ctx, dispute)
     if found is None:
-        log.error("dispute %s: no order paid by %r", dispute["id"], dispute.get("payment_intent"))
+        log.error("dispute %s: no order paid by %r", fact.dispute_id, fact.payment_intent)
         await effects.transaction(functools.partial(
-            _tell_dispute_opened, ctx, effects, None, dispute, fact, None))
+            _tell_dispute_opened, ctx, effects, None, fact, None))
         return
-    change = await effects.transaction(functools.partial(
-        record_dispute, ctx, effects, found, dispute, fact, note))
-    if change is not Change.CONFLICT:
+    record = functools.partial(record_dispute, ctx, effects, found, DISPUTE_NOTES[event["type"]])
+    await _keep(ctx, effects, record, fact, f"dispute {fact.dispute_id}",
+                lambda v1: v1.disputes.retrieve, fact.dispute_id)
+
+
+async def _keep(ctx, effects, record, fact, what, retrieve, object_id):
+    """`record(fact)` in a transaction; on a conflict, `record` again with Stripe's object
+    as it is now (`retrieve` of `object_id`), or, without an answer, with the fact as the
+    rule settles it."""
+    if await effects.transaction(functools.partial(record, fact)) is not Change.CONFLICT:
         return
-    current = await ask_stripe(ctx, f"dispute {dispute['id']}", lambda v1: v1.disputes.retrieve,
-                               dispute["id"])
+    current = await ask_stripe(ctx, what, retrieve, object_id)
     if current is None:
-        log.warning("dispute %s: %s conflicts with what the order knew and Stripe was not "
-                    "asked; the rule decides (a loss stands)", dispute["id"], fact.status)
-        await effects.transaction(functools.partial(
-            record_dispute, ctx, effects, found, dispute, fact, note, by_rule=True))
+        log.warning("%s: %s conflicts with what its order knew and Stripe gave no answer; "
+                    "the rule decides", what, fact)
+        await effects.transaction(functools.partial(record, fact, by_rule=True))
         return
-    asked = DisputeFact.of(current, ctx.clock())
-    log.warning("dispute %s: %s conflicts with what the order knew; Stripe says %s",
-                dispute["id"], fact.status, asked.status)
-    await effects.transaction(functools.partial(
-        record_dispute, ctx, effects, found, current, asked, "Dispute as Stripe has it",
-        asked=True))
+    answer = type(fact).of(current, ctx.clock())
+    log.warning("%s: %s conflicts with what its order knew; Stripe has %s", what, fact, answer)
+    await effects.transaction(functools.partial(record, answer, asked=True))
 
 
-def record_dispute(ctx, effects, found, dispute, fact, note, asked=False, by_rule=False):
+def record_dispute(ctx, effects, found, note, fact, asked=False, by_rule=False):
     """In a transaction: the dispute fact kept on its order (when newer), a note line, the
     order's status settled, the CRTC commission forfeited, the administrator told.
     Returns the Change; on a CONFLICT nothing is written."""
@@ -171,44 +172,40 @@ def record_dispute(ctx, effects, found, dispute, fact, note, asked=False, by_rul
     change = payment_state.merge_dispute(order, fact, asked=asked, by_rule=by_rule)
     if change is Change.CONFLICT:
         return change
-    payment_intent = dispute.get("payment_intent")
-    if (isinstance(payment_intent, str) and not order.stripe_payment_intent_id
-            and order.kind != "compliance"):
+    if fact.payment_intent and not order.stripe_payment_intent_id and order.kind != "compliance":
         # Found through Stripe before its payment's own events: later ones find it here.
-        order.stripe_payment_intent_id = payment_intent
+        order.stripe_payment_intent_id = fact.payment_intent
+    if asked:
+        note = "Dispute as Stripe has it"
     shown = note if fact.status in payment_state.OPEN_DISPUTE else f"{note} ({fact.status})"
-    order.append_note(f"{shown}: {dispute.get('reason') or 'unknown'}, amount {fact.amount} "
-                      f"({_stamp(ctx)})")
+    order.append_note(f"{shown}: {fact.reason}, amount {fact.amount} ({_stamp(ctx)})")
     settle_status(ctx, order)
     commission = None
     if order.kind == holdback.ORDER_TYPE:
-        commission = holdback.forfeit(
-            ctx, order, f"dispute {fact.dispute_id}: {dispute.get('reason') or 'unknown'}")
-    _tell_dispute_opened(ctx, effects, order, dispute, fact, commission)
+        commission = holdback.forfeit(ctx, order, f"dispute {fact.dispute_id}: {fact.reason}")
+    _tell_dispute_opened(ctx, effects, order, fact, commission)
     if fact.closed:
-        _tell_dispute_closed(ctx, effects, order, dispute, fact, commission)
+        _tell_dispute_closed(ctx, effects, order, fact, commission)
     return change
 
 
-def _tell_dispute_opened(ctx, effects, order, dispute, fact, commission):
+def _tell_dispute_opened(ctx, effects, order, fact, commission):
     number = order.order_number if order else "unknown"
     email_admin(ctx, effects, f"Dispute opened on order {number}", "dispute_created", number,
-                key=f"email-dispute-opened-{fact.dispute_id}",
-                reason=dispute.get("reason") or "unknown", amount=str(fact.amount),
-                status=fact.status, payment_intent=dispute.get("payment_intent") or "",
+                key=f"email-dispute-opened-{fact.dispute_id}", reason=fact.reason,
+                amount=str(fact.amount), status=fact.status, payment_intent=fact.payment_intent,
                 dispute=fact.dispute_id, customer_name=order and order.customer_name,
                 customer_email=order and order.customer_email,
                 service_name=order and order.service_name, commission=commission)
 
 
-def _tell_dispute_closed(ctx, effects, order, dispute, fact, commission):
+def _tell_dispute_closed(ctx, effects, order, fact, commission):
     outcome = OUTCOMES.get(fact.status, fact.status)
     email_admin(ctx, effects, f"Dispute {outcome} on order {order.order_number}",
                 "dispute_closed", order.order_number,
                 key=f"email-dispute-{fact.dispute_id}-{fact.status}", outcome=outcome,
                 lost=fact.lost, amount=str(fact.amount), dispute=fact.dispute_id,
-                reason=dispute.get("reason") or "unknown",
-                payment_intent=dispute.get("payment_intent") or "",
+                reason=fact.reason, payment_intent=fact.payment_intent,
                 payment_status=order.payment_status, commission=commission,
                 subscription=_renewing_subscription(order) if fact.lost else None)
 
@@ -233,20 +230,8 @@ async def refund_event(ctx, event, effects):
         log.warning("charge %s refunded %s of %s; no order of ours was paid by it",
                     charge["id"], fact.refunded, fact.charged)
         return
-    change = await effects.transaction(functools.partial(
-        record_refund, ctx, effects, found, fact))
-    if change is not Change.CONFLICT:
-        return
-    current = await ask_stripe(ctx, f"charge {charge['id']}", lambda v1: v1.charges.retrieve,
-                               charge["id"])
-    if current is None:
-        log.warning("charge %s: refunded %s conflicts with what the order knew and Stripe "
-                    "was not asked; the larger refund stands", charge["id"], fact.refunded)
-        await effects.transaction(functools.partial(
-            record_refund, ctx, effects, found, fact, by_rule=True))
-        return
-    await effects.transaction(functools.partial(
-        record_refund, ctx, effects, found, RefundFact.of(current, ctx.clock()), asked=True))
+    await _keep(ctx, effects, functools.partial(record_refund, ctx, effects, found), fact,
+                f"charge {fact.charge_id}", lambda v1: v1.charges.retrieve, fact.charge_id)
 
 
 def record_refund(ctx, effects, found, fact, asked=False, by_rule=False):

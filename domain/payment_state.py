@@ -68,17 +68,23 @@ def as_of(unix_time: int | float | None, otherwise: datetime.datetime) -> dateti
 
 @dataclasses.dataclass(frozen=True)
 class DisputeFact:
-    """A dispute as an event (or Stripe, asked) showed it at `as_of`."""
+    """A dispute as an event (or Stripe, asked) showed it at `as_of`; its reason and
+    payment intent, for the note and the administrator."""
 
     dispute_id: str
     status: str
     amount: Money
     as_of: datetime.datetime
+    reason: str = "unknown"
+    payment_intent: str = ""
 
     @classmethod
     def of(cls, dispute: dict[str, Any], when: datetime.datetime) -> "DisputeFact":
+        intent = dispute.get("payment_intent")
         return cls(dispute["id"], str(dispute.get("status") or "needs_response"),
-                   Money.of_stripe(dispute.get("amount"), dispute.get("currency")), when)
+                   Money.of_stripe(dispute.get("amount"), dispute.get("currency")), when,
+                   str(dispute.get("reason") or "unknown"),
+                   intent if isinstance(intent, str) else "")
 
     @property
     def closed(self) -> bool:
