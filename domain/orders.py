@@ -446,23 +446,21 @@ def mark_payment_failed(ctx, order_number, reason, failed_at):
     return marked, left
 
 
-def find_by_payment_intent(payment_intent_id, for_update=True):
+def find_by_payment_intent(payment_intent_id):
     """The order a payment intent paid: exact match on stripe_payment_intent_id first, then
-    (BEHAVIOUR.md) a substring match on the reference, across the four kinds; or None."""
+    (BEHAVIOUR.md) a substring match on the reference, across the four kinds; or None.
+    Not locked: the caller locks the order it keeps a fact on (domain.payment_events)."""
     if not payment_intent_id:
         return None
-
-    def read(query):
-        return locked(query) if for_update else query
     for model in ORDER_MODELS.values():
-        order = read(model.select().where(
-            model.stripe_payment_intent_id == payment_intent_id)).first()
+        order = model.select().where(
+            model.stripe_payment_intent_id == payment_intent_id).first()
         if order:
             return order
     for model in ORDER_MODELS.values():
         # ILIKE narrows it down; the case-sensitive test makes it exact (ids are).
-        for order in read(model.select().where(
-                model.stripe_session_id.contains(payment_intent_id))):
+        for order in model.select().where(
+                model.stripe_session_id.contains(payment_intent_id)):
             if payment_intent_id in order.stripe_session_id:
                 return order
     return None

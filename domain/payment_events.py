@@ -54,7 +54,7 @@ OUTCOMES = {"won": "won", "lost": "lost", "warning_closed": "closed (inquiry)",
 
 def _stored_order_of(payment_intent, invoice_id):
     """(kind, number) of the order the stored references name, or None (a unit)."""
-    order = find_by_payment_intent(payment_intent, for_update=False)
+    order = find_by_payment_intent(payment_intent)
     if order is not None:
         return order.kind, order.order_number
     if invoice_id:
