@@ -423,3 +423,34 @@ async def test_a_disputed_order_never_has_its_commission_released_forfeit_record
                      delivered_at=SETTLING_DAY, holdback_ends_at=SETTLING_DAY)
     clock.fixed = SETTLING_DAY + datetime.timedelta(days=1)
     assert (await holdback.release_due(ctx)).released == 0 and worker.requests == []
+
+
+def send_sorted(post, ctx, clock):
+    """`send`, with the body as localstripe writes it: two-space indent, keys sorted."""
+    async def send_event(event_type, obj, created=PAID):
+        evt = se.event(event_type, obj, created=created)
+        raw = json.dumps(evt, indent=2, sort_keys=True).encode()
+        assert (await deliver(post, clock, raw=raw))[:2] == RECEIVED
+        await ctx.drain_background()
+    return send_event
+
+
+@pytest.mark.gen_test
+async def test_a_failed_3d_secure_attempt_sent_as_localstripe_sends_it_after_the_payment(
+        post, ctx, clock, smtp):
+    """localstripe's 3-D Secure flow: the authentication of a first attempt fails, the
+    second is paid; its events go out with sorted keys, and the failure's may come last."""
+    FormationOrder.create(order_number="FO-16")
+    await pay_by_checkout(send_sorted(post, ctx, clock), "FO-16", kind="formation",
+                          intent="pi_test_3ds")
+    failed = se.payment_intent(
+        "FO-16", "formation", intent_id="pi_test_3ds", status="requires_payment_method",
+        last_payment_error={
+            "code": "payment_intent_authentication_failure", "type": "invalid_request_error",
+            "message": "The provided PaymentMethod has failed authentication. You can "
+                       "provide payment_method_data or a new PaymentMethod to attempt to "
+                       "fulfill this PaymentIntent again."})
+    await send_sorted(post, ctx, clock)("payment_intent.payment_failed", failed,
+                                        created=DECLINED)
+    assert FormationOrder.get().payment_status == "paid" and smtp.messages == []
+
