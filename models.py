@@ -668,6 +668,24 @@ class OrderBase(BaseModel):
     # The order's document name in the workflow system, as its webhooks last gave it;
     # null until one arrives (calls about the order then name it by its order number).
     order_name = TextField(null=True)
+    # What is known of the order's payment, fact by fact; payment_status is worked out of
+    # them (domain.payments), whatever order the processor's events came in. Null until
+    # the first fact: payment_received then also keeps what a status written before
+    # these columns (or by another system) said. Amounts are in minor units of
+    # payment_currency (ISO 4217); each *_as_of is when the fact was true at the
+    # processor (its event's `created`, or when the processor was asked).
+    payment_received = BooleanField(null=True)
+    payment_amount = BigIntegerField(null=True)
+    payment_currency = TextField(null=True)
+    payment_failed_at = UTCDateTimeField(null=True)
+    dispute_id = TextField(null=True)
+    dispute_status = TextField(null=True)
+    dispute_amount = BigIntegerField(null=True)
+    dispute_as_of = UTCDateTimeField(null=True)
+    refunded_charge = TextField(null=True)
+    refunded_amount = BigIntegerField(null=True)
+    refund_complete = BooleanField(null=True)
+    refunded_as_of = UTCDateTimeField(null=True)
 
     kind = None
 
@@ -741,13 +759,17 @@ class TreasuryJob(BaseModel):
     state = TextField(default="received")
     coin = TextField()
     amount_coin = ExactDecimalField(default=decimal.Decimal(0))
-    # The invoice's fiat amount in cents of its currency; amount_usd_cents is the same
-    # amount when that currency is USD, and null when it is not.
+    # The invoice's fiat amount in the minor unit of its currency (ISO 4217: cents of USD,
+    # yen, thousandths of KWD; the name is older than that rule); amount_usd_cents is the
+    # same amount when that currency is USD, and null when it is not.
     fiat_currency = TextField(default="USD", constraints=database_default("'USD'"))
     amount_fiat_cents = BigIntegerField(default=0, constraints=database_default("0"))
     amount_usd_cents = BigIntegerField(null=True, default=0)
     idempotency_key = TextField()
     received_at = UTCDateTimeField(default=utcnow)
+    # Its amounts and key come from a callback that listed no transaction (the fallback
+    # txid): the first callback that lists them replaces them (domain.treasury).
+    fallback = BooleanField(default=False, constraints=database_default("FALSE"))
 
     class Meta:
         table_name = "treasury_jobs"
@@ -759,11 +781,14 @@ class LedgerEntry(BaseModel):
     coin = TextField()
     movement_type = TextField(default="receive")
     amount_coin = ExactDecimalField(default=decimal.Decimal(0))
-    # As on TreasuryJob: the transaction's fiat amount in cents of the invoice's currency,
-    # and in USD cents only when that currency is USD.
+    # As on TreasuryJob: the transaction's fiat amount in the minor unit of the invoice's
+    # currency, and in USD cents only when that currency is USD.
     fiat_currency = TextField(default="USD", constraints=database_default("'USD'"))
     amount_fiat_cents = BigIntegerField(default=0, constraints=database_default("0"))
     amount_usd_cents = BigIntegerField(null=True, default=0)
+    # The invoice's balance, received under the fallback key (a callback that listed no
+    # transaction): one such entry per order, replaced by the listed transactions'.
+    fallback = BooleanField(default=False, constraints=database_default("FALSE"))
     provider = TextField()
     provider_ref = TextField()
     provider_status = TextField()

@@ -5,6 +5,7 @@ The names are fixed: other systems and operators depend on them.
 Longer than most: every setting is here, where an operator looks them up.
 """
 import dataclasses
+import decimal
 import ipaddress
 import logging
 import os
@@ -51,6 +52,18 @@ def _int(environ, name, default):
 
 def _seconds(environ, name, default):
     return _number(environ, name, default, float, "a number of seconds")
+
+
+def _percent(environ, name, default):
+    def parse(raw):
+        try:
+            value = decimal.Decimal(raw)
+        except decimal.InvalidOperation:
+            raise ValueError(raw) from None
+        if not value.is_finite() or value < 0:
+            raise ValueError(raw)
+        return value
+    return _number(environ, name, default, parse, "a percentage of 0 or more (such as 5 or 2.5)")
 
 
 def _csv(raw):
@@ -260,6 +273,8 @@ class Settings:
     console_password_hash: str = dataclasses.field(default="", repr=False)
     cookie_secret: str = dataclasses.field(default="", repr=False)
     commission_holdback_days: int = 14
+    # A crypto invoice paid more or less than expected by more than this share is told.
+    crypto_payment_tolerance_percent: decimal.Decimal = decimal.Decimal(5)
     ifta_service_slugs: tuple = ("ifta",)
     ucr_service_slugs: tuple = ("ucr",)
     # Days before a filing's due date on which its reminder goes out (and on the due date).
@@ -365,6 +380,8 @@ class Settings:
             cookie_secret=text("COOKIE_SECRET"),
             commission_holdback_days=_int(
                 env, "COMMISSION_HOLDBACK_DAYS", cls.commission_holdback_days),
+            crypto_payment_tolerance_percent=_percent(
+                env, "CRYPTO_PAYMENT_TOLERANCE_PERCENT", cls.crypto_payment_tolerance_percent),
             ifta_service_slugs=_csv(env.get("IFTA_SERVICE_SLUGS", "")) or cls.ifta_service_slugs,
             ucr_service_slugs=_csv(env.get("UCR_SERVICE_SLUGS", "")) or cls.ucr_service_slugs,
             filing_reminder_days=_days(env, "FILING_REMINDER_DAYS", cls.filing_reminder_days),

@@ -21,9 +21,12 @@ log = logging.getLogger("receiver.card")
 
 SOURCE = "card"
 
-# BEHAVIOUR.md 4.2 handles these "in the background": after the answer is sent.
+# BEHAVIOUR.md 4.2 handles these "in the background": after the answer is sent. The
+# disputes' and refunds' may ask Stripe which order the payment was for.
 BACKGROUND_TYPES = frozenset({
-    "payment_intent.payment_failed", "charge.dispute.created", "balance.available"})
+    "payment_intent.payment_failed", "charge.dispute.created", "balance.available",
+    "charge.dispute.closed", "charge.dispute.funds_withdrawn",
+    "charge.dispute.funds_reinstated", "charge.refunded"})
 
 
 def dedup_key(event):
@@ -31,13 +34,16 @@ def dedup_key(event):
     and may send a second Event object for the same (object, type).
 
     An invoice fails once per collection attempt, and each attempt matters (the customer
-    is nudged on the first only), so the attempt number is part of that key."""
+    is nudged on the first only), so the attempt number is part of that key; a charge is
+    refunded once per refund, each adding to its amount refunded, which is part of its."""
     obj = event.get("data", {}).get("object", {})
     if not obj.get("id"):
         return event["id"]
     key = f"{event['type']}:{obj['id']}"
     if event["type"] == "invoice.payment_failed":
         key += f":{obj.get('attempt_count')}"
+    if event["type"] == "charge.refunded":
+        key += f":{obj.get('amount_refunded')}"
     return key
 
 
@@ -166,6 +172,25 @@ async def charged_method(ctx, intent_id):
     charge = retrieved.to_dict().get("latest_charge")
     details = charge.get("payment_method_details") if isinstance(charge, dict) else None
     return payment_method_of((details or {}).get("type"))
+
+
+async def ask_stripe(ctx, what, call, *args, **params):
+    """Stripe's object as it is now (`call(*args, params=params)` of the stripe client's
+    v1 services, `what` naming it for the log), as a plain dict; None when STRIPE_SECRET_KEY
+    is unset or Stripe does not know the object. Any other failure (Stripe unreachable,
+    a 5xx, a rate limit) raises: the event is handled again later."""
+    if not ctx.settings.stripe_secret_key:
+        log.warning("%s not asked of Stripe: STRIPE_SECRET_KEY is not set", what)
+        return None
+    method = call(stripe_client(ctx.settings).v1)
+    try:
+        # The stripe library blocks; the loop stays free for other requests meanwhile.
+        answer = await asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(method, *args, params=params or None))
+    except stripe.InvalidRequestError as unknown:
+        log.warning("%s: Stripe does not know it: %s", what, unknown)
+        return None
+    return answer.to_dict()
 
 
 def subscription_of_invoice(invoice):

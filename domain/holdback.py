@@ -6,8 +6,9 @@ is COMMISSION_HOLDBACK_DAYS whole days (of 24 hours) later. A repeated delivery 
 changes neither. From holdback_ends_at on (at or after that instant) the release job sends
 the worker `release_commission` for the order, once: the outbox key names the order, and
 commission_released_at is set in the same transaction. A dispute before the release
-forfeits the commission (commission_forfeited_at and the reason); after the release a
-dispute changes nothing here (the commission was paid: the administrator takes it up).
+forfeits the commission (commission_forfeited_at and the reason), whatever its outcome,
+and so does a refund in full; after the release neither changes anything here (the
+commission was paid: the administrator takes it up).
 
 The release and a dispute lock the order's row, so one of them comes first and the other
 sees what it did.
@@ -19,6 +20,7 @@ import logging
 
 from models import CrtcOrder
 from domain.orders import document_name
+from domain.payment_state import DISPUTE_LOST, DISPUTED, REFUNDED
 from engine import outbox
 from engine.db import locked
 from engine.outbox import Effects
@@ -68,13 +70,19 @@ def forfeit(ctx, order, reason):
     return WITHHELD
 
 
+# An order in these payment statuses never has its commission released, whether or not
+# its forfeit was recorded (an order disputed before disputes forfeited it).
+NEVER_RELEASED = (DISPUTED, DISPUTE_LOST, REFUNDED)
+
+
 def holding():
     """Orders whose holdback runs or has ended but whose commission is neither released
     nor forfeited, earliest release first."""
     return (CrtcOrder.select()
             .where(CrtcOrder.holdback_ends_at.is_null(False),
                    CrtcOrder.commission_released_at.is_null(),
-                   CrtcOrder.commission_forfeited_at.is_null())
+                   CrtcOrder.commission_forfeited_at.is_null(),
+                   CrtcOrder.payment_status.not_in(NEVER_RELEASED))
             .order_by(CrtcOrder.holdback_ends_at, CrtcOrder.id))
 
 

@@ -12,6 +12,8 @@ from engine import commits
 from engine.commits import Ahead, AheadStatement, raise_if_conflict, savepoint
 from engine.db import locked
 from engine.prepared import ArraySlot, Prepared, save_changes, slot
+from domain import payment_state
+from domain.money import Money
 
 log = logging.getLogger("receiver.orders")
 
@@ -35,8 +37,9 @@ ORDER_TYPE_PREFIXES = (
     ("CA-", "canada_crtc"), ("FO-", "formation"), ("BU-", "bundle"), ("CO-", "compliance"))
 DEFAULT_ORDER_TYPE = "canada_crtc"
 
-# A payment failure only moves orders that were still expecting or holding the money.
-FAILABLE_STATUSES = ("paid", "pending_payment")
+# The source of a crypto payment, and the start of its references (`crypto-<txid>`).
+CRYPTO_SOURCE = "crypto"
+CRYPTO_REFERENCE = "crypto-"
 
 
 class OrderNotFound(LookupError):
@@ -271,16 +274,20 @@ def remember_order_name(ctx, order_number, order_name):
 
 
 def complete_payment(ctx, effects, order_id, order_type, reference, *, source,
-                     payment_intent_id=None, payment_method=None, free_because=None):
-    """Mark an order paid, once (BEHAVIOUR.md 4.2, "Completing a payment").
+                     payment_intent_id=None, payment_method=None, free_because=None,
+                     amount=None, coins=None):
+    """Mark an order's payment received, once (BEHAVIOUR.md 4.2, "Completing a payment").
 
-    A first completion sets payment_status `paid`, paid_at, the reference
-    (stripe_session_id), the payment intent and, on CRTC orders, the payment method;
-    re-dispatches a parent order with gov_fee_paid=true; and sends one order alert.
-    `free_because` (a checkout that needed no payment) completes it all the same, says
-    why in a note line and in the alert, which does not call the order paid.
-    An order already paid only gets a missing payment-intent id (or CRTC payment
-    method) filled in.
+    A first completion keeps the fact (domain.payment_state), and with it paid_at, the
+    reference (stripe_session_id), the payment intent, the amount (`amount`, a Money;
+    `coins`, what a crypto payment paid it with, as text) and, on CRTC orders, the
+    payment method; its payment_status is then what the order's facts give: `paid`, or
+    still `disputed` (or refunded) when Stripe told of a dispute (or refund) first. It
+    re-dispatches a parent order with gov_fee_paid=true and sends one order alert, with
+    the amount. `free_because` (a checkout that needed no payment) completes it all the
+    same, says why in a note line and in the alert, which does not call the order paid.
+    An order whose payment was received already only gets a missing payment-intent id
+    (or CRTC payment method) filled in; a different payment is told as a second one.
     Returns (order, newly_paid)."""
     if order_type not in ORDER_MODELS:
         raise ValueError(f"unknown order type {order_type!r}")
@@ -288,11 +295,11 @@ def complete_payment(ctx, effects, order_id, order_type, reference, *, source,
     if order is None:
         raise OrderNotFound(f"no {order_type} order {order_id}")
     now = ctx.clock()
-    if order.payment_status == "paid":
-        if not _same_payment(order, reference, payment_intent_id):
-            _another_payment(ctx, effects, order, reference, source)
+    if payment_state.received(order):
+        if not _same_payment(order, reference, payment_intent_id, source):
+            _another_payment(ctx, effects, order, reference, source, amount)
             return order, False
-        if _fill_in_missing(order, payment_intent_id, payment_method):
+        if _fill_in_missing(order, payment_intent_id, payment_method, amount):
             order.updated_at = now
             save_changes(order)
         log.info("%s order %s is already paid; nothing more to do", order_type, order_id)
@@ -302,7 +309,7 @@ def complete_payment(ctx, effects, order_id, order_type, reference, *, source,
         _check_payment_method(ctx, effects, order)
         return order, False
 
-    order.payment_status = "paid"
+    payment_state.merge_received(order, amount)
     order.paid_at = now
     order.stripe_session_id = reference
     order.stripe_payment_intent_id = payment_intent_id or order.stripe_payment_intent_id
@@ -311,27 +318,41 @@ def complete_payment(ctx, effects, order_id, order_type, reference, *, source,
     if free_because:
         order.append_note(f"No payment required: {free_because} "
                           f"({now.isoformat(timespec='seconds')})")
-    order.updated_at = now
-    save_changes(order)
+    settle_status(ctx, order)
 
     if order.parent_order_number:
         _redispatch_parent(effects, order)
-    effects.alert(order_alert_text(order, source, free_because),
+    effects.alert(order_alert_text(order, source, free_because, amount, coins),
                   key=f"alert-paid-{order_type}-{order_id}", order_number=order_id)
     log.info("%s order %s paid via %s (%s)", order_type, order_id, source, reference)
     _check_payment_method(ctx, effects, order)
     return order, True
 
 
-def _same_payment(order, reference, payment_intent_id):
-    """Whether an event for an already-paid order is about the payment recorded. A checkout
-    session and its payment intent are one payment under two ids, and either event may
-    come first, so a match on either id counts."""
+def settle_status(ctx, order):
+    """Save the order with the payment status its facts give (domain.payment_state);
+    returns (the status it had, the one it has)."""
+    before = order.payment_status
+    order.payment_status = payment_state.status_of(order)
+    order.updated_at = ctx.clock()
+    save_changes(order)
+    return before, order.payment_status
+
+
+def _same_payment(order, reference, payment_intent_id, source):
+    """Whether a completion for an order whose payment was received is about the payment
+    recorded. A checkout session and its payment intent are one payment under two ids,
+    and either event may come first, so a match on either id counts. Every crypto
+    callback of an order is about its one invoice (SHKeeper keeps one per external id),
+    whichever transaction it names."""
     recorded = {order.stripe_session_id, order.stripe_payment_intent_id} - {None}
+    if source == CRYPTO_SOURCE and (order.stripe_session_id or "").startswith(
+            CRYPTO_REFERENCE):
+        return True
     return reference in recorded or (payment_intent_id or None) in recorded
 
 
-def _another_payment(ctx, effects, order, reference, source):
+def _another_payment(ctx, effects, order, reference, source, amount):
     """The order was paid, and now a different payment arrived for it (a second checkout,
     or crypto after card): the customer may be owed a refund, so a person must look."""
     log.warning("%s order %s is already paid (%s) and received another %s payment %s; "
@@ -341,8 +362,16 @@ def _another_payment(ctx, effects, order, reference, source):
                 "second_payment", order.order_number,
                 key=f"email-second-payment-{order.kind}-{order.order_number}-{reference}",
                 kind=order.kind, source=source, reference=reference,
-                recorded=order.stripe_session_id,
+                recorded=order.stripe_session_id, amount=amount and str(amount),
+                recorded_amount=paid_amount(order),
                 customer_name=order.customer_name, customer_email=order.customer_email)
+
+
+def paid_amount(order):
+    """What the order's payment received, as text (`$499.00`), or None when unknown."""
+    if order.payment_amount is None or not order.payment_currency:
+        return None
+    return str(Money.of(order.payment_amount, order.payment_currency))
 
 
 def _check_payment_method(ctx, effects, order):
@@ -357,13 +386,17 @@ def _check_payment_method(ctx, effects, order):
                 "payment_method_unknown", order.order_number,
                 key=f"email-payment-method-unknown-{order.order_number}",
                 reference=order.stripe_session_id,
-                payment_intent=order.stripe_payment_intent_id)
+                payment_intent=order.stripe_payment_intent_id, amount=paid_amount(order))
 
 
-def _fill_in_missing(order, payment_intent_id, payment_method):
+def _fill_in_missing(order, payment_intent_id, payment_method, amount):
     """A later event of the same payment may know what the first did not: the payment
-    intent, or (on CRTC orders, where settlement depends on it) the payment method."""
+    intent, the amount, or (on CRTC orders, where settlement depends on it) the payment
+    method."""
     changed = False
+    if amount is not None and amount.currency and order.payment_amount is None:
+        order.payment_amount, order.payment_currency = amount.minor, amount.currency
+        changed = True
     if payment_intent_id and not order.stripe_payment_intent_id:
         order.stripe_payment_intent_id = payment_intent_id
         changed = True
@@ -403,12 +436,14 @@ def _redispatch_parent(effects, child):
     }, key=f"job-gov-fee-paid-{parent.order_number}-{child.order_number}")
 
 
-def order_alert_text(order, source, free_because=None):
+def order_alert_text(order, source, free_because=None, amount=None, coins=None):
     if free_because:
         lines = [f"New order {order.order_number} ({order.kind}): no payment required",
                  f"Why: {free_because}", f"Source: {source}"]
     else:
         lines = [f"New paid order {order.order_number} ({order.kind})", f"Source: {source}"]
+    if amount is not None:
+        lines.append(f"Amount: {amount}" + (f" ({coins})" if coins else ""))
     if order.service_name:
         lines.append(f"Service: {order.service_name}")
     if order.discount_code:
@@ -416,51 +451,47 @@ def order_alert_text(order, source, free_because=None):
     return "\n".join(lines)
 
 
-def mark_payment_failed(ctx, order_number, reason):
-    """BEHAVIOUR.md 4.2 payment_intent.payment_failed: every order of any kind with that number
-    that is `paid` or `pending_payment` becomes `failed`, with a note line. Returns them."""
+def mark_payment_failed(ctx, order_number, reason, failed_at):
+    """BEHAVIOUR.md 4.2 payment_intent.payment_failed: the failure is kept on every order
+    of any kind with that number (domain.payment_state.merge_failure), and those whose
+    payment was not received become `failed`, with a note line; one whose payment was
+    received keeps its status (the failure was of an earlier or another attempt).
+    Returns (the orders marked failed, the orders left as they were)."""
     now = ctx.clock()
-    marked = []
+    marked, left = [], []
     for model in ORDER_MODELS.values():
-        query = model.select().where(model.order_number == order_number,
-                                     model.payment_status.in_(FAILABLE_STATUSES))
-        for order in locked(query):
-            order.payment_status = "failed"
+        for order in locked(model.select().where(model.order_number == order_number)):
+            newer = payment_state.merge_failure(order, failed_at) is payment_state.Change.NEWER
+            if payment_state.received(order):
+                if newer:
+                    order.updated_at = now
+                    save_changes(order)
+                left.append(order)
+                continue
             order.append_note(f"Payment failed: {reason} ({now.isoformat(timespec='seconds')})")
-            order.updated_at = now
-            save_changes(order)
+            settle_status(ctx, order)
             marked.append(order)
-    return marked
+    return marked, left
 
 
 def find_by_payment_intent(payment_intent_id):
     """The order a payment intent paid: exact match on stripe_payment_intent_id first, then
-    (BEHAVIOUR.md) a substring match on the reference, across the four kinds; or None."""
+    (BEHAVIOUR.md) a substring match on the reference, across the four kinds; or None.
+    Not locked: the caller locks the order it keeps a fact on (domain.payment_events)."""
     if not payment_intent_id:
         return None
     for model in ORDER_MODELS.values():
-        order = locked(model.select().where(
-            model.stripe_payment_intent_id == payment_intent_id)).first()
+        order = model.select().where(
+            model.stripe_payment_intent_id == payment_intent_id).first()
         if order:
             return order
     for model in ORDER_MODELS.values():
         # ILIKE narrows it down; the case-sensitive test makes it exact (ids are).
-        for order in locked(model.select().where(
-                model.stripe_session_id.contains(payment_intent_id))):
+        for order in model.select().where(
+                model.stripe_session_id.contains(payment_intent_id)):
             if payment_intent_id in order.stripe_session_id:
                 return order
     return None
-
-
-def mark_disputed(ctx, order, reason, amount):
-    """BEHAVIOUR.md 4.2 charge.dispute.created: `disputed` whatever the status was, with a note
-    line naming the reason and the disputed amount."""
-    now = ctx.clock()
-    order.payment_status = "disputed"
-    order.append_note(f"Dispute opened: {reason}, amount {amount} "
-                      f"({now.isoformat(timespec='seconds')})")
-    order.updated_at = now
-    save_changes(order)
 
 
 def record_cycle(ctx, order, subscription_id, invoice_id):

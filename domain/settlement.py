@@ -20,7 +20,7 @@ from engine import retry
 from engine.db import locked
 from engine.outbox import tell_admin
 from engine.prepared import save_changes
-from domain.orders import FREE, document_name
+from domain.orders import FREE, document_name, paid_amount
 
 log = logging.getLogger("receiver.settlement")
 
@@ -93,7 +93,7 @@ def record_refusal(ctx, order_id, error):
                   f"{order.funds_refusals} times"
         tell_admin(ctx, f"settlement-refused-{order.order_number}", subject,
                    "settlement_refused", order=order, action=ctx.settings.crtc_funds_action,
-                   doctype=ctx.settings.crtc_doctype, error=error)
+                   doctype=ctx.settings.crtc_doctype, error=error, amount=paid_amount(order))
     return order.funds_refusals
 
 

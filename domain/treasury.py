@@ -1,9 +1,19 @@
 """Crypto payments (SHKeeper invoice callbacks, BEHAVIOUR.md 4.3, 2.4, 2.5).
 
 Reading a callback: amounts are Decimal end to end (strings or JSON numbers, every digit
-kept), fiat cents are rounded half-up, the order type comes from the order number's
-prefix. Recording a paid one: the treasury job and the ledger entry are written together
-in a savepoint, then the order's payment is completed.
+kept), fiat amounts are kept in their currency's ISO 4217 minor unit (domain.money),
+rounded half up, the order type comes from the order number's prefix. Recording a paid
+one: the treasury job and the ledger entries are written together in a savepoint, then
+the order's payment is completed.
+
+Callbacks may come in any order (SHKeeper re-sends, the spool, a retry), and one may list
+no transaction (the fallback txid). So the ledger and the job follow the invoice, not the
+last callback: a callback listing transactions replaces the order's fallback entry with
+its transactions' entries, and a fallback one adds nothing to an order that has them;
+the job takes a callback's amounts only when they are not older than its own (one that
+lists transactions over one that does not; else the larger balance, which only grows).
+The order's payment is one whatever callback completes it: no second payment for the
+same coins.
 """
 import dataclasses
 import datetime
@@ -13,26 +23,65 @@ import logging
 
 import peewee
 
-from models import LedgerEntry, TreasuryJob
+from models import LedgerEntry, TreasuryJob, is_postgres
 from engine.payload import exact_json
 from engine.commits import raise_if_conflict, savepoint
-from domain.orders import OrderAhead, OrderNotFound, complete_payment, email_admin, order_type_of
-from engine.prepared import InsertOnce, InsertOrUpdate, slot
+from domain.money import Money, minor_units
+from domain.orders import (CRYPTO_REFERENCE, CRYPTO_SOURCE, OrderAhead, OrderNotFound,
+                           complete_payment, email_admin, order_type_of)
+from engine.prepared import InsertOnce, InsertOrUpdate, Prepared, save_changes, slot
 
 log = logging.getLogger("receiver.crypto")
 
 PROVIDER = "crypto-processor"
+
+
+def _not_less(column):
+    """The stored row's `column` is at most the new row's, as numbers: exact on
+    PostgreSQL (NUMERIC); on SQLite, which keeps exact decimals as text, compared as
+    reals (SHKeeper's amounts have at most 10 decimals: their order is kept)."""
+    new = getattr(peewee.EXCLUDED, column.column_name)
+    if is_postgres():
+        return column <= new
+    return peewee.Cast(column, "REAL") <= peewee.Cast(new, "REAL")
+
+
+def _not_older(model):
+    """A callback's amounts are not older than the row's: it lists transactions and the
+    row's came from one that did not, or both alike and its balance is not smaller."""
+    new_fallback = peewee.EXCLUDED.fallback
+    return ((model.fallback > new_fallback)
+            | ((model.fallback == new_fallback) & _not_less(model.amount_coin)))
+
+
 # The job of an order still `received` (the state a new job is written in: the `state`
-# slot) follows the latest callback's amounts; one taken further is left as it is.
+# slot) follows the newest state of the invoice its callbacks showed (`_not_older`); one
+# taken further is left as it is.
 SAVE_TREASURY_JOB = InsertOrUpdate(
     TreasuryJob, TreasuryJob.order_id,
-    (TreasuryJob.amount_coin, TreasuryJob.fiat_currency, TreasuryJob.amount_fiat_cents,
-     TreasuryJob.amount_usd_cents, TreasuryJob.updated_at),
-    lambda: TreasuryJob.state == slot(TreasuryJob.state))
+    (TreasuryJob.coin, TreasuryJob.amount_coin, TreasuryJob.fiat_currency,
+     TreasuryJob.amount_fiat_cents, TreasuryJob.amount_usd_cents,
+     TreasuryJob.idempotency_key, TreasuryJob.fallback, TreasuryJob.updated_at),
+    lambda: (TreasuryJob.state == slot(TreasuryJob.state)) & _not_older(TreasuryJob))
 NEW_LEDGER_ENTRY = InsertOnce(LedgerEntry)
+# The order's one fallback entry: its balance as the newest callback listing no
+# transaction showed it, unless an entry of a listed transaction is stored.
+SAVE_FALLBACK_ENTRY = InsertOrUpdate(
+    LedgerEntry, LedgerEntry.idempotency_key,
+    (LedgerEntry.coin, LedgerEntry.amount_coin, LedgerEntry.fiat_currency,
+     LedgerEntry.amount_fiat_cents, LedgerEntry.amount_usd_cents, LedgerEntry.provider_ref,
+     LedgerEntry.provider_status, LedgerEntry.acquired_at, LedgerEntry.notes,
+     LedgerEntry.updated_at),
+    lambda: _not_less(LedgerEntry.amount_coin),
+    unless=lambda: LedgerEntry.select(LedgerEntry.id).where(
+        LedgerEntry.order_id == slot(LedgerEntry.order_id), ~LedgerEntry.fallback))
+DROP_FALLBACK_ENTRY = Prepared(lambda: LedgerEntry.delete().where(
+    LedgerEntry.idempotency_key == slot(LedgerEntry.idempotency_key)), on_server=True)
 PAID_STATUSES = ("PAID", "OVERPAID")
 # An invoice naming no fiat currency is in SHKeeper's default.
 DEFAULT_FIAT = "USD"
+# The fallback txid's start (`crypto-<coin>-<epoch ms>`), and so its reference's.
+FALLBACK_TXID = "crypto-"
 # Wider than any coin's precision or any invoice; anything beyond is not a payment.
 MAX_DECIMAL_PLACES = 30
 MAX_AMOUNT = decimal.Decimal(10) ** 15
@@ -96,12 +145,15 @@ def amount(body, field):
     return number
 
 
-def cents(amount_fiat):
-    # Wide enough for every digit an accepted amount may have: in the default 28-digit
-    # context `* 100` would round once before the half-up rounding to cents.
-    with decimal.localcontext(prec=100):
-        return int((amount_fiat * 100).quantize(decimal.Decimal(1),
-                                                rounding=decimal.ROUND_HALF_UP))
+def _told(body, field):
+    """An amount that only informs a notice (SHKeeper's fee, its overpaid measure): one
+    that cannot be read is taken for 0, and the payment is not refused for it."""
+    try:
+        return amount(body, field)
+    except MalformedCallback as unreadable:
+        log.warning("crypto callback for %r: %s; taken for 0", body.get("external_id"),
+                    unreadable)
+        return decimal.Decimal(0)
 
 
 def _text(body, field):
@@ -166,6 +218,10 @@ class Callback:
     amount_fiat: decimal.Decimal
     transactions: tuple
     notice_txid: str
+    # SHKeeper's fee (percent of the invoice, on top of it) and what it counts as paid
+    # beyond its upper limit; 0 when not sent.
+    fee_percent: decimal.Decimal = decimal.Decimal(0)
+    overpaid_fiat: decimal.Decimal = decimal.Decimal(0)
 
     @classmethod
     def parse(cls, body):
@@ -188,7 +244,9 @@ class Callback:
             # An `unconfirmed` notice names its coin amount `amount`.
             amount_coin=amount(body, "balance_crypto" if "balance_crypto" in body else "amount"),
             amount_fiat=amount(body, "balance_fiat"),
-            transactions=_transactions(body, coin), notice_txid=notice_txid)
+            transactions=_transactions(body, coin), notice_txid=notice_txid,
+            fee_percent=_told(body, "fee_percent"),
+            overpaid_fiat=_told(body, "overpaid_fiat"))
 
     @property
     def txids(self):
@@ -206,17 +264,42 @@ class Callback:
     def fiat_currency(self):
         return self.fiat or DEFAULT_FIAT
 
+    def fiat_minor(self, amount_fiat):
+        """`amount_fiat` in the minor unit of the invoice's currency (ISO 4217)."""
+        return minor_units(amount_fiat, self.fiat_currency)
+
     def usd_cents(self, amount_fiat):
         """`amount_fiat` in USD cents when the invoice is in USD; None when it is not
         (no amount in another currency is recorded as USD)."""
-        return cents(amount_fiat) if self.fiat_currency == "USD" else None
+        return self.fiat_minor(amount_fiat) if self.fiat_currency == "USD" else None
+
+    @property
+    def balance(self):
+        """The invoice's fiat balance as Money."""
+        return Money.of_decimal(self.amount_fiat, self.fiat_currency)
+
+    @property
+    def net_fiat(self):
+        """What the invoice received less SHKeeper's fee: the transactions' own amounts
+        without their fees when they give their fees, else the balance less the fee
+        percentage it was charged on top."""
+        listed = [t for t in self.transactions if t.txid]
+        if listed and any(t.fee_fiat for t in listed):
+            return sum((t.amount_fiat - t.fee_fiat for t in listed), decimal.Decimal(0))
+        return self.amount_fiat / (1 + self.fee_percent / 100)
+
+    @property
+    def listed(self):
+        """Whether the callback lists the invoice's transactions (else the fallback txid
+        stands for them)."""
+        return any(self.txids)
 
     def txid(self, arrived_at):
         """transactions[0].txid, or `crypto-<coin>-<epoch ms>` of the callback's arrival."""
         if self.txids and self.txids[0]:
             return self.txids[0]
         epoch_ms = (arrived_at - EPOCH) // datetime.timedelta(milliseconds=1)
-        return f"crypto-{self.coin}-{epoch_ms}"
+        return f"{FALLBACK_TXID}{self.coin}-{epoch_ms}"
 
     def dedup_key(self):
         """One key per state of the invoice: SHKeeper's re-sends (every 60 s until it
@@ -239,8 +322,10 @@ class Callback:
 
 
 def receive_payment(ctx, payload, effects):
-    """PAID and OVERPAID: record the treasury job and ledger entry, then complete the
-    payment. Anything else, or paid not true, is only logged (BEHAVIOUR.md 4.3 rule 3)."""
+    """PAID and OVERPAID: record the treasury job and ledger entries, then complete the
+    payment (with the invoice's fiat balance and coins), and tell the administrator of an
+    invoice paid more or less than expected. Anything else, or paid not true, is only
+    logged (BEHAVIOUR.md 4.3 rule 3)."""
     callback = Callback.parse(payload)
     if not callback.to_be_processed:
         log.info("crypto %s callback for %s with paid=%s: logged only",
@@ -249,17 +334,63 @@ def receive_payment(ctx, payload, effects):
     if callback.fiat_currency != "USD":
         tell_not_in_usd(ctx, effects, callback)
     arrival = arrived_at(ctx, effects)
-    txid = callback.txid(arrival)
+    reference = CRYPTO_REFERENCE + callback.txid(arrival)
     record_receipt(ctx, callback, arrival)
     try:
         with effects.savepoint():
-            complete_payment(ctx, effects, callback.external_id, callback.order_type,
-                             f"crypto-{txid}", source="crypto", payment_method="crypto")
+            order, _ = complete_payment(
+                ctx, effects, callback.external_id, callback.order_type, reference,
+                source=CRYPTO_SOURCE, payment_method="crypto", amount=callback.balance,
+                coins=f"{callback.amount_coin} {callback.coin}")
     except (OrderNotFound, peewee.DatabaseError) as failure:
         raise_if_conflict(failure)
         # The coins arrived: their treasury job and ledger entry stay recorded, and only
         # the completion is tried again.
         effects.retry_later(f"payment not completed: {type(failure).__name__}: {failure}")
+        return
+    if callback.listed and order.stripe_session_id.startswith(CRYPTO_REFERENCE + FALLBACK_TXID):
+        # Completed first by a callback that listed no transaction: the invoice's first
+        # transaction names the payment from now on, as it would have from the start.
+        order.stripe_session_id = reference
+        order.updated_at = ctx.clock()
+        save_changes(order)
+    tell_mispaid(ctx, effects, callback, order)
+
+
+def tell_mispaid(ctx, effects, callback, order):
+    """An invoice paid past CRYPTO_PAYMENT_TOLERANCE_PERCENT more or less than expected is
+    told to the administrator, once per order and way. Expected: the order's total
+    (total_cents, in hundredths of the invoice's currency), against what the invoice
+    received less SHKeeper's fee; for an order without a total, SHKeeper's own measure,
+    `overpaid_fiat` (paid beyond its upper limit), against the rest of the balance."""
+    tolerance = ctx.settings.crypto_payment_tolerance_percent
+    total = getattr(order, "total_cents", None)
+    if total:
+        expected = decimal.Decimal(total).scaleb(-2)
+        received = callback.net_fiat
+    elif callback.overpaid_fiat > 0:
+        expected = callback.amount_fiat - callback.overpaid_fiat
+        received = callback.amount_fiat
+    else:
+        return
+    if expected <= 0:
+        return
+    share = (received - expected) / expected * 100
+    if abs(share) <= tolerance:
+        return
+    way = "overpaid" if share > 0 else "underpaid"
+    shown = abs(share).quantize(decimal.Decimal("0.1"))
+    currency = callback.fiat_currency
+    log.warning("crypto invoice %s %s by %s %%", callback.external_id, way, shown)
+    email_admin(ctx, effects, f"Crypto invoice for order {callback.external_id} {way} by "
+                f"{shown} %", "crypto_mispaid", callback.external_id,
+                key=f"email-crypto-{way}-{callback.external_id}", way=way, share=shown,
+                tolerance=tolerance, status=callback.status,
+                expected=str(Money.of_decimal(expected, currency)),
+                received=str(Money.of_decimal(received, currency)),
+                balance=str(callback.balance),
+                overpaid=str(Money.of_decimal(callback.overpaid_fiat, currency)),
+                coins=f"{callback.amount_coin} {callback.coin}", by_total=bool(total))
 
 
 def read_ahead(payload):
@@ -301,15 +432,21 @@ def arrived_at(ctx, effects):
 
 def record_receipt(ctx, callback, arrival):
     """Write the treasury job and a ledger entry per received transaction together, in a
-    savepoint. A failure is logged and the enclosing transaction goes on (BEHAVIOUR.md 4.3
-    rule 6); a deadlock with another process is no failure of ours: the whole unit is run
-    again."""
+    savepoint: the transactions listed replace the order's fallback entry; a callback
+    listing none writes (or updates) that entry. A failure is logged and the enclosing
+    transaction goes on (BEHAVIOUR.md 4.3 rule 6); a deadlock with another process is no
+    failure of ours: the whole unit is run again."""
     txid = callback.txid(arrival)
     try:
         with savepoint():
             _save_treasury_job(ctx, callback, txid)
-            for transaction in callback.received(arrival):
-                _add_ledger_entry(ctx, callback, transaction)
+            if callback.listed:
+                DROP_FALLBACK_ENTRY.execute_later(
+                    idempotency_key=fallback_key(callback.external_id))
+                for transaction in callback.received(arrival):
+                    _add_ledger_entry(ctx, callback, transaction)
+            else:
+                _save_fallback_entry(ctx, callback, callback.received(arrival)[0])
         return True
     except peewee.DatabaseError as failure:
         raise_if_conflict(failure)
@@ -319,16 +456,18 @@ def record_receipt(ctx, callback, arrival):
 
 
 def _save_treasury_job(ctx, callback, txid):
-    """One job per order. While it is still `received` its amounts follow the latest
-    callback; once the settlement worker has taken it further it is left as it is."""
+    """One job per order. While it is still `received` its amounts (and key) follow the
+    newest state of the invoice its callbacks showed, whatever order they came in
+    (`_not_older`); once the settlement worker has taken it further it is left as it is."""
     now = ctx.clock()
     SAVE_TREASURY_JOB.run_later(
         order_id=callback.external_id, order_type=callback.order_type, state="received",
         coin=callback.coin, amount_coin=callback.amount_coin,
-        fiat_currency=callback.fiat_currency, amount_fiat_cents=cents(callback.amount_fiat),
+        fiat_currency=callback.fiat_currency,
+        amount_fiat_cents=callback.fiat_minor(callback.amount_fiat),
         amount_usd_cents=callback.usd_cents(callback.amount_fiat),
         idempotency_key=f"crypto-settle:{callback.external_id}:{txid}",
-        received_at=now, created_at=now, updated_at=now)
+        fallback=not callback.listed, received_at=now, created_at=now, updated_at=now)
 
 
 def ledger_key(order_id, txid):
@@ -338,20 +477,37 @@ def ledger_key(order_id, txid):
     return f"{PROVIDER}:{order_id}:{txid}"
 
 
+def fallback_key(order_id):
+    """The key of the order's one fallback entry (a callback listing no transaction):
+    a later such callback updates it, one listing transactions replaces it."""
+    return f"{PROVIDER}:{order_id}:fallback"
+
+
 def _add_ledger_entry(ctx, callback, transaction):
     """One entry per transaction of the order (`ledger_key`): the entries of an order sum
     to the invoice. An entry already recorded (the callback sent again) is left as it is;
     as nothing is read of the insert, it goes with the next statement on PostgreSQL."""
+    NEW_LEDGER_ENTRY.run_later(**_entry(ctx, callback, transaction, ledger_key(
+        callback.external_id, transaction.txid), fallback=False))
+
+
+def _save_fallback_entry(ctx, callback, transaction):
+    """The order's fallback entry: the invoice's balance under the fallback txid, written
+    unless an entry of a listed transaction is stored, updated to a larger balance."""
+    SAVE_FALLBACK_ENTRY.run_later(**_entry(ctx, callback, transaction,
+                                           fallback_key(callback.external_id), fallback=True))
+
+
+def _entry(ctx, callback, transaction, key, fallback):
     now = ctx.clock()
-    txid = transaction.txid
-    NEW_LEDGER_ENTRY.run_later(
+    return dict(
         order_id=callback.external_id, order_type=callback.order_type, coin=transaction.coin,
         movement_type="receive", amount_coin=transaction.amount_coin,
-        fiat_currency=callback.fiat_currency, amount_fiat_cents=cents(transaction.amount_fiat),
+        fiat_currency=callback.fiat_currency,
+        amount_fiat_cents=callback.fiat_minor(transaction.amount_fiat),
         amount_usd_cents=callback.usd_cents(transaction.amount_fiat), provider=PROVIDER,
-        provider_ref=txid,
-        provider_status=callback.status, state="confirmed",
-        idempotency_key=ledger_key(callback.external_id, txid), acquired_at=now,
+        provider_ref=transaction.txid, provider_status=callback.status, state="confirmed",
+        idempotency_key=key, fallback=fallback, acquired_at=now,
         notes=(f"{callback.status}: received {transaction.amount_coin} {transaction.coin} "
                f"({transaction.amount_fiat} {callback.fiat_currency}, "
                f"fee {transaction.fee_fiat})"),

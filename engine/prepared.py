@@ -256,11 +256,12 @@ class InsertOrUpdate(InsertOnce):
     of `key` holds a row: that row's `updating` columns then take the new row's values,
     where `only_if()` holds (ON CONFLICT ... DO UPDATE ... WHERE). One statement for
     what would be an insert, a look at its outcome and an update: sent with the next one
-    (`run_later`), as nobody reads what it did."""
+    (`run_later`), as nobody reads what it did. `unless`: as InsertOnce's (nothing is
+    inserted nor updated when it finds a row)."""
 
-    def __init__(self, model, key, updating, only_if):
+    def __init__(self, model, key, updating, only_if, unless=None):
         self._key, self._updating, self._only_if = key, updating, only_if
-        super().__init__(model)
+        super().__init__(model, unless=unless)
 
     def _on_conflict(self, query):
         return query.on_conflict(

@@ -520,7 +520,7 @@ def _effect_moments(ctx, order_number):
 def _money_moments(order_number):
     for job in TreasuryJob.select().where(TreasuryJob.order_id == order_number):
         yield Moment(job.received_at, "treasury job", f"{job.amount_coin} {job.coin} "
-                     f"({money(job.amount_fiat_cents, job.fiat_currency, places=2)}), "
+                     f"({money(job.amount_fiat_cents, job.fiat_currency)}), "
                      f"{job.state}")
     for entry in LedgerEntry.select().where(LedgerEntry.order_id == order_number):
         yield Moment(entry.acquired_at, "ledger entry",

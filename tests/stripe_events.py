@@ -123,23 +123,86 @@ def card_declined(message="Your card was declined."):
             "type": "card_error"}
 
 
-def dispute(payment_intent_id, amount=12345, reason="fraudulent"):
+def dispute(payment_intent_id, amount=12345, reason="fraudulent", status="needs_response",
+            dispute_id=None, charge_id=None, currency="usd", withdrawn=False,
+            reinstated=False):
+    """A Dispute as its events carry it: `status` one of needs_response, under_review,
+    won, lost, warning_needs_response, warning_under_review, warning_closed, prevented;
+    the balance transactions of its funds withdrawn (and reinstated), in the account's
+    settlement currency, as funds_withdrawn (funds_reinstated) shows them."""
+    moves = []
+    if withdrawn:
+        moves.append({"id": _id("txn"), "object": "balance_transaction", "amount": -amount,
+                      "currency": currency, "fee": 1500, "net": -amount - 1500,
+                      "reporting_category": "dispute", "type": "adjustment"})
+    if reinstated:
+        moves.append({"id": _id("txn"), "object": "balance_transaction", "amount": amount,
+                      "currency": currency, "fee": -1500, "net": amount + 1500,
+                      "reporting_category": "dispute_reversal", "type": "adjustment"})
     return {
-        "id": _id("dp"),
+        "id": dispute_id or _id("dp"),
         "object": "dispute",
         "amount": amount,
-        "charge": _id("ch"),
+        "balance_transactions": moves,
+        "charge": charge_id or _id("ch"),
         "created": 1795683500,
-        "currency": "usd",
+        "currency": currency,
+        "enhanced_eligibility_types": [],
         "evidence_details": {"due_by": 1796547600, "has_evidence": False,
                              "past_due": False, "submission_count": 0},
         "is_charge_refundable": False,
         "livemode": False,
         "metadata": {},
         "payment_intent": payment_intent_id,
+        "payment_method_details": {"card": {"brand": "visa", "network_reason_code": "10.4"},
+                                   "type": "card"},
         "reason": reason,
-        "status": "needs_response",
+        "status": status,
     }
+
+
+def charge(payment_intent_id, amount=49900, amount_refunded=0, charge_id=None,
+           currency="usd", metadata=None):
+    """A Charge as charge.refunded carries it (API 2022-11-15 on: its refunds are not
+    listed unless expanded; from 2025-03-31.basil on it names no invoice): `refunded` is
+    Stripe's own "refunded in full"."""
+    return {
+        "id": charge_id or _id("ch"),
+        "object": "charge",
+        "amount": amount,
+        "amount_captured": amount,
+        "amount_refunded": amount_refunded,
+        "balance_transaction": _id("txn"),
+        "captured": True,
+        "created": 1795683500,
+        "currency": currency,
+        "customer": "cus_test_Q1w2E3r4",
+        "disputed": False,
+        "livemode": False,
+        "metadata": metadata or {},
+        "paid": True,
+        "payment_intent": payment_intent_id,
+        "payment_method": _id("pm"),
+        "payment_method_details": {"card": {"brand": "visa", "last4": "4242"}, "type": "card"},
+        "receipt_url": "https://pay.stripe.com/receipts/payment/test",
+        "refunded": amount_refunded >= amount,
+        "status": "succeeded",
+    }
+
+
+def charge_before_basil(payment_intent_id, invoice=None, **fields):
+    """The same charge rendered before 2025-03-31.basil: it names the invoice it paid
+    (null for a payment outside invoicing)."""
+    return {**charge(payment_intent_id, **fields), "invoice": invoice}
+
+
+def upcoming_invoice(subscription_id, amount_due=19900, next_payment_attempt=1796288400):
+    """The invoice of invoice.upcoming: not created yet, so it has no id."""
+    rendered = invoice(subscription_id, amount_due=amount_due, status="draft")
+    del rendered["id"]
+    return {**rendered, "amount_paid": 0, "amount_remaining": amount_due,
+            "hosted_invoice_url": None, "next_payment_attempt": next_payment_attempt,
+            "period_end": next_payment_attempt - 3600}
 
 
 def balance():
@@ -241,8 +304,8 @@ RECEIVED = (200, {"received": True})
 def send(post, ctx, clock):
     """Deliver a signed event and wait for any background handling to finish; returns
     the event's inbox row."""
-    async def send_event(event_type, obj, api_version=API_VERSION):
-        evt = event(event_type, obj, api_version=api_version)
+    async def send_event(event_type, obj, api_version=API_VERSION, created=1795683600):
+        evt = event(event_type, obj, api_version=api_version, created=created)
         assert (await deliver(post, clock, evt))[:2] == RECEIVED
         await ctx.drain_background()
         return WebhookEvent.get(WebhookEvent.external_id == evt["id"])

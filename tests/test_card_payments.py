@@ -7,9 +7,6 @@ import urllib.parse
 
 import pytest
 import stripe
-import tornado.httpserver
-import tornado.testing
-import tornado.web
 
 import plugins
 from models import (ORDER_MODELS, BundleOrder, ComplianceOrder, CrtcOrder, FormationOrder, Outbox,
@@ -17,59 +14,9 @@ from models import (ORDER_MODELS, BundleOrder, ComplianceOrder, CrtcOrder, Forma
 from domain import settlement
 from engine.db import Circuit
 from tests import stripe_events as se
+from tests.stripe_api import stripe_api  # noqa: F401 (fixture)
 from tests.stripe_events import (  # noqa: F401 (fixtures)
-    RECEIVED, SECRET_KEY, deliver, send, settings)
-
-
-class _PaymentIntents(tornado.web.RequestHandler):
-    """GET /v1/payment_intents/<id> as Stripe answers it, the charge expanded when asked."""
-
-    def initialize(self, stripe):
-        self.stripe = stripe
-
-    def get(self, intent_id):
-        self.stripe.requests.append(self.request)
-        self.set_header("Content-Type", "application/json")
-        if self.request.headers.get("Authorization") != f"Bearer {SECRET_KEY}":
-            self.set_status(401)
-            self.finish({"error": {"type": "invalid_request_error", "message": "bad key"}})
-            return
-        if intent_id not in self.stripe.intents:
-            self.set_status(404)
-            self.finish({"error": {"type": "invalid_request_error",
-                                   "message": f"No such payment_intent: '{intent_id}'"}})
-            return
-        intent = dict(self.stripe.intents[intent_id])
-        if self.get_query_argument("expand[0]", None) == "latest_charge":
-            intent["latest_charge"] = self.stripe.charges[intent["latest_charge"]]
-        self.finish(json.dumps(intent))
-
-
-class StripeApi:
-    """A local stand-in for Stripe's API (STRIPE_API_BASE points the stripe library here)."""
-
-    def __init__(self):
-        self.intents, self.charges, self.requests = {}, {}, []
-        sock, port = tornado.testing.bind_unused_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self.server = tornado.httpserver.HTTPServer(tornado.web.Application(
-            [(r"/v1/payment_intents/([^/]+)", _PaymentIntents, {"stripe": self})]))
-        self.server.add_sockets([sock])
-
-    def charged(self, intent, method_type):
-        """Stripe knows `intent`, paid by a charge with that payment method type."""
-        self.intents[intent["id"]] = intent
-        self.charges[intent["latest_charge"]] = {
-            "id": intent["latest_charge"], "object": "charge", "status": "succeeded",
-            "payment_method_details": {"type": method_type, method_type: {}}}
-
-
-@pytest.fixture
-def stripe_api(io_loop, ctx):
-    api = StripeApi()
-    ctx.settings = dataclasses.replace(ctx.settings, stripe_api_base=api.url)
-    yield api
-    api.server.stop()
+    RECEIVED, deliver, send, settings)
 
 
 def parts(message):
@@ -390,8 +337,11 @@ async def test_an_intent_for_an_unknown_order_is_retried(send):
 # --- payment_intent.payment_failed ------------------------------------------------------------
 
 @pytest.mark.gen_test
-async def test_a_failed_payment_fails_every_paid_or_pending_order_and_mails_the_admin(
+async def test_a_failed_payment_fails_every_order_not_yet_paid_and_mails_the_admin(
         send, clock, smtp):
+    """An order whose payment was received (paid, disputed) is left as it is: SPEC.md's
+    rule failed a paid order too, which loses money as Stripe delivers (BEHAVIOUR.md 3.3,
+    differences)."""
     clock.set(2026, 11, 20, 9, 30, 15)
     statuses = {"formation": "paid", "compliance": "pending_payment", "bundle": "disputed",
                 "canada_crtc": "pending_payment"}
@@ -404,19 +354,20 @@ async def test_a_failed_payment_fails_every_paid_or_pending_order_and_mails_the_
 
     after = {kind: model.get() for kind, model in ORDER_MODELS.items()}
     assert {k: o.payment_status for k, o in after.items()} == {
-        "formation": "failed", "compliance": "failed", "bundle": "disputed",
+        "formation": "paid", "compliance": "failed", "bundle": "disputed",
         "canada_crtc": "failed"}
     line = "Payment failed: Insufficient funds. (2026-11-20T09:30:15+00:00)"
-    assert after["formation"].notes == f"created by checkout\n{line}"
-    assert after["bundle"].notes == "created by checkout"
+    assert after["compliance"].notes == f"created by checkout\n{line}"
+    assert after["formation"].notes == after["bundle"].notes == "created by checkout"
 
     [(recipients, message)] = smtp.messages
     assert recipients == ["admin@example.test"]
     assert message["Subject"] == "Payment failed for order ORD-77"
     text, html = parts(message)
     for body in (text, html):
-        assert "ORD-77" in body and "Insufficient funds." in body
+        assert "ORD-77" in body and "Insufficient funds." in body and "$499.00" in body
         assert "2026-11-20T09:30:15+00:00" in body and intent["id"] in body
+        assert "compliance order ORD-77" in body and "formation order" not in body
 
 
 @pytest.mark.gen_test
@@ -520,7 +471,8 @@ async def test_a_dispute_falls_back_to_a_substring_of_the_reference(send, smtp):
                          ids=["not-found", "no-payment-intent"])
 @pytest.mark.gen_test
 async def test_a_dispute_with_no_matching_order_mails_about_order_unknown(
-        send, smtp, payment_intent):
+        send, smtp, stripe_api, payment_intent):
+    """Stripe, asked, does not know the payment intent either (or there is none)."""
     FormationOrder.create(order_number="FO-1", stripe_session_id="cs_test_1")
     dispute = {**se.dispute(payment_intent, amount=5), "reason": None}
     assert (await send("charge.dispute.created", dispute)).status == "processed"

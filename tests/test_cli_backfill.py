@@ -86,7 +86,7 @@ def undelivered(stripe_api):
     """Five events Stripe could not deliver since SINCE, and one from before it."""
     FormationOrder.create(order_number="FO-1")
     FormationOrder.create(order_number="FO-2")
-    FormationOrder.create(order_number="FO-3", payment_status="paid")
+    FormationOrder.create(order_number="FO-3")
     stripe_api.events = [
         stripe_shaped.event("checkout.session.completed",
                             stripe_shaped.checkout_session("FO-1", "formation"),

@@ -12,6 +12,7 @@ import plugins
 from models import (
     UTC, CrtcOrder, FormationOrder, LedgerEntry, Outbox, TreasuryJob, WebhookEvent)
 from domain import orders, treasury
+from domain.money import minor_units
 from tests import shkeeper
 from tests.conftest import table_away
 from tests.shkeeper import API_KEY, URL, key_headers
@@ -328,7 +329,7 @@ def test_order_type_of(order_number, order_type):
     ("1.004999999999999999999999999999", 100),
 ])
 def test_cents_round_half_up(fiat, expected):
-    assert treasury.cents(Decimal(fiat)) == expected
+    assert minor_units(Decimal(fiat), "USD") == expected
 
 
 def test_a_callback_reads_as_shkeeper_means_it():

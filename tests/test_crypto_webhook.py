@@ -274,7 +274,9 @@ async def test_txid_falls_back_to_coin_and_arrival_time(post, clock, telegram, t
     await post(URL, callback, key_headers())
     txid = f"crypto-ETH-USDT-{int(clock().timestamp() * 1000)}"
     assert txid == "crypto-ETH-USDT-1795165200000"
-    assert LedgerEntry.get().idempotency_key == f"crypto-processor:CA-1001:{txid}"
+    entry = LedgerEntry.get()
+    assert (entry.provider_ref, entry.idempotency_key, entry.fallback) == (
+        txid, "crypto-processor:CA-1001:fallback", True)
     assert CrtcOrder.get().stripe_session_id == f"crypto-{txid}"
 
     # SHKeeper re-sends until it sees 202; a re-send a minute later is the same event,

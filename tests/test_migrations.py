@@ -229,3 +229,67 @@ def test_0014_keeps_the_fiat_currency_of_old_treasury_jobs_and_ledger_entries(sc
             assert {(row.order_id, row.fiat_currency, row.amount_fiat_cents,
                      row.amount_usd_cents) for row in model.select()} == {
                 ("CA-USD", "USD", 9600, 9600), ("CA-EUR", "EUR", 10199, None)}
+
+
+PAYMENT_FACTS = importlib.import_module("migrations.0018_payment_facts")
+
+
+def test_0018_puts_old_fiat_amounts_in_minor_units_and_keeps_one_fallback_entry_per_order(
+        scratch_db):
+    """Before 0018 every fiat amount was in hundredths (a JPY job 100 times too large, a
+    KWD one short of its third decimal), and a fallback entry stood beside the listed
+    transactions that counted the same coins."""
+    def shape():
+        return [sorted(scratch_db.get_columns(table)) for table in PAYMENT_FACTS.MONEY_TABLES]
+    fresh = shape()
+    migrator = migrator_for(scratch_db)
+    for table in PAYMENT_FACTS.MONEY_TABLES:
+        run(migrator.drop_column(table, "fallback"))
+    at = "'2026-11-20 09:00:00+00:00'"
+
+    def job(order, fiat, cents, txid):
+        scratch_db.execute_sql(
+            "INSERT INTO treasury_jobs (order_id, order_type, state, coin, amount_coin, "
+            "fiat_currency, amount_fiat_cents, amount_usd_cents, idempotency_key, "
+            f"received_at, created_at, updated_at) VALUES ('{order}', 'canada_crtc', "
+            f"'received', 'BTC', '0.5', '{fiat}', {cents}, NULL, "
+            f"'crypto-settle:{order}:{txid}', {at}, {at}, {at})")
+
+    def entry(order, fiat, cents, txid, coins="0.5", note_fiat="1"):
+        scratch_db.execute_sql(
+            "INSERT INTO ledger_entries (order_id, order_type, coin, movement_type, "
+            "amount_coin, fiat_currency, amount_fiat_cents, amount_usd_cents, provider, "
+            "provider_ref, provider_status, state, idempotency_key, acquired_at, notes, "
+            f"created_at, updated_at) VALUES ('{order}', 'canada_crtc', 'BTC', 'receive', "
+            f"'{coins}', '{fiat}', {cents}, NULL, 'crypto-processor', '{txid}', 'PAID', "
+            f"'confirmed', 'crypto-processor:{order}:{txid}', {at}, "
+            f"'PAID: received {coins} BTC ({note_fiat} {fiat}, fee 0)', {at}, {at})")
+    job("CA-JPY", "JPY", 4895998, "tx-j")
+    entry("CA-JPY", "JPY", 4895998, "tx-j", note_fiat="48959.975")
+    job("CA-KWD", "KWD", 1235, "tx-k")
+    entry("CA-KWD", "KWD", 1235, "tx-k", note_fiat="12.3456")
+    # Listed transactions beside a fallback entry; two fallback entries alone.
+    job("CA-BOTH", "USD", 15360, "crypto-BTC-1795165200000")
+    for txid, coins in (("crypto-BTC-1795165200000", "0.0015"), ("tx-one", "0.0015"),
+                        ("tx-two", "0.0001")):
+        entry("CA-BOTH", "USD", 100, txid, coins=coins)
+    job("CA-TWO", "USD", 15360, "crypto-BTC-1795165260000")
+    for txid, coins in (("crypto-BTC-1795165200000", "0.0015"),
+                        ("crypto-BTC-1795165260000", "0.0016")):
+        entry("CA-TWO", "USD", 100, txid, coins=coins)
+
+    PAYMENT_FACTS.apply(scratch_db, migrator)
+    PAYMENT_FACTS.apply(scratch_db, migrator)  # a second run converts nothing again
+    assert shape() == fresh
+    with scratch_db.bind_ctx([TreasuryJob, LedgerEntry]):
+        assert {(job.order_id, job.amount_fiat_cents, job.fallback)
+                for job in TreasuryJob.select()} == {
+            ("CA-JPY", 48960, False), ("CA-KWD", 12350, False), ("CA-BOTH", 15360, True),
+            ("CA-TWO", 15360, True)}
+        assert {(e.order_id, e.provider_ref, e.amount_fiat_cents, e.fallback,
+                 e.idempotency_key.rsplit(":", 1)[1]) for e in LedgerEntry.select()} == {
+            ("CA-JPY", "tx-j", 48960, False, "tx-j"),
+            ("CA-KWD", "tx-k", 12346, False, "tx-k"),
+            ("CA-BOTH", "tx-one", 100, False, "tx-one"),
+            ("CA-BOTH", "tx-two", 100, False, "tx-two"),
+            ("CA-TWO", "crypto-BTC-1795165260000", 100, True, "fallback")}

@@ -1,12 +1,13 @@
 """The shared "complete a payment" step, against real peers."""
 import datetime
+import decimal
 import json
 
 import pytest
 
 from models import ComplianceOrder, CrtcOrder, FormationOrder, Outbox, database
 from engine import outbox
-from domain.money import money
+from domain.money import Money, money
 from domain.orders import OrderNotFound, complete_payment, payment_method_of
 from tests.door import through_the_door
 
@@ -167,5 +168,21 @@ def test_an_amount_always_names_its_currency(minor_units, currency, text):
     assert money(minor_units, currency) == text
 
 
-def test_an_amount_in_cents_of_any_currency():
-    assert money(10199, "JPY", places=2) == "JPY 101.99"
+@pytest.mark.parametrize("amount,currency,minor", [
+    ("48959.975", "JPY", 48960), ("1.2345", "KWD", 1235), ("7.805", "USD", 781),
+    ("12.5", "HUF", 1250), ("3.14159", "XYZ", 314),
+])
+def test_an_amount_is_kept_in_the_minor_unit_iso_4217_gives_its_currency(amount, currency,
+                                                                          minor):
+    """Forints in fillér (Babel's CLDR data would say none: it counts the digits shown,
+    not ISO's minor unit); an unlisted code in hundredths."""
+    assert Money.of_decimal(decimal.Decimal(amount), currency) == Money(minor, currency)
+
+
+@pytest.mark.parametrize("stripe_amount,currency,text", [
+    (500000, "isk", "ISK 5000"), (5000, "mga", "MGA 5000.00"), (5000, "jpy", "JPY 5000"),
+    (1234, "kwd", "KWD 1.234"), (49900, "huf", "HUF 499.00"),
+])
+def test_stripe_amounts_are_read_in_stripes_unit_for_its_special_cases(stripe_amount,
+                                                                        currency, text):
+    assert str(Money.of_stripe(stripe_amount, currency)) == text

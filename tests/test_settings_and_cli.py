@@ -1,4 +1,5 @@
 """Settings from the environment, the production guard, and the command line."""
+import decimal
 import json
 import os
 import signal
@@ -68,6 +69,11 @@ def test_settings_are_read_and_trimmed():
     assert s.stripe_webhook_secrets == ("whsec_old", "whsec_new")
 
 
+def test_the_crypto_tolerance_is_a_percentage_kept_exactly():
+    assert Settings.from_env({"CRYPTO_PAYMENT_TOLERANCE_PERCENT": " 2.5 "}) \
+        .crypto_payment_tolerance_percent == decimal.Decimal("2.5")
+
+
 def test_a_bad_number_is_named():
     with pytest.raises(ConfigurationError, match="RECEIVER_PORT"):
         Settings.from_env({"RECEIVER_PORT": "eighty"})
@@ -101,6 +107,9 @@ def test_production_refuses_a_missing_or_placeholder_secret(name):
     ({"WORKFLOW_ANSWER_BUDGET_SECONDS": "four"}, "WORKFLOW_ANSWER_BUDGET_SECONDS"),
     ({"WORKFLOW_DEDUP_HOURS": "0"}, "WORKFLOW_DEDUP_HOURS"),
     ({"WORKFLOW_DEDUP_HOURS": "1.5"}, "WORKFLOW_DEDUP_HOURS"),
+    ({"CRYPTO_PAYMENT_TOLERANCE_PERCENT": "five"}, "CRYPTO_PAYMENT_TOLERANCE_PERCENT"),
+    ({"CRYPTO_PAYMENT_TOLERANCE_PERCENT": "-1"}, "CRYPTO_PAYMENT_TOLERANCE_PERCENT"),
+    ({"CRYPTO_PAYMENT_TOLERANCE_PERCENT": "NaN"}, "CRYPTO_PAYMENT_TOLERANCE_PERCENT"),
 ])
 def test_a_setting_that_could_only_fail_later_is_refused_at_start_up(env, named):
     with pytest.raises(ConfigurationError, match=named):

@@ -21,6 +21,7 @@ from plugins.registry import card_event
 from engine.prepared import save_changes
 from domain.card_events import (metadata_of, method_of_payment, object_of, order_of_metadata,
                                 payment_method_used)
+from domain.money import Money
 from domain.orders import FREE, OrderAhead, OrderNotFound, complete_payment, find_order
 
 log = logging.getLogger("receiver.card")
@@ -93,13 +94,15 @@ def record(ctx, event, effects, method):
         return
     order_id, order_type = order
     free_because = _free_because(session)
+    amount = Money.of_stripe(session.get("amount_total"), session.get("currency"))
     if _paid(session):
         complete_payment(ctx, effects, order_id, order_type, session["id"],
                          source="card", payment_intent_id=session.get("payment_intent"),
-                         payment_method=method)
+                         payment_method=method, amount=amount)
     elif free_because:
         complete_payment(ctx, effects, order_id, order_type, session["id"],
-                         source="card", payment_method=FREE, free_because=free_because)
+                         source="card", payment_method=FREE, free_because=free_because,
+                         amount=amount)
     else:
         log.info("session %s for %s is %s; waiting for the payment to clear",
                  session["id"], order_id, session.get("payment_status"))

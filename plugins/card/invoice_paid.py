@@ -2,12 +2,15 @@
 cycle. Only renewals (billing_reason subscription_cycle) count; the first invoice is the
 checkout itself. A renewal of an order still `pending_payment` (its checkout was a trial
 handled before checkouts without payment completed the order, or that event was lost)
-completes the order too: it is the first money received for it."""
+completes the order too: it is the first money received for it (its status then is what
+its facts give: domain.payment_state)."""
 import logging
 
 from plugins.registry import card_event
 from domain.card_events import object_of, order_with_subscription, subscription_of_invoice
+from domain.money import Money
 from domain.orders import OrderNotFound, complete_payment, document_name, record_cycle
+from domain.payment_state import received
 
 log = logging.getLogger("receiver.card")
 
@@ -22,9 +25,10 @@ def handle(ctx, event, effects):
     if order is None:
         # Its checkout.session.completed may not have linked the subscription yet.
         raise OrderNotFound(f"no compliance order with subscription {subscription!r}")
-    if order.payment_status == "pending_payment":
+    if not received(order):
         complete_payment(ctx, effects, order.order_number, "compliance", invoice["id"],
-                         source="card")
+                         source="card", amount=Money.of_stripe(invoice.get("amount_paid"),
+                                                               invoice.get("currency")))
     cycle = record_cycle(ctx, order, subscription, invoice["id"])
     effects.job("process_compliance_service", {
         "order_name": document_name(order),

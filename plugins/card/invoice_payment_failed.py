@@ -4,7 +4,7 @@ update the card. The administrator's e-mail says which of the two happened, and 
 from plugins.registry import card_event
 from domain.card_events import (
     email_admin, object_of, order_with_subscription, subscription_of_invoice)
-from domain.money import money
+from domain.money import stripe_money
 
 FIRST_ATTEMPT = 1
 NUDGE_SUBJECT = "Your payment did not go through"
@@ -18,7 +18,7 @@ def handle(ctx, event, effects):
     details = {
         "invoice": invoice["id"],
         "attempt": invoice.get("attempt_count"),
-        "amount": money(invoice.get("amount_due"), invoice.get("currency")),
+        "amount": stripe_money(invoice.get("amount_due"), invoice.get("currency")),
         "customer_name": (order and order.customer_name) or invoice.get("customer_name") or "",
         "customer_email": (order and order.customer_email) or invoice.get("customer_email"),
         "service_name": (order and order.service_name) or "your subscription",

@@ -1,8 +1,17 @@
-"""payment_intent.payment_failed: the order (of any kind) is marked failed and the
-administrator is told why."""
+"""payment_intent.payment_failed: an attempt to pay failed. Every order with that number
+(any kind) whose payment was not received becomes `failed`, and the administrator is
+told why, with the amount. An order already paid stays paid, and nobody is told: the
+failure was of an earlier or another attempt (a declined first card), whatever order
+Stripe delivered the events in (domain.payment_state)."""
+import logging
+
 from plugins.registry import card_event
 from domain.card_events import email_admin, metadata_of, object_of
+from domain.money import Money
 from domain.orders import mark_payment_failed
+from domain.payment_state import as_of
+
+log = logging.getLogger("receiver.card")
 
 
 @card_event("payment_intent.payment_failed")
@@ -12,7 +21,14 @@ def handle(ctx, event, effects):
     if not order_number:
         return
     reason = (intent.get("last_payment_error") or {}).get("message") or "unknown error"
-    marked = mark_payment_failed(ctx, order_number, reason)
+    marked, left = mark_payment_failed(ctx, order_number, reason,
+                                       as_of(event.get("created"), ctx.clock()))
+    if left and not marked:
+        log.info("payment intent %s for %s failed (%s); the order's payment was received, "
+                 "so it stays %s", intent["id"], order_number, reason,
+                 ", ".join(order.payment_status for order in left))
+        return
     email_admin(ctx, effects, f"Payment failed for order {order_number}", "payment_failed",
                 order_number, reason=reason, failed_at=ctx.clock().isoformat(timespec="seconds"),
-                payment_intent=intent["id"], marked=marked)
+                payment_intent=intent["id"], marked=marked,
+                amount=str(Money.of_stripe(intent.get("amount"), intent.get("currency"))))

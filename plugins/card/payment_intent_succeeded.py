@@ -9,6 +9,7 @@ import functools
 from plugins.registry import card_event
 from domain.card_events import (
     metadata_of, method_of_payment, object_of, order_of_metadata)
+from domain.money import Money
 from domain.orders import complete_payment
 
 
@@ -23,4 +24,6 @@ async def handle(ctx, event, effects):
     reference = metadata_of(intent).get("checkout_session_id") or intent["id"]
     await effects.transaction(functools.partial(
         complete_payment, ctx, effects, order_id, order_type, reference, source="card",
-        payment_intent_id=intent["id"], payment_method=method))
+        payment_intent_id=intent["id"], payment_method=method,
+        amount=Money.of_stripe(intent.get("amount_received") or intent.get("amount"),
+                               intent.get("currency"))))

@@ -1,0 +1,260 @@
+"""Card events about a payment after it was made: its dispute (opened, closed, funds
+withdrawn or reinstated) and its refunds (BEHAVIOUR.md 4.2, 3.3).
+
+Each is a fact about the payment of one order (domain.payment_state), kept when it is
+newer than what the order knew; the order's payment_status is then what its facts give.
+So a dispute won returns the order to `paid`, one lost makes it `dispute_lost`, a refund in
+full `refunded`, a partial one keeps its amount on a paid order; and an event that comes
+late changes nothing a newer one said. A disputed, lost or refunded order is not settled
+(settlement takes `paid` orders only) and its commission is not released (any dispute,
+and a refund in full, forfeit it: domain.holdback).
+
+The order: the one whose payment intent is the charge's (as the order recorded it), else
+the one a renewal invoice of the charge was recorded for, else the one the charge's
+metadata names; else Stripe is asked: the payment intent's metadata, or the invoice it
+paid and that invoice's subscription (from API 2025-03-31.basil on, a charge no longer
+names its invoice: the invoice payments of the intent do). Without STRIPE_SECRET_KEY
+nothing is asked, and an order not found by what is stored is unknown.
+
+Where two facts conflict (domain.payment_state.Change.CONFLICT), Stripe is asked for the
+dispute or the charge as it is now, and that is kept; without an answer (no key, or an
+object Stripe does not know) the rule's choice is kept: a loss, or the larger refund.
+
+The administrator is told once per fact, each time with the amount and its currency: a
+dispute opened (whichever of its events came first), each outcome it closed with, each
+refund. The mails are keyed by the dispute or charge, so a copy of an event, or another
+event telling the same fact, adds none.
+"""
+import functools
+import logging
+
+from domain import holdback, payment_state
+from domain.card_events import (ask_stripe, metadata_of, object_of, order_with_subscription,
+                                subscription_of_invoice)
+from domain.orders import (OrderNotFound, email_admin, find_by_payment_intent, find_order,
+                           settle_status)
+from domain.payment_state import Change, DisputeFact, RefundFact
+from models import ORDER_MODELS, SubscriptionCycle
+
+log = logging.getLogger("receiver.card")
+
+# What each dispute event's note line calls it.
+DISPUTE_NOTES = {
+    "charge.dispute.created": "Dispute opened",
+    "charge.dispute.closed": "Dispute closed",
+    "charge.dispute.funds_withdrawn": "Dispute funds withdrawn",
+    "charge.dispute.funds_reinstated": "Dispute funds reinstated",
+}
+# The subject's word for each way a dispute closes.
+OUTCOMES = {"won": "won", "lost": "lost", "warning_closed": "closed (inquiry)",
+            "prevented": "prevented"}
+
+
+# --- which order ------------------------------------------------------------------------
+
+def _stored_order_of(payment_intent, invoice_id):
+    """(kind, number) of the order the stored references name, or None (a unit)."""
+    order = find_by_payment_intent(payment_intent)
+    if order is not None:
+        return order.kind, order.order_number
+    if invoice_id:
+        cycle = SubscriptionCycle.get_or_none(SubscriptionCycle.invoice_id == invoice_id)
+        if cycle is not None:
+            return "compliance", cycle.order_number
+    return None
+
+
+def _named_by(obj):
+    """(kind, number) of the order an object's metadata names, or None (charges and
+    disputes seldom carry any)."""
+    metadata = metadata_of(obj or {})
+    order_id, order_type = metadata.get("order_id"), metadata.get("order_type")
+    if isinstance(order_id, str) and order_id and order_type in ORDER_MODELS:
+        return order_type, order_id
+    return None
+
+
+def _order_of_subscription(subscription_id):
+    order = order_with_subscription(subscription_id)
+    return None if order is None else ("compliance", order.order_number)
+
+
+async def order_of_charge(ctx, obj):
+    """(kind, number) of the order a charge or a dispute (`obj`) is about, or None when
+    neither what is stored nor Stripe tells (module docstring)."""
+    payment_intent = obj.get("payment_intent") if isinstance(
+        obj.get("payment_intent"), str) else None
+    # A charge rendered before 2025-03-31.basil names its invoice.
+    invoice_id = obj.get("invoice") if isinstance(obj.get("invoice"), str) else None
+    found = (await ctx.db(functools.partial(_stored_order_of, payment_intent, invoice_id))
+             or _named_by(obj))
+    if found is None and payment_intent:
+        intent = await ask_stripe(ctx, f"payment intent {payment_intent}",
+                                  lambda v1: v1.payment_intents.retrieve, payment_intent)
+        found = _named_by(intent)
+        if found is None and intent is not None and invoice_id is None:
+            paid = await ask_stripe(
+                ctx, f"invoice payments of {payment_intent}",
+                lambda v1: v1.invoice_payments.list,
+                payment={"type": "payment_intent", "payment_intent": payment_intent},
+                expand=["data.invoice"])
+            invoices = [item.get("invoice") for item in (paid or {}).get("data") or ()]
+            found = await _order_of_invoice(ctx, invoices[0] if invoices else None)
+    if found is None and invoice_id:
+        invoice = await ask_stripe(ctx, f"invoice {invoice_id}",
+                                   lambda v1: v1.invoices.retrieve, invoice_id)
+        found = await _order_of_invoice(ctx, invoice)
+    return found
+
+
+async def _order_of_invoice(ctx, invoice):
+    if not isinstance(invoice, dict):
+        return None
+    subscription = subscription_of_invoice(invoice)
+    if not subscription:
+        return None
+    return await ctx.db(functools.partial(_order_of_subscription, subscription))
+
+
+def _locked(found):
+    kind, number = found
+    order = find_order(kind, number, for_update=True)
+    if order is None:
+        # The system that writes orders may be behind: the event is handled again later.
+        raise OrderNotFound(f"no {kind} order {number}")
+    return order
+
+
+def _stamp(ctx):
+    return ctx.clock().isoformat(timespec="seconds")
+
+
+# --- disputes ---------------------------------------------------------------------------
+
+async def dispute_event(ctx, event, effects):
+    """A charge.dispute.* event: its dispute, as of the event's `created`, is a fact about
+    the order's payment."""
+    dispute = object_of(event)
+    fact = DisputeFact.of(dispute, payment_state.as_of(event.get("created"), ctx.clock()))
+    found = await order_of_charge(ctx, dispute)
+    if found is None:
+        log.error("dispute %s: no order paid by %r", fact.dispute_id, fact.payment_intent)
+        await effects.transaction(functools.partial(
+            _tell_dispute_opened, ctx, effects, None, fact, None))
+        return
+    record = functools.partial(record_dispute, ctx, effects, found, DISPUTE_NOTES[event["type"]])
+    await _keep(ctx, effects, record, fact, f"dispute {fact.dispute_id}",
+                lambda v1: v1.disputes.retrieve, fact.dispute_id)
+
+
+async def _keep(ctx, effects, record, fact, what, retrieve, object_id):
+    """`record(fact)` in a transaction; on a conflict, `record` again with Stripe's object
+    as it is now (`retrieve` of `object_id`), or, without an answer, with the fact as the
+    rule settles it."""
+    if await effects.transaction(functools.partial(record, fact)) is not Change.CONFLICT:
+        return
+    current = await ask_stripe(ctx, what, retrieve, object_id)
+    if current is None:
+        log.warning("%s: %s conflicts with what its order knew and Stripe gave no answer; "
+                    "the rule decides", what, fact)
+        await effects.transaction(functools.partial(record, fact, by_rule=True))
+        return
+    answer = type(fact).of(current, ctx.clock())
+    log.warning("%s: %s conflicts with what its order knew; Stripe has %s", what, fact, answer)
+    await effects.transaction(functools.partial(record, answer, asked=True))
+
+
+def record_dispute(ctx, effects, found, note, fact, asked=False, by_rule=False):
+    """In a transaction: the dispute fact kept on its order (when newer), a note line, the
+    order's status settled, the CRTC commission forfeited, the administrator told.
+    Returns the Change; on a CONFLICT nothing is written."""
+    order = _locked(found)
+    change = payment_state.merge_dispute(order, fact, asked=asked, by_rule=by_rule)
+    if change is Change.CONFLICT:
+        return change
+    if fact.payment_intent and not order.stripe_payment_intent_id and order.kind != "compliance":
+        # Found through Stripe before its payment's own events: later ones find it here.
+        order.stripe_payment_intent_id = fact.payment_intent
+    if asked:
+        note = "Dispute as Stripe has it"
+    shown = note if fact.status in payment_state.OPEN_DISPUTE else f"{note} ({fact.status})"
+    order.append_note(f"{shown}: {fact.reason}, amount {fact.amount} ({_stamp(ctx)})")
+    settle_status(ctx, order)
+    commission = None
+    if order.kind == holdback.ORDER_TYPE:
+        commission = holdback.forfeit(ctx, order, f"dispute {fact.dispute_id}: {fact.reason}")
+    _tell_dispute_opened(ctx, effects, order, fact, commission)
+    if fact.closed:
+        _tell_dispute_closed(ctx, effects, order, fact, commission)
+    return change
+
+
+def _tell_dispute_opened(ctx, effects, order, fact, commission):
+    number = order.order_number if order else "unknown"
+    email_admin(ctx, effects, f"Dispute opened on order {number}", "dispute_created", number,
+                key=f"email-dispute-opened-{fact.dispute_id}", reason=fact.reason,
+                amount=str(fact.amount), status=fact.status, payment_intent=fact.payment_intent,
+                dispute=fact.dispute_id, customer_name=order and order.customer_name,
+                customer_email=order and order.customer_email,
+                service_name=order and order.service_name, commission=commission)
+
+
+def _tell_dispute_closed(ctx, effects, order, fact, commission):
+    outcome = OUTCOMES.get(fact.status, fact.status)
+    email_admin(ctx, effects, f"Dispute {outcome} on order {order.order_number}",
+                "dispute_closed", order.order_number,
+                key=f"email-dispute-{fact.dispute_id}-{fact.status}", outcome=outcome,
+                lost=fact.lost, amount=str(fact.amount), dispute=fact.dispute_id,
+                reason=fact.reason, payment_intent=fact.payment_intent,
+                payment_status=order.payment_status, commission=commission,
+                subscription=_renewing_subscription(order) if fact.lost else None)
+
+
+def _renewing_subscription(order):
+    """The subscription of a compliance order that still renews, or None."""
+    subscription = getattr(order, "stripe_subscription_id", None)
+    if subscription and order.subscription_status != "cancelled":
+        return subscription
+    return None
+
+
+# --- refunds ----------------------------------------------------------------------------
+
+async def refund_event(ctx, event, effects):
+    """charge.refunded: the charge's amount refunded so far, as of the event's `created`,
+    is a fact about the order's payment."""
+    charge = object_of(event)
+    fact = RefundFact.of(charge, payment_state.as_of(event.get("created"), ctx.clock()))
+    found = await order_of_charge(ctx, charge)
+    if found is None:
+        log.warning("charge %s refunded %s of %s; no order of ours was paid by it",
+                    charge["id"], fact.refunded, fact.charged)
+        return
+    await _keep(ctx, effects, functools.partial(record_refund, ctx, effects, found), fact,
+                f"charge {fact.charge_id}", lambda v1: v1.charges.retrieve, fact.charge_id)
+
+
+def record_refund(ctx, effects, found, fact, asked=False, by_rule=False):
+    """In a transaction: the refund fact kept on its order (when newer), a note line, the
+    order's status settled, a CRTC commission forfeited by a refund in full, the
+    administrator told. Returns the Change; on a CONFLICT nothing is written."""
+    order = _locked(found)
+    change = payment_state.merge_refund(order, fact, asked=asked, by_rule=by_rule)
+    if change is Change.CONFLICT:
+        return change
+    how = "in full" if fact.complete else "in part"
+    order.append_note(f"Refunded {how}: {fact.refunded} of {fact.charged}, charge "
+                      f"{fact.charge_id} ({_stamp(ctx)})")
+    settle_status(ctx, order)
+    commission = None
+    if fact.complete and order.kind == holdback.ORDER_TYPE:
+        commission = holdback.forfeit(ctx, order, f"charge {fact.charge_id} refunded in full")
+    email_admin(ctx, effects, f"Refund {how} on order {order.order_number}: {fact.refunded}",
+                "refunded", order.order_number,
+                key=f"email-refund-{fact.charge_id}-{fact.refunded.minor}",
+                refunded=str(fact.refunded), charged=str(fact.charged), complete=fact.complete,
+                charge=fact.charge_id, payment_status=order.payment_status,
+                commission=commission, customer_name=order.customer_name,
+                customer_email=order.customer_email)
+    return change
+

@@ -1,0 +1,11 @@
+"""charge.dispute.closed: a dispute ended. Won, an inquiry closed (warning_closed) or
+prevented: the order is `paid` again (if nothing else holds it); lost: `dispute_lost`,
+never settled, its subscription (if it renews) named to the administrator. Told once per
+outcome, with the amount (domain.payment_events)."""
+from plugins.registry import card_event
+from domain.payment_events import dispute_event
+
+
+@card_event("charge.dispute.closed")
+async def handle(ctx, event, effects):
+    await dispute_event(ctx, event, effects)

@@ -1,0 +1,11 @@
+"""charge.dispute.funds_withdrawn: Stripe took the disputed amount from the balance. Its
+dispute, as the event shows it, is a fact about the order's payment, as of any dispute
+event (domain.payment_events): it tells of the dispute even when its created event has
+not come (yet)."""
+from plugins.registry import card_event
+from domain.payment_events import dispute_event
+
+
+@card_event("charge.dispute.funds_withdrawn")
+async def handle(ctx, event, effects):
+    await dispute_event(ctx, event, effects)
