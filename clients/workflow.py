@@ -19,7 +19,8 @@ import logging
 import re
 import urllib.parse
 
-from clients.http import Request, Result, describe, post_json
+from clients.http import (READ_REPLY_BYTES, Request, Result, describe, post_json,
+                          redirected)
 
 log = logging.getLogger("receiver.workflow")
 
@@ -68,10 +69,12 @@ class WorkflowClient:
                                  timeout=s.outbound_timeout_seconds, peer="workflow system",
                                  refusal=refusal)
         if result.status == 417:
-            if await self.already_past(doctype, name, action):
+            past, found = await self.already_past(doctype, name, action)
+            if past:
                 return Result(ok=True, status=417, body={"already_applied": True},
                               reply=result.reply)
-            return dataclasses.replace(result, retryable=False)
+            return dataclasses.replace(result, retryable=False,
+                                       error=f"{result.error}; read back: {found}")
         return result
 
     def apply_request(self, doctype, name, action):
@@ -81,42 +84,54 @@ class WorkflowClient:
                         "action": action},
                        self._headers())
 
-    async def already_past(self, doctype, name, action):
-        """After a 417: is the document past `action`? Frappe's workflow for the doctype
-        says: the document's state is one the action leads to, directly or by later
-        transitions. A document still before the action (one that has not reached the
-        state it applies from) is not past it, and neither is a document or workflow
-        Frappe cannot show us (the refusal stands)."""
+    async def already_past(self, doctype: str, name: str, action: str) -> tuple[bool, str]:
+        """After a 417: (is the document past `action`?, what the read-back found).
+        Frappe's workflow for the doctype says: the document's state is one the action
+        leads to, directly or by later transitions. A document still before the action
+        (one that has not reached the state it applies from) is not past it, and neither
+        is a document or workflow Frappe cannot show us (the refusal stands, and what was
+        missing is the reason)."""
         document = await self.document(doctype, name)
         state = document.body.get("workflow_state") if document.ok else None
         if not state:
-            log.warning("%s %s: Frappe refused %r and the document's state could not be "
-                        "read: %s", doctype, name, action, document.error or "no state")
-            return False
+            found = f"the document's state could not be read ({document.error or 'no state'})"
+            log.warning("%s %s: Frappe refused %r and %s", doctype, name, action, found)
+            return False, found
         transitions = await self.transitions(doctype)
-        past = state in states_after(action, transitions)
+        if not transitions.ok:
+            return False, f"the document is in {state!r}; {transitions.error}"
+        past = state in states_after(action, transitions.body)
         if past:
             log.warning("%s %s: %r was already applied in Frappe (now %s)",
                         doctype, name, action, state)
-        return past
+            return True, f"already applied (now {state!r})"
+        return False, f"the document is in {state!r}, not past {action!r}"
 
-    async def transitions(self, doctype):
-        """The transitions ({state, action, next_state}) of the doctype's active workflow;
-        none when Frappe cannot show them."""
+    async def transitions(self, doctype: str) -> Result:
+        """The transitions ({state, action, next_state}) of the doctype's active workflow
+        as an ok Result's body; a failed one says why Frappe does not show them: no
+        active Workflow for the doctype, or the API user may not read Workflow."""
         found = await self._get("Workflow", params={
             "filters": json.dumps([["document_type", "=", doctype], ["is_active", "=", 1]]),
             "fields": json.dumps(["name"])})
-        if found.ok and isinstance(found.body, list) and found.body:
-            workflow = await self._get("Workflow", found.body[0].get("name", ""))
+        if not found.ok:
+            failed = workflow_unreadable(found)
+        elif not found.body or not isinstance(found.body[0], dict):
+            failed = Result.failed(f"Frappe has no active Workflow for {doctype}",
+                                   retryable=False, status=200)
         else:
-            workflow = found
-        transitions = workflow.body.get("transitions") if workflow.ok else None
-        if not isinstance(transitions, list):
-            # Without it a repeated action stays refused (dead), with no other word why.
-            log.warning("the %s workflow could not be read from Frappe (%s): the API user "
-                        "needs read permission on Workflow", doctype,
-                        workflow.error or "no active workflow")
-        return [t for t in transitions or () if isinstance(t, dict)]
+            workflow = await self._get("Workflow", str(found.body[0].get("name", "")))
+            transitions = workflow.body.get("transitions") if (
+                workflow.ok and isinstance(workflow.body, dict)) else None
+            if isinstance(transitions, list):
+                return Result(ok=True, status=200,
+                              body=[t for t in transitions if isinstance(t, dict)])
+            failed = workflow_unreadable(workflow) if not workflow.ok else Result.failed(
+                f"no transitions in the {doctype} Workflow Frappe shows", status=200)
+        # Without them a repeated action stays refused (dead), with this as its reason.
+        log.warning("the %s workflow could not be read from Frappe: %s", doctype,
+                    failed.error)
+        return failed
 
     async def document(self, doctype, name):
         """GET the document (Frappe's REST resource). An ok Result's body is the
@@ -185,9 +200,15 @@ class WorkflowClient:
             reply = await self.http.call(
                 "GET", f"{s.workflow_url}/{path}",
                 headers={"Accept": "application/json", **self._headers()},
-                timeout=s.outbound_timeout_seconds)
+                timeout=s.outbound_timeout_seconds, limit=READ_REPLY_BYTES)
         except Exception as exc:  # network errors of every kind
             return Result.failed(describe(exc))
+        if 300 <= reply.status < 400:
+            return Result.failed(f"{redirected(reply)} reading {what}", retryable=False,
+                                 status=reply.status)
+        if reply.cut:
+            return Result.failed(f"reply over {READ_REPLY_BYTES} bytes reading {what}",
+                                 status=reply.status)
         if reply.status != 200:
             return refusal(Result.failed(f"HTTP {reply.status} reading {what}",
                                          retryable=reply.status >= 500, status=reply.status),
@@ -199,11 +220,21 @@ class WorkflowClient:
         return Result(ok=True, status=200, body=data)
 
 
+def workflow_unreadable(failed: Result) -> Result:
+    """A failed read of Workflow, said as what to fix when it is our user's permission."""
+    if failed.status == 403:
+        return dataclasses.replace(
+            failed, error=f"the API user may not read Workflow (it needs read permission "
+                          f"on Workflow): {failed.error}")
+    return failed
+
+
 def refusal(failed, body):
     """`failed` (a refusal or error Frappe answered) with Frappe's reason, and what kind of
     refusal it is (see the module's docstring)."""
     exc_type, reason = frappe_reason(body)
-    said = reason if not exc_type or reason.startswith(exc_type) else f"{exc_type}: {reason}"
+    said = reason if not exc_type or reason.startswith(exc_type) else (
+        f"{exc_type}: {reason}" if reason else exc_type)
     heading = failed.error.split(":", 1)[0] if failed.error.startswith("HTTP") else failed.error
     error = f"{heading}: {said or exc_type}" if said or exc_type else failed.error
     if failed.status in CREDENTIALS_REFUSED:

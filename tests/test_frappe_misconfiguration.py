@@ -118,7 +118,9 @@ async def test_a_refusal_keeps_frappes_own_message_not_its_traceback(
     [row] = actions()
     assert row.status == "dead"
     assert row.last_error == ("HTTP 417: WorkflowTransitionError: Not a valid Workflow "
-                              "Action: Start Name Check")
+                              "Action: Start Name Check; read back: the document's state "
+                              "could not be read (HTTP 404 reading Formation Order ORD-1: "
+                              "DoesNotExistError)")
 
 
 @pytest.mark.gen_test
