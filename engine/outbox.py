@@ -288,11 +288,18 @@ class Effects:
         self.add("job", {"action": action, "payload": payload}, purpose, key,
                  payload.get("order_number"))
 
-    def workflow_action(self, doctype: str, name: str, action: str,
+    def workflow_action(self, doctype_setting: str, name: str, action: str,
                         purpose: str | None = None, key: str | None = None,
                         order_number: str | None = None) -> None:
-        self.add("workflow_action", {"doctype": doctype, "name": name, "action": action},
-                 purpose, key, order_number)
+        """The action on the document `name` of the doctype the setting
+        `doctype_setting` names (`workflow_doctype`): the row keeps the setting, and the
+        doctype it names when written for the record; the send reads it anew
+        (`action_doctype`), so a misspelled doctype fixed and the service restarted is
+        enough for `outbox retry` to send the action right."""
+        self.add("workflow_action", {
+            "doctype": getattr(self.ctx.settings, doctype_setting),
+            "doctype_setting": doctype_setting, "name": name, "action": action},
+            purpose, key, order_number)
 
     def email(self, to: Iterable[str], subject: str, template: str,
               purpose: str | None = None, key: str | None = None,
@@ -365,9 +372,16 @@ async def _send_job(ctx, payload, row, confirm_held):
     return await ctx.worker.dispatch(payload["action"], payload["payload"], row.idempotency_key)
 
 
+def action_doctype(settings: Any, payload: dict[str, Any]) -> str:
+    """The doctype a workflow action goes to: what its setting says now. Rows written
+    before the setting was kept name WORKFLOW_DOCTYPE's (every action is on it)."""
+    return str(getattr(settings, payload.get("doctype_setting", "workflow_doctype")))
+
+
 async def _send_workflow_action(ctx, payload, row, confirm_held):
     await confirm_held()
-    return await ctx.workflow.apply_action(payload["doctype"], payload["name"], payload["action"])
+    return await ctx.workflow.apply_action(action_doctype(ctx.settings, payload),
+                                           payload["name"], payload["action"])
 
 
 async def _send_email(ctx, payload, row, confirm_held):

@@ -3,11 +3,15 @@ call), a misspelled WORKFLOW_DOCTYPE (500 ImportError), and Frappe's own reason 
 refusal. Each is its own signal: the actions wait (credentials) or are given up at once
 (doctype), Frappe is not taken for down, and last_error says what Frappe said. Frappe is
 a real HTTP peer on loopback answering with v15's error replies; a controlled clock."""
+import dataclasses
+import functools
 import json
 
 import pytest
 
+from app.context import Context
 from engine import outbox
+from ops import operator as operator_commands
 from models import Outbox
 from tests.conftest import WEBHOOK_SECRET
 from tests.console_helpers import console_settings, logged_in, operator, text  # noqa: F401
@@ -209,3 +213,34 @@ async def test_the_console_overview_says_what_frappe_said_of_our_configuration(
     page = text(await logged_in.get("/console"))
     assert ("workflow misconfigured: Formation Order: HTTP 500 reading Formation Order: "
             "ImportError: Module import failed for Formation Ordr") in page
+
+
+@pytest.mark.gen_test
+async def test_a_misspelled_doctype_fixed_and_the_action_retried_goes_to_the_fixed_one(
+        post, ctx, clock, frappe, worker, smtp, settings):
+    """The real run: FORM-00016 stayed in Submitted after the fix, since the row kept the
+    misspelled doctype and `outbox retry` sent it again as it was."""
+    clock.set(2026, 11, 20, 9, 0)
+    misspelled = dataclasses.replace(settings, workflow_doctype="Formation Ordr")
+    ctx.settings = ctx.workflow.settings = misspelled
+    frappe.fail_with(*DOCTYPE_MISSPELLED)
+    await submit(post, 16)
+    [row] = actions()
+    assert row.status == "dead"
+    await outbox.send_due(ctx)
+    [mail] = [m for _, m in smtp.messages if "given up" in m["Subject"]]
+    text = mail.get_body(("plain",)).get_content().replace("\r\n", "\n")
+    assert f"receiver.py outbox retry {row.id}" in text
+    assert "on the\ndoctype WORKFLOW_DOCTYPE names, as they are when it is sent" in text
+
+    # The setting fixed and the service started again with it: a retry is enough.
+    fixed = Context.create(settings, clock=clock)
+    frappe.fail_with(200, {"message": {"name": "ORD-16", "workflow_state": "Name Check"}})
+    await fixed.db(functools.partial(operator_commands.retry_outbox, fixed, row.id))
+    await outbox.send_due(fixed)
+    await fixed.http.close()
+    [row] = actions()
+    assert row.status == "sent"
+    sent = [json.loads(r.json["doc"]) for r in frappe.posts]
+    assert sent == [{"doctype": "Formation Ordr", "name": "ORD-16"},
+                    {"doctype": "Formation Order", "name": "ORD-16"}]

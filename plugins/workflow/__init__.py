@@ -38,7 +38,7 @@ class WorkflowWebhook:
     def __call__(self, ctx, body, effects):
         remember_order_name(ctx, body["order_number"], body["order_name"])
         if self.workflow_action:
-            effects.workflow_action(ctx.settings.workflow_doctype, body["order_name"],
+            effects.workflow_action("workflow_doctype", body["order_name"],
                                     self.workflow_action, purpose=self.workflow_action,
                                     order_number=body["order_number"])
         if self.job:
