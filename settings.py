@@ -211,7 +211,9 @@ class Settings:
     # .allowance): past it the run stops, and the next goes on from where the last
     # finished one left off.
     workflow_reconcile_database_seconds: float = 60.0
-    workflow_time_zone: str = "UTC"
+    # The Frappe site's time zone when set; Frappe's own word (System Settings) is used,
+    # and this must agree with it (clients.workflow.WorkflowClient.check).
+    workflow_time_zone: str = ""
     worker_url: str = ""
     admin_email: str = ""
     mail_from: str = "receiver@localhost"
@@ -409,7 +411,7 @@ class Settings:
         for name, (attribute, schemes) in URL_SCHEMES.items():
             _check_url(name, getattr(self, attribute), schemes)
         for name, zone in (("BUSINESS_TZ", self.business_tz),
-                           ("WORKFLOW_TIME_ZONE", self.workflow_time_zone)):
+                           ("WORKFLOW_TIME_ZONE", self.workflow_time_zone or "UTC")):
             try:
                 zoneinfo.ZoneInfo(zone)
             except (zoneinfo.ZoneInfoNotFoundError, ValueError):

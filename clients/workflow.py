@@ -18,6 +18,7 @@ import json
 import logging
 import re
 import urllib.parse
+import zoneinfo
 
 from clients.http import (READ_REPLY_BYTES, Request, Result, describe, post_json,
                           redirected)
@@ -36,6 +37,15 @@ CREDENTIALS_REFUSED = (401, 403)
 # is the document missing (apply_workflow loads it), which says nothing of our settings;
 # `check` takes a list call's 404 (the DocType not found) for what it is.
 MISCONFIGURATION = ("ImportError", "ModuleNotFoundError")
+# A document's timeline, as the form shows it: its workflow log among the rest (every
+# Comment of type Workflow, one per workflow action, with the state it led to).
+DOCINFO = "frappe.desk.form.load.get_docinfo"
+# The site's time zone (System Settings), readable by any user (allow_guest): reading
+# System Settings itself takes a System Manager.
+TIME_ZONE = "frappe.client.get_time_zone"
+# What Frappe v15 uses when System Settings name no time zone (frappe.utils.data.
+# get_system_timezone): `modified` and every other time it writes is in it.
+FRAPPE_DEFAULT_TIME_ZONE = "Asia/Kolkata"
 # Frappe writes markup into its messages (<b>, <br>); the reason is kept as text.
 _MARKUP = re.compile(r"<[^>]*>")
 
@@ -44,6 +54,12 @@ class WorkflowClient:
     def __init__(self, http, settings):
         self.http = http
         self.settings = settings
+        # The site's time zone, as Frappe last said it (None: not asked, or no answer).
+        self.time_zone: str | None = None
+        # What the last `check` found wrong that does not take Frappe out of use, by
+        # what: "workflow_read" (the API user may not read Workflow, or a doctype has no
+        # active Workflow), "time_zone" (WORKFLOW_TIME_ZONE is not the site's).
+        self.findings: dict[str, str] = {}
 
     @property
     def configured(self):
@@ -73,7 +89,10 @@ class WorkflowClient:
             if past:
                 return Result(ok=True, status=417, body={"already_applied": True},
                               reply=result.reply)
+            # Unreadable for want of our user's permission, the refusal says nothing of
+            # the document: the action may have been applied. Our setting to fix.
             return dataclasses.replace(result, retryable=False,
+                                       misconfigured=NEEDS_WORKFLOW_READ in found,
                                        error=f"{result.error}; read back: {found}")
         return result
 
@@ -111,16 +130,11 @@ class WorkflowClient:
         """The transitions ({state, action, next_state}) of the doctype's active workflow
         as an ok Result's body; a failed one says why Frappe does not show them: no
         active Workflow for the doctype, or the API user may not read Workflow."""
-        found = await self._get("Workflow", params={
-            "filters": json.dumps([["document_type", "=", doctype], ["is_active", "=", 1]]),
-            "fields": json.dumps(["name"])})
+        found = await self._active_workflow(doctype)
         if not found.ok:
-            failed = workflow_unreadable(found)
-        elif not found.body or not isinstance(found.body[0], dict):
-            failed = Result.failed(f"Frappe has no active Workflow for {doctype}",
-                                   retryable=False, status=200)
+            failed = found
         else:
-            workflow = await self._get("Workflow", str(found.body[0].get("name", "")))
+            workflow = await self._get("Workflow", found.body)
             transitions = workflow.body.get("transitions") if (
                 workflow.ok and isinstance(workflow.body, dict)) else None
             if isinstance(transitions, list):
@@ -153,6 +167,29 @@ class WorkflowClient:
             return Result.failed(f"no list in the reply listing {doctype}", status=200)
         return result
 
+    async def workflow_log(self, doctype: str, name: str) -> Result:
+        """The document's workflow log, oldest first, as an ok Result's body: one
+        {name, creation, content} per workflow action applied to it (a Comment of type
+        Workflow: `content` is the state it led to, `creation` Frappe's local time of it,
+        `name` the comment's). Read through the form's own call, which needs no more than
+        the read permission on the document (Comment itself is a System Manager's)."""
+        said = await self._read(
+            f"api/method/{DOCINFO}?" + urllib.parse.urlencode({"doctype": doctype,
+                                                               "name": name}),
+            f"the history of {doctype} {name}", "docinfo")
+        if not said.ok:
+            return said
+        logs = said.body.get("workflow_logs") if isinstance(said.body, dict) else None
+        if not isinstance(logs, list):
+            return Result.failed(f"no workflow log in the history of {doctype} {name}",
+                                 status=200)
+        entries = [{"name": str(entry.get("name")), "creation": entry.get("creation"),
+                    "content": entry.get("content")}
+                   for entry in logs if isinstance(entry, dict)
+                   and isinstance(entry.get("creation"), str)]
+        return Result(ok=True, status=200,
+                      body=sorted(entries, key=lambda entry: str(entry["creation"])))
+
     async def check(self) -> Result:
         """Whether Frappe takes our credentials and shows us the doctypes our settings
         name (WORKFLOW_DOCTYPE, CRTC_DOCTYPE): who we are (one authenticated GET), then
@@ -168,7 +205,8 @@ class WorkflowClient:
                               status=200), credentials_refused=True)
         if not who.ok:
             return who
-        for doctype in (self.settings.workflow_doctype, self.settings.crtc_doctype):
+        doctypes = (self.settings.workflow_doctype, self.settings.crtc_doctype)
+        for doctype in doctypes:
             listed = await self._get(doctype, params={"fields": json.dumps(["name"]),
                                                       "limit_page_length": 1})
             if listed.status in (403, 404) or listed.misconfigured:
@@ -179,7 +217,50 @@ class WorkflowClient:
                                            retryable=False)
             if not listed.ok:
                 return listed
+        findings: dict[str, str] = {}
+        for doctype in doctypes:
+            workflow = await self._active_workflow(doctype)
+            if not workflow.ok and workflow.status != 0 and workflow.status < 500:
+                findings.setdefault("workflow_read", workflow.error)
+        zone = await self.read_time_zone()
+        if zone.ok and self.settings.workflow_time_zone and (
+                self.settings.workflow_time_zone != zone.body):
+            findings["time_zone"] = (
+                f"WORKFLOW_TIME_ZONE is {self.settings.workflow_time_zone}, but Frappe's "
+                f"System Settings say {zone.body}: Frappe's is used; set it right or unset it")
+        for what in sorted(findings.keys() - self.findings.keys()):
+            log.error("Frappe: %s", findings[what])
+        self.findings = findings
         return Result(ok=True, status=200, body=who.body)
+
+    async def read_time_zone(self) -> Result:
+        """The site's time zone (its System Settings, v15's default when they name none),
+        as an ok Result's body; learnt (`time_zone`) when Frappe says it."""
+        said = await self._read(f"api/method/{TIME_ZONE}", "the time zone", "message")
+        if not said.ok:
+            return said
+        zone = said.body.get("time_zone") if isinstance(said.body, dict) else None
+        zone = zone or FRAPPE_DEFAULT_TIME_ZONE
+        try:
+            zoneinfo.ZoneInfo(zone)
+        except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+            return Result.failed(f"Frappe's time zone {zone!r} is not one we know",
+                                 retryable=False, status=200)
+        self.time_zone = zone
+        return Result(ok=True, status=200, body=zone)
+
+    async def _active_workflow(self, doctype: str) -> Result:
+        """The name of the doctype's active Workflow as an ok Result's body; a failed one
+        says why there is none to read (see `transitions`)."""
+        found = await self._get("Workflow", params={
+            "filters": json.dumps([["document_type", "=", doctype], ["is_active", "=", 1]]),
+            "fields": json.dumps(["name"])})
+        if not found.ok:
+            return workflow_unreadable(found)
+        if not found.body or not isinstance(found.body[0], dict):
+            return Result.failed(f"Frappe has no active Workflow for {doctype}",
+                                 retryable=False, status=200)
+        return Result(ok=True, status=200, body=str(found.body[0].get("name", "")))
 
     async def _get(self, doctype, name=None, params=None):
         """GET Frappe's REST resource: one document, or (no `name`) a list; an ok
@@ -220,12 +301,15 @@ class WorkflowClient:
         return Result(ok=True, status=200, body=data)
 
 
+NEEDS_WORKFLOW_READ = "the API user may not read Workflow"
+
+
 def workflow_unreadable(failed: Result) -> Result:
     """A failed read of Workflow, said as what to fix when it is our user's permission."""
     if failed.status == 403:
         return dataclasses.replace(
-            failed, error=f"the API user may not read Workflow (it needs read permission "
-                          f"on Workflow): {failed.error}")
+            failed, error=f"{NEEDS_WORKFLOW_READ} (it needs read permission on Workflow): "
+                          f"{failed.error}")
     return failed
 
 

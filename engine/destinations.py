@@ -120,6 +120,13 @@ class Destination:
         """What the peer said of our configuration, while it stands."""
         return self.credentials_refused or self.misconfigured
 
+    @property
+    def warnings(self) -> dict[str, str]:
+        """What the last configuration check found wrong that leaves the destination in
+        use (Frappe: the API user may not read Workflow; WORKFLOW_TIME_ZONE is not the
+        site's), by what; {} for a client without such a check."""
+        return dict(getattr(self.client, "findings", {}))
+
     def take_probe(self) -> bool:
         """True, once per probe time, while down: the caller sends one row as the probe."""
         if self.up or (self.probe_at is not None and self.clock() < self.probe_at):

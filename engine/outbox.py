@@ -188,6 +188,8 @@ class Effects:
         self.retry_reason: str | None = None
         # Set by `reject`: the event is refused for good, with this reason.
         self.rejection: str | None = None
+        # Set by `record_only`: the event is kept, not acted on, for this reason.
+        self.recorded_only: str | None = None
 
     @contextlib.contextmanager
     def savepoint(self) -> Iterator[None]:
@@ -210,12 +212,14 @@ class Effects:
             len(self.rows), len(self.named), self.position)
         recognised_before = set(self.recognised)
         retry_before, rejection_before = self.retry_reason, self.rejection
+        recorded_before = self.recorded_only
 
         def run_from_the_state_before():  # a unit may be run again (engine.commits)
             del self.rows[rows_before:]
             del self.named[named_before:]
             self.position, self.recognised = position_before, set(recognised_before)
             self.retry_reason, self.rejection = retry_before, rejection_before
+            self.recorded_only = recorded_before
             return work()
         try:
             return await self.ctx.commits.run(run_from_the_state_before)
@@ -234,6 +238,12 @@ class Effects:
         it ends `rejected` with the reason, and what the handling asked for is kept (a
         plugin that rejects asks for nothing first)."""
         self.rejection = reason
+
+    def record_only(self, reason: str) -> None:
+        """The event is a fact kept for the record, not acted on (a state change older
+        than one already handled): it ends `ignored` with the reason; what the handling
+        asked for is kept (a notice to the administrator, say)."""
+        self.recorded_only = reason
 
     def add(self, kind: str, payload: dict[str, Any], purpose: str | None = None,
             key: str | None = None, order_number: str | None = None) -> None:
@@ -580,8 +590,11 @@ def record_outcome(ctx: EngineContext, row: Outbox, result: Result) -> None:
         log.error("outbox %s %s dead after %d attempt(s): %s",
                   row.id, row.kind, attempts, result.error)
         if not row.idempotency_key.startswith(ADMIN_NOTICE_PREFIX):
+            # What the destination's check finds to fix (Frappe: its Workflow read
+            # permission) is said with it: often why a refusal could not be read back.
             tell_admin(ctx, f"outbox-{row.id}", f"Outbox effect #{row.id} given up",
-                       "outbox_dead", row=row, attempts=attempts, error=result.error)
+                       "outbox_dead", row=row, attempts=attempts, error=result.error,
+                       warnings=ctx.destinations.of(row.kind).warnings)
     else:
         RETRY.execute_later(id=row.id, last_error=result.error,
                             next_attempt_at=now + retry.outbox(ctx.settings).delay(attempts),

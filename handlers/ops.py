@@ -55,6 +55,12 @@ class ReadyHandler(ApiHandler):
                          for destination in self.ctx.destinations if destination.problem}
         if misconfigured:
             body["destination_problems"] = misconfigured
+        # What the check found that leaves the destination in use but is to fix (Frappe:
+        # the Workflow read permission, the time zone): not a reason to be unready.
+        warnings = {destination.name: destination.warnings
+                    for destination in self.ctx.destinations if destination.warnings}
+        if warnings:
+            body["destination_warnings"] = warnings
         # Calls the database refused: worth an operator's look, no reason to take this
         # process out of service.
         quarantined = len(spool.quarantined(self.ctx.settings.spool_dir))
@@ -66,6 +72,12 @@ class ReadyHandler(ApiHandler):
                 functools.partial(reconcile.last_successes, self.ctx.settings))
             body["reconciled"] = {doctype: at.isoformat() if at else None
                                   for doctype, at in last.items()}
+            # Why a doctype's last run failed, or what a finished one found wrong (its
+            # window met none of Frappe's changes): runs that say nothing are not enough.
+            found = await self.ctx.db(
+                functools.partial(reconcile.problems, self.ctx.settings))
+            if found:
+                body["reconcile_problems"] = found
         self.answer(status, body)
 
     head = get

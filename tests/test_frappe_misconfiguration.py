@@ -38,6 +38,10 @@ TRANSITION_REFUSED = (417, {
         "title": "Message", "indicator": "red", "raise_exception": 1})]),
     "exc": json.dumps(["Traceback (most recent call last): ..." * 20])})
 WHO = (200, {"message": "receiver@erp.test"})
+# The real site's answers (2026-11-28): the doctype's active Workflow listed, and the
+# site's time zone (frappe.client.get_time_zone; null when System Settings name none).
+ACTIVE_WORKFLOW = (200, {"data": [{"name": "Formation Order Flow"}]})
+TIME_ZONE = (200, {"message": {"time_zone": "Asia/Kolkata"}})
 
 
 @pytest.fixture
@@ -168,7 +172,7 @@ async def test_readyz_checks_frappes_credentials_and_caches_the_answer(
 
     # Probed every few seconds, /readyz asks Frappe again only once its answer is old.
     frappe.fail_with(*WHO)
-    frappe.responses = [WHO, LISTED, LISTED]
+    frappe.responses = [WHO, LISTED, LISTED, ACTIVE_WORKFLOW, ACTIVE_WORKFLOW, TIME_ZONE]
     clock.advance(seconds=30)
     await get("/readyz")
     assert len(frappe.requests) == 1
@@ -176,9 +180,11 @@ async def test_readyz_checks_frappes_credentials_and_caches_the_answer(
     code, response = await get("/readyz")
     assert [r.path for r in frappe.requests[1:]] == [
         "/api/method/frappe.auth.get_logged_user", "/api/resource/Formation%20Order",
-        "/api/resource/CRTC%20Order"]
+        "/api/resource/CRTC%20Order", "/api/resource/Workflow", "/api/resource/Workflow",
+        "/api/method/frappe.client.get_time_zone"]
     body = json.loads(response.body)
     assert body["destinations"]["workflow"] == "up" and "destination_problems" not in body
+    assert "destination_warnings" not in body
 
 
 @pytest.mark.parametrize("listing,problem", [
