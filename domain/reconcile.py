@@ -65,6 +65,8 @@ GROUPS = {"formation/": "workflow_doctype", "crtc/": "crtc_doctype"}
 # The events of one order and path looked at to recognise a state change: more than one
 # order goes through one state in the life of an order.
 STAYS_LOOKED_AT = 50
+# A document modified this far ahead of our clock says our times and Frappe's differ.
+AHEAD_TOLERANCE = datetime.timedelta(minutes=5)
 # Statuses of an event whose change was (or is being) handled: a change recorded only
 # (ignored), refused or given up holds nothing behind it.
 HANDLED = ("received", "processed", "failed")
@@ -344,6 +346,8 @@ async def _reconcile_doctype(ctx, doctype, states, since, counts, progress):
             await _record_failure(ctx, doctype, run, page.error)
             counts.failed.append(doctype)
             return
+        # Frappe answers: if its actions wait for a probe to find it back, they need not.
+        ctx.destinations.of("workflow_action").observe(page)
         for document in page.body[:MAX_DOCUMENTS_PER_RUN - looked_at]:
             unread = await _reconcile_document(ctx, doctype, document, window, counts)
             if unread:
@@ -372,8 +376,18 @@ async def _reconcile_doctype(ctx, doctype, states, since, counts, progress):
     quiet = None
     if not looked_at:
         quiet = await _changed_unseen(ctx, doctype, run, window, zone)
-        if quiet:
-            counts.quiet.append(doctype)
+    elif canonical_modified(last_modified) and from_frappe_time(
+            canonical_modified(last_modified), zone) > now + AHEAD_TOLERANCE:
+        # Times read in a zone east of the site's: every change looks younger than the
+        # settle time, and is left to a webhook that never comes.
+        quiet = (f"{doctype} {document.get('name')} was modified at {last_modified} "
+                 f"(Frappe's time), ahead of this service's clock in {zone.key}: Frappe's "
+                 f"times and ours do not meet (the site's time zone, or a clock); changes "
+                 f"go unseen")
+        if run is None or run.last_error != quiet:
+            log.error("reconciliation: %s", quiet)
+    if quiet:
+        counts.quiet.append(doctype)
     newest = last_modified if looked_at else (run.newest_seen if run else None)
     await ctx.db(functools.partial(_record_success, ctx, doctype, cursor, quiet,
                                    canonical_modified(newest)))

@@ -49,6 +49,9 @@ UNRECORDED = Result.failed("sent, but its outcome could not be recorded; sent ag
 # (a write and a commit) before sending: the re-take would add too little to matter.
 RETAKE_SLACK = datetime.timedelta(seconds=1)
 
+# Rows made due in one statement when a destination is back (a bound on its parameters).
+RELEASE_BATCH = 500
+
 T = TypeVar("T")
 NEW_EFFECT = InsertOnce(Outbox)
 # A row is pending (to send at next_attempt_at) or waiting (its destination is not
@@ -490,7 +493,7 @@ async def _attempt(ctx: EngineContext, row: Outbox, live: bool = False) -> SendO
     row.last_duration_ms = round((time.monotonic() - started) * 1000)
     row.last_status_code = result.status or None
     row.last_reply = result.reply or None
-    destination.observe(result)
+    destination.observe(result, row.id)
     return result
 
 
@@ -701,10 +704,14 @@ async def send_due(ctx: EngineContext) -> int:
     A backlog (a destination back after an outage) is sent in one run, without waiting
     for the next tick between batches: as fast as the destination's calls in flight
     allow. The run ends when nothing is due or a whole batch failed (the destination is
-    unwell again: its backoff and probes take over)."""
+    unwell again: its backoff and probes take over). A destination found back (by a
+    probe of this run, say) has its effects on a backoff made due first: back means
+    sent, not each at its own retry time. A destination whose sends have all failed for
+    OUTBOUND_DOWN_AFTER_SECONDS is taken for down after the run's sends."""
     await ctx.commits.run(functools.partial(release_waiting, ctx))
     sent = 0
     while True:
+        await _release_those_back(ctx)
         rows = await _claim_due(ctx)
         if not rows:
             break
@@ -713,7 +720,21 @@ async def send_due(ctx: EngineContext) -> int:
         sent += succeeded
         if not succeeded:
             break
+    # After the sends: one that went through shows the destination well.
+    for destination in ctx.destinations:
+        destination.down_if_failing_too_long()
     return sent
+
+
+async def _release_those_back(ctx):
+    """The effects on a backoff of every destination found back since (by a probe of this
+    run, say) made due now, so they go in this same run."""
+    back = [destination for destination in ctx.destinations if destination.back]
+    if back:
+        kinds = ctx.destinations.kinds(lambda destination: destination in back)
+        await ctx.commits.run(functools.partial(release_backed_off, ctx, kinds))
+        for destination in back:
+            destination.back = False
 
 
 async def _send_batch(ctx, rows):
@@ -756,6 +777,28 @@ def release_waiting(ctx: EngineContext) -> int:
         log.info("outbox: %d waiting effect(s) due now, their destination is configured",
                  released)
     return released
+
+
+def release_backed_off(ctx: EngineContext, kinds: list[str]) -> int:
+    """A destination found back: its effects waiting on a retry's backoff are made due
+    now (they go in this run, each order's in its sequence, `_due`), not each at its own
+    time up to hours later. A row a sender holds (claimed or re-taken, or written by a
+    request that sends it: its next try exactly one lease after its last update) may be
+    mid-send and is left to it. Returns how many."""
+    now = ctx.clock()
+    held = lease(ctx)
+    waiting = [row.id for row in Outbox.select(Outbox.id, Outbox.next_attempt_at,
+                                               Outbox.updated_at)
+               .where(Outbox.status == "pending", Outbox.kind.in_(kinds),
+                      Outbox.next_attempt_at > now)
+               if row.next_attempt_at - row.updated_at != held]
+    for start in range(0, len(waiting), RELEASE_BATCH):
+        (Outbox.update(next_attempt_at=now, updated_at=now)
+         .where(Outbox.id.in_(waiting[start:start + RELEASE_BATCH])).execute())
+    if waiting:
+        log.info("outbox: %d effect(s) waiting on a retry made due now, their destination "
+                 "is back", len(waiting))
+    return len(waiting)
 
 
 def tell_admin(ctx: EngineContext, key: str, subject: str, template: str,

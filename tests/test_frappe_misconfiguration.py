@@ -250,3 +250,45 @@ async def test_a_misspelled_doctype_fixed_and_the_action_retried_goes_to_the_fix
     sent = [json.loads(r.json["doc"]) for r in frappe.posts]
     assert sent == [{"doctype": "Formation Ordr", "name": "ORD-16"},
                     {"doctype": "Formation Order", "name": "ORD-16"}]
+
+
+@pytest.mark.gen_test(timeout=60)
+async def test_the_workflow_read_permission_is_checked_like_credentials(
+        ctx, clock, frappe, worker, post, http_server, base_url, client, smtp):
+    """Without read permission on Workflow a refused action cannot be read back: the
+    real run showed one log line and nothing else."""
+    forbidden = (403, {"exception": "frappe.exceptions.PermissionError",
+                       "exc_type": "PermissionError", "_server_messages": json.dumps([
+                           json.dumps({"message": "User <strong>receiver@erp.test</strong> "
+                                       "does not have doctype access via role permission "
+                                       "for document <strong>Workflow</strong>"})])})
+    frappe.responses = [(200, {"message": "receiver@erp.test"}),
+                        (200, {"data": [{"name": "FORM-00001"}]}),
+                        (200, {"data": [{"name": "CRTC-00001"}]}), forbidden, forbidden,
+                        (200, {"message": {"time_zone": "Asia/Kolkata"}})]
+    ready = json.loads((await client.fetch(base_url + "/readyz")).body)
+    said = ready["destination_warnings"]["workflow"]["workflow_read"]
+    assert said.startswith("the API user may not read Workflow (it needs read permission "
+                           "on Workflow): HTTP 403 reading Workflow: PermissionError: User "
+                           "receiver@erp.test does not have doctype access")
+    metrics = samples((await client.fetch(base_url + "/metrics")).body)
+    assert value(metrics, "receiver_destination_warning", destination="workflow",
+                        warning="workflow_read") == 1
+    # An action refused (sent twice after a crash, say) cannot be read back: its mail
+    # names the permission.
+    frappe.responses = [(417, {"exc_type": "WorkflowTransitionError"}),
+                        (200, {"data": {"name": "FORM-1", "workflow_state": "Filing"}}),
+                        forbidden]
+    await post("/api/v1/webhooks/formation/name-available",
+               {"order_name": "FORM-1", "order_number": "FO-1"}, AUTH)
+    await outbox.send_due(ctx)
+    [(_, mail)] = [m for m in smtp.messages if "given up" in m[1]["Subject"]]
+    content = mail.get_body(("plain",)).get_content()
+    assert content.count("the API user may not read Workflow") == 2  # its error, the check
+
+
+@pytest.mark.gen_test(timeout=60)
+async def test_the_console_shows_what_frappes_check_found(ctx, frappe, logged_in):
+    ctx.workflow.findings = {"workflow_read": "the API user may not read Workflow (...)"}
+    page = text(await logged_in.get("/console/"))
+    assert "workflow, its configuration check: the API user may not read Workflow" in page

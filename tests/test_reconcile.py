@@ -437,7 +437,8 @@ async def test_reconciled_events_are_marked_in_the_command_line_and_the_console(
     ran = await run_async(env, "reconcile", "workflow", "--since", "2026-11-25T00:00Z")
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.strip() == ("looked at 1 document(s): 1 change(s) handled, "
-                                  "0 already stored, 0 not usable")
+                                  "0 already stored, 0 recorded and not handled, "
+                                  "0 not usable")
     [event] = reconciled()
     listed = await run_async(env, "events", "list")
     assert "workflow (reconciled)" in listed.stdout
