@@ -27,8 +27,9 @@ role: read on the doctypes, no System Manager):
   newest. `/api/resource/Comment`, `/api/resource/Version` and `/api/resource/System
   Settings/System Settings` answer 403 PermissionError to this user.
 - `GET /api/method/frappe.client.get_time_zone` (allowed to anyone) answers
-  `{"message": {"time_zone": "Asia/Kolkata"}}`: the site's System Settings time zone,
-  null when none is set (Frappe then writes its times in Asia/Kolkata).
+  `{"message": {"time_zone": "Asia/Kolkata"}}`: the site's default time zone, which
+  System Settings set when saved; a fresh site, whose System Settings name none, answers
+  Asia/Kolkata already (and writes its times in it); null is read as Asia/Kolkata too.
 """
 import itertools
 import datetime

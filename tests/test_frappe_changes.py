@@ -214,3 +214,15 @@ async def test_frappe_back_sends_its_waiting_actions_at_once_in_each_orders_sequ
         ("FORM-1", "Start Filing")]
     rows = Outbox.select().where(Outbox.kind == "workflow_action")
     assert {row.status for row in rows} == {"sent"}
+
+
+def test_what_each_path_does_with_a_state_already_left_is_its_table_in_behaviour_md(rctx):
+    """BEHAVIOUR.md 4.1.1 rule 4, from the plugins themselves."""
+    rules = {path: rctx.plugins["workflow"].get(path).left_rule
+             for path, _ in rctx.settings.workflow_reconcile_states}
+    assert rules == {
+        "formation/submitted": "told", "formation/name-available": "told",
+        "formation/filed-needs-ein": "told", "formation/filed-skip-ein": "told",
+        "formation/ein-obtained": "told", "formation/approved": "told",
+        "formation/ready": "handled", "crtc/awaiting-funds": "told",
+        "crtc/funds-available": "handled", "crtc/incorporated": "handled"}
