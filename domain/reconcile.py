@@ -347,7 +347,7 @@ async def _reconcile_doctype(ctx, doctype, states, since, counts, progress):
             counts.failed.append(doctype)
             return
         # Frappe answers: if its actions wait for a probe to find it back, they need not.
-        ctx.destinations.of("workflow_action").observe(page)
+        ctx.destinations.of("workflow_action").answered()
         for document in page.body[:MAX_DOCUMENTS_PER_RUN - looked_at]:
             unread = await _reconcile_document(ctx, doctype, document, window, counts)
             if unread:

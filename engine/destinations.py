@@ -187,6 +187,18 @@ class Destination:
             return  # still up; or a send that was in flight when it went down
         self.probe_at = self.clock() + self.probe_wait
 
+    def answered(self) -> None:
+        """The peer answered a call of ours other than a send (Frappe: a reconciliation's
+        list): if it was taken for down, it is back, and its effects go at once. What
+        it said of our configuration stands."""
+        if not self.up and not self.credentials_refused:
+            self.failures, self.failing_since = 0, None
+            self.failing_effects.clear()
+            self.up, self.probing, self.down_since = True, False, None
+            self.back = True
+            log.warning("destination %s answers again: sending its effects", self.name)
+            self.recovered()
+
     def _failing_too_long(self) -> bool:
         return (self.failing_since is not None and len(self.failing_effects) >= 2
                 and self.clock() - self.failing_since >= self.down_after_time)

@@ -691,7 +691,15 @@ async def _claim_due(ctx):
                                           for kind in up)):
         rows += claimed
     for kind in destinations.kinds(lambda destination: destination.take_probe()):
-        rows += await claim(ctx, Outbox, _due(now, [kind]), limit=1)
+        probe = await claim(ctx, Outbox, _due(now, [kind]), limit=1)
+        if not probe:
+            # Every row on a retry's backoff (they failed as it went down): the probe is
+            # the first of them in line, or the destination would stay down, back or not,
+            # until a backoff ends. A row another process claimed a moment ago may be
+            # taken too: sent twice at worst, under its one key, as after a crash.
+            later = now + datetime.timedelta(seconds=retry.outbox(ctx.settings).cap_seconds)
+            probe = await claim(ctx, Outbox, _due(later, [kind]), limit=1)
+        rows += probe
     return rows
 
 

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from clients.http import Result
 from domain import reconcile
 from engine import outbox
 from models import Outbox, ReconcileRun, WebhookEvent
@@ -199,10 +200,13 @@ async def test_frappe_back_sends_its_waiting_actions_at_once_in_each_orders_sequ
                {"order_name": "FORM-1", "order_number": "FO-1"}, AUTH)
     workflow = rctx.destinations.by_name["workflow"]
     assert workflow.failures == 2 and workflow.up  # fewer than OUTBOUND_DOWN_AFTER
-    clock.advance(seconds=rctx.settings.outbound_down_after_seconds + 1)
+    # Past the bound, and past the first backoffs (15-30 s): each action tried again.
+    clock.advance(seconds=31)
     await outbox.send_due(rctx)
     assert workflow.state == "down"
-    # Frappe answers again; the rows wait on their backoffs, up to a minute ahead.
+    assert rctx.settings.outbound_down_after_seconds < 31
+    # Frappe answers again; every row waits on its backoff, 30 s to a minute ahead: the
+    # first probe is the first of them in line.
     site.down_with = None
     clock.advance(seconds=6)  # the first probe
     await outbox.send_due(rctx)
@@ -226,3 +230,18 @@ def test_what_each_path_does_with_a_state_already_left_is_its_table_in_behaviour
         "formation/ein-obtained": "told", "formation/approved": "told",
         "formation/ready": "handled", "crtc/awaiting-funds": "told",
         "crtc/funds-available": "handled", "crtc/incorporated": "handled"}
+
+
+@pytest.mark.gen_test(timeout=30)
+async def test_a_list_frappe_answers_finds_it_back_and_leaves_a_misconfiguration_standing(
+        rctx, site, worker):
+    """On the real site a run's list (of the CRTC doctype) cleared the misspelled
+    WORKFLOW_DOCTYPE the start-up check had found."""
+    workflow = rctx.destinations.by_name["workflow"]
+    workflow.misconfigured = "Formation Ordr: HTTP 404 reading Formation Ordr"
+    for effect in range(rctx.settings.outbound_down_after):
+        workflow.observe(Result.failed("HTTP 502: BadGateway", status=502), effect)
+    assert workflow.state == "misconfigured" and not workflow.up
+    await reconcile.reconcile_workflow(rctx)
+    assert workflow.up and workflow.back
+    assert workflow.misconfigured == "Formation Ordr: HTTP 404 reading Formation Ordr"
