@@ -334,7 +334,7 @@ async def _reconcile_doctype(ctx, doctype, states, since, counts, progress):
     fields = sorted({"name", "modified", "workflow_state"} | {
         field for path in states.values() for field in registry.get(path).fields
         if field != "order_name"})
-    start, looked_at, last_modified, page_from = 0, 0, None, lower
+    start, looked_at, last_modified, last_name, page_from = 0, 0, None, None, lower
     while looked_at < MAX_DOCUMENTS_PER_RUN:
         # Every document saved since: a state with a path may have been entered and
         # left for one without (the log says so), and a document saved again since its
@@ -356,7 +356,7 @@ async def _reconcile_doctype(ctx, doctype, states, since, counts, progress):
                 return
             looked_at += 1
             counts.listed += 1
-            last_modified = document.get("modified")
+            last_modified, last_name = document.get("modified"), document.get("name")
             if progress:
                 progress(counts.listed, None)
         if len(page.body) < PAGE_SIZE:
@@ -380,12 +380,8 @@ async def _reconcile_doctype(ctx, doctype, states, since, counts, progress):
             canonical_modified(last_modified), zone) > now + AHEAD_TOLERANCE:
         # Times read in a zone east of the site's: every change looks younger than the
         # settle time, and is left to a webhook that never comes.
-        quiet = (f"{doctype} {document.get('name')} was modified at {last_modified} "
-                 f"(Frappe's time), ahead of this service's clock in {zone.key}: Frappe's "
-                 f"times and ours do not meet (the site's time zone, or a clock); changes "
-                 f"go unseen")
-        if run is None or run.last_error != quiet:
-            log.error("reconciliation: %s", quiet)
+        quiet = _unmet(run, f"{doctype} {last_name} was modified at {last_modified}",
+                       f"ahead of this service's clock in {zone.key}")
     if quiet:
         counts.quiet.append(doctype)
     newest = last_modified if looked_at else (run.newest_seen if run else None)
@@ -409,10 +405,15 @@ async def _changed_unseen(ctx, doctype, run, window, zone) -> str | None:
         return None
     if modified >= window.lower:
         return None  # listed by the next run
-    problem = (f"{doctype} {newest.body[0].get('name')} was modified at {modified} (Frappe's "
-               f"time), after the last document a run saw, yet before this run's window "
-               f"from {window.lower} in {zone.key}: Frappe's times and ours do not meet "
-               f"(the site's time zone, or a clock); changes go unseen")
+    return _unmet(run, f"{doctype} {newest.body[0].get('name')} was modified at {modified}",
+                  f"after the last document a run saw, yet before this run's window from "
+                  f"{window.lower} in {zone.key}")
+
+
+def _unmet(run, what: str, where: str) -> str:
+    """The problem of a window that does not meet Frappe's times, logged once."""
+    problem = (f"{what} (Frappe's time), {where}: Frappe's times and ours do not meet (the "
+               f"site's time zone, or a clock); changes go unseen")
     if run is None or run.last_error != problem:
         log.error("reconciliation: %s", problem)
     return problem

@@ -68,14 +68,14 @@ class ReadyHandler(ApiHandler):
             body["spool_quarantined"] = quarantined
         if checks["database"] == "ok":
             # When reconciliation with Frappe last finished, per doctype (null: never).
-            last = await self.ctx.db(
-                functools.partial(reconcile.last_successes, self.ctx.settings))
+            # And why a doctype's last run failed, or what a finished one found wrong
+            # (its window met none of Frappe's changes): runs that say nothing are not
+            # enough. One unit, one turn.
+            settings = self.ctx.settings
+            last, found = await self.ctx.db(lambda: (reconcile.last_successes(settings),
+                                                     reconcile.problems(settings)))
             body["reconciled"] = {doctype: at.isoformat() if at else None
                                   for doctype, at in last.items()}
-            # Why a doctype's last run failed, or what a finished one found wrong (its
-            # window met none of Frappe's changes): runs that say nothing are not enough.
-            found = await self.ctx.db(
-                functools.partial(reconcile.problems, self.ctx.settings))
             if found:
                 body["reconcile_problems"] = found
         self.answer(status, body)

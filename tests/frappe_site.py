@@ -54,9 +54,7 @@ def _error(handler, status, exc_type, exception):
                     "exc": json.dumps(["Traceback (most recent call last): ..."])})
 
 
-class _Method(tornado.web.RequestHandler):
-    """The whitelisted methods the service reads: a document's timeline, the time zone."""
-
+class _Handler(tornado.web.RequestHandler):
     def initialize(self, site):
         self.site = site
 
@@ -66,6 +64,11 @@ class _Method(tornado.web.RequestHandler):
         if self.site.down_with is not None:
             status, exc_type = self.site.down_with
             _error(self, status, exc_type, f"frappe.exceptions.{exc_type}")
+
+
+class _Method(_Handler):
+    """The whitelisted methods the service reads: who we are, a document's timeline, the
+    time zone."""
 
     def get(self, method):
         if method == "frappe.auth.get_logged_user":
@@ -81,17 +84,11 @@ class _Method(tornado.web.RequestHandler):
                                  "versions": [], "workflow_logs": logs}})
 
 
-class _List(tornado.web.RequestHandler):
-    def initialize(self, site):
-        self.site = site
-
+class _List(_Handler):
     def prepare(self):
-        self.site.requests.append(self.request)
-        self.set_header("Content-Type", "application/json")
-        if self.site.down_with is not None:
-            status, exc_type = self.site.down_with
-            _error(self, status, exc_type, f"frappe.exceptions.{exc_type}")
-        elif self.request.headers.get("Authorization") != f"token {API_KEY}:{API_SECRET}":
+        super().prepare()
+        if (self.site.down_with is None and
+                self.request.headers.get("Authorization") != f"token {API_KEY}:{API_SECRET}"):
             _error(self, 401, "AuthenticationError", "frappe.exceptions.AuthenticationError")
 
     def get(self, doctype):
