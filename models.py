@@ -1083,12 +1083,15 @@ REMINDER_MODELS = [SentReminder]
 class ReconcileRun(BaseModel):
     """Where reconciliation with Frappe got to, per doctype: `cursor` is the newest
     `modified` (Frappe's own text, in its time zone) it has looked at, `succeeded_at` when
-    a run last finished, `last_error` why the last run did not (None once one does)."""
+    a run last finished, `last_error` why the last run did not, or what a finished one
+    found wrong (its window met none of Frappe's changes), `newest_seen` the newest
+    `modified` a run saw in Frappe (migration 0019)."""
 
     doctype = TextField(unique=True)
     cursor = TextField(null=True)
     succeeded_at = UTCDateTimeField(null=True)
     last_error = TextField(null=True)
+    newest_seen = TextField(null=True)
 
     class Meta:
         table_name = "reconcile_runs"

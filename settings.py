@@ -226,7 +226,9 @@ class Settings:
     # .allowance): past it the run stops, and the next goes on from where the last
     # finished one left off.
     workflow_reconcile_database_seconds: float = 60.0
-    workflow_time_zone: str = "UTC"
+    # The Frappe site's time zone when set; Frappe's own word (System Settings) is used,
+    # and this must agree with it (clients.workflow.WorkflowClient.check).
+    workflow_time_zone: str = ""
     worker_url: str = ""
     admin_email: str = ""
     mail_from: str = "receiver@localhost"
@@ -262,6 +264,8 @@ class Settings:
     stop_timeout_seconds: int = 30
     outbound_max_in_flight: int = 16
     outbound_down_after: int = 5
+    # ...or, however few sends there were, after all of them failed for this long.
+    outbound_down_after_seconds: float = 20.0
     outbound_probe_max_seconds: int = 300
     retention_days: int = 30
     public_rate_limit: int = 30
@@ -367,6 +371,8 @@ class Settings:
             outbound_max_in_flight=_int(
                 env, "OUTBOUND_MAX_IN_FLIGHT", cls.outbound_max_in_flight),
             outbound_down_after=_int(env, "OUTBOUND_DOWN_AFTER", cls.outbound_down_after),
+            outbound_down_after_seconds=_seconds(
+                env, "OUTBOUND_DOWN_AFTER_SECONDS", cls.outbound_down_after_seconds),
             outbound_probe_max_seconds=_int(
                 env, "OUTBOUND_PROBE_MAX_SECONDS", cls.outbound_probe_max_seconds),
             retention_days=_int(env, "RETENTION_DAYS", cls.retention_days),
@@ -419,6 +425,8 @@ class Settings:
         for name, attribute in POSITIVE_NUMBERS.items():
             if getattr(self, attribute) <= 0:
                 raise ConfigurationError(f"{name} must be a whole number above zero")
+        if not 0 < self.outbound_down_after_seconds < float("inf"):
+            raise ConfigurationError("OUTBOUND_DOWN_AFTER_SECONDS must be above zero")
         if not 0 < self.workflow_answer_budget_seconds < float("inf"):
             raise ConfigurationError("WORKFLOW_ANSWER_BUDGET_SECONDS must be above zero")
         if not 0 < self.database_call_budget_seconds < float("inf"):
@@ -439,7 +447,7 @@ class Settings:
         for name, (attribute, schemes) in URL_SCHEMES.items():
             _check_url(name, getattr(self, attribute), schemes)
         for name, zone in (("BUSINESS_TZ", self.business_tz),
-                           ("WORKFLOW_TIME_ZONE", self.workflow_time_zone)):
+                           ("WORKFLOW_TIME_ZONE", self.workflow_time_zone or "UTC")):
             try:
                 zoneinfo.ZoneInfo(zone)
             except (zoneinfo.ZoneInfoNotFoundError, ValueError):

@@ -490,11 +490,15 @@ async def reconcile_workflow(ctx, args):
     finally:
         await lock.release()
     print(f"looked at {counts.listed} document(s): {counts.handled} change(s) handled, "
-          f"{counts.already} already stored, {counts.unusable} not usable")
+          f"{counts.already} already stored, {counts.recorded} recorded and not handled, "
+          f"{counts.unusable} not usable")
     for doctype in counts.failed:
         print(f"receiver: Frappe did not list {doctype} (see the log)", file=sys.stderr)
+    for doctype in counts.quiet:
+        print(f"receiver: {doctype}: Frappe's times and this run's window do not meet, "
+              f"changes go unseen (see the log and /readyz)", file=sys.stderr)
     if counts.stopped:
         print("receiver: stopped before the end: the run waited on the database for "
               "WORKFLOW_RECONCILE_DATABASE_SECONDS in all; run it again to go on",
               file=sys.stderr)
-    return 1 if counts.failed or counts.unusable or counts.stopped else 0
+    return 1 if counts.failed or counts.unusable or counts.stopped or counts.quiet else 0

@@ -11,6 +11,16 @@ log = logging.getLogger("receiver.http")
 
 # Statuses worth asking again; any other 4xx is the peer refusing for good.
 RETRYABLE_STATUSES = {408, 425, 429}
+# What is read of a reply to a POST (a job, an action, an alert): its status is the
+# outcome, and what the attempt log keeps of the body (`MAX_ERROR_CHARS`, an excerpt of
+# 200) comes from its start; Frappe's account of a refusal (its exc_type and messages,
+# after a traceback of a few KiB) fits too. The rest is not read: the connection is
+# closed, so a peer answering 50 MB costs no more memory than one answering "ok".
+POST_REPLY_BYTES = 64 * 1024
+# What is read of a reply to a GET of Frappe's (a list page of 100 documents, a
+# document's history, a Workflow): what it answers is used whole, and a reply past this
+# is unreadable rather than held.
+READ_REPLY_BYTES = 4 * 1024 * 1024
 # An idle connection is closed by us before any common server closes it (gunicorn's
 # default keep-alive is 2 s): a request is then never written into a connection the peer
 # is closing at that moment. Under load a connection is never idle that long.
@@ -93,6 +103,10 @@ class Request:
 class Reply:
     status: int
     body: bytes
+    # The reply went on past the bound it was read to: `body` is its start.
+    cut: bool = False
+    # A redirect's Location (3xx), which is never followed.
+    location: str = ""
 
 
 class HttpClient:
@@ -117,19 +131,44 @@ class HttpClient:
                 skip_auto_headers=("User-Agent",))
         return self._session
 
-    async def call(self, method, url, body=None, headers=None, timeout=10.0):
-        """The peer's Reply; raises on a network error or when `timeout` (seconds, the
-        wait for a free connection included) runs out."""
+    async def call(self, method, url, body=None, headers=None, timeout=10.0,
+                   limit=POST_REPLY_BYTES):
+        """The peer's Reply, its body read up to `limit` bytes (the rest is not read, and
+        the connection is closed); raises on a network error or when `timeout` (seconds,
+        the wait for a free connection included) runs out. A redirect is never followed:
+        aiohttp would follow a 302 as a GET without the body, and a job would be taken
+        for delivered by whatever answers there."""
         # A connection that takes half the time leaves too little for the answer.
         limits = aiohttp.ClientTimeout(total=timeout, sock_connect=min(timeout / 2, 5.0))
         async with self._current_session().request(
-                method, url, data=body, headers=headers, timeout=limits) as response:
-            return Reply(response.status, await response.read())
+                method, url, data=body, headers=headers, timeout=limits,
+                allow_redirects=False) as response:
+            read, cut = await _read_up_to(response, limit)
+            if cut:
+                response.close()
+            return Reply(response.status, read, cut, response.headers.get("Location", ""))
 
     async def close(self):
         if self._session is not None and self._loop is asyncio.get_running_loop():
             await self._session.close()
         self._session = None
+
+
+async def _read_up_to(response, limit):
+    """(the first `limit` bytes of the reply's body, whether there was more)."""
+    read = bytearray()
+    async for chunk in response.content.iter_chunked(64 * 1024):
+        if len(read) + len(chunk) > limit:
+            read += chunk[:limit - len(read)]
+            return bytes(read), True
+        read += chunk
+    return bytes(read), False
+
+
+def redirected(reply: Reply) -> str:
+    """The error of a redirect, naming where it pointed: the URL setting to check."""
+    return f"HTTP {reply.status}: redirected to {reply.location or '(no Location)'}, not " \
+           f"followed"
 
 
 async def post_json(http, url, body, headers=None, timeout=10.0, peer="peer", refusal=None):
@@ -144,6 +183,11 @@ async def post_json(http, url, body, headers=None, timeout=10.0, peer="peer", re
                                 {**JSON_HEADERS, **(headers or {})}, timeout)
     except Exception as exc:  # network errors of every kind
         return Result.failed(describe(exc))
+    if 300 <= reply.status < 400:
+        # No retry changes where the URL points; the setting does (read at each send).
+        return dataclasses.replace(
+            Result.failed(redirected(reply), retryable=False, status=reply.status),
+            reply=_excerpt(reply.body))
     if not 200 <= reply.status < 300:
         retryable = reply.status >= 500 or reply.status in RETRYABLE_STATUSES
         failed = Result.failed(f"HTTP {reply.status}: {_excerpt(reply.body)}",
@@ -151,12 +195,15 @@ async def post_json(http, url, body, headers=None, timeout=10.0, peer="peer", re
         if refusal is not None:
             failed = refusal(failed, reply.body)
         return dataclasses.replace(failed, reply=_excerpt(reply.body))
+    parsed = None
     try:
-        parsed = json.loads(reply.body or b"null")
+        parsed = None if reply.cut else json.loads(reply.body or b"null")
     except ValueError:
         log.warning("%s answered HTTP %s with a reply that is not JSON, taken as "
                     "delivered: %s", peer, reply.status, _excerpt(reply.body, 80))
-        parsed = None
+    if reply.cut:
+        log.warning("%s answered HTTP %s with a reply of more than %d bytes, not read "
+                    "further, taken as delivered", peer, reply.status, len(reply.body))
     return Result(ok=True, status=reply.status, body=parsed, reply=_excerpt(reply.body))
 
 

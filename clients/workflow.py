@@ -18,8 +18,10 @@ import json
 import logging
 import re
 import urllib.parse
+import zoneinfo
 
-from clients.http import Request, Result, describe, post_json
+from clients.http import (READ_REPLY_BYTES, Request, Result, describe, post_json,
+                          redirected)
 
 log = logging.getLogger("receiver.workflow")
 
@@ -35,6 +37,15 @@ CREDENTIALS_REFUSED = (401, 403)
 # is the document missing (apply_workflow loads it), which says nothing of our settings;
 # `check` takes a list call's 404 (the DocType not found) for what it is.
 MISCONFIGURATION = ("ImportError", "ModuleNotFoundError")
+# A document's timeline, as the form shows it: its workflow log among the rest (every
+# Comment of type Workflow, one per workflow action, with the state it led to).
+DOCINFO = "frappe.desk.form.load.get_docinfo"
+# The site's time zone (System Settings), readable by any user (allow_guest): reading
+# System Settings itself takes a System Manager.
+TIME_ZONE = "frappe.client.get_time_zone"
+# What Frappe v15 uses when System Settings name no time zone (frappe.utils.data.
+# get_system_timezone): `modified` and every other time it writes is in it.
+FRAPPE_DEFAULT_TIME_ZONE = "Asia/Kolkata"
 # Frappe writes markup into its messages (<b>, <br>); the reason is kept as text.
 _MARKUP = re.compile(r"<[^>]*>")
 
@@ -43,6 +54,12 @@ class WorkflowClient:
     def __init__(self, http, settings):
         self.http = http
         self.settings = settings
+        # The site's time zone, as Frappe last said it (None: not asked, or no answer).
+        self.time_zone: str | None = None
+        # What the last `check` found wrong that does not take Frappe out of use, by
+        # what: "workflow_read" (the API user may not read Workflow, or a doctype has no
+        # active Workflow), "time_zone" (WORKFLOW_TIME_ZONE is not the site's).
+        self.findings: dict[str, str] = {}
 
     @property
     def configured(self):
@@ -68,10 +85,15 @@ class WorkflowClient:
                                  timeout=s.outbound_timeout_seconds, peer="workflow system",
                                  refusal=refusal)
         if result.status == 417:
-            if await self.already_past(doctype, name, action):
+            past, found = await self.already_past(doctype, name, action)
+            if past:
                 return Result(ok=True, status=417, body={"already_applied": True},
                               reply=result.reply)
-            return dataclasses.replace(result, retryable=False)
+            # Unreadable for want of our user's permission, the refusal says nothing of
+            # the document: the action may have been applied. Our setting to fix.
+            return dataclasses.replace(result, retryable=False,
+                                       misconfigured=NEEDS_WORKFLOW_READ in found,
+                                       error=f"{result.error}; read back: {found}")
         return result
 
     def apply_request(self, doctype, name, action):
@@ -81,42 +103,49 @@ class WorkflowClient:
                         "action": action},
                        self._headers())
 
-    async def already_past(self, doctype, name, action):
-        """After a 417: is the document past `action`? Frappe's workflow for the doctype
-        says: the document's state is one the action leads to, directly or by later
-        transitions. A document still before the action (one that has not reached the
-        state it applies from) is not past it, and neither is a document or workflow
-        Frappe cannot show us (the refusal stands)."""
+    async def already_past(self, doctype: str, name: str, action: str) -> tuple[bool, str]:
+        """After a 417: (is the document past `action`?, what the read-back found).
+        Frappe's workflow for the doctype says: the document's state is one the action
+        leads to, directly or by later transitions. A document still before the action
+        (one that has not reached the state it applies from) is not past it, and neither
+        is a document or workflow Frappe cannot show us (the refusal stands, and what was
+        missing is the reason)."""
         document = await self.document(doctype, name)
         state = document.body.get("workflow_state") if document.ok else None
         if not state:
-            log.warning("%s %s: Frappe refused %r and the document's state could not be "
-                        "read: %s", doctype, name, action, document.error or "no state")
-            return False
+            found = f"the document's state could not be read ({document.error or 'no state'})"
+            log.warning("%s %s: Frappe refused %r and %s", doctype, name, action, found)
+            return False, found
         transitions = await self.transitions(doctype)
-        past = state in states_after(action, transitions)
+        if not transitions.ok:
+            return False, f"the document is in {state!r}; {transitions.error}"
+        past = state in states_after(action, transitions.body)
         if past:
             log.warning("%s %s: %r was already applied in Frappe (now %s)",
                         doctype, name, action, state)
-        return past
+            return True, f"already applied (now {state!r})"
+        return False, f"the document is in {state!r}, not past {action!r}"
 
-    async def transitions(self, doctype):
-        """The transitions ({state, action, next_state}) of the doctype's active workflow;
-        none when Frappe cannot show them."""
-        found = await self._get("Workflow", params={
-            "filters": json.dumps([["document_type", "=", doctype], ["is_active", "=", 1]]),
-            "fields": json.dumps(["name"])})
-        if found.ok and isinstance(found.body, list) and found.body:
-            workflow = await self._get("Workflow", found.body[0].get("name", ""))
+    async def transitions(self, doctype: str) -> Result:
+        """The transitions ({state, action, next_state}) of the doctype's active workflow
+        as an ok Result's body; a failed one says why Frappe does not show them: no
+        active Workflow for the doctype, or the API user may not read Workflow."""
+        found = await self._active_workflow(doctype)
+        if not found.ok:
+            failed = found
         else:
-            workflow = found
-        transitions = workflow.body.get("transitions") if workflow.ok else None
-        if not isinstance(transitions, list):
-            # Without it a repeated action stays refused (dead), with no other word why.
-            log.warning("the %s workflow could not be read from Frappe (%s): the API user "
-                        "needs read permission on Workflow", doctype,
-                        workflow.error or "no active workflow")
-        return [t for t in transitions or () if isinstance(t, dict)]
+            workflow = await self._get("Workflow", found.body)
+            transitions = workflow.body.get("transitions") if (
+                workflow.ok and isinstance(workflow.body, dict)) else None
+            if isinstance(transitions, list):
+                return Result(ok=True, status=200,
+                              body=[t for t in transitions if isinstance(t, dict)])
+            failed = workflow_unreadable(workflow) if not workflow.ok else Result.failed(
+                f"no transitions in the {doctype} Workflow Frappe shows", status=200)
+        # Without them a repeated action stays refused (dead), with this as its reason.
+        log.warning("the %s workflow could not be read from Frappe: %s", doctype,
+                    failed.error)
+        return failed
 
     async def document(self, doctype, name):
         """GET the document (Frappe's REST resource). An ok Result's body is the
@@ -138,6 +167,29 @@ class WorkflowClient:
             return Result.failed(f"no list in the reply listing {doctype}", status=200)
         return result
 
+    async def workflow_log(self, doctype: str, name: str) -> Result:
+        """The document's workflow log, oldest first, as an ok Result's body: one
+        {name, creation, content} per workflow action applied to it (a Comment of type
+        Workflow: `content` is the state it led to, `creation` Frappe's local time of it,
+        `name` the comment's). Read through the form's own call, which needs no more than
+        the read permission on the document (Comment itself is a System Manager's)."""
+        said = await self._read(
+            f"api/method/{DOCINFO}?" + urllib.parse.urlencode({"doctype": doctype,
+                                                               "name": name}),
+            f"the history of {doctype} {name}", "docinfo")
+        if not said.ok:
+            return said
+        logs = said.body.get("workflow_logs") if isinstance(said.body, dict) else None
+        if not isinstance(logs, list):
+            return Result.failed(f"no workflow log in the history of {doctype} {name}",
+                                 status=200)
+        entries = [{"name": str(entry.get("name")), "creation": entry.get("creation"),
+                    "content": entry.get("content")}
+                   for entry in logs if isinstance(entry, dict)
+                   and isinstance(entry.get("creation"), str)]
+        return Result(ok=True, status=200,
+                      body=sorted(entries, key=lambda entry: str(entry["creation"])))
+
     async def check(self) -> Result:
         """Whether Frappe takes our credentials and shows us the doctypes our settings
         name (WORKFLOW_DOCTYPE, CRTC_DOCTYPE): who we are (one authenticated GET), then
@@ -153,18 +205,69 @@ class WorkflowClient:
                               status=200), credentials_refused=True)
         if not who.ok:
             return who
-        for doctype in (self.settings.workflow_doctype, self.settings.crtc_doctype):
+        doctypes = (self.settings.workflow_doctype, self.settings.crtc_doctype)
+        for doctype in doctypes:
             listed = await self._get(doctype, params={"fields": json.dumps(["name"]),
                                                       "limit_page_length": 1})
             if listed.status in (403, 404) or listed.misconfigured:
                 # Our user may call Frappe, but this doctype is not there or not ours to
-                # read: a setting (or the user's roles) to fix.
+                # read: a setting (or the user's roles) to fix. What else is to fix is
+                # said all the same.
+                await self._find(doctypes)
                 return dataclasses.replace(listed, error=f"{doctype}: {listed.error}",
                                            misconfigured=True, credentials_refused=False,
                                            retryable=False)
             if not listed.ok:
                 return listed
+        await self._find(doctypes)
         return Result(ok=True, status=200, body=who.body)
+
+    async def _find(self, doctypes: tuple[str, ...]) -> None:
+        """What leaves Frappe in use but is to fix (`findings`): each doctype's active
+        Workflow unreadable, the time zone not the one WORKFLOW_TIME_ZONE says."""
+        findings: dict[str, str] = {}
+        for doctype in doctypes:
+            workflow = await self._active_workflow(doctype)
+            if not workflow.ok and workflow.status != 0 and workflow.status < 500:
+                findings.setdefault("workflow_read", workflow.error)
+        zone = await self.read_time_zone()
+        if zone.ok and self.settings.workflow_time_zone and (
+                self.settings.workflow_time_zone != zone.body):
+            findings["time_zone"] = (
+                f"WORKFLOW_TIME_ZONE is {self.settings.workflow_time_zone}, but Frappe's "
+                f"System Settings say {zone.body}: Frappe's is used; set it right or unset it")
+        for what in sorted(findings.keys() - self.findings.keys()):
+            log.error("Frappe: %s", findings[what])
+        self.findings = findings
+
+    async def read_time_zone(self) -> Result:
+        """The site's time zone (its System Settings, v15's default when they name none),
+        as an ok Result's body; learnt (`time_zone`) when Frappe says it."""
+        said = await self._read(f"api/method/{TIME_ZONE}", "the time zone", "message")
+        if not said.ok:
+            return said
+        zone = said.body.get("time_zone") if isinstance(said.body, dict) else None
+        zone = zone or FRAPPE_DEFAULT_TIME_ZONE
+        try:
+            zoneinfo.ZoneInfo(zone)
+        except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+            return Result.failed(f"Frappe's time zone {zone!r} is not one we know",
+                                 retryable=False, status=200)
+        self.time_zone = zone
+        return Result(ok=True, status=200, body=zone)
+
+    async def _active_workflow(self, doctype: str) -> Result:
+        """The name of the doctype's active Workflow as an ok Result's body; a failed one
+        says why there is none to read (see `transitions`)."""
+        found = await self._get("Workflow", params={
+            "filters": json.dumps([["document_type", "=", doctype], ["is_active", "=", 1]]),
+            "fields": json.dumps(["name"])})
+        if not found.ok:
+            return workflow_unreadable(found)
+        if not found.body or not isinstance(found.body[0], dict):
+            return Result.failed(f"Frappe has no active Workflow for {doctype}",
+                                 retryable=False, status=200)
+        return Result(ok=True, status=200, body=str(found.body[0].get("name", "")))
 
     async def _get(self, doctype, name=None, params=None):
         """GET Frappe's REST resource: one document, or (no `name`) a list; an ok
@@ -185,9 +288,15 @@ class WorkflowClient:
             reply = await self.http.call(
                 "GET", f"{s.workflow_url}/{path}",
                 headers={"Accept": "application/json", **self._headers()},
-                timeout=s.outbound_timeout_seconds)
+                timeout=s.outbound_timeout_seconds, limit=READ_REPLY_BYTES)
         except Exception as exc:  # network errors of every kind
             return Result.failed(describe(exc))
+        if 300 <= reply.status < 400:
+            return Result.failed(f"{redirected(reply)} reading {what}", retryable=False,
+                                 status=reply.status)
+        if reply.cut:
+            return Result.failed(f"reply over {READ_REPLY_BYTES} bytes reading {what}",
+                                 status=reply.status)
         if reply.status != 200:
             return refusal(Result.failed(f"HTTP {reply.status} reading {what}",
                                          retryable=reply.status >= 500, status=reply.status),
@@ -199,11 +308,24 @@ class WorkflowClient:
         return Result(ok=True, status=200, body=data)
 
 
+NEEDS_WORKFLOW_READ = "the API user may not read Workflow"
+
+
+def workflow_unreadable(failed: Result) -> Result:
+    """A failed read of Workflow, said as what to fix when it is our user's permission."""
+    if failed.status == 403:
+        return dataclasses.replace(
+            failed, error=f"{NEEDS_WORKFLOW_READ} (it needs read permission on Workflow): "
+                          f"{failed.error}")
+    return failed
+
+
 def refusal(failed, body):
     """`failed` (a refusal or error Frappe answered) with Frappe's reason, and what kind of
     refusal it is (see the module's docstring)."""
     exc_type, reason = frappe_reason(body)
-    said = reason if not exc_type or reason.startswith(exc_type) else f"{exc_type}: {reason}"
+    said = reason if not exc_type or reason.startswith(exc_type) else (
+        f"{exc_type}: {reason}" if reason else exc_type)
     heading = failed.error.split(":", 1)[0] if failed.error.startswith("HTTP") else failed.error
     error = f"{heading}: {said or exc_type}" if said or exc_type else failed.error
     if failed.status in CREDENTIALS_REFUSED:

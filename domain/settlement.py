@@ -116,9 +116,11 @@ async def advance(ctx, order):
 def refuses_the_order(result):
     """Frappe answered, and refused this order's action for good (417 for a state the
     action does not apply from, 404 for a document it does not have): not a network
-    error or a 5xx, which every order meets alike, nor a refusal of our credentials."""
+    error or a 5xx, which every order meets alike, nor a refusal of our credentials or
+    one our settings left unread (a 417 whose read-back could not read Workflow: the
+    action may have been applied)."""
     return (not result.retryable and result.configured and 400 <= result.status < 500
-            and result.status not in CREDENTIALS_REFUSED)
+            and result.status not in CREDENTIALS_REFUSED and not result.misconfigured)
 
 
 async def settle_crtc_orders(ctx):

@@ -80,6 +80,17 @@ class Destination:
         self.clock = clock
         self.recovered = recovered
         self.down_after = settings.outbound_down_after
+        # However few sends there are to fail: a destination whose sends have all found
+        # it unwell for this long is down (its probes then find it back within seconds).
+        self.down_after_time = datetime.timedelta(
+            seconds=settings.outbound_down_after_seconds)
+        self.failing_since: datetime.datetime | None = None
+        # The effects whose sends failed since: one effect failing again and again may be
+        # its own trouble, two or more are the peer's.
+        self.failing_effects: set[int] = set()
+        # Found back up: its effects waiting on a backoff are made due at the sender's
+        # next run (`outbox.send_due`), which this asks for at once.
+        self.back = False
         self.probes = retry.probes(settings)
         self.failed_probes = 0
         self.up = True
@@ -120,6 +131,13 @@ class Destination:
         """What the peer said of our configuration, while it stands."""
         return self.credentials_refused or self.misconfigured
 
+    @property
+    def warnings(self) -> dict[str, str]:
+        """What the last configuration check found wrong that leaves the destination in
+        use (Frappe: the API user may not read Workflow; WORKFLOW_TIME_ZONE is not the
+        site's), by what; {} for a client without such a check."""
+        return dict(getattr(self.client, "findings", {}))
+
     def take_probe(self) -> bool:
         """True, once per probe time, while down: the caller sends one row as the probe."""
         if self.up or (self.probe_at is not None and self.clock() < self.probe_at):
@@ -128,8 +146,9 @@ class Destination:
         self.probing = True
         return True
 
-    def observe(self, result: Result | None) -> None:
-        """Learn from a send's Result (None: nothing was sent)."""
+    def observe(self, result: Result | None, effect: int | None = None) -> None:
+        """Learn from a send's Result (None: nothing was sent); `effect`: the outbox row
+        it was for."""
         if result is None or not result.configured:
             return
         if result.credentials_refused:
@@ -143,24 +162,23 @@ class Destination:
         elif result.ok:
             self.misconfigured = None
         if not result.peer_failed:
-            self.failures = 0
+            self.failures, self.failing_since = 0, None
+            self.failing_effects.clear()
             if self.credentials_refused:
                 self.credentials_refused = None
                 log.warning("destination %s takes our credentials again", self.name)
             if not self.up:
                 self.up, self.probing, self.down_since = True, False, None
+                self.back = True
                 log.warning("destination %s is up again: sending its effects", self.name)
                 self.recovered()
             return
         self.failures += 1
-        if self.up and self.failures >= self.down_after:
-            self.up, self.probing, self.down_since = False, False, self.clock()
-            self.failed_probes = 0
-            self.probe_wait = self.probes.delay(1)
-            log.error("destination %s is down after %d failed sends in a row (%s): its "
-                      "effects wait, one is tried every %s s or so",
-                      self.name, self.failures, result.error,
-                      int(self.probe_wait.total_seconds()))
+        self.failing_since = self.failing_since or self.clock()
+        if effect is not None:
+            self.failing_effects.add(effect)
+        if self.up and (self.failures >= self.down_after or self._failing_too_long()):
+            self._go_down(result.error)
         elif not self.up and self.probing:
             self.probing = False
             self.failed_probes += 1
@@ -168,6 +186,40 @@ class Destination:
         else:
             return  # still up; or a send that was in flight when it went down
         self.probe_at = self.clock() + self.probe_wait
+
+    def answered(self) -> None:
+        """The peer answered a call of ours other than a send (Frappe: a reconciliation's
+        list): if it was taken for down, it is back, and its effects go at once. What
+        it said of our configuration stands."""
+        if not self.up and not self.credentials_refused:
+            self.failures, self.failing_since = 0, None
+            self.failing_effects.clear()
+            self.up, self.probing, self.down_since = True, False, None
+            self.back = True
+            log.warning("destination %s answers again: sending its effects", self.name)
+            self.recovered()
+
+    def _failing_too_long(self) -> bool:
+        return (self.failing_since is not None and len(self.failing_effects) >= 2
+                and self.clock() - self.failing_since >= self.down_after_time)
+
+    def _go_down(self, error: str) -> None:
+        self.up, self.probing, self.down_since = False, False, self.clock()
+        self.failed_probes = 0
+        self.probe_wait = self.probes.delay(1)
+        log.error("destination %s is down after %d failed send(s) in a row over %d s (%s): "
+                  "its effects wait, one is tried every %s s or so", self.name,
+                  self.failures, (self.clock() - (self.failing_since or self.clock()))
+                  .total_seconds(), error, int(self.probe_wait.total_seconds()))
+
+    def down_if_failing_too_long(self) -> None:
+        """Down once every send for OUTBOUND_DOWN_AFTER_SECONDS has failed, for two effects
+        or more, even when too few were made to count OUTBOUND_DOWN_AFTER (a few effects
+        on their backoff): asked at every run of the scheduled sender."""
+        if self.up and self.failures and self._failing_too_long():
+            self._go_down("no send went through since "
+                          f"{self.failing_since:%H:%M:%S} UTC")
+            self.probe_at = self.clock() + self.probe_wait
 
     async def check(self, within: float | None = None) -> None:
         """Ask the peer whether our configuration works (credentials, the names our

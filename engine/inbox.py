@@ -198,7 +198,7 @@ async def accept(ctx: EngineContext, source: str, event_type: str, dedup_key: st
 
     `handled_by`: run in the storing's transaction when no key of the call is stored, it
     returns an event that already handled what the call asks for under another key (a
-    late workflow webhook, domain.reconcile.handled_since); the call is then that event's
+    late workflow webhook, domain.reconcile.same_stay); the call is then that event's
     duplicate. A call spooled meanwhile is stored by the drain without it.
 
     `ahead`: what the unit that stores and handles the call asks to have done before the
@@ -968,6 +968,11 @@ def _conclude(ctx, event, effects, stored_processed=False):
                     event.event_type, effects.rejection)
         _finish(ctx, event.id, "rejected", effects.rejection, counted=stored_processed)
         return "rejected"
+    if effects.recorded_only:
+        log.warning("%s event #%s (%s) recorded, not handled: %s", event.source, event.id,
+                    event.event_type, effects.recorded_only)
+        _finish(ctx, event.id, "ignored", effects.recorded_only, counted=stored_processed)
+        return "ignored"
     if effects.retry_reason:
         log.warning("%s event #%s (%s) partly handled, retried later: %s", event.source,
                     event.id, event.event_type, effects.retry_reason)

@@ -49,6 +49,9 @@ UNRECORDED = Result.failed("sent, but its outcome could not be recorded; sent ag
 # (a write and a commit) before sending: the re-take would add too little to matter.
 RETAKE_SLACK = datetime.timedelta(seconds=1)
 
+# Rows made due in one statement when a destination is back (a bound on its parameters).
+RELEASE_BATCH = 500
+
 T = TypeVar("T")
 NEW_EFFECT = InsertOnce(Outbox)
 # A row is pending (to send at next_attempt_at) or waiting (its destination is not
@@ -188,6 +191,8 @@ class Effects:
         self.retry_reason: str | None = None
         # Set by `reject`: the event is refused for good, with this reason.
         self.rejection: str | None = None
+        # Set by `record_only`: the event is kept, not acted on, for this reason.
+        self.recorded_only: str | None = None
 
     @contextlib.contextmanager
     def savepoint(self) -> Iterator[None]:
@@ -210,12 +215,14 @@ class Effects:
             len(self.rows), len(self.named), self.position)
         recognised_before = set(self.recognised)
         retry_before, rejection_before = self.retry_reason, self.rejection
+        recorded_before = self.recorded_only
 
         def run_from_the_state_before():  # a unit may be run again (engine.commits)
             del self.rows[rows_before:]
             del self.named[named_before:]
             self.position, self.recognised = position_before, set(recognised_before)
             self.retry_reason, self.rejection = retry_before, rejection_before
+            self.recorded_only = recorded_before
             return work()
         try:
             return await self.ctx.commits.run(run_from_the_state_before)
@@ -234,6 +241,12 @@ class Effects:
         it ends `rejected` with the reason, and what the handling asked for is kept (a
         plugin that rejects asks for nothing first)."""
         self.rejection = reason
+
+    def record_only(self, reason: str) -> None:
+        """The event is a fact kept for the record, not acted on (a state change older
+        than one already handled): it ends `ignored` with the reason; what the handling
+        asked for is kept (a notice to the administrator, say)."""
+        self.recorded_only = reason
 
     def add(self, kind: str, payload: dict[str, Any], purpose: str | None = None,
             key: str | None = None, order_number: str | None = None) -> None:
@@ -288,11 +301,18 @@ class Effects:
         self.add("job", {"action": action, "payload": payload}, purpose, key,
                  payload.get("order_number"))
 
-    def workflow_action(self, doctype: str, name: str, action: str,
+    def workflow_action(self, doctype_setting: str, name: str, action: str,
                         purpose: str | None = None, key: str | None = None,
                         order_number: str | None = None) -> None:
-        self.add("workflow_action", {"doctype": doctype, "name": name, "action": action},
-                 purpose, key, order_number)
+        """The action on the document `name` of the doctype the setting
+        `doctype_setting` names (`workflow_doctype`): the row keeps the setting, and the
+        doctype it names when written for the record; the send reads it anew
+        (`action_doctype`), so a misspelled doctype fixed and the service restarted is
+        enough for `outbox retry` to send the action right."""
+        self.add("workflow_action", {
+            "doctype": getattr(self.ctx.settings, doctype_setting),
+            "doctype_setting": doctype_setting, "name": name, "action": action},
+            purpose, key, order_number)
 
     def email(self, to: Iterable[str], subject: str, template: str,
               purpose: str | None = None, key: str | None = None,
@@ -365,9 +385,16 @@ async def _send_job(ctx, payload, row, confirm_held):
     return await ctx.worker.dispatch(payload["action"], payload["payload"], row.idempotency_key)
 
 
+def action_doctype(settings: Any, payload: dict[str, Any]) -> str:
+    """The doctype a workflow action goes to: what its setting says now. Rows written
+    before the setting was kept name WORKFLOW_DOCTYPE's (every action is on it)."""
+    return str(getattr(settings, payload.get("doctype_setting", "workflow_doctype")))
+
+
 async def _send_workflow_action(ctx, payload, row, confirm_held):
     await confirm_held()
-    return await ctx.workflow.apply_action(payload["doctype"], payload["name"], payload["action"])
+    return await ctx.workflow.apply_action(action_doctype(ctx.settings, payload),
+                                           payload["name"], payload["action"])
 
 
 async def _send_email(ctx, payload, row, confirm_held):
@@ -466,7 +493,7 @@ async def _attempt(ctx: EngineContext, row: Outbox, live: bool = False) -> SendO
     row.last_duration_ms = round((time.monotonic() - started) * 1000)
     row.last_status_code = result.status or None
     row.last_reply = result.reply or None
-    destination.observe(result)
+    destination.observe(result, row.id)
     return result
 
 
@@ -566,8 +593,11 @@ def record_outcome(ctx: EngineContext, row: Outbox, result: Result) -> None:
         log.error("outbox %s %s dead after %d attempt(s): %s",
                   row.id, row.kind, attempts, result.error)
         if not row.idempotency_key.startswith(ADMIN_NOTICE_PREFIX):
+            # What the destination's check finds to fix (Frappe: its Workflow read
+            # permission) is said with it: often why a refusal could not be read back.
             tell_admin(ctx, f"outbox-{row.id}", f"Outbox effect #{row.id} given up",
-                       "outbox_dead", row=row, attempts=attempts, error=result.error)
+                       "outbox_dead", row=row, attempts=attempts, error=result.error,
+                       warnings=ctx.destinations.of(row.kind).warnings)
     else:
         RETRY.execute_later(id=row.id, last_error=result.error,
                             next_attempt_at=now + retry.outbox(ctx.settings).delay(attempts),
@@ -661,7 +691,15 @@ async def _claim_due(ctx):
                                           for kind in up)):
         rows += claimed
     for kind in destinations.kinds(lambda destination: destination.take_probe()):
-        rows += await claim(ctx, Outbox, _due(now, [kind]), limit=1)
+        probe = await claim(ctx, Outbox, _due(now, [kind]), limit=1)
+        if not probe:
+            # Every row on a retry's backoff (they failed as it went down): the probe is
+            # the first of them in line, or the destination would stay down, back or not,
+            # until a backoff ends. A row another process claimed a moment ago may be
+            # taken too: sent twice at worst, under its one key, as after a crash.
+            later = now + datetime.timedelta(seconds=retry.outbox(ctx.settings).cap_seconds)
+            probe = await claim(ctx, Outbox, _due(later, [kind]), limit=1)
+        rows += probe
     return rows
 
 
@@ -674,10 +712,14 @@ async def send_due(ctx: EngineContext) -> int:
     A backlog (a destination back after an outage) is sent in one run, without waiting
     for the next tick between batches: as fast as the destination's calls in flight
     allow. The run ends when nothing is due or a whole batch failed (the destination is
-    unwell again: its backoff and probes take over)."""
+    unwell again: its backoff and probes take over). A destination found back (by a
+    probe of this run, say) has its effects on a backoff made due first: back means
+    sent, not each at its own retry time. A destination whose sends have all failed for
+    OUTBOUND_DOWN_AFTER_SECONDS is taken for down after the run's sends."""
     await ctx.commits.run(functools.partial(release_waiting, ctx))
     sent = 0
     while True:
+        await _release_those_back(ctx)
         rows = await _claim_due(ctx)
         if not rows:
             break
@@ -686,7 +728,21 @@ async def send_due(ctx: EngineContext) -> int:
         sent += succeeded
         if not succeeded:
             break
+    # After the sends: one that went through shows the destination well.
+    for destination in ctx.destinations:
+        destination.down_if_failing_too_long()
     return sent
+
+
+async def _release_those_back(ctx):
+    """The effects on a backoff of every destination found back since (by a probe of this
+    run, say) made due now, so they go in this same run."""
+    back = [destination for destination in ctx.destinations if destination.back]
+    if back:
+        kinds = ctx.destinations.kinds(lambda destination: destination in back)
+        await ctx.commits.run(functools.partial(release_backed_off, ctx, kinds))
+        for destination in back:
+            destination.back = False
 
 
 async def _send_batch(ctx, rows):
@@ -729,6 +785,28 @@ def release_waiting(ctx: EngineContext) -> int:
         log.info("outbox: %d waiting effect(s) due now, their destination is configured",
                  released)
     return released
+
+
+def release_backed_off(ctx: EngineContext, kinds: list[str]) -> int:
+    """A destination found back: its effects waiting on a retry's backoff are made due
+    now (they go in this run, each order's in its sequence, `_due`), not each at its own
+    time up to hours later. A row a sender holds (claimed or re-taken, or written by a
+    request that sends it: its next try exactly one lease after its last update) may be
+    mid-send and is left to it. Returns how many."""
+    now = ctx.clock()
+    held = lease(ctx)
+    waiting = [row.id for row in Outbox.select(Outbox.id, Outbox.next_attempt_at,
+                                               Outbox.updated_at)
+               .where(Outbox.status == "pending", Outbox.kind.in_(kinds),
+                      Outbox.next_attempt_at > now)
+               if row.next_attempt_at - row.updated_at != held]
+    for start in range(0, len(waiting), RELEASE_BATCH):
+        (Outbox.update(next_attempt_at=now, updated_at=now)
+         .where(Outbox.id.in_(waiting[start:start + RELEASE_BATCH])).execute())
+    if waiting:
+        log.info("outbox: %d effect(s) waiting on a retry made due now, their destination "
+                 "is back", len(waiting))
+    return len(waiting)
 
 
 def tell_admin(ctx: EngineContext, key: str, subject: str, template: str,

@@ -64,6 +64,12 @@ class ReadyHandler(ApiHandler):
                          for destination in self.ctx.destinations if destination.problem}
         if misconfigured:
             body["destination_problems"] = misconfigured
+        # What the check found that leaves the destination in use but is to fix (Frappe:
+        # the Workflow read permission, the time zone): not a reason to be unready.
+        warnings = {destination.name: destination.warnings
+                    for destination in self.ctx.destinations if destination.warnings}
+        if warnings:
+            body["destination_warnings"] = warnings
         # Calls the database refused: worth an operator's look, no reason to take this
         # process out of service.
         quarantined = len(spool.quarantined(self.ctx.settings.spool_dir))
@@ -73,10 +79,16 @@ class ReadyHandler(ApiHandler):
             body["spool_oldest_seconds"] = round(age)
         if checks["database"] == "ok":
             # When reconciliation with Frappe last finished, per doctype (null: never).
-            last = await self.ctx.db(
-                functools.partial(reconcile.last_successes, self.ctx.settings))
+            # And why a doctype's last run failed, or what a finished one found wrong
+            # (its window met none of Frappe's changes): runs that say nothing are not
+            # enough. One unit, one turn.
+            settings = self.ctx.settings
+            last, found = await self.ctx.db(lambda: (reconcile.last_successes(settings),
+                                                     reconcile.problems(settings)))
             body["reconciled"] = {doctype: at.isoformat() if at else None
                                   for doctype, at in last.items()}
+            if found:
+                body["reconcile_problems"] = found
         self.answer(status, body)
 
     head = get

@@ -24,6 +24,7 @@ log = logging.getLogger("receiver.workflow")
 # whatever the hour boundaries.
 DEDUP_BUCKET_SECONDS = 3600
 REJECTED = "rejected"
+RECORDED = "ignored"
 
 
 def hourly_keys(prefix: str, first: int, last: int) -> inbox.CallFields:
@@ -71,6 +72,10 @@ class WorkflowWebhookHandler(ApiHandler):
             stored = await self.ctx.commits.run(
                 functools.partial(inbox.find, self.ctx, "workflow", event.dedup_key))
             self.fail(409, stored.last_error)
+        if RECORDED in (outcome, event and event.status):
+            # A change older than one handled (BEHAVIOUR.md 4.1.1): kept, not acted on.
+            self.answer(200, {"received": True, "action": "recorded_not_handled"})
+            return
         self.answer(200, {"received": True, "action": webhook.answer})
 
     def fail(self, status, message):
@@ -106,12 +111,13 @@ class WorkflowWebhookHandler(ApiHandler):
             if change:
                 # The body's own key too: a copy stored before state changes had keys.
                 dedup_key, last = change, hour
-                if reconcile.came_late(self.ctx.settings, body["modified"], self.ctx.clock()):
-                    # A run may have handled this change first, under a later `modified`
-                    # (BEHAVIOUR.md 4.1.1): one lookup more, for a late webhook only.
+                if reconcile.came_late(self.ctx, body["modified"], self.ctx.clock()):
+                    # A run may have found this change first in Frappe's workflow log,
+                    # under that entry's key (BEHAVIOUR.md 4.1.1): one lookup more, for a
+                    # late webhook only.
                     handled_by = functools.partial(
-                        reconcile.handled_since, path, body["order_name"],
-                        body["order_number"], body["modified"])
+                        reconcile.same_stay, path, body["order_name"], body["order_number"],
+                        body)
             earlier = hourly_keys(f"{path}:{digest}", first, last)
         # The earlier hours are looked up by the inbox, or by the spool drain when the
         # database is down now.

@@ -335,8 +335,8 @@ def _request_of(ctx, row, payload):
         request = ctx.worker.request(payload["action"], payload["payload"],
                                      row.idempotency_key)
     elif row.kind == "workflow_action":
-        request = ctx.workflow.apply_request(payload["doctype"], payload["name"],
-                                             payload["action"])
+        request = ctx.workflow.apply_request(outbox.action_doctype(ctx.settings, payload),
+                                             payload["name"], payload["action"])
     else:
         request = ctx.telegram.request(payload["text"])
     url = request.url

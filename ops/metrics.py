@@ -25,6 +25,8 @@ from engine import commits, inbox, spool
 from engine.commits import on_commit
 from engine.db import UNAVAILABLE
 from engine.destinations import DESTINATION_OF
+# What Frappe's configuration check may find that leaves it in use (clients.workflow).
+WORKFLOW_WARNINGS = ("workflow_read", "time_zone")
 
 log = logging.getLogger("receiver.metrics")
 
@@ -180,12 +182,21 @@ class StateCollector:
         misconfigured = GaugeMetricFamily(
             "receiver_destination_misconfigured", "1 while a destination says our settings "
             "name what it does not have (a doctype).", labels=["destination"])
+        warning = GaugeMetricFamily(
+            "receiver_destination_warning", "1 while a destination's configuration check "
+            "finds what leaves it in use but is to fix: workflow_read (Frappe's API user may "
+            "not read Workflow, or a doctype has no active Workflow), time_zone "
+            "(WORKFLOW_TIME_ZONE is not the site's).", labels=["destination", "warning"])
         for destination in self.ctx.destinations:
+            found = destination.warnings
+            if destination.name == "workflow":
+                for what in WORKFLOW_WARNINGS:
+                    warning.add_metric([destination.name, what], 1 if what in found else 0)
             up.add_metric([destination.name], 1 if destination.up else 0)
             in_flight.add_metric([destination.name], destination.in_flight)
             refused.add_metric([destination.name], 1 if destination.credentials_refused else 0)
             misconfigured.add_metric([destination.name], 1 if destination.misconfigured else 0)
-        yield from (up, in_flight, refused, misconfigured)
+        yield from (up, in_flight, refused, misconfigured, warning)
 
     def spool_families(self):
         files, size = spool_usage(self.ctx.settings.spool_dir)
@@ -246,6 +257,14 @@ def database_families(ctx):
     for doctype, at in reconcile.last_successes(ctx.settings).items():
         reconciled.add_metric([doctype], at.timestamp() if at else 0)
     yield reconciled
+    failing = GaugeMetricFamily(
+        "receiver_reconcile_problem", "1 while a doctype's last reconciliation run failed "
+        "or found its window meeting none of Frappe's changes (/readyz says why).",
+        labels=["doctype"])
+    found = reconcile.problems(ctx.settings)
+    for doctype in reconcile.last_successes(ctx.settings):
+        failing.add_metric([doctype], 1 if doctype in found else 0)
+    yield failing
 
 
 def _samples(metric):

@@ -14,7 +14,24 @@ What the real site showed and this one does alike:
   `exc_type`;
 - `POST /api/method/frappe.model.workflow.apply_workflow` answers the document as
   `{"message": {...}}`.
+
+And, recorded from the real v15.54.1 site on 2026-11-28 (receiver@erp.test, the Receiver
+role: read on the doctypes, no System Manager):
+- `GET /api/method/frappe.desk.form.load.get_docinfo?doctype=&name=` answers
+  `{"docinfo": {...}}` whose `workflow_logs` is every Comment of type Workflow of the
+  document, newest first: `{"name": "71d3lmta60", "creation": "2026-11-28
+  19:15:45.402506", "content": "Name Check", "owner": "receiver@erp.test",
+  "comment_type": "Workflow"}`, one per workflow action (apply_workflow writes it just
+  after the save, so its `creation` is a few ms after the document's `modified`); a note
+  edit adds none. `versions` (the Version log, with Track Changes on) lists only the 10
+  newest. `/api/resource/Comment`, `/api/resource/Version` and `/api/resource/System
+  Settings/System Settings` answer 403 PermissionError to this user.
+- `GET /api/method/frappe.client.get_time_zone` (allowed to anyone) answers
+  `{"message": {"time_zone": "Asia/Kolkata"}}`: the site's default time zone, which
+  System Settings set when saved; a fresh site, whose System Settings name none, answers
+  Asia/Kolkata already (and writes its times in it); null is read as Asia/Kolkata too.
 """
+import itertools
 import datetime
 import json
 import urllib.parse
@@ -37,7 +54,7 @@ def _error(handler, status, exc_type, exception):
                     "exc": json.dumps(["Traceback (most recent call last): ..."])})
 
 
-class _List(tornado.web.RequestHandler):
+class _Handler(tornado.web.RequestHandler):
     def initialize(self, site):
         self.site = site
 
@@ -47,11 +64,40 @@ class _List(tornado.web.RequestHandler):
         if self.site.down_with is not None:
             status, exc_type = self.site.down_with
             _error(self, status, exc_type, f"frappe.exceptions.{exc_type}")
-        elif self.request.headers.get("Authorization") != f"token {API_KEY}:{API_SECRET}":
+
+
+class _Method(_Handler):
+    """The whitelisted methods the service reads: who we are, a document's timeline, the
+    time zone."""
+
+    def get(self, method):
+        if method == "frappe.auth.get_logged_user":
+            self.finish({"message": "receiver@erp.test"})
+            return
+        if method == "frappe.client.get_time_zone":
+            self.finish({"message": {"time_zone": self.site.time_zone}})
+            return
+        doctype, name = self.get_query_argument("doctype"), self.get_query_argument("name")
+        logs = [{**entry, "owner": "ops@erp.test", "comment_type": "Workflow"}
+                for entry in reversed(self.site.logs.get((doctype, name), []))]
+        self.finish({"docinfo": {"doctype": doctype, "name": name, "comments": [],
+                                 "versions": [], "workflow_logs": logs}})
+
+
+class _List(_Handler):
+    def prepare(self):
+        super().prepare()
+        if (self.site.down_with is None and
+                self.request.headers.get("Authorization") != f"token {API_KEY}:{API_SECRET}"):
             _error(self, 401, "AuthenticationError", "frappe.exceptions.AuthenticationError")
 
     def get(self, doctype):
         doctype = urllib.parse.unquote(doctype)
+        if doctype == "Workflow":  # each doctype's active Workflow, by its list
+            filters = json.loads(self.get_query_argument("filters", "[]"))
+            of = [value for field, _, value in filters if field == "document_type"]
+            self.finish({"data": [{"name": f"{of[0]} Flow"}] if of else []})
+            return
         if doctype not in self.site.documents:
             _error(self, 404, "DoesNotExistError", f"DocType {doctype} not found")
             return
@@ -67,8 +113,9 @@ class _List(tornado.web.RequestHandler):
                 return
         rows = [d for d in self.site.documents[doctype]
                 if all(_matches(d, *condition) for condition in filters)]
-        assert query.get("order_by") == "modified asc, name asc", query.get("order_by")
-        rows.sort(key=lambda d: (d["modified"], d["name"]))
+        order = query.get("order_by") or "modified desc, name desc"  # Frappe's default
+        assert order in ("modified asc, name asc", "modified desc, name desc"), order
+        rows.sort(key=lambda d: (d["modified"], d["name"]), reverse=order.endswith("desc"))
         start = int(query.get("limit_start", 0))
         length = int(query.get("limit_page_length", 20))
         page = [{field: _shown(row.get(field)) for field in fields}
@@ -116,6 +163,11 @@ class FrappeSite:
     def __init__(self, fields):
         self.fields = fields  # {doctype: the doctype's own fields}
         self.documents = {doctype: [] for doctype in fields}
+        # {(doctype, name): its workflow log, oldest first}: {name, creation, content}.
+        self.logs = {}
+        self._comments = itertools.count(1)
+        # What System Settings say (None: no time zone set).
+        self.time_zone = "Asia/Kolkata"
         self.requests = []
         self.actions = []
         self.down_with = None
@@ -123,6 +175,9 @@ class FrappeSite:
         self.server = tornado.httpserver.HTTPServer(tornado.web.Application([
             (r"/api/resource/([^/]+)", _List, {"site": self}),
             (r"/api/method/(frappe\.model\.workflow\.apply_workflow)", _List, {"site": self}),
+            (r"/api/method/(frappe\.desk\.form\.load\.get_docinfo|"
+             r"frappe\.client\.get_time_zone|frappe\.auth\.get_logged_user)", _Method,
+             {"site": self}),
         ]))
         self.server.add_sockets([sock])
 
@@ -130,18 +185,34 @@ class FrappeSite:
     def url(self):
         return f"http://127.0.0.1:{self.port}"
 
-    def add(self, doctype, name, state, modified, **fields):
+    def add(self, doctype, name, state, modified, logged=True, **fields):
+        """The document saved at `modified`; a workflow action to a new state writes its
+        log entry 40 ms after (`logged=False`: the state set other than by an action,
+        which leaves none)."""
+        before = next((d for d in self.documents[doctype] if d["name"] == name), None)
         document = {"name": name, "workflow_state": state, "modified": modified,
                     **{field: None for field in self.fields[doctype]}, **fields}
         self.documents[doctype] = [d for d in self.documents[doctype] if d["name"] != name]
         self.documents[doctype].append(document)
+        if logged and (before is None or before["workflow_state"] != state):
+            self.logs.setdefault((doctype, name), []).append({
+                "name": f"c{next(self._comments):09}",
+                "creation": frappe_text(modified + datetime.timedelta(milliseconds=40)),
+                "content": state})
+        return document
+
+    def edit(self, doctype, name, modified, **fields):
+        """The document saved again in its state (a note edited): no log entry."""
+        document = next(d for d in self.documents[doctype] if d["name"] == name)
+        document.update(modified=modified, **fields)
         return document
 
     def listings(self):
         """The query of each list call made, parsed."""
         return [{key: values[-1] for key, values in
                  urllib.parse.parse_qs(request.query).items()}
-                for request in self.requests if request.method == "GET"]
+                for request in self.requests
+                if request.method == "GET" and request.path.startswith("/api/resource/")]
 
     def stop(self):
         self.server.stop()

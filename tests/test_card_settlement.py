@@ -233,8 +233,7 @@ async def test_an_action_applied_but_not_recorded_is_marked_settled_on_the_next_
     read_back("CA-1", "New"),
     [(404, {})],
     [(200, {"data": {"name": "CA-1"}})],
-    [document("CA-1", "Client Selection"), (403, {})],
-], ids=["still-awaiting", "not-yet-awaiting", "not-found", "no-state", "workflow-unreadable"])
+], ids=["still-awaiting", "not-yet-awaiting", "not-found", "no-state"])
 @pytest.mark.gen_test
 async def test_a_refused_order_not_shown_past_the_action_stays_unsettled(ctx, clock, frappe,
                                                                          replies):
@@ -247,6 +246,23 @@ async def test_a_refused_order_not_shown_past_the_action_stays_unsettled(ctx, cl
     order = CrtcOrder.get()
     assert order.funds_available is False
     assert (order.funds_refusals, order.funds_refused_at) == (1, clock())
+
+
+@pytest.mark.gen_test
+async def test_a_refusal_the_workflow_could_not_be_read_for_is_not_counted(ctx, clock, frappe):
+    """The real site without the Workflow read permission: an action applied already,
+    refused again (417), could not be read back, and settlement counted a refusal of the
+    order for what was our user's permission."""
+    paid_crtc("CA-1")
+    clock.set(2026, 11, 30, 9, 0)
+    frappe.responses = [REFUSED, document("CA-1", "Client Selection"), (403, {
+        "exception": "frappe.exceptions.PermissionError", "exc_type": "PermissionError"})]
+    frappe.fail_with(404, {})
+    counts = await settle_crtc_orders(ctx)
+    assert (counts["settled"], counts["failed"]) == (0, 1)
+    order = CrtcOrder.get()
+    assert order.funds_available is False
+    assert (order.funds_refusals, order.funds_refused_at) == (0, None)
 
 
 def refused_numbers(number_of_orders):

@@ -107,7 +107,7 @@ async def test_the_effect_page_shows_the_request_without_credentials_and_every_a
 async def test_a_workflow_action_is_shown_without_frappes_credentials(logged_in, ctx, frappe):
     effects = Effects(ctx)
     await ctx.db(lambda: effects.workflow_action(
-        "Formation Order", "ORD-0001", "Start Name Check", key="action-FO-1",
+        "workflow_doctype", "ORD-0001", "Start Name Check", key="action-FO-1",
         order_number="FO-1"))
     [row] = effects.rows
     row_id = row.id
@@ -178,7 +178,7 @@ async def test_the_overview_shows_each_destinations_health(logged_in, ctx, clock
     worker.stop()
     effects = Effects(ctx)
     name_search_jobs(effects, range(ctx.settings.outbound_down_after))
-    through_the_door(effects.workflow_action, "Formation Order", "ORD-1", "Start Name Check",
+    through_the_door(effects.workflow_action, "workflow_doctype", "ORD-1", "Start Name Check",
                      key="action-1")
     await outbox.deliver(ctx, effects.rows)
     page = text(await logged_in.get("/console/"))

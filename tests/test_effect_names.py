@@ -19,7 +19,7 @@ ORDER = {"order_name": "FORM-7", "order_number": "FO-7"}
 
 
 def start_filing(effects):
-    effects.workflow_action("Formation Order", "FORM-7", "Start Filing",
+    effects.workflow_action("workflow_doctype", "FORM-7", "Start Filing",
                             purpose="Start Filing", order_number="FO-7")
 
 

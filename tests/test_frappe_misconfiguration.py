@@ -3,11 +3,15 @@ call), a misspelled WORKFLOW_DOCTYPE (500 ImportError), and Frappe's own reason 
 refusal. Each is its own signal: the actions wait (credentials) or are given up at once
 (doctype), Frappe is not taken for down, and last_error says what Frappe said. Frappe is
 a real HTTP peer on loopback answering with v15's error replies; a controlled clock."""
+import dataclasses
+import functools
 import json
 
 import pytest
 
+from app.context import Context
 from engine import outbox
+from ops import operator as operator_commands
 from models import Outbox
 from tests.conftest import WEBHOOK_SECRET
 from tests.console_helpers import console_settings, logged_in, operator, text  # noqa: F401
@@ -34,6 +38,10 @@ TRANSITION_REFUSED = (417, {
         "title": "Message", "indicator": "red", "raise_exception": 1})]),
     "exc": json.dumps(["Traceback (most recent call last): ..." * 20])})
 WHO = (200, {"message": "receiver@erp.test"})
+# The real site's answers (2026-11-28): the doctype's active Workflow listed, and the
+# site's time zone (frappe.client.get_time_zone; null when System Settings name none).
+ACTIVE_WORKFLOW = (200, {"data": [{"name": "Formation Order Flow"}]})
+TIME_ZONE = (200, {"message": {"time_zone": "Asia/Kolkata"}})
 
 
 @pytest.fixture
@@ -118,7 +126,9 @@ async def test_a_refusal_keeps_frappes_own_message_not_its_traceback(
     [row] = actions()
     assert row.status == "dead"
     assert row.last_error == ("HTTP 417: WorkflowTransitionError: Not a valid Workflow "
-                              "Action: Start Name Check")
+                              "Action: Start Name Check; read back: the document's state "
+                              "could not be read (HTTP 404 reading Formation Order ORD-1: "
+                              "DoesNotExistError)")
 
 
 @pytest.mark.gen_test
@@ -162,7 +172,7 @@ async def test_readyz_checks_frappes_credentials_and_caches_the_answer(
 
     # Probed every few seconds, /readyz asks Frappe again only once its answer is old.
     frappe.fail_with(*WHO)
-    frappe.responses = [WHO, LISTED, LISTED]
+    frappe.responses = [WHO, LISTED, LISTED, ACTIVE_WORKFLOW, ACTIVE_WORKFLOW, TIME_ZONE]
     clock.advance(seconds=30)
     await get("/readyz")
     assert len(frappe.requests) == 1
@@ -170,9 +180,11 @@ async def test_readyz_checks_frappes_credentials_and_caches_the_answer(
     code, response = await get("/readyz")
     assert [r.path for r in frappe.requests[1:]] == [
         "/api/method/frappe.auth.get_logged_user", "/api/resource/Formation%20Order",
-        "/api/resource/CRTC%20Order"]
+        "/api/resource/CRTC%20Order", "/api/resource/Workflow", "/api/resource/Workflow",
+        "/api/method/frappe.client.get_time_zone"]
     body = json.loads(response.body)
     assert body["destinations"]["workflow"] == "up" and "destination_problems" not in body
+    assert "destination_warnings" not in body
 
 
 @pytest.mark.parametrize("listing,problem", [
@@ -207,3 +219,76 @@ async def test_the_console_overview_says_what_frappe_said_of_our_configuration(
     page = text(await logged_in.get("/console"))
     assert ("workflow misconfigured: Formation Order: HTTP 500 reading Formation Order: "
             "ImportError: Module import failed for Formation Ordr") in page
+
+
+@pytest.mark.gen_test
+async def test_a_misspelled_doctype_fixed_and_the_action_retried_goes_to_the_fixed_one(
+        post, ctx, clock, frappe, worker, smtp, settings):
+    """The real run: FORM-00016 stayed in Submitted after the fix, since the row kept the
+    misspelled doctype and `outbox retry` sent it again as it was."""
+    clock.set(2026, 11, 20, 9, 0)
+    misspelled = dataclasses.replace(settings, workflow_doctype="Formation Ordr")
+    ctx.settings = ctx.workflow.settings = misspelled
+    frappe.fail_with(*DOCTYPE_MISSPELLED)
+    await submit(post, 16)
+    [row] = actions()
+    assert row.status == "dead"
+    await outbox.send_due(ctx)
+    [mail] = [m for _, m in smtp.messages if "given up" in m["Subject"]]
+    text = mail.get_body(("plain",)).get_content().replace("\r\n", "\n")
+    assert f"receiver.py outbox retry {row.id}" in text
+    assert "on the\ndoctype WORKFLOW_DOCTYPE names, as they are when it is sent" in text
+
+    # The setting fixed and the service started again with it: a retry is enough.
+    fixed = Context.create(settings, clock=clock)
+    frappe.fail_with(200, {"message": {"name": "ORD-16", "workflow_state": "Name Check"}})
+    await fixed.db(functools.partial(operator_commands.retry_outbox, fixed, row.id))
+    await outbox.send_due(fixed)
+    await fixed.http.close()
+    [row] = actions()
+    assert row.status == "sent"
+    sent = [json.loads(r.json["doc"]) for r in frappe.posts]
+    assert sent == [{"doctype": "Formation Ordr", "name": "ORD-16"},
+                    {"doctype": "Formation Order", "name": "ORD-16"}]
+
+
+@pytest.mark.gen_test(timeout=60)
+async def test_the_workflow_read_permission_is_checked_like_credentials(
+        ctx, clock, frappe, worker, post, http_server, base_url, client, smtp):
+    """Without read permission on Workflow a refused action cannot be read back: the
+    real run showed one log line and nothing else."""
+    forbidden = (403, {"exception": "frappe.exceptions.PermissionError",
+                       "exc_type": "PermissionError", "_server_messages": json.dumps([
+                           json.dumps({"message": "User <strong>receiver@erp.test</strong> "
+                                       "does not have doctype access via role permission "
+                                       "for document <strong>Workflow</strong>"})])})
+    frappe.responses = [(200, {"message": "receiver@erp.test"}),
+                        (200, {"data": [{"name": "FORM-00001"}]}),
+                        (200, {"data": [{"name": "CRTC-00001"}]}), forbidden, forbidden,
+                        (200, {"message": {"time_zone": "Asia/Kolkata"}})]
+    ready = json.loads((await client.fetch(base_url + "/readyz")).body)
+    said = ready["destination_warnings"]["workflow"]["workflow_read"]
+    assert said.startswith("the API user may not read Workflow (it needs read permission "
+                           "on Workflow): HTTP 403 reading Workflow: PermissionError: User "
+                           "receiver@erp.test does not have doctype access")
+    metrics = samples((await client.fetch(base_url + "/metrics")).body)
+    assert value(metrics, "receiver_destination_warning", destination="workflow",
+                        warning="workflow_read") == 1
+    # An action refused (sent twice after a crash, say) cannot be read back: its mail
+    # names the permission.
+    frappe.responses = [(417, {"exc_type": "WorkflowTransitionError"}),
+                        (200, {"data": {"name": "FORM-1", "workflow_state": "Filing"}}),
+                        forbidden]
+    await post("/api/v1/webhooks/formation/name-available",
+               {"order_name": "FORM-1", "order_number": "FO-1"}, AUTH)
+    await outbox.send_due(ctx)
+    [(_, mail)] = [m for m in smtp.messages if "given up" in m[1]["Subject"]]
+    content = mail.get_body(("plain",)).get_content()
+    assert content.count("the API user may not read Workflow") == 2  # its error, the check
+
+
+@pytest.mark.gen_test(timeout=60)
+async def test_the_console_shows_what_frappes_check_found(ctx, frappe, logged_in):
+    ctx.workflow.findings = {"workflow_read": "the API user may not read Workflow (...)"}
+    page = text(await logged_in.get("/console/"))
+    assert "workflow, its configuration check: the API user may not read Workflow" in page

@@ -52,8 +52,7 @@ def configure(ctx, **changes):
 
 @pytest.fixture
 def settings(settings, site):
-    return dataclasses.replace(console_settings(settings), workflow_url=site.url,
-                               workflow_time_zone="Asia/Kolkata")
+    return dataclasses.replace(console_settings(settings), workflow_url=site.url)
 
 
 @pytest.fixture
@@ -101,8 +100,13 @@ async def test_a_change_whose_webhook_never_came_is_handled_as_the_webhook_would
     [event] = reconciled()
     assert (event.source, event.event_type, event.status, event.order_number) == (
         "workflow", "formation/submitted", "processed", "FO-9001")
-    assert json.loads(event.payload) == json.loads(
-        webhook_body(document, "state_code", "entity_name"))
+    # The webhook's fields, and the change as Frappe's workflow log has it in place of
+    # the document's `modified`: the entry, and the span its save lies in.
+    webhook = json.loads(webhook_body(document, "state_code", "entity_name"))
+    del webhook["modified"]
+    assert json.loads(event.payload) == {
+        **webhook, "workflow_entry": "c000000001", "entered_after": None,
+        "entered_at": "2026-11-25 18:20:00.163456"}
     # The plugin's effects: the same job and action a webhook causes.
     [job] = [r.json for r in worker.requests]
     assert job == {"action": "name_search", "order_name": "FORM-00001",
@@ -121,13 +125,10 @@ async def test_the_list_call_is_frappes_list_api_in_the_sites_time_zone(rctx, si
     [query] = formation
     assert json.loads(query["fields"]) == sorted(
         ["name", "modified", "workflow_state", "order_number", "state_code", "entity_name"])
-    # The first run looks a day back; changes younger than the settle time are left to
-    # their webhook; both bounds in the site's local time.
-    assert json.loads(query["filters"]) == [
-        ["modified", ">=", "2026-11-24 18:30:00.000000"],
-        ["modified", "<=", "2026-11-25 18:28:00.000000"],
-        ["workflow_state", "in", ["Approved", "EIN Obtained", "Filed Needs EIN",
-                                  "Filed Skip EIN", "Name Available", "Ready", "Submitted"]]]
+    # The first run looks a day back, in the site's local time (Frappe's System Settings,
+    # read from Frappe: no WORKFLOW_TIME_ZONE is set); every document saved since, in
+    # whatever state (its log says which states it went through).
+    assert json.loads(query["filters"]) == [["modified", ">=", "2026-11-24 18:30:00.000000"]]
     assert (query["limit_start"], query["limit_page_length"]) == ("0", "100")
     assert site.requests[0].headers["X-Frappe-Site-Name"] == "erp.example.test"
 
@@ -237,7 +238,7 @@ def test_the_state_mapping_defaults_and_its_setting():
 async def test_a_change_younger_than_the_settle_time_is_left_to_its_webhook(
         rctx, site, worker, clock):
     submitted(site, minutes_ago=1)
-    assert (await reconcile.reconcile_workflow(rctx)).listed == 0
+    assert (await reconcile.reconcile_workflow(rctx)).handled == 0
     clock.advance(minutes=5)
     assert (await reconcile.reconcile_workflow(rctx)).handled == 1
 
@@ -253,7 +254,7 @@ async def test_runs_page_through_the_list_and_stop_at_the_cap(
     first = await reconcile.reconcile_workflow(rctx)
     assert (first.listed, first.handled) == (15, 15)
     pages = [(json.loads(q["filters"])[0][2], q["limit_start"], q["limit_page_length"])
-             for q in site.listings() if "Ready" in q["filters"]]
+             for q in site.listings() if "entity_name" in q["fields"]]
     # The second page begins at the tenth document's time, past the one read there.
     assert pages[1] == (frappe_text(local(30, microseconds=9)), "1", "10")
     assert [page[1:] for page in pages] == [("0", "10"), ("1", "10")]
@@ -280,7 +281,8 @@ async def test_a_document_saved_again_while_paging_does_not_hide_another(
         return page
     monkeypatch.setattr(rctx.workflow, "list_documents", saved_again_after_the_first_page)
     counts = await reconcile.reconcile_workflow(rctx)
-    assert (counts.listed, counts.handled) == (23, 23)
+    # The one saved again is listed again at its new time, and found handled.
+    assert (counts.listed, counts.handled, counts.already) == (24, 23, 1)
     assert len({e.order_number for e in reconciled()}) == 23
 
 
@@ -293,7 +295,7 @@ async def test_documents_of_one_time_are_paged_through_by_count(rctx, site, work
     counts = await reconcile.reconcile_workflow(rctx)
     assert (counts.listed, counts.handled) == (23, 23)
     pages = [(json.loads(q["filters"])[0][2], q["limit_start"]) for q in site.listings()
-             if "Ready" in q["filters"]]
+             if "entity_name" in q["fields"]]
     same_time = reconcile.canonical_modified(frappe_text(local(30, microseconds=0)))
     assert [start for _, start in pages] == ["0", "10", "20"]
     assert {lower for lower, _ in pages[1:]} == {same_time}
@@ -326,7 +328,7 @@ async def test_later_runs_start_where_the_last_one_ended_with_an_overlap(rctx, s
     assert run.cursor == "2026-11-25 18:18:00.000000" and run.succeeded_at == NOW
     clock.advance(minutes=5)
     await reconcile.reconcile_workflow(rctx)
-    filters = json.loads([q for q in site.listings() if "Ready" in q["filters"]][-1]["filters"])
+    filters = json.loads([q for q in site.listings() if "entity_name" in q["fields"]][-1]["filters"])
     assert filters[0] == ["modified", ">=", "2026-11-25 18:18:00.000000"]
 
 
@@ -435,7 +437,8 @@ async def test_reconciled_events_are_marked_in_the_command_line_and_the_console(
     ran = await run_async(env, "reconcile", "workflow", "--since", "2026-11-25T00:00Z")
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.strip() == ("looked at 1 document(s): 1 change(s) handled, "
-                                  "0 already stored, 0 not usable")
+                                  "0 already stored, 0 recorded and not handled, "
+                                  "0 not usable")
     [event] = reconciled()
     listed = await run_async(env, "events", "list")
     assert "workflow (reconciled)" in listed.stdout

@@ -80,6 +80,23 @@ async def test_a_workflow_frappe_does_not_let_us_read_is_said_in_the_log(post, f
                         (403, {"exception": "frappe.exceptions.PermissionError",
                                "exc_type": "PermissionError"})]
     await post("/api/v1/webhooks/formation/name-available", BODY, AUTH)
-    assert ("the Formation Order workflow could not be read from Frappe (HTTP 403 reading "
-            "Workflow: PermissionError): the API user needs read permission on Workflow"
-            ) in caplog.text
+    assert ("the Formation Order workflow could not be read from Frappe: the API user may "
+            "not read Workflow (it needs read permission on Workflow): HTTP 403 reading "
+            "Workflow: PermissionError") in caplog.text
+    action = Outbox.get(Outbox.kind == "workflow_action")
+    assert "read back: the document is in 'Filing'; the API user may not read Workflow" in (
+        action.last_error)
+
+
+@pytest.mark.gen_test
+async def test_no_active_workflow_for_the_doctype_is_the_reason_given(post, frappe, worker):
+    # Frappe's list of active Workflows for a doctype that has none: an empty list (was
+    # taken for a Workflow and read as one: "AttributeError raised while sending").
+    frappe.responses = [REFUSED, (200, {"data": {"name": "ORD-7", "workflow_state": "Filing"}}),
+                        (200, {"data": []})]
+    await post("/api/v1/webhooks/formation/name-available", BODY, AUTH)
+    action = Outbox.get(Outbox.kind == "workflow_action")
+    assert action.status == "dead"
+    assert action.last_error == (
+        "HTTP 417: WorkflowTransitionError: Not a valid Workflow Action; read back: the "
+        "document is in 'Filing'; Frappe has no active Workflow for Formation Order")

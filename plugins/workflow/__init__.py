@@ -2,8 +2,17 @@
 fields it requires, the workflow action it applies, the job it dispatches and the action
 it answers with; `WorkflowWebhook` does the rest."""
 from plugins.registry import workflow_webhook
+from domain import reconcile
 from domain.orders import OrderNameAhead, remember_order_name
 from engine.inbox import MAX_KEY_LENGTH
+from engine.outbox import stable_key, tell_admin
+
+# What a path does with a state its document had already left when the change was found
+# (reconciliation reads it in the document's workflow log): "handled" as its webhook would
+# have been then, or "told": recorded, nothing sent, the administrator told (its action
+# cannot apply from a state the document is no longer in, or its job is moot once the
+# state is over). BEHAVIOUR.md 4.1.1 has the table.
+HANDLED, TOLD = "handled", "told"
 
 ORDER_FIELDS = ("order_name", "order_number")
 
@@ -15,6 +24,17 @@ class WorkflowWebhook:
     job = None                     # the worker job dispatched, if any
     job_constants = {}             # fixed payload fields added to the job
     answer = None                  # the `action` of the acknowledgement
+    when_left = None               # HANDLED or TOLD; None: TOLD with an action, else HANDLED
+
+    @property
+    def left_rule(self):
+        return self.when_left or (TOLD if self.workflow_action else HANDLED)
+
+    def effects_named(self):
+        """What the path sends, in words, for a notice that it was not sent."""
+        named = [f"the action {self.workflow_action!r}"] if self.workflow_action else []
+        return " and ".join(named + ([f"the job {self.job!r}"] if self.job else [])) or \
+            "nothing"
 
     def field_error(self, body):
         """What is wrong with the first unusable required field, or None. Control
@@ -41,13 +61,35 @@ class WorkflowWebhook:
         return {**{name: body[name] for name in self.fields}, **self.job_constants}
 
     def __call__(self, ctx, body, effects):
+        if reconcile.may_be_superseded(ctx, body):
+            newer = reconcile.newer_change(reconcile.group_paths(ctx, self.path), body)
+            if newer is not None:
+                self.record_only(ctx, body, effects, f"older than the state change handled "
+                                 f"as event #{newer.id} ({newer.event_type})")
+                return
+        if body.get("left_for") and self.left_rule == TOLD:
+            self.record_only(ctx, body, effects,
+                             f"the document had left for {body['left_for']!r} when it was found")
+            return
         remember_order_name(ctx, body["order_number"], body["order_name"])
         if self.workflow_action:
-            effects.workflow_action(ctx.settings.workflow_doctype, body["order_name"],
+            effects.workflow_action("workflow_doctype", body["order_name"],
                                     self.workflow_action, purpose=self.workflow_action,
                                     order_number=body["order_number"])
         if self.job:
             effects.job(self.job, self.job_payload(ctx, body), purpose=self.job)
+
+    def record_only(self, ctx, body, effects, why):
+        """Kept, not acted on: handling a change the document is past would send what no
+        longer applies, or re-order what went out. The administrator hears of a path
+        that sends something, once per change."""
+        reason = f"{why}: recorded, {self.effects_named()} not sent"
+        effects.record_only(reason)
+        if self.workflow_action or self.job:
+            event = effects.event
+            tell_admin(ctx, f"workflow-not-handled-{stable_key(event.source, event.dedup_key)}",
+                       f"{self.path} of {body['order_name']} not handled",
+                       "workflow_not_handled", path=self.path, body=body, reason=reason)
 
 
 __all__ = ["WorkflowWebhook", "workflow_webhook", "ORDER_FIELDS"]
