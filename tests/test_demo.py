@@ -1,5 +1,6 @@
 """`receiver.py demo` as a newcomer runs it: the real command in a subprocess on free
 ports, then the commands it prints, run by a shell as they are printed."""
+import json
 import os
 import re
 import signal
@@ -158,3 +159,29 @@ def test_a_second_demo_on_the_same_port_stops_before_making_its_database(demo, t
     assert second.stderr.splitlines()[-1].startswith(
         f"receiver: cannot listen on 127.0.0.1:{port}: the port is in use")
     assert not (other / "receiver.sqlite3").exists()
+
+
+def test_the_demo_logs_no_error_while_its_printed_steps_run(demo):
+    """Its stand-ins answer what the service asks (who we are, Frappe's lists, a document):
+    the service's check of Frappe passes, the reconciliation runs, and nothing in the
+    log is an ERROR or a traceback."""
+    printed, folder, log_path = demo
+    shell(step(printed, 1))
+    shell(step(printed, 2))
+    shell(step(printed, 4).strip().join(("curl -s -o /dev/null '", "'")))
+    base = f"http://127.0.0.1:{demo_port(printed)}"
+    deadline = time.monotonic() + READY_TIMEOUT_SECONDS
+    while True:
+        ready = json.loads(shell(f"curl -s {base}/readyz"))
+        log = log_path.read_text()
+        if (len(ready.get("reconciled", {})) == 2 and "stand-in Telegram" in log
+                and "stand-in worker: job name_search for FO-0001" in log):
+            break
+        assert time.monotonic() < deadline, log
+        time.sleep(0.2)
+    assert ready["destinations"]["workflow"] == "up" and "destination_problems" not in ready
+    assert "its configuration check passed" in log
+    runs = shell(f"curl -s {base}/metrics")
+    assert 'receiver_job_runs_total{job="reconcile",result="failed"} 0.0' in runs
+    assert [line for line in (printed + log).splitlines()
+            if " ERROR " in line or "Traceback" in line or "WARNING" in line] == []
