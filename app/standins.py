@@ -88,7 +88,7 @@ class StandIns:
     def __init__(self):
         sockets = tornado.netutil.bind_sockets(0, "127.0.0.1")
         # Frappe's documents' workflow states, as the actions applied left them.
-        frappe = {"states": {}}
+        frappe: dict[str, dict[tuple[str, str], str]] = {"states": {}}
         self.http_port = sockets[0].getsockname()[1]
         self.server = tornado.httpserver.HTTPServer(tornado.web.Application([
             (r"/worker/jobs", _Worker),
