@@ -535,7 +535,11 @@ class ReconnectingPostgresqlDatabase(ClassifiedErrors, ReconnectMixin, Postgresq
     @contextlib.contextmanager
     def unbounded(self):
         """Statements that may wait long on purpose (migrations: one process migrates,
-        the others wait for its lock) run without the service's bounds."""
+        the others wait for its lock) run without the service's bounds. The connection is
+        made within them: libpq leaves a connection made through psycopg2's wait callback
+        to the callback's bound, and a server that never answers it would hold `serve`
+        at its start for good, instead of being found down."""
+        self.connect(reuse_if_open=True)
         with BoundedWaits.lifted():
             self.execute_sql("SET statement_timeout = 0")
             try:

@@ -19,11 +19,11 @@ import scheduler
 from app.context import Context
 from app.logs import configure_logging
 from app.progress import TerminalProgress
-from app.server import CannotStart, serve
+from app.server import CannotStart, refused_database_settings, serve
 from clients.stripe_api import NotConfigured
 from domain import backfill, filings, holdback, links, reconcile, reminders, settlement
 from engine import spool
-from engine.db import UNAVAILABLE
+from engine.db import UNAVAILABLE, refused_settings
 from engine.payload import read_json
 from models import open_database, sqlite_file
 from ops import console, operator, passwords, sessions
@@ -278,6 +278,10 @@ def open_migrated_database(url):
 
 def database_unavailable(exc):
     """One line an operator can act on, not a traceback; exit 1 (not done)."""
+    refused = refused_settings(exc)
+    if refused is not None:
+        print(f"receiver: {refused_database_settings(refused)}", file=sys.stderr)
+        return 1
     print(f"receiver: database unavailable: {str(exc).strip().splitlines()[0]}; check "
           "DATABASE_URL and that the database server runs and accepts connections",
           file=sys.stderr)
