@@ -704,6 +704,9 @@ class CrtcOrder(OrderBase):
     funds_refused_at = UTCDateTimeField(null=True)
     total_cents = BigIntegerField(null=True)
     amb_annual_price_cents = BigIntegerField(null=True)
+    # The ISO 4217 currency of total_cents and amb_annual_price_cents (cents: its minor
+    # units), set by the shop with them (migration 0020).
+    currency = TextField(default="USD", constraints=database_default("'USD'"))
     # The commission holdback: set once by crtc/delivered; released (the worker job sent)
     # or forfeited (a dispute before the release, with the reason), never both.
     delivered_at = UTCDateTimeField(null=True)

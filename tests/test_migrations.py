@@ -229,3 +229,23 @@ def test_0014_keeps_the_fiat_currency_of_old_treasury_jobs_and_ledger_entries(sc
             assert {(row.order_id, row.fiat_currency, row.amount_fiat_cents,
                      row.amount_usd_cents) for row in model.select()} == {
                 ("CA-USD", "USD", 9600, 9600), ("CA-EUR", "EUR", 10199, None)}
+
+
+ORDER_CURRENCY = importlib.import_module("migrations.0020_order_currency")
+
+
+def test_0020_gives_old_crtc_orders_their_currency_usd(scratch_db):
+    def columns():
+        return sorted(scratch_db.get_columns("crtc_orders"))
+    fresh = columns()
+    migrator = migrator_for(scratch_db)
+    run(migrator.drop_column("crtc_orders", "currency"))
+    insert_order_number_only(scratch_db, CrtcOrder, "CA-OLD")
+    ORDER_CURRENCY.apply(scratch_db, migrator)
+    assert columns() == fresh
+    insert_order_number_only(scratch_db, CrtcOrder, "CA-NEW")
+    with scratch_db.bind_ctx([CrtcOrder]):
+        assert {(o.order_number, o.currency) for o in CrtcOrder.select()} == {
+            ("CA-OLD", "USD"), ("CA-NEW", "USD")}
+    ORDER_CURRENCY.apply(scratch_db, migrator)
+    assert columns() == fresh
