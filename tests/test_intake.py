@@ -547,3 +547,24 @@ def test_every_migration_of_the_order_tables_is_announced_in_orders_md():
         if any(table in text for table in tables) or "ORDER_MODELS" in text:
             assert f"| {name[:-3]} |" in announced, name
 
+
+@pytest.mark.gen_test(timeout=60)
+async def test_the_readme_s_first_order_for_make_run_is_made_as_it_says(
+        http_server, base_url, ctx):
+    """The README's `make run` block and its curl, as printed, against the service (its
+    address the test's): 201 and the order."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as page:
+        readme = page.read()
+    blocks = re.findall(r"```sh\n(.*?)```", readme, re.DOTALL)
+    [run_line] = [block for block in blocks if "make run" in block and "ORDERS_API_KEY" in block]
+    [curl] = [block for block in blocks if "/api/v1/orders/" in block]
+    key = re.search(r"ORDERS_API_KEY=(\S+) make run", run_line)[1]
+    ctx.settings = dataclasses.replace(ctx.settings, orders_api_key=key)
+    process = await asyncio.create_subprocess_exec(
+        "bash", "-c", curl.replace("http://127.0.0.1:8000", base_url),
+        stdout=asyncio.subprocess.PIPE)
+    out, _ = await process.communicate()
+    order = json.loads(out)
+    assert (order["kind"], order["order_number"]) == ("formation", "FO-0001")
+    assert order["shop"]["customer_email"] == "ana@example.com"
+    assert FormationOrder.get().service_name == "Wyoming LLC"
