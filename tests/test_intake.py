@@ -36,18 +36,11 @@ def settings(settings):
 
 
 @pytest.fixture
-def put(http_server, base_url, client):
+def put(post):
     """PUT (or another method) to the orders API; returns (status, parsed body, response)."""
     async def send(kind, number, body, headers=AUTH, method="PUT"):
-        raw = body if isinstance(body, (bytes, str)) else json.dumps(body)
         path = f"/api/v1/orders/{kind}/{urllib.parse.quote(number, safe='')}"
-        response = await client.fetch(base_url + path, method=method,
-                                      body=None if method == "GET" else raw, headers=headers)
-        try:
-            parsed = json.loads(response.body) if response.body else None
-        except ValueError:
-            parsed = None
-        return response.code, parsed, response
+        return await post(path, body, headers, method=method)
     return send
 
 

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from models import CrtcOrder, WebhookEvent
-from tests.browser_helpers import Browser, needs_selenium_chromium
+from tests.browser_helpers import browser, needs_selenium_chromium  # noqa: F401 (a fixture)
 from tests.console_helpers import COOKIE_SECRET, PASSWORD, PASSWORD_HASH
 from tests.ops_helpers import ROOT, Service
 from tests.shkeeper import API_KEY, URL as CRYPTO_URL, encode, key_headers, paid
@@ -19,13 +19,6 @@ SIZES = {"phone": (375, 812), "desktop": (1280, 800)}
 ORDERS_KEY = "orders-api-key-for-the-browser-test-0123"
 
 pytestmark = needs_selenium_chromium() or []
-
-
-@pytest.fixture
-def browser(tmp_path):
-    chromium = Browser(tmp_path / "profile")
-    yield chromium
-    chromium.quit()
 
 
 @pytest.fixture
