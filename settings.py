@@ -41,7 +41,8 @@ SENDER_KEYS = {
     "crypto": ("CRYPTO_PROCESSOR_API_KEY",),
     "orders": ("ORDERS_API_KEY",),
 }
-# The SPEC's three senders: a deployment from before SENDERS starts as it did.
+# The three senders there were before the orders API: a deployment from before SENDERS
+# starts as it did.
 DEFAULT_SENDERS = ("workflow", "card", "crypto")
 # The orders API key guards the making of orders: production wants a random one this long
 # (python3 -c 'import secrets; print(secrets.token_urlsafe(32))' gives 43 characters).
@@ -535,7 +536,8 @@ class Settings:
         if "orders" in self.senders and not self.orders_api_key:
             log.warning("ORDERS_API_KEY is not set: the orders API refuses every call "
                         "(401). Set it to make orders through the API.")
-        if self.webhook_secret == PLACEHOLDER_WEBHOOK_SECRET:
+        if self.webhook_secret == PLACEHOLDER_WEBHOOK_SECRET and not self.production:
+            # (In production the placeholder matches nothing: `workflow_secret`.)
             log.warning("WEBHOOK_SECRET is not set: the workflow webhooks accept the "
                         "built-in placeholder secret. Set WEBHOOK_SECRET before going live.")
         self.warn_about_link_secret()

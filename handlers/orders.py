@@ -45,8 +45,6 @@ class OrderHandler(ApiHandler):
     def checked(self, kind, order_number, fields):
         try:
             return intake.parse(kind, order_number, fields)
-        except intake.UnknownKind as unknown:
-            self.fail(404, str(unknown))
         except intake.InvalidOrder as invalid:
             self.fail_field(400, str(invalid), invalid.field)
 
