@@ -10,10 +10,12 @@ import struct
 import pytest
 import tornado.web
 from selenium.webdriver.common.by import By
+from selenium.webdriver.support.expected_conditions import staleness_of
+from selenium.webdriver.support.ui import WebDriverWait
 
 from app.server import make_app
 from domain.links import already_filed, record_self_filed
-from tests.browser_helpers import Browser, needs_selenium_chromium
+from tests.browser_helpers import WAIT_SECONDS, Browser, needs_selenium_chromium
 from tests.door import through_the_door
 from tests.public_helpers import compliance_order, served, signed_path
 
@@ -170,6 +172,8 @@ async def test_the_customer_presses_the_button_and_the_filing_is_recorded(
         [button] = driver.find_elements(By.CSS_SELECTOR, "form button[type=submit]")
         label = button.text
         button.click()
+        # The click returns before the next page is in: wait until the question is gone.
+        WebDriverWait(driver, WAIT_SECONDS).until(staleness_of(button))
         heading = driver.find_element(By.CSS_SELECTOR, "h1").text
         driver.save_screenshot(os.path.join(SCREENSHOTS, f"confirmation-{device}.png"))
         return label, heading, driver.find_element(By.CSS_SELECTOR, "body").text, \
