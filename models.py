@@ -545,7 +545,11 @@ class ReconnectingPostgresqlDatabase(ClassifiedErrors, ReconnectMixin, Postgresq
     @contextlib.contextmanager
     def unbounded(self):
         """Statements that may wait long on purpose (migrations: one process migrates,
-        the others wait for its lock) run without the service's bounds."""
+        the others wait for its lock) run without the service's bounds. The connection is
+        made within them: libpq leaves a connection made through psycopg2's wait callback
+        to the callback's bound, and a server that never answers it would hold `serve`
+        at its start for good, instead of being found down."""
+        self.connect(reuse_if_open=True)
         with BoundedWaits.lifted():
             self.execute_sql("SET statement_timeout = 0; SET lock_timeout = 0")
             try:
@@ -737,6 +741,9 @@ class CrtcOrder(OrderBase):
     funds_refused_at = UTCDateTimeField(null=True)
     total_cents = BigIntegerField(null=True)
     amb_annual_price_cents = BigIntegerField(null=True)
+    # The ISO 4217 currency of total_cents and amb_annual_price_cents (cents: its minor
+    # units), set by the shop with them (migration 0020).
+    currency = TextField(default="USD", constraints=database_default("'USD'"))
     # The commission holdback: set once by crtc/delivered; released (the worker job sent)
     # or forfeited (a dispute before the release, with the reason), never both.
     delivered_at = UTCDateTimeField(null=True)

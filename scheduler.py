@@ -53,6 +53,16 @@ async def prune(ctx):
     return await retention.prune_all(ctx)
 
 
+def nothing_refused(result):
+    return False
+
+
+def frappe_refused(counts):
+    """A reconciliation run Frappe did not answer or refused (a doctype not listed) ran
+    to its end without doing its work: a failed run to the console and /metrics."""
+    return bool(counts.failed)
+
+
 @dataclasses.dataclass(frozen=True)
 class Job:
     name: str
@@ -61,6 +71,9 @@ class Job:
     at_start: bool = True
     # Runs in one process at a time (its advisory lock); False: in each process.
     one_process: bool = True
+    # Whether a run that returned `result` was refused by what it depends on: counted
+    # failed, as a run that raised.
+    refused: typing.Callable = nothing_refused
 
     @property
     def lock_id(self):
@@ -76,7 +89,7 @@ JOBS = (
     Job("holdback", holdback.release_due, lambda s: HOURLY),
     Job("retention", prune, lambda s: HOURLY, at_start=False),
     Job("reconcile", reconcile.reconcile_workflow,
-        lambda s: 60 * s.workflow_reconcile_minutes),
+        lambda s: 60 * s.workflow_reconcile_minutes, refused=frappe_refused),
 )
 JOBS_BY_NAME = {job.name: job for job in JOBS}
 
@@ -255,7 +268,8 @@ class Scheduler:
             return None
         try:
             result = await job.run(self.ctx)
-            self.ctx.metrics.job_ran(job.name, "ok", self.ctx.clock())
+            self.ctx.metrics.job_ran(job.name, "failed" if job.refused(result) else "ok",
+                                     self.ctx.clock())
             return result
         except UNAVAILABLE as exc:
             REPEATS.warning(("unavailable", job.name), "job %s stopped, the database is "

@@ -31,6 +31,24 @@ MIN_COOKIE_SECRET_LENGTH = 32
 
 DEFAULT_DATABASE_URL = "sqlite:///var/receiver.sqlite3"
 
+# Who may call the service (SENDERS), and what production needs of each a shop uses:
+# workflow (Frappe's webhooks and the worker's fulfilment reports), card (Stripe), crypto
+# (SHKeeper), orders (the shop, through the orders API). A sender the shop does not use
+# needs nothing, and its endpoints stay closed without their keys: no sender is open by
+# default (docs/SETTINGS.md).
+SENDER_KEYS = {
+    "workflow": ("WEBHOOK_SECRET",),
+    "card": ("STRIPE_SECRET_KEY", "STRIPE_WEBHOOK_SECRET"),
+    "crypto": ("CRYPTO_PROCESSOR_API_KEY",),
+    "orders": ("ORDERS_API_KEY",),
+}
+# The three senders there were before the orders API: a deployment from before SENDERS
+# starts as it did.
+DEFAULT_SENDERS = ("workflow", "card", "crypto")
+# The orders API key guards the making of orders: production wants a random one this long
+# (python3 -c 'import secrets; print(secrets.token_urlsafe(32))' gives 43 characters).
+MIN_ORDERS_API_KEY_LENGTH = 32
+
 
 class ConfigurationError(Exception):
     """The settings cannot run the service; the message says which one and why."""
@@ -109,6 +127,22 @@ def _state_paths(raw, waiting_state):
                 f"each path starting with {' or '.join(RECONCILED_PATH_PREFIXES)}, got {part!r}")
         pairs.append((path, state))
     return tuple(pairs)
+
+
+def _senders(environ):
+    """SENDERS: which senders the shop uses, comma-separated, each one of SENDER_KEYS."""
+    named = tuple(part.lower() for part in _csv(environ.get("SENDERS", "")))
+    unknown = [name for name in named if name not in SENDER_KEYS]
+    if unknown:
+        raise ConfigurationError(
+            f"SENDERS names {', '.join(repr(name) for name in unknown)}: the senders are "
+            f"{', '.join(SENDER_KEYS)} (comma-separated)")
+    return named or DEFAULT_SENDERS
+
+
+def _placeholder(value):
+    """An unset key, or the example's stand-in for one."""
+    return not value or value.lower().startswith("change-me")
 
 
 def _check_url(name, value, schemes):
@@ -207,6 +241,9 @@ class Settings:
     stripe_webhook_secrets: tuple = dataclasses.field(default=(), repr=False)
     stripe_api_base: str = ""
     crypto_processor_api_key: str = dataclasses.field(default="", repr=False)
+    # The bearer token of the orders API (docs/ORDERS.md); unset, it refuses every call.
+    orders_api_key: str = dataclasses.field(default="", repr=False)
+    senders: tuple = DEFAULT_SENDERS
     workflow_url: str = ""
     workflow_api_key: str = dataclasses.field(default="", repr=False)
     workflow_api_secret: str = dataclasses.field(default="", repr=False)
@@ -320,6 +357,8 @@ class Settings:
             stripe_webhook_secrets=_csv(env.get("STRIPE_WEBHOOK_SECRET", "")),
             stripe_api_base=text("STRIPE_API_BASE"),
             crypto_processor_api_key=text("CRYPTO_PROCESSOR_API_KEY"),
+            orders_api_key=text("ORDERS_API_KEY"),
+            senders=_senders(env),
             workflow_url=text("WORKFLOW_URL").rstrip("/"),
             workflow_api_key=text("WORKFLOW_API_KEY"),
             workflow_api_secret=text("WORKFLOW_API_SECRET"),
@@ -471,17 +510,37 @@ class Settings:
                     "payments and quarantined calls are mailed there")
 
     def _check_production_secrets(self):
-        missing = [name for name, is_missing in (
-            ("WEBHOOK_SECRET", self.webhook_secret == PLACEHOLDER_WEBHOOK_SECRET),
-            ("LINK_SECRET", self.link_secret == PLACEHOLDER_LINK_SECRET),
+        """The keys of the senders the shop uses (SENDERS), and LINK_SECRET."""
+        unset = {
+            "WEBHOOK_SECRET": self.webhook_secret == PLACEHOLDER_WEBHOOK_SECRET,
             # Without the API key the card webhook acknowledges and drops every event.
-            ("STRIPE_SECRET_KEY", not self.stripe_secret_key),
-            ("STRIPE_WEBHOOK_SECRET", not self.stripe_webhook_secrets),
-            ("CRYPTO_PROCESSOR_API_KEY", not self.crypto_processor_api_key),
-        ) if is_missing]
+            "STRIPE_SECRET_KEY": not self.stripe_secret_key,
+            "STRIPE_WEBHOOK_SECRET": not self.stripe_webhook_secrets,
+            "CRYPTO_PROCESSOR_API_KEY": _placeholder(self.crypto_processor_api_key),
+            "ORDERS_API_KEY": _placeholder(self.orders_api_key),
+        }
+        missing = [name for sender in self.senders for name in SENDER_KEYS[sender]
+                   if unset[name]]
+        if self.link_secret == PLACEHOLDER_LINK_SECRET:
+            missing.append("LINK_SECRET")
         if missing:
             raise ConfigurationError(
-                "RECEIVER_ENV=production needs real secrets; not set: " + ", ".join(missing))
+                f"RECEIVER_ENV=production needs real secrets for the senders in use "
+                f"(SENDERS={','.join(self.senders)}); not set: " + ", ".join(missing))
+        if "orders" in self.senders and len(self.orders_api_key) < MIN_ORDERS_API_KEY_LENGTH:
+            raise ConfigurationError(
+                f"RECEIVER_ENV=production needs an ORDERS_API_KEY of "
+                f"{MIN_ORDERS_API_KEY_LENGTH} random characters or more (python3 -c 'import "
+                "secrets; print(secrets.token_urlsafe(32))')")
+
+    @property
+    def workflow_secret(self):
+        """The secret X-Webhook-Secret must match. In production the built-in placeholder
+        matches nothing: a shop whose SENDERS leaves out the workflow has no
+        WEBHOOK_SECRET to set, and its workflow endpoints stay closed."""
+        if self.production and self.webhook_secret == PLACEHOLDER_WEBHOOK_SECRET:
+            return ""
+        return self.webhook_secret
 
     @property
     def console_enabled(self):
@@ -509,7 +568,14 @@ class Settings:
                         "placeholder. Set LINK_SECRET before sending reminders.")
 
     def warn_about_placeholders(self):
-        if self.webhook_secret == PLACEHOLDER_WEBHOOK_SECRET:
+        if "crypto" in self.senders and not self.crypto_processor_api_key:
+            log.warning("CRYPTO_PROCESSOR_API_KEY is not set: crypto-processor callbacks "
+                        "are refused (401). Set it to the API key SHKeeper sends.")
+        if "orders" in self.senders and not self.orders_api_key:
+            log.warning("ORDERS_API_KEY is not set: the orders API refuses every call "
+                        "(401). Set it to make orders through the API.")
+        if self.webhook_secret == PLACEHOLDER_WEBHOOK_SECRET and not self.production:
+            # (In production the placeholder matches nothing: `workflow_secret`.)
             log.warning("WEBHOOK_SECRET is not set: the workflow webhooks accept the "
                         "built-in placeholder secret. Set WEBHOOK_SECRET before going live.")
         self.warn_about_link_secret()

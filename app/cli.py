@@ -19,11 +19,11 @@ import scheduler
 from app.context import Context
 from app.logs import configure_logging
 from app.progress import TerminalProgress
-from app.server import CannotStart, serve
+from app.server import CannotStart, refused_database_settings, serve
 from clients.stripe_api import NotConfigured
-from domain import backfill, filings, holdback, links, reconcile, reminders, settlement
+from domain import backfill, filings, holdback, intake, links, reconcile, reminders, settlement
 from engine import spool
-from engine.db import UNAVAILABLE
+from engine.db import UNAVAILABLE, refused_settings
 from engine.payload import read_json
 from models import open_database, sqlite_file
 from ops import console, operator, passwords, sessions
@@ -198,6 +198,15 @@ def add_operator_commands(commands):
                            reminders_list),
                           ("run", "send today's reminder e-mails now (as the scheduler does "
                                   "hourly); nothing is sent twice", reminders_run)))
+    orders = commands.add_parser(
+        "orders", help="orders in from a file (docs/ORDERS.md)").add_subparsers(
+            dest="action", metavar="ACTION", required=True)
+    importing = orders.add_parser(
+        "import", help="create or update the orders of a CSV file (header: kind,order_number,"
+                       "<field>...) or a JSON-lines file; every row is checked, the good ones "
+                       "stored, each bad one named by its line (exit 1)")
+    importing.add_argument("file", help="the file; - for standard input")
+    importing.set_defaults(run=orders_import)
     fill = commands.add_parser(
         "backfill", help="fetch card events whose webhook delivery failed from Stripe's "
                          "Events API and handle them (idempotent)")
@@ -278,6 +287,10 @@ def open_migrated_database(url):
 
 def database_unavailable(exc):
     """One line an operator can act on, not a traceback; exit 1 (not done)."""
+    refused = refused_settings(exc)
+    if refused is not None:
+        print(f"receiver: {refused_database_settings(refused)}", file=sys.stderr)
+        return 1
     print(f"receiver: database unavailable: {str(exc).strip().splitlines()[0]}; check "
           "DATABASE_URL and that the database server runs and accepts connections",
           file=sys.stderr)
@@ -456,6 +469,32 @@ async def sign_link(ctx, args):
     ctx.settings.warn_about_link_secret()
     print(links.signed_link(ctx.settings, args.kind, args.order, args.cycle))
     return 0
+
+
+async def orders_import(ctx, args):
+    try:
+        if args.file == "-":
+            data = sys.stdin.buffer.read()
+        else:
+            with open(args.file, "rb") as given:
+                data = given.read()
+    except OSError as exc:
+        print(f"receiver: cannot read {args.file}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    try:
+        rows = intake.read_rows(data)
+    except intake.UnreadableFile as exc:
+        print(f"receiver: {args.file}: {exc}; nothing stored", file=sys.stderr)
+        return 1
+    with TerminalProgress("importing", "order") as progress:
+        counts = await intake.import_rows(ctx, rows, progress)
+    for line, why in counts.bad:
+        print(f"line {line}: {why}", file=sys.stderr)
+    waiting = (f"; {counts.due} waiting call(s) due now (the running service handles them "
+               "within SCHEDULER_TICK_SECONDS)" if counts.due else "")
+    print(f"{len(rows)} row(s): {counts.created} created, {counts.updated} updated, "
+          f"{counts.unchanged} unchanged, {len(counts.bad)} bad{waiting}")
+    return 1 if counts.bad else 0
 
 
 async def backfill_events(ctx, args):

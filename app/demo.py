@@ -27,6 +27,7 @@ DATABASE_FILES = ("receiver.sqlite3", "receiver.sqlite3-wal", "receiver.sqlite3-
 LOCK_FILE = "demo.lock"
 WEBHOOK_SECRET = "demo-webhook-secret"
 CRYPTO_API_KEY = "demo-shkeeper-api-key"
+ORDERS_API_KEY = "demo-orders-api-key"
 CONSOLE_PASSWORD = "demo-console-password"
 # Only the address is taken from the environment; everything else is the demo's own.
 FROM_ENVIRONMENT = ("RECEIVER_HOST", "RECEIVER_PORT", "RECEIVER_LOG_FORMAT")
@@ -52,10 +53,15 @@ ORDERS = (
                  "service_name": "CRTC registration", "total_cents": 12900}),
 )
 
+# The order the demo's first step creates through the orders API, as a shop would.
+NEW_ORDER = ("canada_crtc", "CA-0003")
+NEW_ORDER_FIELDS = json.dumps({
+    "customer_email": "hal@example.com", "customer_name": "Hal Hertz Radio",
+    "service_name": "CRTC registration", "total_cents": 780, "currency": "USD"})
 # As SHKeeper (2.5.16 and later) sends it: every amount a string with its trailing zeros
 # stripped, keys sorted, no spaces.
 PAID_CALLBACK = json.dumps({
-    "external_id": "CA-0001", "crypto": "BTC", "addr": "bc1qdemo0address", "fiat": "USD",
+    "external_id": NEW_ORDER[1], "crypto": "BTC", "addr": "bc1qdemo0address", "fiat": "USD",
     "balance_fiat": "7.8", "balance_crypto": "0.00012345", "paid": True, "status": "PAID",
     "transactions": [{
         "txid": "demo-tx-1", "date": "2026-11-20 09:00:12", "amount_crypto": "0.00012345",
@@ -75,6 +81,7 @@ def demo_environment(environ, folder, standins):
     env.update(standins.settings, DATABASE_URL=f"sqlite:///{folder}/receiver.sqlite3",
                SPOOL_DIR=f"{folder}/spool", WEBHOOK_SECRET=WEBHOOK_SECRET,
                LINK_SECRET="demo-link-secret", CRYPTO_PROCESSOR_API_KEY=CRYPTO_API_KEY,
+               ORDERS_API_KEY=ORDERS_API_KEY, SENDERS="workflow,card,crypto,orders",
                ADMIN_EMAIL="admin@example.com", MAIL_FROM="receiver@example.com",
                CONSOLE_PASSWORD_HASH=hash_password(CONSOLE_PASSWORD),
                COOKIE_SECRET="demo-cookie-secret-for-this-machine-only",
@@ -135,26 +142,29 @@ never opened. The worker, Frappe and Telegram are stand-ins on 127.0.0.1:{standi
 the mail server one on 127.0.0.1:{standins.smtp_port}; what they receive is logged below as
 "stand-in ...". Try these in another terminal, in this folder:
 
-# 1. Frappe says formation order FO-0001 was submitted: the name-search job goes to the worker
+# 1. The shop creates CRTC order {NEW_ORDER[1]} through the orders API (docs/ORDERS.md): 201 and the order as the service sees it; the same call again is 200 and changes nothing
+curl -s -X PUT {base}/api/v1/orders/{NEW_ORDER[0]}/{NEW_ORDER[1]} -H 'Authorization: Bearer {ORDERS_API_KEY}' -H 'Content-Type: application/json' -d '{NEW_ORDER_FIELDS}'
+
+# 2. Frappe says formation order FO-0001 was submitted: the name-search job goes to the worker
 curl -s -X POST {base}/api/v1/webhooks/formation/submitted -H 'X-Webhook-Secret: {WEBHOOK_SECRET}' -H 'Content-Type: application/json' -d '{SUBMITTED}'
 
-# 2. SHKeeper says CRTC order CA-0001's invoice is paid, signed as SHKeeper signs (HMAC-SHA256 of "<timestamp>.<body>" with the API key): the order becomes paid, a treasury job and a ledger entry are written, Telegram gets the alert
+# 3. SHKeeper says the invoice of {NEW_ORDER[1]} (step 1's order) is paid, signed as SHKeeper signs (HMAC-SHA256 of "<timestamp>.<body>" with the API key): the order becomes paid, a treasury job and a ledger entry are written, Telegram gets the alert
 body='{PAID_CALLBACK}'
 ts=$(date +%s); sig=$(printf '%s.%s' "$ts" "$body" | {sign})
 curl -s -X POST {base}/api/v1/webhooks/crypto-processor -H 'Content-Type: application/json' -H 'X-Shkeeper-Api-Key: {CRYPTO_API_KEY}' -H "X-Shkeeper-Timestamp: $ts" -H "X-Shkeeper-Signature: $sig" -d "$body"
 
-# 3. The command line on the demo's database: first give that terminal the demo's settings (the export lines), then ask what was stored and sent (the ID of `events show` is the first column of `events list`)
+# 4. The command line on the demo's database: first give that terminal the demo's settings (the export lines), then ask what was stored and sent (the ID of `events show` is the first column of `events list`)
 {exports}
 {cli} events list
 {cli} outbox list
 {cli} events show 1
 {cli} spool quarantined
 
-# 4. The "I already filed" link of an IFTA reminder for compliance order CO-20001 (open it in a browser; `{cli} link ifta CO-20001 2026-Q3` prints it, with the settings of step 3)
+# 5. The "I already filed" link of an IFTA reminder for compliance order CO-20001 (open it in a browser: it asks, and its button records; `{cli} link ifta CO-20001 2026-Q3` prints it, with the settings of step 4)
 {signed_link(settings, "ifta", "CO-20001", "2026-Q3")}
 
-# 5. The operator console (open it in a browser; log in with any name and the password {CONSOLE_PASSWORD}): what came in, what went out, CA-0001's timeline
-{base}/console/orders/CA-0001
+# 6. The operator console (open it in a browser; log in with any name and the password {CONSOLE_PASSWORD}): what came in, what went out, {NEW_ORDER[1]}'s timeline
+{base}/console/orders/{NEW_ORDER[1]}
 
 Stop the demo with Ctrl-C; the next `make demo` starts from the sample orders again.
 """

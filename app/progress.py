@@ -29,3 +29,7 @@ class TerminalProgress(contextlib.ExitStack):
             self.bar.total = total
             self.bar.refresh()
         self.bar.update(done - self.bar.n)
+        if done == total:
+            # tqdm draws a step only so many items after the last one drawn: the end is
+            # drawn however few came since.
+            self.bar.refresh()

@@ -1,7 +1,9 @@
 """The application and its HTTP server, and the serve lifecycle: migrate, drain the spool,
 listen, start the scheduler, tell systemd, and on SIGTERM finish the requests in flight
-before stopping. A database down at start does not stop it: it listens, calls go to the
-spool, and the migrations run, then the spool is drained, when the database answers."""
+before stopping. A database down at start (unreachable, or not answering) does not stop
+it: it listens, calls go to the spool, and the migrations run, then the spool is drained,
+when the database answers. A database that does not exist, or refuses our credentials,
+is a setting to fix: it stops (CannotStart, exit 1) with the server's reason."""
 import asyncio
 import errno
 import gc
@@ -25,7 +27,7 @@ from handlers.addresses import client_key, forwarded_for, forwarded_protocol
 from handlers.base import ApiHandler, NotFoundHandler, log_request, takes_body
 from handlers.console import cookie_secret
 from handlers.routes import routes
-from engine.db import UNAVAILABLE, Circuit, why_unavailable
+from engine.db import UNAVAILABLE, Circuit, refused_settings, why_unavailable
 from models import ClassifiedSqliteDatabase, ReconnectingPostgresqlDatabase, open_database
 from ops import systemd
 from scheduler import STOP_GRACE_SECONDS, Scheduler
@@ -293,10 +295,19 @@ async def serve(settings, ready=None):
     sys.setswitchinterval(GIL_SWITCH_SECONDS)
     db = open_database(settings.database_url, timeout_ms=settings.database_timeout_ms)
     circuit = Circuit(db)
-    circuit.attach()
+    down = None
     try:
         run_migrations(db)
-    except UNAVAILABLE as down:
+    except UNAVAILABLE as failure:
+        refused = refused_settings(failure)
+        if refused is not None:
+            db.close()
+            raise CannotStart(refused_database_settings(refused), 1) from None
+        down = failure
+    # Attached once the first try is over: a refusal of our settings opens no circuit (it
+    # would log an outage, probed every second, of a service that is not going to run).
+    circuit.attach()
+    if down is not None:
         log.warning("database unavailable at start (%s): serving all the same, calls go to "
                     "the spool; the migrations wait for the database", why_unavailable(down))
         circuit.hold_until(lambda: run_migrations(db), "migrations wait for it", down)
@@ -353,6 +364,12 @@ def run_migrations(db: ClassifiedSqliteDatabase | ReconnectingPostgresqlDatabase
         applied = migrations.migrate(db)
     if applied:
         log.info("migrations applied: %s", ", ".join(applied))
+
+
+def refused_database_settings(reason: str) -> str:
+    """What to tell an operator whose database refuses our settings (`refused_settings`)."""
+    return (f"the database refuses our settings: {reason}; check DATABASE_URL (the "
+            "database's name, the user and its password)")
 
 
 class CannotStart(Exception):

@@ -1,7 +1,8 @@
 """Stand-ins for the systems the service talks to, for `receiver.py demo`: the worker,
 Frappe and Telegram on one loopback HTTP port (under /worker, /frappe and /telegram), and
-a mail server (aiosmtpd). Each accepts whatever it is sent and logs it on one line, so the
-effects of a webhook can be watched in the demo's log."""
+a mail server (aiosmtpd). Each answers what the service asks as the real system would
+(Frappe: who we are, its lists, a document, an action applied) and logs what it is sent
+on one line, so the effects of a webhook can be watched in the demo's log."""
 import email
 import email.policy
 import json
@@ -13,6 +14,8 @@ import tornado.netutil
 import tornado.web
 
 log = logging.getLogger("receiver.demo")
+# Who Frappe's stand-in says our API key belongs to.
+DEMO_API_USER = "receiver-demo@example.com"
 
 
 class _Worker(tornado.web.RequestHandler):
@@ -23,17 +26,44 @@ class _Worker(tornado.web.RequestHandler):
         self.finish({"ok": True})
 
 
-class _Frappe(tornado.web.RequestHandler):
-    def post(self):
+class _FrappeMethod(tornado.web.RequestHandler):
+    """Frappe's whitelisted methods the service calls: who we are (GET, the service's
+    check of its credentials) and apply_workflow (POST). The state an action leads to is
+    kept, so that a document read back shows it."""
+
+    def initialize(self, states):
+        self.states = states
+
+    def get(self, method):
+        if method != "frappe.auth.get_logged_user":
+            self.send_error(404)
+            return
+        self.finish({"message": DEMO_API_USER})
+
+    def post(self, method):
         call = json.loads(self.request.body)
         doc, action = json.loads(call.get("doc") or "{}"), call.get("action")
         log.info("stand-in Frappe: workflow action %r on %s %s", action, doc.get("doctype"),
                  doc.get("name"))
+        self.states[doc.get("doctype"), doc.get("name")] = action
         self.finish({"message": {"name": doc.get("name"), "workflow_state": action}})
 
-    def get(self, doctype, name):
+
+class _FrappeResource(tornado.web.RequestHandler):
+    """Frappe's REST resources: a list (the service's check reads one row of each
+    doctype, the reconciliation lists the documents changed lately: none here, the demo's
+    changes come as webhooks), or one document with the state its last action led to."""
+
+    def initialize(self, states):
+        self.states = states
+
+    def get(self, doctype, name=None):
+        if name is None:
+            self.finish({"data": []})
+            return
         log.info("stand-in Frappe: read %s %s", doctype, name)
-        self.finish({"data": {"name": name, "workflow_state": "Demo"}})
+        self.finish({"data": {"name": name, "doctype": doctype,
+                              "workflow_state": self.states.get((doctype, name), "Demo")}})
 
 
 class _Telegram(tornado.web.RequestHandler):
@@ -57,11 +87,14 @@ class StandIns:
 
     def __init__(self):
         sockets = tornado.netutil.bind_sockets(0, "127.0.0.1")
+        # Frappe's documents' workflow states, as the actions applied left them.
+        frappe: dict[str, dict[tuple[str, str], str]] = {"states": {}}
         self.http_port = sockets[0].getsockname()[1]
         self.server = tornado.httpserver.HTTPServer(tornado.web.Application([
             (r"/worker/jobs", _Worker),
-            (r"/frappe/api/method/[^/]+", _Frappe),
-            (r"/frappe/api/resource/([^/]+)/([^/]+)", _Frappe),
+            (r"/frappe/api/method/([^/]+)", _FrappeMethod, frappe),
+            (r"/frappe/api/resource/([^/]+)", _FrappeResource, frappe),
+            (r"/frappe/api/resource/([^/]+)/([^/]+)", _FrappeResource, frappe),
             (r"/telegram/bot[^/]+/sendMessage", _Telegram),
         ], log_function=lambda handler: None))
         self.server.add_sockets(sockets)

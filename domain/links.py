@@ -99,6 +99,12 @@ def record_self_filed(kind, order_number, cycle, now):
     return row.self_filed_at, created is not None
 
 
+def self_filed_at(kind, order_number, cycle):
+    """When the customer said they filed this cycle (the first time), or None."""
+    row = SelfFiling.get_or_none(filing_key(kind, order_number, cycle))
+    return None if row is None else row.self_filed_at
+
+
 def already_filed(kind, order_number, cycle):
     """Whether the customer said they filed this cycle: a reminder job asks before sending."""
     return SelfFiling.select().where(filing_key(kind, order_number, cycle)).exists()

@@ -3,6 +3,7 @@ known to be down from being tried on every call."""
 import asyncio
 import concurrent.futures
 import logging
+import re
 import threading
 import time
 from typing import Callable, Optional, Protocol, TypeVar
@@ -27,6 +28,37 @@ Query = TypeVar("Query", bound=peewee.Select)
 def why_unavailable(exc: BaseException) -> str:
     """The driver's message on one log line (psycopg2's runs over several)."""
     return " ".join(str(exc).split())
+
+
+# What PostgreSQL (or libpq) says when DATABASE_URL names a database that is not there,
+# or a role, password or client address the server refuses: settings to fix, which no
+# wait mends, as opposed to a server that cannot be reached or does not answer (an
+# outage, waited out on the spool). The server says it while the connection is made,
+# before there is a session, and psycopg2 then gives no SQLSTATE, only the server's text:
+# the text is what there is to read (in English, the servers' default lc_messages; in
+# another language the refusal reads as an outage, as before).
+REFUSED_SETTINGS = re.compile(
+    r'database "[^"]*" does not exist'
+    r'|role "[^"]*" does not exist'
+    r'|role "[^"]*" is not permitted to log in'
+    r'|permission denied for database'
+    r'|(?:password|Ident|Peer|certificate|SCRAM) authentication failed for user'
+    r'|no pg_hba\.conf entry for'
+    r'|no password supplied')
+# The same refusals by SQLSTATE, where a driver gives it: invalid_catalog_name,
+# invalid_authorization_specification, invalid_password.
+REFUSED_SETTINGS_SQLSTATES = ("3D000", "28000", "28P01")
+
+
+def refused_settings(exc: BaseException) -> str | None:
+    """The database server's reason on one line when `exc` says the database DATABASE_URL
+    names does not exist or our credentials are refused; None for an outage."""
+    said = why_unavailable(exc)
+    sqlstate = getattr(getattr(exc, "orig", None), "pgcode", None)
+    if sqlstate not in REFUSED_SETTINGS_SQLSTATES and not REFUSED_SETTINGS.search(said):
+        return None
+    # libpq puts the server's own words after "FATAL:"; the address before is ours.
+    return said.split("FATAL:", 1)[-1].strip()
 
 
 def locked(query: Query) -> Query:

@@ -34,8 +34,9 @@ def same_secret(given, expected):
 
 
 def takes_body(handler_class):
-    """Whether a route's handler answers POST (tornado's own answers it with 405)."""
-    return handler_class.post is not tornado.web.RequestHandler.post
+    """Whether a route's handler answers POST or PUT (tornado's own answer 405)."""
+    return (handler_class.post is not tornado.web.RequestHandler.post
+            or handler_class.put is not tornado.web.RequestHandler.put)
 
 
 @tornado.web.stream_request_body

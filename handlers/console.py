@@ -24,7 +24,7 @@ import tornado.ioloop
 import tornado.web
 
 import lograte
-from domain import filings, links
+from domain import filings, intake, links
 from handlers.html import HtmlHandler
 from handlers.addresses import client_key
 from handlers.ratelimit import LoginThrottle
@@ -253,10 +253,11 @@ class LogoutHandler(ConsoleHandler):
 
 class OverviewHandler(ConsoleHandler):
     async def get(self):
-        overview, actions = await self.ctx.db(lambda: (
-            console.overview(self.ctx, self.state.event_counts), console.recent_actions(10)))
+        overview, actions, waiting = await self.ctx.db(lambda: (
+            console.overview(self.ctx, self.state.event_counts), console.recent_actions(10),
+            intake.waiting_calls()))
         self.render_page("overview", overview=overview, chart=chart(overview.events_by_day),
-                         actions=actions, last_success=self.last_success)
+                         actions=actions, last_success=self.last_success, waiting=waiting)
 
     @staticmethod
     def last_success(timestamp):

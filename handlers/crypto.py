@@ -2,6 +2,7 @@
 
 SHKeeper re-sends a callback every 60 s, forever, until it gets exactly 202; so every
 outcome but a refused key is 202, and the inbox, not the sender, retries our failures.
+Without CRYPTO_PROCESSOR_API_KEY every callback is refused (401), in every environment.
 """
 import hashlib
 import hmac
@@ -26,27 +27,6 @@ RECEIVED = {"received": True}
 INTERNAL_ERROR = {"received": True, "error": "internal"}
 
 
-class WarnOnce:
-    """Logs its warning the first time it is called, never again."""
-
-    def __init__(self, message):
-        self.message = message
-        self.warned = False
-
-    def __call__(self):
-        if not self.warned:
-            self.warned = True
-            log.warning(self.message)
-
-
-def crypto_route(ctx):
-    """The route, with its own once-per-process warning about a missing key."""
-    unkeyed = WarnOnce("CRYPTO_PROCESSOR_API_KEY is not set: crypto-processor callbacks "
-                       "are accepted without any check. Set it before going live.")
-    return (r"/api/v1/webhooks/crypto-processor", CryptoProcessorWebhookHandler,
-            {"ctx": ctx, "unkeyed_warning": unkeyed})
-
-
 def signature_valid(api_key, raw, signature, timestamp, now):
     """SHKeeper's signature: hex HMAC-SHA256(api_key, "<timestamp>." + raw body), made
     within SIGNATURE_WINDOW_SECONDS of `now` either way."""
@@ -62,10 +42,6 @@ def signature_valid(api_key, raw, signature, timestamp, now):
 class CryptoProcessorWebhookHandler(ApiHandler):
     # An invoice callback with its transactions is a few kilobytes; room for hundreds.
     body_limit = 256 * 1024
-
-    def initialize(self, ctx, unkeyed_warning):
-        super().initialize(ctx)
-        self.unkeyed_warning = unkeyed_warning
 
     def check_headers(self):
         """The API key headers are checked before the body is read; SHKeeper's signature
@@ -92,11 +68,11 @@ class CryptoProcessorWebhookHandler(ApiHandler):
     def authenticate_headers(self):
         """Every credential presented must be right, and at least one presented: the
         API key in either header, SHKeeper's signature when it sends one. True when the
-        API key was presented (and right)."""
+        API key was presented (and right). Without CRYPTO_PROCESSOR_API_KEY nothing is
+        right: no sender is open by default (a forged "paid" would mark an order paid)."""
         api_key = self.ctx.settings.crypto_processor_api_key
         if not api_key:
-            self.unkeyed_warning()
-            return False
+            self.refuse("CRYPTO_PROCESSOR_API_KEY is not set: every callback is refused")
         headers = self.request.headers
         keys = [headers[name] for name in KEY_HEADERS if name in headers]
         if not keys and not self.signed:
@@ -112,7 +88,7 @@ class CryptoProcessorWebhookHandler(ApiHandler):
     def authenticate_signature(self, raw):
         api_key = self.ctx.settings.crypto_processor_api_key
         headers = self.request.headers
-        if api_key and self.signed and not signature_valid(
+        if self.signed and not signature_valid(
                 api_key, raw, headers.get(SIGNATURE_HEADER), headers.get(TIMESTAMP_HEADER),
                 self.ctx.clock()):
             self.refuse("bad or expired signature")

@@ -1,9 +1,14 @@
-"""GET /api/v1/ifta/filed and /api/v1/ucr/filed: the one-click "I already filed" links.
+"""/api/v1/ifta/filed and /api/v1/ucr/filed: the "I already filed" links of the reminder
+e-mails.
 
-These GETs change state, so they are idempotent: the first valid click records the time,
-every later one (a second click, a mail scanner's prefetch) shows the same page with that
-first time. The token is checked before the order is looked up, so a caller without a
-valid link learns nothing about which orders exist."""
+A GET records nothing: mail scanners (Microsoft Defender Safe Links, Mimecast,
+Proofpoint, Gmail's prefetch) fetch every link of a mail, and would stop a customer's
+reminders before the customer read it (RFC 8058 asks one-click unsubscribe to be a POST
+for the same reason). The GET shows the question and one button; the button POSTs the
+same order, cycle and token, and the POST records the time, once: every later POST shows
+the page with that first time, and so does a GET once it is recorded. The token is
+checked before the order is looked up, so a caller without a valid link learns nothing
+about which orders exist."""
 import functools
 
 import tornado.web
@@ -24,8 +29,9 @@ class PageHandler(HtmlHandler):
     """An HTML page: Jinja2 (autoescaped) from templates/pages/, and errors as pages."""
 
     # The page needs no script. The URL carries a token, which the default no-referrer
-    # policy keeps from leaking onward.
-    content_security_policy = "default-src 'none'; style-src 'unsafe-inline'; base-uri 'none'"
+    # policy keeps from leaking onward; its one form posts back here, nowhere else.
+    content_security_policy = ("default-src 'none'; style-src 'unsafe-inline'; "
+                               "base-uri 'none'; form-action 'self'")
 
     def initialize(self, ctx):
         self.ctx = ctx
@@ -54,14 +60,30 @@ class FiledLinkHandler(RateLimited, PageHandler):
         raise tornado.web.Finish()
 
     async def head(self):
-        """Link checkers send HEAD: answer as GET would, but record nothing."""
+        """Link checkers send HEAD: answered as GET would be."""
         await self.checked_link()
         self.set_status(200)
 
     async def get(self):
-        order, cycle = await self.checked_link()
+        """The question and its button; once recorded, the page with the first time."""
+        order, cycle, token = await self.checked_link()
+        filed_at = await self.ctx.db(functools.partial(
+            links.self_filed_at, self.kind, order.order_number, cycle))
+        if filed_at is not None:
+            self.show_filed(order, cycle, filed_at, first_time=False)
+            return
+        self.show(200, "confirm_filed", title=self.title, action=self.request.path,
+                  order_number=order.order_number, cycle=cycle, token=token,
+                  customer_name=order.customer_name or "")
+
+    async def post(self):
+        """The button: records the filing (once) and stops that cycle's reminders."""
+        order, cycle, _ = await self.checked_link()
         filed_at, first_time = await self.ctx.db(functools.partial(
             links.record_self_filed, self.kind, order.order_number, cycle, self.ctx.clock()))
+        self.show_filed(order, cycle, filed_at, first_time)
+
+    def show_filed(self, order, cycle, filed_at, first_time):
         self.show(200, "filed", title=self.title, kind=self.kind,
                   order_number=order.order_number, cycle=cycle,
                   customer_name=order.customer_name or "", filed_at=filed_at,
@@ -72,10 +94,11 @@ class FiledLinkHandler(RateLimited, PageHandler):
         return KIND_TITLES[self.kind]
 
     async def checked_link(self):
-        """(order, cycle) of a valid link to a known order of this kind, for a cycle of
-        this kind; else the 403 or 404 page (what `receiver.py link` refuses to sign,
-        signed before it refused, records nothing)."""
-        order_number, cycle, token = (self.get_query_argument(name, "").strip()
+        """(order, cycle, token) of a valid link to a known order of this kind, for a
+        cycle of this kind, from the query (GET, HEAD) or the button's form (POST); else
+        the 403 or 404 page (what `receiver.py link` refuses to sign, signed before it
+        refused, records nothing)."""
+        order_number, cycle, token = (self.get_argument(name, "").strip()
                                       for name in ("order", "cycle", "token"))
         if not links.token_valid(self.ctx.settings.link_secret, self.kind, order_number,
                                  cycle, token):
@@ -83,7 +106,7 @@ class FiledLinkHandler(RateLimited, PageHandler):
         try:
             order = await self.ctx.db(functools.partial(
                 filings.check_link, self.ctx.settings, self.kind, order_number, cycle))
-            return order, cycle
+            return order, cycle, token
         except filings.UnknownOrder:
             self.stop_with(404, "unknown_order", title=self.title)
         except (filings.LinkRefused, links.InvalidLinkPart):

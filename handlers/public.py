@@ -136,7 +136,7 @@ class ReferralInfoHandler(PublicApiHandler):
         if secret is None:
             self.answer(200, self.WITHHELD)
             return
-        if not same_secret(secret, self.ctx.settings.webhook_secret):
+        if not same_secret(secret, self.ctx.settings.workflow_secret):
             self.fail(401, "Unauthorized")
         now = self.ctx.clock()
 

@@ -1,9 +1,10 @@
 """Every route of the service, in one list."""
 from handlers.card import CardWebhookHandler
 from handlers.console import console_routes
-from handlers.crypto import crypto_route
+from handlers.crypto import CryptoProcessorWebhookHandler
 from handlers.ops import HealthHandler, MetricsHandler, ReadyHandler
 from handlers.links import FiledLinkHandler
+from handlers.orders import OrderHandler
 from handlers.openapi import OpenApiHandler
 from handlers.public import (
     DotRequirementsHandler, ReferralCheckHandler, ReferralInfoHandler, SurveyHandler,
@@ -17,7 +18,8 @@ def routes(ctx):
     return [
         (r"/api/v1/webhooks/([a-z]+/[a-z_-]+)", WorkflowWebhookHandler, {"ctx": ctx}),
         (r"/api/v1/webhooks/card-processor", CardWebhookHandler, {"ctx": ctx}),
-        crypto_route(ctx),
+        (r"/api/v1/webhooks/crypto-processor", CryptoProcessorWebhookHandler, {"ctx": ctx}),
+        (r"/api/v1/orders/([^/]+)/([^/]+)", OrderHandler, {"ctx": ctx}),
         (r"/healthz", HealthHandler, {"ctx": ctx}),
         (r"/readyz", ReadyHandler, {"ctx": ctx}),
         (r"/metrics", MetricsHandler, {"ctx": ctx}),

@@ -49,7 +49,7 @@ class WorkflowWebhookHandler(ApiHandler):
         if self.ctx.plugins["workflow"].get(self.path_args[0]) is None:
             self.fail(404, "not found")
         given = self.request.headers.get("X-Webhook-Secret")
-        if not same_secret(given, self.ctx.settings.webhook_secret):
+        if not same_secret(given, self.ctx.settings.workflow_secret):
             self.refuse_credentials(401, "Unauthorized", "X-Webhook-Secret does not match "
                                     "WEBHOOK_SECRET" if given else "no X-Webhook-Secret")
         return True

@@ -102,3 +102,11 @@ class Browser:
 
     def quit(self):
         self.driver.quit()
+
+
+@pytest.fixture
+def browser(tmp_path):
+    """A Browser for the test, quit after it (import it into a test module to use it)."""
+    chromium = Browser(tmp_path / "profile")
+    yield chromium
+    chromium.quit()

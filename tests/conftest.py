@@ -246,10 +246,12 @@ def client(io_loop):
 
 @pytest.fixture
 def post(http_server, base_url, client):
-    """POST to the service under test; returns (status, parsed JSON body, response)."""
-    async def send(path, body, headers=None):
+    """POST (or `method`) to the service under test; returns (status, parsed JSON body,
+    response)."""
+    async def send(path, body, headers=None, method="POST"):
         raw = body if isinstance(body, (bytes, str)) else json.dumps(body)
-        response = await client.fetch(base_url + path, method="POST", body=raw,
+        response = await client.fetch(base_url + path, method=method,
+                                      body=None if method in ("GET", "HEAD") else raw,
                                       headers=headers or {})
         try:
             parsed = json.loads(response.body) if response.body else None

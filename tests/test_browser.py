@@ -9,10 +9,13 @@ import struct
 
 import pytest
 import tornado.web
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.expected_conditions import staleness_of
+from selenium.webdriver.support.ui import WebDriverWait
 
 from app.server import make_app
-from domain.links import record_self_filed
-from tests.browser_helpers import Browser, needs_selenium_chromium
+from domain.links import already_filed, record_self_filed
+from tests.browser_helpers import WAIT_SECONDS, Browser, needs_selenium_chromium
 from tests.door import through_the_door
 from tests.public_helpers import compliance_order, served, signed_path
 
@@ -94,16 +97,15 @@ def site(ctx, clock):
 
 
 PAGES = {
-    "confirmation": ("Thank you, Dana Trucking LLC: we have recorded that you filed",
-                     "20 November 2026 at 09:15 UTC"),
+    "question": ("yourself, Dana Trucking LLC?", "Yes, I filed"),
     "already-recorded": ("Already recorded, Dana Trucking LLC", "5 October 2026 at 08:30 UTC"),
     "invalid-link": ("This link is not valid", "Nothing was recorded."),
 }
 
 
 def page_path(ctx, page, width):
-    if page == "confirmation":
-        # A quarter of its own per width (a year far off), so each load is the first click.
+    if page == "question":
+        # A quarter of its own per width (a year far off): a link not pressed yet.
         return signed_path(ctx, "ifta", "CO-20001", f"{2026 + width}-Q3")
     if page == "already-recorded":
         return signed_path(ctx, "ifta", "CO-20001", "2026-Q2")
@@ -131,7 +133,7 @@ async def test_the_page_reads_right_in_chromium(site, ctx, browser, page, device
 async def test_no_page_is_wider_than_a_375_px_phone(site, ctx, driven, page):
     long_number = "CO-" + "9" * 90
     compliance_order(long_number, service_slug="ucr")
-    path = (signed_path(ctx, "ucr", long_number, "2027") if page == "confirmation"
+    path = (signed_path(ctx, "ucr", long_number, "2027") if page == "question"
             else page_path(ctx, page, 375))
     with served(site, ctx.settings) as base:
         assert await driven.widths(base + path, SIZES["phone"]) == (375, 375)
@@ -148,6 +150,46 @@ async def test_html_in_the_name_stays_text_in_the_browser(ctx, browser, clock):
         await browser.screenshot(base + path, SIZES["phone"], "escaped-name-phone")
     assert '<b id="injected">' not in dom
     assert "&lt;b id=\"injected\"&gt;Bold&lt;/b&gt; &amp; Co" in dom
+
+
+@pytest.mark.parametrize("device", SIZES)
+@pytest.mark.gen_test(timeout=120)
+async def test_the_customer_presses_the_button_and_the_filing_is_recorded(
+        site, ctx, driven, device):
+    """Opening the link (what a mail scanner does too) records nothing; the page's one
+    button POSTs, and the page it leads to says the filing is recorded. Both pages fit
+    the width, and are saved as screenshots."""
+    size = SIZES[device]
+    path = signed_path(ctx, "ifta", "CO-20001", "2026-Q3")
+
+    def open_question(driver, url):
+        driver.set_window_size(*size)
+        driver.get(url)
+        driver.save_screenshot(os.path.join(SCREENSHOTS, f"question-{device}.png"))
+        return driver.execute_script("return document.documentElement.scrollWidth")
+
+    def press(driver):
+        [button] = driver.find_elements(By.CSS_SELECTOR, "form button[type=submit]")
+        label = button.text
+        button.click()
+        # The click returns before the next page is in: wait until the question is gone.
+        WebDriverWait(driver, WAIT_SECONDS).until(staleness_of(button))
+        heading = driver.find_element(By.CSS_SELECTOR, "h1").text
+        driver.save_screenshot(os.path.join(SCREENSHOTS, f"confirmation-{device}.png"))
+        return label, heading, driver.find_element(By.CSS_SELECTOR, "body").text, \
+            driver.execute_script("return document.documentElement.scrollWidth")
+
+    os.makedirs(SCREENSHOTS, exist_ok=True)
+    with served(site, ctx.settings) as base:
+        question_width = await driven.do(open_question, base + path)
+        assert await driven.text("h1") == "Did you file 2026-Q3 yourself, Dana Trucking LLC?"
+        assert not through_the_door(already_filed, "ifta", "CO-20001", "2026-Q3")
+        label, heading, body, confirmation_width = await driven.do(press)
+    assert label == "Yes, I filed 2026-Q3 myself"
+    assert heading == "Thank you, Dana Trucking LLC: we have recorded that you filed"
+    assert "20 November 2026 at 09:15 UTC" in body
+    assert (question_width, confirmation_width) == (size[0], size[0])
+    assert through_the_door(already_filed, "ifta", "CO-20001", "2026-Q3")
 
 
 class MailPage(tornado.web.RequestHandler):

@@ -13,7 +13,7 @@ import pytest
 from selenium.webdriver.common.by import By
 
 from models import CrtcOrder, FormationOrder, Outbox, TreasuryJob, WebhookEvent
-from tests.browser_helpers import Browser, needs_selenium_chromium
+from tests.browser_helpers import browser, needs_selenium_chromium  # noqa: F401 (a fixture)
 from tests.console_helpers import COOKIE_SECRET, PASSWORD, PASSWORD_HASH
 from tests.ops_helpers import ROOT, Service
 from tests.shkeeper import API_KEY, URL as CRYPTO_URL, encode, key_headers, paid
@@ -30,13 +30,6 @@ async def save_screenshot(browser, name, size):
     os.makedirs(SCREENSHOTS, exist_ok=True)
     path = os.path.join(SCREENSHOTS, f"{name}.png")
     return path, await browser.screenshot(path, size)
-
-
-@pytest.fixture
-def browser(tmp_path):
-    chromium = Browser(tmp_path / "profile")
-    yield chromium
-    chromium.quit()
 
 
 @pytest.fixture

@@ -130,18 +130,28 @@ async def test_a_bad_signature_is_refused_like_a_wrong_key(post, clock, telegram
     assert unpaid()
 
 
+@pytest.mark.parametrize("env", ["development", "production"])
 @pytest.mark.gen_test
-async def test_no_key_configured_accepts_every_call_and_warns_once(
-        post, ctx, telegram, caplog):
-    ctx.settings = dataclasses.replace(ctx.settings, crypto_processor_api_key="")
+async def test_no_key_configured_refuses_every_call_and_names_the_setting(
+        post, ctx, telegram, caplog, clock, env):
+    """No sender is open by default: an unsigned "paid" would mark the order paid. A
+    signature made with an empty key is refused too."""
+    ctx.settings = dataclasses.replace(ctx.settings, crypto_processor_api_key="", env=env)
     CrtcOrder.create(order_number="CA-1001")
-    caplog.set_level(logging.WARNING, logger="receiver.crypto")
-    first = await post(URL, shkeeper.paid("CA-1001"), {})
-    second = await post(URL, shkeeper.paid("CA-1001", txid="tx-2"), key_headers("anything"))
-    assert [first[:2], second[:2]] == [(202, {"received": True})] * 2
-    warnings = [r for r in caplog.records if "CRYPTO_PROCESSOR_API_KEY" in r.getMessage()]
-    assert len(warnings) == 1
-    assert CrtcOrder.get().payment_status == "paid"
+    caplog.set_level(logging.WARNING, logger="receiver.http")
+    raw = shkeeper.encode(shkeeper.paid("CA-1001", txid="tx-3"))
+    calls = [(shkeeper.paid("CA-1001"), {}),
+             (shkeeper.paid("CA-1001", txid="tx-2"), key_headers("anything")),
+             (raw, signed_headers(raw, int(clock().timestamp()), api_key="", with_key=False))]
+    for body, headers in calls:
+        status, reply, _ = await post(URL, body, headers)
+        assert (status, reply) == (401, {"error": "invalid api key"})
+    nothing_happened(telegram)
+    assert unpaid()
+    [said] = [r.getMessage() for r in caplog.records
+              if "CRYPTO_PROCESSOR_API_KEY" in r.getMessage()]
+    assert said.endswith("crypto callback: CRYPTO_PROCESSOR_API_KEY is not set: every "
+                         "callback is refused")
 
 
 @pytest.mark.gen_test

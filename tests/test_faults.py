@@ -13,6 +13,7 @@ from tornado.simple_httpclient import HTTPStreamClosedError
 from models import ComplianceOrder, Outbox, WebhookEvent
 from engine import outbox, spool
 from domain.reminders import send_reminders
+from tests import shkeeper
 from tests.conftest import WEBHOOK_SECRET
 from tests.test_poison import random_text
 from tests.service_process import (
@@ -83,7 +84,8 @@ def services(tmp_path):
 @pytest.fixture
 def service_env(database_url, worker, frappe, tmp_path):
     return {"DATABASE_URL": database_url, "WORKER_URL": worker.url,
-            "WORKFLOW_URL": frappe.url, "SPOOL_DIR": tmp_path / "spool"}
+            "WORKFLOW_URL": frappe.url, "SPOOL_DIR": tmp_path / "spool",
+            "CRYPTO_PROCESSOR_API_KEY": shkeeper.API_KEY}
 
 
 @pytest.mark.gen_test(timeout=60)
@@ -189,7 +191,7 @@ async def test_poison_calls_during_an_outage_never_hold_back_the_calls_after_the
         # SHKeeper is always answered 202 but for a wrong key: kept as rejected.
         assert await post_raw(client, service, "crypto-processor",
                               {"external_id": "CA-1", "status": random_text(4000),
-                               "paid": True}, {"Content-Type": "application/json"}) == 202
+                               "paid": True}, shkeeper.key_headers()) == 202
         codes = [await send(client, service, "formation/submitted", submitted(n))
                  for n in range(1, 6)]
         # A line that fails anyway (written as an older release might have): quarantined.

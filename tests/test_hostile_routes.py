@@ -65,7 +65,7 @@ def bodiless(port, count, source="127.0.0.1"):
     ("POST", "/console/events/1/replay", 1_000_000),
     ("GET", "/console/", 100),
     ("POST", "/metrics", 1_000_000),
-    ("GET", "/api/v1/ifta/filed", 100),
+    ("POST", "/api/v1/ifta/filed", 5000),
     ("GET", "/api/v1/openapi.yaml", 100),
     ("GET", "/healthz", 100),
     ("POST", "/console/nowhere", 1_000_000),

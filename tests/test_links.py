@@ -1,8 +1,11 @@
 """The IFTA/UCR "I already filed" links: tokens, recording once, the pages and the CLI."""
 import asyncio
 import dataclasses
+import html as html_lib
 import os
+import re
 import subprocess
+import urllib.parse
 
 import pytest
 
@@ -130,37 +133,88 @@ def html(response):
     return response.body.decode("utf-8")
 
 
+FORM = re.compile(r'<form method="post" action="([^"]+)">(.*?)</form>', re.DOTALL)
+HIDDEN = re.compile(r'<input type="hidden" name="(\w+)" value="([^"]*)">')
+
+
+def button_of(page):
+    """(the form's action, its fields, its one button's label) as the page shows them."""
+    [(action, inside)] = FORM.findall(page)
+    [label] = re.findall(r'<button type="submit">([^<]*)</button>', page)
+    return action, {name: html_lib.unescape(value) for name, value in HIDDEN.findall(inside)}, \
+        label
+
+
+@pytest.fixture
+def press(get):
+    """Press the page's button as a browser would: POST its form's fields to its action."""
+    async def post(page):
+        action, fields, _ = button_of(page)
+        return await get(action, method="POST", body=urllib.parse.urlencode(fields),
+                         headers={"Content-Type": "application/x-www-form-urlencoded"})
+    return post
+
+
 @pytest.mark.parametrize("kind,title,cycle", [("ifta", "IFTA fuel-tax return", "2026-Q3"),
                                               ("ucr", "UCR annual registration", "2027")])
 @pytest.mark.gen_test
-async def test_a_valid_link_records_and_confirms(get, ctx, clock, kind, title, cycle):
+async def test_a_link_asks_first_and_its_button_records_and_confirms(
+        get, press, ctx, clock, kind, title, cycle):
     compliance_order("CO-20001", "Dana", service_slug=kind)
     clock.set(2026, 10, 5, 8, 30)
-    response = await get(signed_path(ctx, kind, "CO-20001", cycle))
-    assert response.code == 200
-    assert response.headers["Content-Type"] == "text/html; charset=utf-8"
-    assert response.headers["Cache-Control"] == "no-store"
-    assert response.headers["Referrer-Policy"] == "no-referrer"
-    assert response.headers["X-Frame-Options"] == "DENY"
-    page = html(response)
+    path = signed_path(ctx, kind, "CO-20001", cycle)
+    asked = await get(path)
+    assert asked.code == 200
+    for response in (asked,):
+        assert response.headers["Content-Type"] == "text/html; charset=utf-8"
+        assert response.headers["Cache-Control"] == "no-store"
+        assert response.headers["Referrer-Policy"] == "no-referrer"
+        assert response.headers["X-Frame-Options"] == "DENY"
+        assert "form-action 'self'" in response.headers["Content-Security-Policy"]
+    question = html(asked)
+    assert f"Did you file {cycle} yourself, Dana?" in question and title in question
+    action, fields, label = button_of(question)
+    assert label == f"Yes, I filed {cycle} myself"
+    assert action == f"/api/v1/{kind}/filed"
+    assert fields == dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(path).query))
+    assert not through_the_door(already_filed, kind, "CO-20001", cycle)
+
+    recorded = await press(question)
+    assert recorded.code == 200 and recorded.headers["Cache-Control"] == "no-store"
+    page = html(recorded)
     assert "Thank you, Dana: we have recorded that you filed" in page
     assert title in page and "5 October 2026 at 08:30 UTC" in page
-    assert "<script" not in page
+    assert "<script" not in page and "<form" not in page
     assert through_the_door(already_filed, kind, "CO-20001", cycle)
 
 
 @pytest.mark.gen_test
-async def test_a_second_click_or_a_prefetch_shows_the_first_date(get, ctx, clock):
+async def test_a_mail_scanner_fetching_the_link_records_nothing(get, ctx, clock):
+    """Safe Links, Mimecast, Proofpoint and Gmail's prefetch GET every link of a mail,
+    some of them several times: the customer's reminders must go on."""
     compliance_order("CO-20001", "Dana")
     path = signed_path(ctx, "ifta", "CO-20001", "2026-Q3")
-    clock.set(2026, 10, 5, 8, 30)
-    assert (await get(path)).code == 200
-    clock.advance(days=2)
     responses = await asyncio.gather(*(get(path) for _ in range(5)))
+    assert {r.code for r in responses} == {200}
+    assert all("Yes, I filed 2026-Q3 myself" in html(r) for r in responses)
+    assert SelfFiling.select().count() == 0
+
+
+@pytest.mark.gen_test
+async def test_a_second_press_or_a_later_look_shows_the_first_date(get, press, ctx, clock):
+    compliance_order("CO-20001", "Dana")
+    path = signed_path(ctx, "ifta", "CO-20001", "2026-Q3")
+    question = html(await get(path))
+    clock.set(2026, 10, 5, 8, 30)
+    assert (await press(question)).code == 200
+    clock.advance(days=2)
+    responses = await asyncio.gather(*(press(question) for _ in range(3)),
+                                     *(get(path) for _ in range(3)))
     for response in responses:
         assert response.code == 200
         assert "Already recorded, Dana" in html(response)
         assert "5 October 2026 at 08:30 UTC" in html(response)
+        assert "<form" not in html(response)
     assert SelfFiling.select().count() == 1
 
 
@@ -177,10 +231,10 @@ async def test_a_link_checker_s_head_request_records_nothing(get, ctx):
 
 
 @pytest.mark.gen_test
-async def test_concurrent_first_clicks_record_one_row(get, ctx):
+async def test_concurrent_first_presses_record_one_row(get, press, ctx):
     compliance_order("CO-20001", service_slug="ucr")
-    path = signed_path(ctx, "ucr", "CO-20001", "2027")
-    responses = await asyncio.gather(*(get(path) for _ in range(8)))
+    question = html(await get(signed_path(ctx, "ucr", "CO-20001", "2027")))
+    responses = await asyncio.gather(*(press(question) for _ in range(8)))
     assert {r.code for r in responses} == {200}
     assert sum("we have recorded that you filed" in html(r) for r in responses) == 1
     assert SelfFiling.select().count() == 1
@@ -201,23 +255,31 @@ def tampered_links(ctx):
     }
 
 
+def posted(get, path):
+    """`path`'s query POSTed as the button's form would be."""
+    path, _, query = path.partition("?")
+    return get(path, method="POST", body=query,
+               headers={"Content-Type": "application/x-www-form-urlencoded"})
+
+
 @pytest.mark.gen_test
 async def test_a_tampered_link_gets_the_403_page_and_records_nothing(get, ctx):
     compliance_order("CO-20001")
     compliance_order("CO-20002")
     for name, path in tampered_links(ctx).items():
-        response = await get(path)
-        assert response.code == 403, name
-        assert response.headers["Content-Type"] == "text/html; charset=utf-8"
-        assert "This link is not valid" in html(response), name
+        for response in (await get(path), await posted(get, path)):
+            assert response.code == 403, name
+            assert response.headers["Content-Type"] == "text/html; charset=utf-8"
+            assert "This link is not valid" in html(response), name
     assert SelfFiling.select().count() == 0
 
 
 @pytest.mark.gen_test
 async def test_an_unknown_order_with_a_valid_token_gets_the_404_page(get, ctx):
-    response = await get(signed_path(ctx, "ifta", "CO-404", "2026-Q3"))
-    assert response.code == 404
-    assert "We could not find this order" in html(response)
+    path = signed_path(ctx, "ifta", "CO-404", "2026-Q3")
+    for response in (await get(path), await posted(get, path)):
+        assert response.code == 404
+        assert "We could not find this order" in html(response)
     assert SelfFiling.select().count() == 0
 
 
@@ -252,11 +314,11 @@ async def test_a_signed_link_no_reminder_is_about_records_nothing(get, ctx):
     """The page refuses what the command line refuses to sign: it must not tell the
     customer that reminders stop while recording a filing no reminder looks at."""
     for name, path in links_no_reminder_is_about(ctx).items():
-        response = await get(path)
-        assert response.code == 404, name
-        page = html(response)
-        assert "We do not remind you of this filing" in page and "<img" not in page, name
-        assert "Nothing was recorded." in page, name
+        for response in (await get(path), await posted(get, path)):
+            assert response.code == 404, name
+            page = html(response)
+            assert "We do not remind you of this filing" in page and "<img" not in page, name
+            assert "Nothing was recorded." in page, name
     assert SelfFiling.select().count() == 0
 
 
@@ -269,7 +331,7 @@ def test_openapi_yaml_documents_every_method_the_link_serves(kind):
         described = set(yaml.safe_load(document)["paths"][f"/api/v1/{kind}/filed"])
     served_methods = {method.lower() for method in FiledLinkHandler.SUPPORTED_METHODS
                       if method.lower() in vars(FiledLinkHandler)}
-    assert served_methods == {"get", "head"}
+    assert served_methods == {"get", "head", "post"}
     assert described == served_methods
 
 
@@ -285,7 +347,7 @@ def test_the_rate_limit_mixin_lives_with_the_limiter_not_in_another_handler_modu
 @pytest.mark.gen_test
 async def test_other_methods_get_a_405_page(get, ctx):
     compliance_order("CO-20001")
-    response = await get(signed_path(ctx, "ifta", "CO-20001", "2026-Q3"), method="POST",
+    response = await get(signed_path(ctx, "ifta", "CO-20001", "2026-Q3"), method="PUT",
                          body=b"")
     assert response.code == 405
     assert response.headers["Content-Type"] == "text/html; charset=utf-8"
@@ -335,7 +397,7 @@ async def test_the_cli_prints_a_link_that_works(get, ctx, base_url, database_url
     assert link == signed_link(dataclasses.replace(ctx.settings, public_base_url=base_url),
                                "ifta", "CO-20001", "2026-Q3")
     response = await get(link[len(base_url):])
-    assert response.code == 200 and "we have recorded that you filed" in html(response)
+    assert response.code == 200 and "Yes, I filed 2026-Q3 myself" in html(response)
 
 
 def test_the_cli_refuses_what_it_cannot_sign():

@@ -293,3 +293,23 @@ def test_0018_puts_old_fiat_amounts_in_minor_units_and_keeps_one_fallback_entry_
             ("CA-BOTH", "tx-one", 100, False, "tx-one"),
             ("CA-BOTH", "tx-two", 100, False, "tx-two"),
             ("CA-TWO", "crypto-BTC-1795165260000", 100, True, "fallback")}
+
+
+ORDER_CURRENCY = importlib.import_module("migrations.0020_order_currency")
+
+
+def test_0020_gives_old_crtc_orders_their_currency_usd(scratch_db):
+    def columns():
+        return sorted(scratch_db.get_columns("crtc_orders"))
+    fresh = columns()
+    migrator = migrator_for(scratch_db)
+    run(migrator.drop_column("crtc_orders", "currency"))
+    insert_order_number_only(scratch_db, CrtcOrder, "CA-OLD")
+    ORDER_CURRENCY.apply(scratch_db, migrator)
+    assert columns() == fresh
+    insert_order_number_only(scratch_db, CrtcOrder, "CA-NEW")
+    with scratch_db.bind_ctx([CrtcOrder]):
+        assert {(o.order_number, o.currency) for o in CrtcOrder.select()} == {
+            ("CA-OLD", "USD"), ("CA-NEW", "USD")}
+    ORDER_CURRENCY.apply(scratch_db, migrator)
+    assert columns() == fresh

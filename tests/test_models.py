@@ -25,6 +25,7 @@ def assert_documented_defaults(order, before):
         assert order.intake_reminders_sent == 0
     if isinstance(order, CrtcOrder):
         assert order.funds_available is False
+        assert order.currency == "USD"
 
 
 @pytest.mark.parametrize("model", ORDER_MODELS, ids=lambda m: m._meta.table_name)

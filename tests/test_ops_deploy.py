@@ -129,7 +129,8 @@ def test_the_example_environment_reads_as_systemd_reads_it(tmp_path):
     and with the secrets filled in, gives the settings the service gets."""
     example = read(DEPLOY, "receiver.env.example")
     filled = re.sub(r"^#([A-Z])", r"\1", example, flags=re.MULTILINE)
-    filled = re.sub(r"^([A-Z_]+(SECRET|_KEY))=$", r"\1=s3cret", filled, flags=re.MULTILINE)
+    filled = re.sub(r"^([A-Z_]+(SECRET|_KEY))=$", r"\1=s3cret-of-32-random-characters-or-more",
+                    filled, flags=re.MULTILINE)
     filled = filled.replace("\nADMIN_EMAIL=\n", "\nADMIN_EMAIL=ops@example.com\n")
     filled = filled.replace("=sqlite:///var/", f"=sqlite:///{tmp_path}/")
     (tmp_path / "receiver.env").write_text(filled)

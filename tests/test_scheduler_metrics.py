@@ -2,6 +2,7 @@
 job that keeps failing is seen without reading the log; a stop does not wait for a job
 beyond its grace."""
 import asyncio
+import dataclasses
 import os
 import re
 import time
@@ -13,6 +14,8 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from scheduler import JOBS_BY_NAME, STOP_GRACE_SECONDS, Job, Scheduler
+from tests.console_helpers import Operator, console_settings, text
+from tests.frappe_site import FrappeSite
 from tests.ops_helpers import ROOT
 from tests.service_process import postgres_only
 
@@ -22,6 +25,12 @@ async def broken(ctx):
 
 
 BROKEN = Job("broken", broken, lambda s: 3600)
+
+
+@pytest.fixture
+def settings(settings):
+    """With the console on: it shows the jobs' runs too."""
+    return console_settings(settings)
 
 
 def samples(body):
@@ -134,3 +143,27 @@ async def test_stop_gives_a_run_apscheduler_started_its_grace_too(ctx):
         await asyncio.sleep(0.01)
     await scheduler.stop(grace=5)
     assert ended.is_set() and not scheduler.running
+
+
+@pytest.mark.gen_test(timeout=30)
+async def test_a_reconciliation_frappe_refuses_counts_as_failed_on_metrics_and_the_console(
+        http_server, base_url, client, ctx):
+    """Frappe refusing our list calls (here: our API key) leaves the run without its work:
+    counted failed, as a run that raised, not ok."""
+    site = FrappeSite({"Formation Order": ["order_number"], "CRTC Order": ["order_number"]})
+    try:
+        ctx.settings = ctx.workflow.settings = dataclasses.replace(
+            ctx.settings, workflow_url=site.url, workflow_api_key="wrong")
+        reconcile = JOBS_BY_NAME["reconcile"]
+        await Scheduler(ctx, jobs=(reconcile,)).run(reconcile)
+    finally:
+        site.stop()
+    found = samples((await client.fetch(base_url + "/metrics")).body)
+    assert runs(found, "reconcile", "failed") == 1 and runs(found, "reconcile", "ok") == 0
+    assert last_success(found, "reconcile") == 0
+    operator = Operator(client, base_url)
+    await operator.log_in()
+    page = text(await operator.get("/console/")).split("Scheduled jobs", 1)[1]
+    row = " ".join(re.sub(r"<[^>]+>", " ", page.split("reconcile", 1)[1].split("</tr>")[0])
+                   .split())
+    assert row == "Last success: never Runs ok: 0 Runs failed: 1"

@@ -22,7 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPENAPI = os.path.join(ROOT, "openapi.yaml")
 ARTIFACTS = os.path.join(ROOT, "tests", "artifacts")
 SCHEMATHESIS = os.path.join(os.path.dirname(sys.executable), "st")
-SECRETS = {"WEBHOOK_SECRET": "st-webhook-secret", "CRYPTO_PROCESSOR_API_KEY": "st-crypto-key"}
+SECRETS = {"WEBHOOK_SECRET": "st-webhook-secret", "CRYPTO_PROCESSOR_API_KEY": "st-crypto-key",
+           "ORDERS_API_KEY": "st-orders-api-key"}
 CHECKS = ("not_a_server_error,status_code_conformance,content_type_conformance,"
           "response_headers_conformance,response_schema_conformance")
 
@@ -83,7 +84,8 @@ def test_the_service_answers_as_openapi_yaml_says(service):
          "--request-timeout", "10", "--max-response-time", "5", "--workers", "1",
          "--suppress-health-check", "all",
          "-H", f"X-Webhook-Secret: {SECRETS['WEBHOOK_SECRET']}",
-         "-H", f"X-Crypto-Processor-Api-Key: {SECRETS['CRYPTO_PROCESSOR_API_KEY']}"],
+         "-H", f"X-Crypto-Processor-Api-Key: {SECRETS['CRYPTO_PROCESSOR_API_KEY']}",
+         "-H", f"Authorization: Bearer {SECRETS['ORDERS_API_KEY']}"],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
         env={**os.environ, "NO_COLOR": "1", "COLUMNS": "100"})
     with open(os.path.join(ARTIFACTS, "schemathesis.txt"), "w") as out:

@@ -8,12 +8,16 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
+import uuid
 
+import psycopg2
 import pytest
 
 from settings import ConfigurationError, Settings
 from tests.checked_service import CHECKED, refusals_file, refusals_to
+from tests.service_process import postgres_only
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -208,18 +212,32 @@ def test_serve_on_an_address_not_of_this_machine_is_a_settings_error(tmp_path):
     assert result.stderr.splitlines()[-1].endswith("; check RECEIVER_HOST and RECEIVER_PORT")
 
 
+@pytest.mark.parametrize("database", ["refusing connections", "silent"])
 def test_serve_with_the_database_unreachable_serves_and_says_so_without_the_password(
-        tmp_path):
+        tmp_path, database):
     """A restart during an outage: it serves (calls go to the spool, /readyz says why) and
-    stops cleanly; the log names the outage once and never the password."""
+    stops cleanly; the log names the outage once and never the password. Nothing listens
+    on port 1; a socket that listens and never answers is a server that says nothing."""
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
-    service = subprocess.Popen(
-        [sys.executable, "receiver.py", "serve"], cwd=ROOT, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, **serve_env(
-            tmp_path, RECEIVER_PORT=str(port),
-            DATABASE_URL="postgresql://operator:pg-password-zz@127.0.0.1:1/receiver")})
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        database_port = 1 if database == "refusing connections" else silent.getsockname()[1]
+        service = subprocess.Popen(
+            [sys.executable, "receiver.py", "serve"], cwd=ROOT, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, **serve_env(
+                tmp_path, RECEIVER_PORT=str(port), DATABASE_URL=(
+                    f"postgresql://operator:pg-password-zz@127.0.0.1:{database_port}/receiver"))})
+        _serves_through_the_outage(service, port)
+    assert service.returncode == 0
+    output = service.stdout.read()
+    assert output.count("database unavailable at start") == 1 and "Traceback" not in output
+    assert "pg-password-zz" not in output
+
+
+def _serves_through_the_outage(service, port):
     try:
         ready = None
         for _ in range(300):
@@ -234,12 +252,51 @@ def test_serve_with_the_database_unreachable_serves_and_says_so_without_the_pass
         assert json.loads(ready.read())["checks"]["database"] == \
             "unreachable; migrations wait for it"
         service.send_signal(signal.SIGTERM)
-        output, _ = service.communicate(timeout=60)
+        service.wait(timeout=60)
     finally:
         service.kill()
-    assert service.returncode == 0
-    assert output.count("database unavailable at start") == 1 and "Traceback" not in output
-    assert "pg-password-zz" not in output
+
+
+@pytest.fixture
+def role_not_let_in(database_url):
+    """A role PostgreSQL knows and does not let log in (NOLOGIN)."""
+    admin = psycopg2.connect(database_url)
+    admin.autocommit = True
+    name = f"receiver_nologin_{uuid.uuid4().hex[:8]}"
+    admin.cursor().execute(f'CREATE ROLE "{name}" NOLOGIN')
+    yield name
+    admin.cursor().execute(f'DROP ROLE "{name}"')
+    admin.close()
+
+
+@postgres_only
+@pytest.mark.parametrize("wrong,reason", [
+    ("database", 'database "receiver_no_such_database" does not exist'),
+    ("role", 'role "receiver_no_such_role" does not exist'),
+    ("login", 'role "{role}" is not permitted to log in'),
+])
+def test_serve_and_the_commands_on_a_database_refusing_our_settings_exit_1_with_one_line(
+        tmp_path, database_url, role_not_let_in, wrong, reason):
+    """A database that does not exist, or a role it refuses, is a setting to fix, not an
+    outage: `serve` does not listen and spool, it says why on one line (the server's
+    reason, never the password) and exits 1; so do `migrate` and the operator's commands."""
+    parts = urllib.parse.urlsplit(database_url)
+    user, name = {"database": (parts.username, "receiver_no_such_database"),
+                  "role": ("receiver_no_such_role", parts.path.lstrip("/")),
+                  "login": (role_not_let_in, parts.path.lstrip("/"))}[wrong]
+    url = urllib.parse.urlunsplit(parts._replace(
+        netloc=f"{user}:pg-password-zz@{parts.hostname}:{parts.port or 5432}", path=f"/{name}"))
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    expected = (f"receiver: the database refuses our settings: "
+                f"{reason.format(role=role_not_let_in)}; check DATABASE_URL (the database's "
+                "name, the user and its password)\n")
+    for command in ("serve", "migrate", "events"):
+        result = run(command, *(("list",) if command == "events" else ()),
+                     env=serve_env(tmp_path, RECEIVER_PORT=str(port), DATABASE_URL=url))
+        assert (result.returncode, result.stderr) == (1, expected), command
+    assert not os.path.exists(tmp_path / "spool")
 
 
 def test_run_without_the_venv_says_how_to_run_it():
@@ -264,3 +321,30 @@ def test_production_without_admin_email_refuses_to_start_and_says_why(tmp_path):
                              "effects, rejected payments and quarantined calls are mailed "
                              "there\n")
     assert not (tmp_path / "x.sqlite3").exists()
+
+
+@pytest.mark.parametrize("said,refused", [
+    ('connection to server at "db", port 5432 failed: FATAL:  password authentication '
+     'failed for user "receiver"\n', 'password authentication failed for user "receiver"'),
+    ('connection to server at "db", port 5432 failed: FATAL:  no pg_hba.conf entry for host '
+     '"10.0.0.7", user "receiver", database "receiver", no encryption\n',
+     'no pg_hba.conf entry for host "10.0.0.7", user "receiver", database "receiver", no '
+     'encryption'),
+    ('connection to server at "db", port 5432 failed: fe_sendauth: no password supplied\n',
+     'connection to server at "db", port 5432 failed: fe_sendauth: no password supplied'),
+    ('connection to server at "db", port 5432 failed: Connection refused\n\tIs the server '
+     'running on that host and accepting TCP/IP connections?\n', None),
+    ('connection to server at "db", port 5432 failed: timeout expired\n', None),
+    ("the database did not answer within 1 s", None),
+    ("server closed the connection unexpectedly", None),
+    ('connection to server at "db", port 5432 failed: FATAL:  the database system is '
+     'starting up\n', None),
+    ('connection to server at "db", port 5432 failed: FATAL:  sorry, too many clients '
+     'already\n', None),
+])
+def test_a_refusal_of_our_settings_is_told_from_an_outage(said, refused):
+    """The refusals a server gives while the connection is made, which psycopg2 passes on
+    as text alone; the outages stay outages."""
+    from engine.db import refused_settings
+    from models import DatabaseDown
+    assert refused_settings(DatabaseDown(said)) == refused

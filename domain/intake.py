@@ -1,0 +1,495 @@
+"""Orders in: the one contract behind the orders API (`PUT /api/v1/orders/<kind>/<number>`),
+the import command (`receiver.py orders import FILE`) and a shop that shares the database
+(docs/ORDERS.md).
+
+The shop owns who the customer is and what was ordered: SHOP_FIELDS, per kind. The
+service owns every other column (payment, fulfilment, settlement, holdback, notes, the
+Frappe document name): a call that names one is refused, never half taken. `parse`
+checks an order as the shop sends it (a JSON object, or a CSV row whose cells are text)
+and raises InvalidOrder naming the field; `store` writes it, once: the same order sent
+again changes nothing, and says so.
+
+An order that arrives makes the calls that wait for it due now (`make_waiting_due`): the
+failed events about it, or about an order that names it as its parent (a payment's
+re-dispatch of the parent), are retried at once rather than at their next backoff. The
+inbox then hands them to their plugins in its own order; nothing here orders them.
+Calls still waiting for an order not there yet (`waiting_calls`) are what the console's
+overview shows.
+
+Longer than most: the contract (its fields, their checks, the file formats) is one thing,
+read together."""
+import csv
+import dataclasses
+import datetime
+import decimal
+import functools
+import io
+import json
+import logging
+import operator
+import re
+from typing import Any, Callable, Iterator, Mapping
+
+import peewee
+
+from engine.commits import raise_if_conflict, savepoint
+from engine.db import locked
+from models import ORDER_MODELS, OrderBase, WebhookEvent
+
+log = logging.getLogger("receiver.orders")
+
+KINDS = tuple(ORDER_MODELS)
+# The fields every order's shop sets, and those of one kind.
+COMMON_FIELDS = ("customer_email", "customer_name", "service_name", "parent_order_number",
+                 "discount_code")
+SHOP_FIELDS = {
+    "formation": COMMON_FIELDS,
+    "compliance": (*COMMON_FIELDS, "service_slug"),
+    "bundle": COMMON_FIELDS,
+    "canada_crtc": (*COMMON_FIELDS, "total_cents", "amb_annual_price_cents", "currency"),
+}
+# The columns of the row itself, not the shop's nor the service's to set.
+ROW_FIELDS = ("id", "order_number", "created_at", "updated_at")
+
+MAX_TEXT_LENGTH = 255
+MAX_EMAIL_LENGTH = 254
+# An order number is part of the orders API's path, and of links and Frappe's calls:
+# printable, no white space, nothing a URL gives a meaning to.
+ORDER_NUMBER = re.compile(r"[^\s/?#%\\\x00-\x1f\x7f]{1,255}")
+EMAIL = re.compile(r"[^@\s\x00-\x1f\x7f]{1,64}@[^@\s\x00-\x1f\x7f]{1,189}\.[^@\s.\x00-\x1f\x7f]{1,63}")
+CURRENCY = re.compile(r"[A-Za-z]{3}")
+DEFAULT_CURRENCY = "USD"
+# The largest amount a BIGINT holds.
+MAX_CENTS = 2 ** 63 - 1
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# Orders written per unit of work by an import; each row is its own savepoint.
+IMPORT_BATCH = 100
+
+
+class UnknownKind(LookupError):
+    """The path names no kind of order."""
+
+
+class InvalidOrder(ValueError):
+    """An order the contract refuses; `field` names what is wrong."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class OtherKind(ValueError):
+    """The order number is already an order of another kind: one number, one order (the
+    crypto callbacks and Frappe's webhooks name an order by its number alone)."""
+
+    def __init__(self, order_number: str, kind: str) -> None:
+        super().__init__(f"order {order_number} is a {kind} order")
+        self.kind = kind
+
+
+@dataclasses.dataclass(frozen=True)
+class OrderInput:
+    """An order as the shop sent it, checked: its shop fields to set (None: cleared)."""
+    kind: str
+    order_number: str
+    values: Mapping[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Stored:
+    order: OrderBase
+    # created, updated or unchanged
+    outcome: str
+    # The calls waiting for this order made due now by its arrival.
+    due: int
+
+
+def model_of(kind: str) -> type[OrderBase]:
+    try:
+        return ORDER_MODELS[kind]
+    except KeyError:
+        raise UnknownKind(f"unknown kind: {kind} (the kinds: {', '.join(KINDS)})") from None
+
+
+def service_fields(kind: str) -> tuple[str, ...]:
+    """The columns of an order of `kind` that the service owns: every one the shop does
+    not, the row's own aside."""
+    return tuple(field.name for field in model_of(kind)._meta.sorted_fields
+                 if field.name not in ROW_FIELDS and field.name not in SHOP_FIELDS[kind])
+
+
+def check_order_number(order_number: object, field: str = "order_number") -> str:
+    if not isinstance(order_number, str) or not ORDER_NUMBER.fullmatch(order_number):
+        raise InvalidOrder(field, f"{field} must be 1 to {MAX_TEXT_LENGTH} characters, "
+                                  "without spaces, control characters, /, ?, #, % or \\")
+    return order_number
+
+
+def parse(kind: str, order_number: str, fields: Mapping[str, Any],
+          cells: bool = False) -> OrderInput:
+    """The order of `kind` and `order_number` with `fields` (JSON values; with `cells`,
+    a CSV row's text, where an empty cell clears its field and amounts are digits).
+    Raises UnknownKind, or InvalidOrder naming the first field at fault."""
+    model_of(kind)
+    check_order_number(order_number)
+    own = SHOP_FIELDS[kind]
+    values = {}
+    for name, value in fields.items():
+        if name in ("kind", "order_number"):
+            given = kind if name == "kind" else order_number
+            if value != given:
+                raise InvalidOrder(name, f"{name} is {given!r} (the path's), not {value!r}")
+            continue
+        if name not in own:
+            raise InvalidOrder(name, _not_the_shops(kind, name))
+        if cells and value == "":
+            value = None
+        values[name] = CHECKS[name](name, value, cells)
+    if values.get("parent_order_number") == order_number:
+        raise InvalidOrder("parent_order_number",
+                           "parent_order_number must not be the order's own number")
+    return OrderInput(kind, order_number, values)
+
+
+def _not_the_shops(kind: str, name: str) -> str:
+    if name in ROW_FIELDS or any(name in service_fields(other) for other in KINDS):
+        return (f"{name} is the service's to set, not the shop's: the orders API never "
+                "changes it (docs/ORDERS.md)")
+    if any(name in SHOP_FIELDS[other] for other in KINDS):
+        return f"{name} is not a field of {kind} orders"
+    return f"unknown field: {name}"
+
+
+def _text(name: str, value: Any, cells: bool, max_length: int = MAX_TEXT_LENGTH) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise InvalidOrder(name, f"{name} must be text or null")
+    value = value.strip()
+    if CONTROL.search(value):
+        raise InvalidOrder(name, f"{name} must not hold control characters")
+    if len(value) > max_length:
+        raise InvalidOrder(name, f"{name} is longer than {max_length} characters")
+    return value or None
+
+
+def _email(name: str, value: Any, cells: bool) -> str | None:
+    value = _text(name, value, cells, MAX_EMAIL_LENGTH)
+    if value is not None and not EMAIL.fullmatch(value):
+        raise InvalidOrder(name, f"{name} must be an e-mail address")
+    return value
+
+
+def _order_number(name: str, value: Any, cells: bool) -> str | None:
+    value = _text(name, value, cells)
+    return None if value is None else check_order_number(value, name)
+
+
+def _cents(name: str, value: Any, cells: bool) -> int | None:
+    if value is None:
+        return None
+    if cells and isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    # bool is an int to Python, not an amount; 780.0 is JSON's float, not cents.
+    if type(value) is not int or not 0 <= value <= MAX_CENTS:
+        raise InvalidOrder(name, f"{name} must be a whole number of cents (the currency's "
+                                 f"minor units), 0 or more, got {_shown(value)}")
+    return value
+
+
+def _currency(name: str, value: Any, cells: bool) -> str:
+    value = _text(name, value, cells)
+    if value is None:
+        return DEFAULT_CURRENCY
+    if not CURRENCY.fullmatch(value):
+        raise InvalidOrder(name, f"{name} must be an ISO 4217 code such as USD or CAD, "
+                                 f"got {_shown(value)}")
+    return value.upper()
+
+
+def _shown(value: Any) -> str:
+    return json.dumps(value)[:40] if isinstance(value, (str, int, float, type(None))) \
+        else type(value).__name__
+
+
+CHECKS = {
+    "customer_email": _email, "customer_name": _text, "service_name": _text,
+    "parent_order_number": _order_number, "discount_code": _text, "service_slug": _text,
+    "total_cents": _cents, "amb_annual_price_cents": _cents, "currency": _currency,
+}
+
+
+# --- storing ---------------------------------------------------------------------------
+
+def find(kind: str, order_number: str) -> OrderBase | None:
+    model = model_of(kind)
+    return model.get_or_none(model.order_number == order_number)
+
+
+def kind_of(order_number: str) -> str | None:
+    """The kind of the order with that number, whatever it is; None when there is none."""
+    for kind, model in ORDER_MODELS.items():
+        if model.select().where(model.order_number == order_number).exists():
+            return kind
+    return None
+
+
+def store(order: OrderInput, now: datetime.datetime) -> Stored:
+    """Create the order, or set its shop fields (a unit of work, or part of one).
+    Raises OtherKind when the number is an order of another kind."""
+    model = model_of(order.kind)
+    found = kind_of(order.order_number)
+    if found not in (None, order.kind):
+        raise OtherKind(order.order_number, found)
+    existing = _locked(model, order.order_number)
+    if existing is None:
+        try:
+            with savepoint():
+                model.insert(order_number=order.order_number, created_at=now, updated_at=now,
+                             **{name: value for name, value in order.values.items()
+                                if value is not None}).execute()
+        except peewee.IntegrityError as failure:
+            raise_if_conflict(failure)
+            existing = _locked(model, order.order_number)  # made by another call meanwhile
+        else:
+            created = model.get(model.order_number == order.order_number)
+            return Stored(created, "created", make_waiting_due(order.order_number, now))
+    changed = {name: value for name, value in order.values.items()
+               if getattr(existing, name) != value}
+    if not changed:
+        return Stored(existing, "unchanged", 0)
+    model.update(updated_at=now, **changed).where(model.id == existing.id).execute()
+    return Stored(model.get_by_id(existing.id), "updated", 0)
+
+
+def _locked(model: type[OrderBase], order_number: str) -> OrderBase | None:
+    return locked(model.select().where(model.order_number == order_number)).first()
+
+
+async def put(ctx: Any, order: OrderInput) -> Stored:
+    """`store` in a unit of its own; the inbox's retry told to run now when calls were
+    made due, so they are handled now rather than at its next tick."""
+    stored = await ctx.db(functools.partial(store, order, ctx.clock()))
+    if stored.outcome != "unchanged":
+        log.info("%s order %s %s through the orders API%s", order.kind, order.order_number,
+                 stored.outcome, f"; {stored.due} waiting call(s) due now" if stored.due else "")
+    if stored.due:
+        run_waiting_calls(ctx)
+    return stored
+
+
+def run_waiting_calls(ctx: Any) -> None:
+    """Ask the service's inbox retry to run now (a command has no scheduler: the running
+    service takes the calls made due at its next tick)."""
+    if ctx.scheduler is not None:
+        ctx.scheduler.run_soon("inbox")
+
+
+def make_waiting_due(order_number: str, now: datetime.datetime) -> int:
+    """The failed calls about `order_number`, or about an order naming it as its parent,
+    due now; returns how many were not due yet."""
+    children = functools.reduce(operator.or_, (
+        model.select(model.order_number).where(model.parent_order_number == order_number)
+        for model in ORDER_MODELS.values()))
+    about = (WebhookEvent.order_number == order_number) | WebhookEvent.order_number.in_(children)
+    return (WebhookEvent.update(next_attempt_at=now, updated_at=now)
+            .where(about, WebhookEvent.status == "failed", WebhookEvent.next_attempt_at > now)
+            .execute())
+
+
+@dataclasses.dataclass(frozen=True)
+class Waiting:
+    """Calls that wait for an order not there yet: how many, for how many orders, and
+    the orders that wait longest (number, calls, since when)."""
+    calls: int
+    orders: int
+    oldest: list
+
+
+def waiting_calls(limit: int = 20) -> Waiting:
+    """The failed calls whose order is in none of the order tables (a unit of work)."""
+    number = WebhookEvent.order_number
+    missing = functools.reduce(operator.and_, (
+        ~peewee.fn.EXISTS(model.select(peewee.SQL("1")).where(model.order_number == number))
+        for model in ORDER_MODELS.values()))
+    per_order = (WebhookEvent.select(number, peewee.fn.COUNT(WebhookEvent.id).alias("calls"),
+                                     peewee.fn.MIN(WebhookEvent.received_at).alias("since"))
+                 .where(WebhookEvent.status == "failed", number.is_null(False), missing)
+                 .group_by(number))
+    rows = list(per_order.order_by(peewee.SQL("since"), number).limit(limit).dicts())
+    totals = (WebhookEvent.select(peewee.fn.COUNT(WebhookEvent.id),
+                                  peewee.fn.COUNT(number.distinct()))
+              .where(WebhookEvent.status == "failed", number.is_null(False), missing)
+              .tuples().first())
+    calls, orders = totals or (0, 0)
+    oldest = [(row["order_number"], row["calls"],
+               WebhookEvent.received_at.python_value(row["since"])) for row in rows]
+    return Waiting(calls, orders, oldest)
+
+
+# --- what the shop is told -------------------------------------------------------------
+
+def describe(order: OrderBase) -> dict:
+    """The order as the service sees it, for the orders API: the shop's fields and the
+    service's apart, every one present (null when unset)."""
+    def shown(value: Any) -> Any:
+        if isinstance(value, datetime.datetime):
+            return value.isoformat()
+        if isinstance(value, decimal.Decimal):
+            return str(value)
+        return value
+    kind = order.kind
+    return {"kind": kind, "order_number": order.order_number,
+            "shop": {name: shown(getattr(order, name)) for name in SHOP_FIELDS[kind]},
+            "service": {name: shown(getattr(order, name)) for name in service_fields(kind)},
+            "created_at": shown(order.created_at), "updated_at": shown(order.updated_at)}
+
+
+# --- files -------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One order of a file: its line (the header is line 1), and the order or why not."""
+    line: int
+    order: OrderInput | None = None
+    problem: str | None = None
+
+
+class UnreadableFile(ValueError):
+    """A file that is neither CSV with the header nor JSON lines; the message names the
+    line."""
+
+
+def read_rows(data: bytes) -> list[Row]:
+    """Every order of an import file, checked: JSON lines when its first character is
+    `{`, else CSV whose header is `kind,order_number,<field>...`. An order number on two
+    lines makes the second a bad row (the file would not say which to keep)."""
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as bad:
+        line = data[:bad.start].count(b"\n") + 1
+        raise UnreadableFile(f"line {line}: not UTF-8 text") from None
+    rows = list(_json_lines(text) if text.lstrip().startswith("{") else _csv_rows(text))
+    first_line: dict[str, int] = {}
+    checked = []
+    for row in rows:
+        if row.order is not None:
+            earlier = first_line.setdefault(row.order.order_number, row.line)
+            if earlier != row.line:
+                row = Row(row.line, problem=f"order {row.order.order_number} is on line "
+                                            f"{earlier} too")
+        checked.append(row)
+    return checked
+
+
+def _checked(line: int, kind: Any, order_number: Any, fields: Mapping[str, Any],
+             cells: bool) -> Row:
+    try:
+        if not isinstance(kind, str) or not kind:
+            raise InvalidOrder("kind", "kind is missing")
+        return Row(line, parse(kind, order_number, fields, cells=cells))
+    except (UnknownKind, InvalidOrder) as problem:
+        return Row(line, problem=str(problem))
+
+
+def _json_lines(text: str) -> Iterator[Row]:
+    for line, content in enumerate(text.splitlines(), start=1):
+        if not content.strip():
+            continue
+        try:
+            body = json.loads(content)
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            yield Row(line, problem="not a JSON object")
+            continue
+        fields = {name: value for name, value in body.items() if name not in ("kind",)}
+        yield _checked(line, body.get("kind"), fields.pop("order_number", None), fields,
+                       cells=False)
+
+
+def _csv_rows(text: str) -> Iterator[Row]:
+    reader = csv.reader(io.StringIO(text, newline=""))
+    try:
+        header = next(reader)
+    except (StopIteration, csv.Error):
+        raise UnreadableFile("line 1: no header (kind,order_number,<field>...)") from None
+    header = [name.strip() for name in header]
+    if header[:2] != ["kind", "order_number"]:
+        raise UnreadableFile("line 1: the header must start with kind,order_number")
+    fields = header[2:]
+    for name in fields:
+        if not any(name in SHOP_FIELDS[kind] for kind in KINDS):
+            raise UnreadableFile(f"line 1: {_not_the_shops(KINDS[0], name)}")
+    if len(set(fields)) != len(fields):
+        raise UnreadableFile("line 1: a field is named twice")
+    while True:
+        line = reader.line_num + 1
+        try:
+            cells = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as broken:
+            yield Row(line, problem=f"not CSV: {broken}")
+            return
+        if not any(cell.strip() for cell in cells):
+            continue
+        if len(cells) != len(header):
+            yield Row(line, problem=f"{len(cells)} values for the header's {len(header)} "
+                                    "columns")
+            continue
+        kind, order_number = cells[0].strip(), cells[1].strip()
+        given = {name: value for name, value in zip(fields, cells[2:])
+                 # A column the row's kind does not have is left empty by it.
+                 if name in SHOP_FIELDS.get(kind, ()) or value.strip()}
+        yield _checked(line, kind, order_number, given, cells=True)
+
+
+@dataclasses.dataclass
+class Imported:
+    created: int = 0
+    updated: int = 0
+    unchanged: int = 0
+    # (line, why) of each row not stored, in the file's order.
+    bad: list = dataclasses.field(default_factory=list)
+    due: int = 0
+
+    def add(self, other: "Imported") -> None:
+        for name in ("created", "updated", "unchanged", "due"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.bad += other.bad
+
+
+async def import_rows(ctx: Any, rows: list[Row],
+                      progress: Callable[[int, int | None], None]) -> Imported:
+    """Store the good rows of a file, IMPORT_BATCH to a unit of work; the bad ones are
+    counted with their line and reason. `progress(stored, of)` after each batch."""
+    good = [row for row in rows if row.order is not None]
+    counts = Imported(bad=[(row.line, row.problem) for row in rows if row.order is None])
+    progress(0, len(good))
+    for start in range(0, len(good), IMPORT_BATCH):
+        batch = good[start:start + IMPORT_BATCH]
+        stored = await ctx.db(functools.partial(store_rows, batch, ctx.clock()))
+        counts.add(stored)
+        progress(start + len(batch), len(good))
+    counts.bad.sort()
+    if counts.due:
+        run_waiting_calls(ctx)
+    return counts
+
+
+def store_rows(rows: list[Row], now: datetime.datetime) -> Imported:
+    """Store the good rows of a batch, each alone (a unit of work): one refused by the
+    database (a number of another kind) is a bad row, the others are stored."""
+    counts = Imported()
+    for row in rows:
+        assert row.order is not None
+        try:
+            with savepoint():
+                stored = store(row.order, now)
+        except OtherKind as other:
+            counts.bad.append((row.line, str(other)))
+            continue
+        setattr(counts, stored.outcome, getattr(counts, stored.outcome) + 1)
+        counts.due += stored.due
+    return counts

@@ -1,0 +1,76 @@
+"""PUT and GET /api/v1/orders/<kind>/<order_number>: the shop's orders API (docs/ORDERS.md).
+
+`Authorization: Bearer <ORDERS_API_KEY>`, compared in constant time; without the key
+set, every call is refused (no sender is open by default). PUT creates the order (201)
+or sets its shop fields (200, also when nothing changed: the same PUT again is the same
+order); a field the service owns, an unknown one or a wrong value is 400 naming it; an
+order number that is an order of another kind is 409. GET answers the order as the
+service sees it. Both answer the order's description (domain.intake.describe)."""
+import functools
+
+import tornado.web
+
+from domain import intake
+from handlers.base import ApiHandler, same_secret
+
+
+class OrderHandler(ApiHandler):
+    # An order is a dozen short fields; room for far more.
+    body_limit = 16 * 1024
+
+    def check_headers(self):
+        """The bearer token, before a byte of the body is read."""
+        key = self.ctx.settings.orders_api_key
+        scheme, _, given = self.request.headers.get("Authorization", "").partition(" ")
+        if not key:
+            self.refuse("ORDERS_API_KEY is not set: every call is refused")
+        if scheme.lower() != "bearer" or not same_secret(given.strip(), key):
+            self.refuse("the bearer token is not ORDERS_API_KEY" if given
+                        else "no bearer token")
+        return True
+
+    def refuse(self, why):
+        self.set_header("WWW-Authenticate", 'Bearer realm="orders"')
+        self.refuse_credentials(401, "Unauthorized", f"orders API: {why}")
+
+    def prepare(self):
+        super().prepare()
+        # Every method: a GET answers a customer's data too.
+        self.authenticated = bool(self.check_headers())
+
+    def fail_field(self, status, message, field):
+        self.answer(status, {"error": message, "field": field})
+        raise tornado.web.Finish()
+
+    def checked(self, kind, order_number, fields):
+        try:
+            return intake.parse(kind, order_number, fields)
+        except intake.InvalidOrder as invalid:
+            self.fail_field(400, str(invalid), invalid.field)
+
+    async def put(self, kind, order_number):
+        self.known_kind(kind)
+        order = self.checked(kind, order_number, self.json_body())
+        try:
+            stored = await intake.put(self.ctx, order)
+        except intake.OtherKind as other:
+            self.fail_field(409, str(other), "order_number")
+        if stored.outcome == "created":
+            self.set_header("Location", self.request.path)
+        self.answer(201 if stored.outcome == "created" else 200,
+                    intake.describe(stored.order))
+
+    async def get(self, kind, order_number):
+        self.known_kind(kind)
+        order = await self.ctx.db(functools.partial(intake.find, kind, order_number))
+        if order is None:
+            other = await self.ctx.db(functools.partial(intake.kind_of, order_number))
+            self.fail(404, f"no {kind} order {order_number}" + (
+                f" (it is a {other} order)" if other else ""))
+        self.answer(200, intake.describe(order))
+
+    def known_kind(self, kind):
+        try:
+            intake.model_of(kind)
+        except intake.UnknownKind as unknown:
+            self.fail(404, str(unknown))

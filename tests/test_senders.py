@@ -1,0 +1,93 @@
+"""No sender is open by default: SENDERS says which senders a shop uses, production needs
+the keys of those and of no other, and an endpoint whose key is not set refuses every
+call, in every environment (the crypto callback's: tests/test_crypto_webhook.py; the
+orders API's: tests/test_intake.py)."""
+import dataclasses
+import json
+
+import pytest
+
+from settings import PLACEHOLDER_WEBHOOK_SECRET, ConfigurationError, Settings
+
+PRODUCTION = {
+    "RECEIVER_ENV": "production", "WEBHOOK_SECRET": "s1", "LINK_SECRET": "s2",
+    "ADMIN_EMAIL": "ops@example.com",
+    "STRIPE_SECRET_KEY": "sk_live_a", "STRIPE_WEBHOOK_SECRET": "whsec_a",
+    "CRYPTO_PROCESSOR_API_KEY": "k",
+}
+ORDERS_KEY = "0rders-api-key-of-forty-three-characters-xx"
+BY_SENDER = {"workflow": {"WEBHOOK_SECRET": "s1"},
+             "card": {"STRIPE_SECRET_KEY": "sk_live_a", "STRIPE_WEBHOOK_SECRET": "whsec_a"},
+             "crypto": {"CRYPTO_PROCESSOR_API_KEY": "k"},
+             "orders": {"ORDERS_API_KEY": ORDERS_KEY}}
+ALWAYS = {"RECEIVER_ENV": "production", "LINK_SECRET": "s2", "ADMIN_EMAIL": "ops@example.com"}
+
+
+def test_without_senders_the_three_of_before_are_needed_and_the_orders_api_is_not():
+    settings = Settings.from_env(PRODUCTION)
+    assert settings.senders == ("workflow", "card", "crypto")
+    assert settings.production and not settings.orders_api_key
+
+
+@pytest.mark.parametrize("used", [("workflow",), ("card",), ("crypto",), ("orders",),
+                                  ("workflow", "crypto"), ("crypto", "orders"),
+                                  ("workflow", "card", "crypto", "orders")])
+def test_production_needs_the_keys_of_the_senders_in_use_and_no_other(used):
+    keys = {name: value for sender in used for name, value in BY_SENDER[sender].items()}
+    settings = Settings.from_env({**ALWAYS, **keys, "SENDERS": ",".join(used)})
+    assert settings.production and settings.senders == used
+    for sender in used:
+        for name in BY_SENDER[sender]:
+            missing = {key: value for key, value in keys.items() if key != name}
+            with pytest.raises(ConfigurationError, match=f"not set: {name}$"):
+                Settings.from_env({**ALWAYS, **missing, "SENDERS": ",".join(used)})
+
+
+@pytest.mark.parametrize("value", ["", "change-me-orders-api-key", "CHANGE-ME"])
+def test_production_refuses_an_unset_or_placeholder_orders_key_when_the_api_is_used(value):
+    with pytest.raises(ConfigurationError, match="ORDERS_API_KEY"):
+        Settings.from_env({**PRODUCTION, "SENDERS": "workflow,card,crypto,orders",
+                           "ORDERS_API_KEY": value})
+
+
+def test_production_refuses_a_short_orders_key():
+    with pytest.raises(ConfigurationError, match="ORDERS_API_KEY of 32 random characters"):
+        Settings.from_env({**PRODUCTION, "SENDERS": "orders,workflow,card,crypto",
+                           "ORDERS_API_KEY": "short-key"})
+
+
+@pytest.mark.parametrize("value", ["change-me-shkeeper-key", "Change-Me"])
+def test_production_refuses_a_placeholder_crypto_key(value):
+    with pytest.raises(ConfigurationError, match="not set: CRYPTO_PROCESSOR_API_KEY$"):
+        Settings.from_env({**PRODUCTION, "CRYPTO_PROCESSOR_API_KEY": value})
+
+
+def test_an_unknown_sender_is_named():
+    with pytest.raises(ConfigurationError, match="SENDERS names 'stripe': the senders are "
+                                                 "workflow, card, crypto, orders"):
+        Settings.from_env({"SENDERS": "workflow, stripe"})
+    assert Settings.from_env({"SENDERS": " Crypto , orders "}).senders == ("crypto", "orders")
+
+
+@pytest.fixture
+def settings(settings):
+    """Production, for a shop that does not use the workflow: no WEBHOOK_SECRET set."""
+    return dataclasses.replace(settings, env="production", senders=("crypto",),
+                               webhook_secret=PLACEHOLDER_WEBHOOK_SECRET)
+
+
+SUBMITTED = {"order_name": "ORD-1", "order_number": "FO-1", "state_code": "WY",
+             "entity_name": "Acme LLC"}
+
+
+@pytest.mark.gen_test
+async def test_in_production_the_placeholder_webhook_secret_opens_nothing(
+        post, client, base_url, worker):
+    """The placeholder is in the source for all to read: where no WEBHOOK_SECRET is set in
+    production, the workflow webhooks and the referral details stay closed."""
+    auth = {"X-Webhook-Secret": PLACEHOLDER_WEBHOOK_SECRET}
+    status, reply, _ = await post("/api/v1/webhooks/formation/submitted", SUBMITTED, auth)
+    assert (status, reply) == (401, {"error": "Unauthorized"})
+    referral = await client.fetch(base_url + "/api/v1/referral/pat@example.com", headers=auth)
+    assert (referral.code, json.loads(referral.body)) == (401, {"error": "Unauthorized"})
+    assert worker.requests == []
