@@ -26,19 +26,29 @@ class _Worker(tornado.web.RequestHandler):
         self.finish({"ok": True})
 
 
+# What Frappe's whitelisted methods the service reads answer, as a v15 site does: who we
+# are, the site's time zone (System Settings), and a document's history, whose workflow
+# log is empty here (the demo's changes come as webhooks).
+_METHOD_ANSWERS = {
+    "frappe.auth.get_logged_user": {"message": DEMO_API_USER},
+    "frappe.client.get_time_zone": {"message": {"time_zone": "UTC"}},
+    "frappe.desk.form.load.get_docinfo": {"docinfo": {"workflow_logs": []}},
+}
+
+
 class _FrappeMethod(tornado.web.RequestHandler):
-    """Frappe's whitelisted methods the service calls: who we are (GET, the service's
-    check of its credentials) and apply_workflow (POST). The state an action leads to is
-    kept, so that a document read back shows it."""
+    """Frappe's whitelisted methods the service calls: what it reads (GET,
+    `_METHOD_ANSWERS`) and apply_workflow (POST). The state an action leads to is kept,
+    so that a document read back shows it."""
 
     def initialize(self, states):
         self.states = states
 
     def get(self, method):
-        if method != "frappe.auth.get_logged_user":
+        if method not in _METHOD_ANSWERS:
             self.send_error(404)
             return
-        self.finish({"message": DEMO_API_USER})
+        self.finish(_METHOD_ANSWERS[method])
 
     def post(self, method):
         call = json.loads(self.request.body)
@@ -51,15 +61,18 @@ class _FrappeMethod(tornado.web.RequestHandler):
 
 class _FrappeResource(tornado.web.RequestHandler):
     """Frappe's REST resources: a list (the service's check reads one row of each
-    doctype, the reconciliation lists the documents changed lately: none here, the demo's
-    changes come as webhooks), or one document with the state its last action led to."""
+    doctype and the doctypes' active Workflows, the reconciliation lists the documents
+    changed lately: none here, the demo's changes come as webhooks), or one document with
+    the state its last action led to."""
 
     def initialize(self, states):
         self.states = states
 
     def get(self, doctype, name=None):
         if name is None:
-            self.finish({"data": []})
+            # The active Workflow of a doctype (the service reads its transitions); no
+            # other list has rows.
+            self.finish({"data": [{"name": "Demo Workflow"}] if doctype == "Workflow" else []})
             return
         log.info("stand-in Frappe: read %s %s", doctype, name)
         self.finish({"data": {"name": name, "doctype": doctype,
