@@ -10,6 +10,7 @@ import json
 import pytest
 
 from models import WebhookEvent
+from tests import shkeeper
 
 API_VERSION = "2026-03-25.dahlia"
 SECRET = "whsec_test_5f2b8c1e9a7d4630b1c2d3e4f5a6b7c8"
@@ -279,6 +280,14 @@ def raw_of(evt):
 # --- delivering them to the service under test ----------------------------------------------
 
 CARD_URL = "/api/v1/webhooks/card-processor"
+
+
+def with_payment_processors(settings, **changes):
+    """`settings` with the card processor configured and the crypto processor's key, and
+    `changes`."""
+    return dataclasses.replace(settings, stripe_secret_key=SECRET_KEY,
+                               stripe_webhook_secrets=(SECRET,),
+                               crypto_processor_api_key=shkeeper.API_KEY, **changes)
 
 
 @pytest.fixture

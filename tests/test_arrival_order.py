@@ -225,9 +225,7 @@ async def test_events_of_other_orders_and_of_no_order_wait_for_nothing(post, ctx
 @pytest.fixture
 def payment_senders(settings):
     """The suite's settings with the card and crypto processors configured."""
-    return dataclasses.replace(settings, stripe_secret_key=se.SECRET_KEY,
-                               stripe_webhook_secrets=(se.SECRET,),
-                               crypto_processor_api_key=shkeeper.API_KEY)
+    return se.with_payment_processors(settings)
 
 
 @pytest.mark.gen_test

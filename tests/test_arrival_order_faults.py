@@ -76,9 +76,12 @@ def in_order_of_first_sending(requests, field):
     return by_order
 
 
-async def spool_two_steps_and_start_the_drain(client, service, away, worker):
-    """Two calls of each order spooled during an outage; the database back; the drain
-    stores them all and handles the first of each order, whose job the worker holds."""
+async def draining_two_steps(services, service_env, away, client, worker):
+    """The service, two calls of each order spooled during an outage, the database back,
+    and its drain under way: the calls all stored, the first of each order handled and
+    its job held by the worker. Returns the service."""
+    env = {**service_env, "DATABASE_URL": away.url, "CLAIM_LEASE_SECONDS": LEASE_SECONDS}
+    service = await services("a", **env).start()
     away.cut()
     for path, _, _ in STEPS[:2]:
         for number in ORDERS:
@@ -87,6 +90,7 @@ async def spool_two_steps_and_start_the_drain(client, service, away, worker):
     worker.hold = asyncio.Event()
     away.restore()
     await eventually(lambda: len(worker.requests) == len(ORDERS), timeout=30)
+    return service
 
 
 async def third_step_then_all_handled(client, service, worker, frappe):
@@ -111,9 +115,7 @@ async def third_step_then_all_handled(client, service, worker, frappe):
 @pytest.mark.gen_test(timeout=120)
 async def test_a_drain_killed_while_it_handles_its_calls_reorders_no_order(
         services, service_env, away, client, worker, frappe):
-    env = {**service_env, "DATABASE_URL": away.url, "CLAIM_LEASE_SECONDS": LEASE_SECONDS}
-    service = await services("a", **env).start()
-    await spool_two_steps_and_start_the_drain(client, service, away, worker)
+    service = await draining_two_steps(services, service_env, away, client, worker)
 
     assert await service.kill() == -9
     worker.hold.set()
@@ -128,9 +130,7 @@ async def test_a_drain_killed_while_it_handles_its_calls_reorders_no_order(
 @pytest.mark.gen_test(timeout=120)
 async def test_a_drain_whose_database_is_cut_while_it_handles_its_calls_reorders_no_order(
         services, service_env, away, client, worker, frappe):
-    env = {**service_env, "DATABASE_URL": away.url, "CLAIM_LEASE_SECONDS": LEASE_SECONDS}
-    service = await services("a", **env).start()
-    await spool_two_steps_and_start_the_drain(client, service, away, worker)
+    service = await draining_two_steps(services, service_env, away, client, worker)
 
     away.cut()
     worker.hold.set()

@@ -29,10 +29,8 @@ class Clock:
 
 @pytest.fixture
 def settings(settings):
-    return dataclasses.replace(settings, stripe_secret_key=se.SECRET_KEY,
-                               stripe_webhook_secrets=(se.SECRET,),
-                               crypto_processor_api_key=shkeeper.API_KEY,
-                               auth_failure_limit=LIMIT, auth_failure_window_seconds=60)
+    return se.with_payment_processors(settings, auth_failure_limit=LIMIT,
+                                      auth_failure_window_seconds=60)
 
 
 @pytest.fixture

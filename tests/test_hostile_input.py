@@ -1,7 +1,6 @@
 """Hostile and odd input at the HTTP boundary: a byte-order mark, JSON nested past any
 parser's depth, bodies too large in either framing. Every case is sent the way a sender
 or an attacker sends it, to the real handlers."""
-import dataclasses
 import json
 import logging
 
@@ -27,9 +26,7 @@ DEEP_AND_SMALL = b"[" * 7_000 + b"]" * 7_000
 
 @pytest.fixture
 def settings(settings):
-    return dataclasses.replace(settings, stripe_secret_key=se.SECRET_KEY,
-                               stripe_webhook_secrets=(se.SECRET,),
-                               crypto_processor_api_key=shkeeper.API_KEY)
+    return se.with_payment_processors(settings)
 
 
 async def replayed(ctx, event):

@@ -26,10 +26,7 @@ BODY = json.dumps({"order_name": "ORD-1", "order_number": "FO-1"}).encode()
 
 @pytest.fixture
 def settings(settings):
-    return dataclasses.replace(console_settings(settings),
-                               crypto_processor_api_key=shkeeper.API_KEY,
-                               stripe_secret_key=se.SECRET_KEY,
-                               stripe_webhook_secrets=(se.SECRET,))
+    return se.with_payment_processors(console_settings(settings))
 
 
 def head(method, path, length, extra=b""):

@@ -3,7 +3,6 @@ each round trip is a wait of the one database thread. The counts are determinist
 each receiver's is held to an upper bound here; a change that adds a statement, or a
 round trip on PostgreSQL, to a webhook's path fails this file."""
 import asyncio
-import dataclasses
 import datetime
 import zoneinfo
 import threading
@@ -170,9 +169,7 @@ async def until(condition):
 
 @pytest.fixture
 def settings(settings):
-    return dataclasses.replace(settings, stripe_secret_key=se.SECRET_KEY,
-                               stripe_webhook_secrets=(se.SECRET,),
-                               crypto_processor_api_key=shkeeper.API_KEY)
+    return se.with_payment_processors(settings)
 
 
 @pytest.mark.gen_test
