@@ -418,8 +418,10 @@ def give_up(ctx, row_id, who):
     if row.status not in ("pending", "waiting"):
         raise operator.Refused(f"effect #{row_id} is {row.status} already")
     now = ctx.clock()
-    (Outbox.update(status="dead", last_error=f"given up by {who}", updated_at=now)
-     .where(Outbox.id == row_id, Outbox.status.in_(("pending", "waiting"))).execute())
+    if not (Outbox.update(status="dead", last_error=f"given up by {who}", updated_at=now)
+            .where(Outbox.id == row_id, Outbox.status.in_(("pending", "waiting")),
+                   operator.not_in_flight(ctx, Outbox)).execute()):
+        raise operator.in_flight_refusal(f"effect #{row_id}", row)
     return Outbox.get_by_id(row_id)
 
 
@@ -624,13 +626,13 @@ def retry_dead(ctx, kind, retried_by):
 
 def make_due_now(ctx, kind):
     """Effects of one destination waiting for a later try (a backoff) or for their
-    destination to be configured become due now; returns how many. A row due within one
-    lease may be on its way out right now (a lease is how a send holds its row), so it is
-    left alone."""
+    destination to be configured become due now; returns how many. A row on its way out
+    is left as it is (`operator.not_in_flight`)."""
     now = ctx.clock()
     backing_off = (Outbox.update(next_attempt_at=now, updated_at=now)
                    .where(Outbox.status == "pending", Outbox.kind == kind,
-                          Outbox.next_attempt_at > now + lease(ctx)).execute())
+                          Outbox.next_attempt_at > now,
+                          operator.not_in_flight(ctx, Outbox)).execute())
     return backing_off + operator.requeue(
         ctx, (Outbox.status == "waiting") & (Outbox.kind == kind))
 

@@ -12,16 +12,21 @@ takes. What it can and cannot redo:
 - an effect that was sent, or that died, is not sent again by a replay: `outbox retry`
   puts a dead one back in line (or a waiting or pending one, due now); nothing undoes an
   effect another system received.
+
+Every action on rows, the console's and the command line's alike, keeps one rule
+(`not_in_flight`): a row a process may be working on right now is left as it is.
 """
 import dataclasses
 import datetime
 import functools
 from typing import Callable, Optional
 
+import peewee
 from peewee import Value
 
 from models import ConsoleAction, Outbox, WebhookEvent
 from engine import inbox
+from engine.claims import lease
 
 EVENT_SOURCES = ("workflow", "card", "crypto")
 EVENT_STATUSES = ("received", "processed", "failed", "dead", "rejected", "ignored")
@@ -128,9 +133,37 @@ def list_outbox(status=None, limit=50):
     return list(query.order_by(Outbox.id.desc()).limit(limit))
 
 
+def not_in_flight(ctx, model: type[Outbox] | type[WebhookEvent]) -> peewee.Expression:
+    """The rows of `model` no process may be working on now: the one rule of every
+    operator's action on effects and events, from the console or the command line.
+
+    A row being worked on holds a lease (engine.claims): an effect its cause's request
+    sends, or one the scheduler claimed, is pending until one lease from when it was
+    taken, and so is an event being handled (failed, or received; one stored and handled
+    at once holds it from its arrival). Put back in line, made due or given up then, the
+    row would be sent a second time beside the send under way, or the give-up undone by
+    that send's outcome. Such a row is due within a lease anyway, or sent by then.
+    Read in the statement that changes the rows, so no claim comes in between."""
+    now = ctx.clock()
+    held_until = now + lease(ctx)
+    not_held = (model.next_attempt_at <= now) | (model.next_attempt_at > held_until)
+    if model is Outbox:
+        return (Outbox.status != "pending") | not_held
+    return (WebhookEvent.status.not_in(inbox.AWAITING_HANDLING) | not_held
+            | (WebhookEvent.next_attempt_at.is_null()
+               & (WebhookEvent.received_at <= now - lease(ctx))))
+
+
+def in_flight_refusal(what: str, row: Outbox | WebhookEvent) -> Refused:
+    """Why an action left `row` as it is (`not_in_flight`)."""
+    return Refused(f"{what} is on its way out, or due within a lease "
+                   f"(by {format_time(row.next_attempt_at)} UTC): left as it is, so that "
+                   "it goes out once; look again after that time")
+
+
 def retry_outbox(ctx, row_id):
     """Put one pending, waiting or dead effect back in line, due now, with a fresh
-    attempt count."""
+    attempt count; Refused for one sent, logged, or on its way out (`not_in_flight`)."""
     row = Outbox.get_or_none(Outbox.id == row_id)
     if row is None:
         raise NotFound(f"no outbox row #{row_id}")
@@ -140,7 +173,8 @@ def retry_outbox(ctx, row_id):
     if row.status == "logged":
         raise Refused(f"outbox row #{row_id} was logged, not sent, as the settings "
                       "asked; it is final")
-    requeue(ctx, Outbox.id == row_id)
+    if not requeue(ctx, Outbox.id == row_id):
+        raise in_flight_refusal(f"outbox row #{row_id}", row)
     return Outbox.get_by_id(row_id)
 
 
@@ -153,12 +187,13 @@ def retry_all(ctx, status, retried_by=None):
 
 
 def requeue(ctx, condition, retried_by=None):
-    """Rows matching `condition`, unless sent or logged, back to pending, due now,
-    attempts reset. `retried_by` (operator, address): each row's timeline shows the retry
-    as its own line, recorded for every row in one statement (a bulk retry may take
-    thousands)."""
+    """Rows matching `condition`, unless sent, logged or on their way out
+    (`not_in_flight`), back to pending, due now, attempts reset; returns how many.
+    `retried_by` (operator, address): each row's timeline shows the retry as its own line,
+    recorded for every row in one statement (a bulk retry may take thousands)."""
     now = ctx.clock()
-    requeued = (condition, Outbox.status.not_in(("sent", "logged")))
+    requeued = (condition, Outbox.status.not_in(("sent", "logged")),
+                not_in_flight(ctx, Outbox))
     if retried_by is not None:
         operator_name, address = retried_by
         ConsoleAction.insert_from(

@@ -142,10 +142,12 @@ async def test_an_admin_mail_is_named_by_its_subject(logged_in, ctx):
 
 
 @pytest.mark.gen_test(timeout=60)
-async def test_giving_up_an_effect_is_a_recorded_post_with_its_token(logged_in, post, worker):
+async def test_giving_up_an_effect_is_a_recorded_post_with_its_token(logged_in, post, worker,
+                                                                     clock):
     worker.fail_with(503)
     await post("/api/v1/webhooks/formation/submitted", SUBMITTED, WEBHOOK_HEADERS)
     job = the_job()
+    clock.advance(minutes=2)  # past its next try's time: no send can hold it now
     refused = await logged_in.post(f"/console/outbox/{job.id}/give-up", xsrf=False)
     assert refused.code == 403 and the_job().status == "pending"
     assert (await logged_in.get(f"/console/outbox/{job.id}/give-up")).code == 405
