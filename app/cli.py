@@ -162,6 +162,7 @@ def add_operator_commands(commands):
     ).add_subparsers(dest="action", metavar="ACTION", required=True)
     listing = outbox.add_parser("list", help="the newest rows first")
     listing.add_argument("--status", choices=operator.OUTBOX_STATUSES)
+    listing.add_argument("--destination", choices=operator.DESTINATIONS)
     listing.add_argument("--limit", type=int, default=50, help="at most this many (50)")
     listing.set_defaults(run=outbox_list)
     retry = outbox.add_parser(
@@ -174,6 +175,8 @@ def add_operator_commands(commands):
                        help="every waiting row (its destination was not configured)")
     which.add_argument("--pending", dest="status", action="store_const", const="pending",
                        help="every pending row (waiting for its next try)")
+    retry.add_argument("--destination", choices=operator.DESTINATIONS,
+                       help="with --dead, --waiting or --pending: only the rows going there")
     retry.set_defaults(run=outbox_retry)
 
     spooled = commands.add_parser(
@@ -294,7 +297,7 @@ async def _with_context(command, settings, args):
 
 EVENT_COLUMNS = ("ID", "RECEIVED (UTC)", "SOURCE", "TYPE", "STATUS", "TRIES", "ORDER",
                  "EXTERNAL ID", "LAST ERROR")
-OUTBOX_COLUMNS = ("ID", "EVENT", "KIND", "ORDER", "STATUS", "TRIES", "NEXT TRY (UTC)",
+OUTBOX_COLUMNS = ("ID", "EVENT", "DESTINATION", "ORDER", "STATUS", "TRIES", "NEXT TRY (UTC)",
                   "LAST ERROR")
 
 
@@ -306,8 +309,8 @@ def event_row(event):
 
 def outbox_row(row):
     next_try = operator.format_time(row.next_attempt_at) if row.status == "pending" else ""
-    return (row.id, row.event_id, row.kind, row.order_number, row.status, row.attempts,
-            next_try, operator.clip(row.last_error))
+    return (row.id, row.event_id, operator.destination_of(row), row.order_number, row.status,
+            row.attempts, next_try, operator.clip(row.last_error))
 
 
 async def console_logout_all(ctx, args):
@@ -363,7 +366,8 @@ async def events_replay(ctx, args):
 
 
 async def outbox_list(ctx, args):
-    rows = await ctx.db(functools.partial(operator.list_outbox, args.status, args.limit))
+    rows = await ctx.db(functools.partial(operator.list_outbox, args.status, args.limit,
+                                          args.destination))
     print(operator.table(OUTBOX_COLUMNS, [outbox_row(row) for row in rows]))
     return 0
 
@@ -377,14 +381,21 @@ def command_line_operator() -> tuple[str, str]:
 async def outbox_retry(ctx, args):
     if args.status:
         count = await ctx.db(functools.partial(operator.retry_all, ctx, args.status,
-                                               command_line_operator()))
-        print(f"{count} {args.status} row(s) back to pending, due now")
+                                               command_line_operator(), args.destination))
+        to = f" {args.destination}" if args.destination else ""
+        print(f"{count} {args.status}{to} row(s) back to pending, due now; the scheduler "
+              "sends them at its next run (rows on their way out are left as they are)")
         return 0
+    if args.destination:
+        print("receiver: --destination goes with --dead, --waiting or --pending",
+              file=sys.stderr)
+        return 2
     row = await ctx.db(functools.partial(operator.retry_outbox, ctx, args.id))
     # Kept with the console's actions, so the effect's timeline shows who retried it.
     await ctx.db(functools.partial(console.record_action, ctx, *command_line_operator(),
                                    "retry effect", row.id, "back in line"))
-    print(f"outbox row #{row.id} ({row.kind}) back to pending, due now")
+    print(f"outbox row #{row.id} ({operator.destination_of(row)}) back to pending, due now; "
+          "the scheduler sends it at its next run")
     return 0
 
 

@@ -46,8 +46,8 @@ class Metrics:
             "including sending its effects.", ["source"], buckets=LATENCY_BUCKETS,
             registry=self.registry)
         self.sends = Counter(
-            "receiver_outbox_sends", "Attempts to send an outbox effect, by kind and "
-            "result (sent, logged, retry, dead).", ["kind", "result"],
+            "receiver_outbox_sends", "Attempts to send an outbox effect, by destination "
+            "and result (sent, logged, retry, dead).", ["destination", "result"],
             registry=self.registry)
 
         self.job_runs = Counter(
@@ -102,7 +102,8 @@ class Metrics:
         self.login_failures.labels(reason).inc()
 
     def effect_sent(self, kind, result):
-        on_commit(self.sends.labels(kind, result).inc)
+        """An effect of `kind` (the outbox's) counted under its destination's name."""
+        on_commit(self.sends.labels(DESTINATION_OF.get(kind, kind), result).inc)
 
     async def exposition(self, ctx):
         """The text format: our counters, then the gauges of this moment (or of the last

@@ -27,10 +27,17 @@ from peewee import Value
 from models import ConsoleAction, Outbox, WebhookEvent
 from engine import inbox
 from engine.claims import lease
+from engine.destinations import DESTINATION_OF
 
 EVENT_SOURCES = ("workflow", "card", "crypto")
 EVENT_STATUSES = ("received", "processed", "failed", "dead", "rejected", "ignored")
 OUTBOX_STATUSES = ("pending", "waiting", "sent", "logged", "dead")
+# Where effects go, by the one name the operator meets everywhere (the console, this
+# command line, /metrics, /readyz, the settings WORKER_URL, WORKFLOW_URL, TELEGRAM_*,
+# SMTP_URL): worker, workflow, telegram, smtp. The outbox keeps each effect's kind (job,
+# workflow_action, alert, email), one kind per destination; no page and no command shows it.
+DESTINATIONS = tuple(DESTINATION_OF.values())
+KIND_OF = {destination: kind for kind, destination in DESTINATION_OF.items()}
 # What `outbox retry --STATUS` may put back in line, due now.
 RETRYABLE_OUTBOX_STATUSES = ("dead", "waiting", "pending")
 # Handled without --force: the event never got through. A dead or forced one is reopened
@@ -126,10 +133,17 @@ async def replay_failed(ctx, progress: Optional[Callable[[int, int], None]] = No
     return replayed
 
 
-def list_outbox(status=None, limit=50):
+def destination_of(row: Outbox) -> str:
+    """The name of the system `row` goes to (DESTINATIONS)."""
+    return DESTINATION_OF.get(row.kind, row.kind)
+
+
+def list_outbox(status=None, limit=50, destination=None):
     query = Outbox.select()
     if status:
         query = query.where(Outbox.status == status)
+    if destination:
+        query = query.where(Outbox.kind == KIND_OF[destination])
     return list(query.order_by(Outbox.id.desc()).limit(limit))
 
 
@@ -154,11 +168,34 @@ def not_in_flight(ctx, model: type[Outbox] | type[WebhookEvent]) -> peewee.Expre
                & (WebhookEvent.received_at <= now - lease(ctx))))
 
 
-def in_flight_refusal(what: str, row: Outbox | WebhookEvent) -> Refused:
+def in_flight(ctx, row: Outbox | WebhookEvent) -> bool:
+    """`not_in_flight`'s rule for one row already read, for the pages: whether an action
+    on it would be left undone now (its buttons are not offered then)."""
+    return held_until(ctx, row) is not None
+
+
+def held_until(ctx, row: Outbox | WebhookEvent) -> datetime.datetime | None:
+    """Until when a process may be working on `row` (`not_in_flight`), or None."""
+    now = ctx.clock()
+    if isinstance(row, Outbox):
+        until = row.next_attempt_at if row.status == "pending" else None
+    elif row.status not in inbox.AWAITING_HANDLING:
+        until = None
+    else:
+        until = row.next_attempt_at or row.received_at + lease(ctx)
+    return until if until is not None and now < until <= now + lease(ctx) else None
+
+
+def in_flight_refusal(ctx, row: Outbox | WebhookEvent) -> Refused:
     """Why an action left `row` as it is (`not_in_flight`)."""
-    return Refused(f"{what} is on its way out, or due within a lease "
-                   f"(by {format_time(row.next_attempt_at)} UTC): left as it is, so that "
-                   "it goes out once; look again after that time")
+    until = format_time(held_until(ctx, row) or ctx.clock())
+    if isinstance(row, Outbox):
+        return Refused(f"effect #{row.id} may be on its way out right now: a send holds it, "
+                       f"or its next try comes, by {until} UTC. Left as it is, so that it "
+                       "goes out once; look again after that time")
+    return Refused(f"event #{row.id} may be being handled right now: a handling holds it, "
+                   f"or its next try comes, by {until} UTC. Left as it is; look again after "
+                   "that time")
 
 
 def retry_outbox(ctx, row_id):
@@ -174,16 +211,19 @@ def retry_outbox(ctx, row_id):
         raise Refused(f"outbox row #{row_id} was logged, not sent, as the settings "
                       "asked; it is final")
     if not requeue(ctx, Outbox.id == row_id):
-        raise in_flight_refusal(f"outbox row #{row_id}", row)
+        raise in_flight_refusal(ctx, row)
     return Outbox.get_by_id(row_id)
 
 
-def retry_all(ctx, status, retried_by=None):
-    """Put every effect in `status` (dead, waiting or pending) back in line, due now;
-    returns how many. `retried_by`: see `requeue`."""
+def retry_all(ctx, status, retried_by=None, destination=None):
+    """Put every effect in `status` (dead, waiting or pending), of one destination or of
+    all, back in line, due now; returns how many. `retried_by`: see `requeue`."""
     if status not in RETRYABLE_OUTBOX_STATUSES:
         raise ValueError(f"cannot retry {status} rows")
-    return requeue(ctx, Outbox.status == status, retried_by)
+    condition = Outbox.status == status
+    if destination:
+        condition &= Outbox.kind == KIND_OF[destination]
+    return requeue(ctx, condition, retried_by)
 
 
 def requeue(ctx, condition, retried_by=None):

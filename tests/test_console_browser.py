@@ -46,7 +46,10 @@ def service(tmp_path, database_url, worker, frappe, io_loop):
         "WEBHOOK_SECRET": "test-webhook-secret", "WORKER_URL": worker.url,
         "WORKFLOW_URL": frappe.url, "WORKFLOW_API_KEY": "k", "WORKFLOW_API_SECRET": "s",
         "CRYPTO_PROCESSOR_API_KEY": API_KEY, "CONSOLE_PASSWORD_HASH": PASSWORD_HASH,
-        "COOKIE_SECRET": COOKIE_SECRET, "OUTBOUND_TIMEOUT_SECONDS": "3"})
+        "COOKIE_SECRET": COOKIE_SECRET, "OUTBOUND_TIMEOUT_SECONDS": "3",
+        # Shorter than an effect's first wait after a failed try (15 to 30 s): a failed
+        # effect is then soon off its send's lease, and can be retried from its page.
+        "CLAIM_LEASE_SECONDS": "5"})
     yield running
     running.kill()
 
@@ -88,14 +91,14 @@ async def test_an_operator_replays_a_failed_event_and_retries_a_dead_effect(
     await browser.arrive(f"console/events/{failed.id}")
     assert await browser.text("#event-status") == "failed"
     await browser.click('form[action$="/replay"] button')
-    assert "Replayed: the event is now processed." in await browser.text(".notice")
+    assert f"Event #{failed.id} replayed: it is now processed." in await browser.text(".notice")
     assert await browser.text("#event-status") == "processed"
     assert WebhookEvent.get_by_id(failed.id).status == "processed"
     assert CrtcOrder.get(CrtcOrder.order_number == "CA-7").payment_status == "paid"
 
     await browser.open(service.url + "/console/outbox?status=dead")
     await browser.click(f'form[action="/console/outbox/{dead.id}/retry"] button')
-    assert f"Effect #{dead.id} (job) retried: now sent." in await browser.text(".notice")
+    assert f"Effect #{dead.id} (worker job name_search) sent at" in await browser.text(".notice")
     assert Outbox.get_by_id(dead.id).status == "sent"
     assert [r.json["action"] for r in worker.requests][-1] == "name_search"
 
@@ -171,7 +174,7 @@ async def a_failed_and_retried_effect(service, client, worker, browser):
     worker.status, worker.body = 200, {"ok": True, "job_id": "job-1"}
     await browser.open(f"{service.url}/console/outbox/{job.id}")
     await browser.click('form[action$="/retry"] button')
-    assert "retried: now sent" in await browser.text(".notice")
+    assert "(worker job name_search) sent at" in await browser.text(".notice")
     return job
 
 

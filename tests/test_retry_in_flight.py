@@ -28,7 +28,8 @@ async def retry_now_from_the_console(ctx, row):
 
 
 async def make_due_now_from_the_console(ctx, row):
-    return await ctx.db(functools.partial(console.make_due_now, ctx, row.kind))
+    return await ctx.db(functools.partial(console.make_due_now, ctx,
+                                          operator.destination_of(row)))
 
 
 async def give_up_from_the_console(ctx, row):
@@ -59,7 +60,7 @@ async def test_an_effect_whose_send_is_in_flight_is_not_sent_again(ctx, telegram
     try:
         assert await way(ctx, row) == 0  # the bulk actions: none of the rows
     except operator.Refused as refused:  # the actions on one row
-        assert f"#{row.id} is on its way out, or due within a lease" in str(refused)
+        assert f"effect #{row.id} may be on its way out right now" in str(refused)
     # The scheduler's next run, while the first send still waits for its answer.
     scheduled = asyncio.ensure_future(outbox.send_due(ctx))
     await asyncio.sleep(0.2)
