@@ -155,6 +155,21 @@ def add_operator_commands(commands):
                         help="also an event already processed (its effects are not "
                              "sent twice)")
     replay.set_defaults(run=events_replay)
+    give_up = events.add_parser(
+        "give-up", help="give up events whose handling failed: dead and final, with your "
+                        "reason (kept with each, and who and when)")
+    which = give_up.add_mutually_exclusive_group(required=True)
+    which.add_argument("id", type=int, nargs="?", help="the event's id")
+    which.add_argument("--failed", action="store_true",
+                       help="every event that failed or that its retries gave up, of "
+                            "--source, --since and --until when given")
+    give_up.add_argument("--reason", required=True, type=reason_argument,
+                         help="why (up to 200 characters), kept with each event")
+    give_up.add_argument("--source", choices=operator.EVENT_SOURCES)
+    give_up.add_argument("--since", type=time_argument,
+                         help="received at or after (ISO 8601; UTC when no offset)")
+    give_up.add_argument("--until", type=time_argument, help="received before (ISO 8601)")
+    give_up.set_defaults(run=events_give_up)
 
     outbox = commands.add_parser(
         "outbox", help="list effects on other systems; put dead, waiting or pending ones "
@@ -225,6 +240,13 @@ def add_command_group(commands, name, about, actions):
         dest="action", metavar="ACTION", required=True)
     for action, about_action, run in actions:
         group.add_parser(action, help=about_action).set_defaults(run=run)
+
+
+def reason_argument(text):
+    reason = " ".join(text.split())
+    if not reason or len(reason) > 200:
+        raise argparse.ArgumentTypeError("give a reason of 1 to 200 characters")
+    return reason
 
 
 def time_argument(text):
@@ -302,8 +324,9 @@ OUTBOX_COLUMNS = ("ID", "EVENT", "DESTINATION", "ORDER", "STATUS", "TRIES", "NEX
 
 
 def event_row(event):
+    status = f"{event.status} (given up)" if event.given_up_at else event.status
     return (event.id, operator.format_time(event.received_at), operator.source_of(event),
-            event.event_type, event.status, event.attempts, event.order_number,
+            event.event_type, status, event.attempts, event.order_number,
             event.external_id, operator.clip(event.last_error))
 
 
@@ -338,6 +361,9 @@ async def events_show(ctx, args):
             ("next attempt", operator.format_time(event.next_attempt_at)),
             ("last error", event.last_error or "-")):
         print(f"{label + ':':<14}{value}")
+    if event.given_up_at:
+        print(f"{'given up:':<14}by {event.given_up_by} at "
+              f"{operator.format_time(event.given_up_at)}: {event.given_up_reason}")
     print("payload:")
     try:
         print(json.dumps(read_json(event.payload), indent=2, sort_keys=True))
@@ -363,6 +389,25 @@ async def events_replay(ctx, args):
     outcome = await operator.replay(ctx, args.id, force=args.force)
     print(f"event #{args.id}: {outcome}")
     return 1 if outcome == "failed" else 0
+
+
+async def events_give_up(ctx, args):
+    if args.failed:
+        # The console's filter of the events page: one meaning for both.
+        conditions = console.EventFilter(source=args.source or "", since=args.since,
+                                         until=args.until).conditions()
+        count = await ctx.db(functools.partial(
+            operator.give_up_events, ctx, conditions, args.reason, command_line_operator()))
+        print(f"{count} event(s) given up: dead and final (events being handled right now "
+              "are left as they are)")
+        return 0
+    if args.source or args.since or args.until:
+        print("receiver: --source, --since and --until go with --failed", file=sys.stderr)
+        return 2
+    event = await ctx.db(functools.partial(operator.give_up_event, ctx, args.id, args.reason,
+                                           command_line_operator()))
+    print(f"event #{event.id} given up: dead and final")
+    return 0
 
 
 async def outbox_list(ctx, args):

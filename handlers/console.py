@@ -33,6 +33,7 @@ from domain import filings, links
 from handlers.html import HtmlHandler
 from handlers.addresses import client_key
 from handlers.ratelimit import LoginThrottle
+from engine.claims import CLAIM_BATCH
 from ops import console, operator, sessions
 from ops.passwords import verify_password
 
@@ -327,24 +328,17 @@ def chart(events_by_day, width=560, height=160, gap=2):
             "legend": legend, "top": top}
 
 
-class EventsHandler(ConsoleHandler):
-    async def get(self):
-        filters = console.EventFilter(
+EVENT_FILTERS = ("source", "type", "status", "q", "since", "until")
+
+
+class EventFilterHandler(ConsoleHandler):
+    """A page or action that takes the events page's filter."""
+
+    def event_filter(self):
+        return console.EventFilter(
             source=self.text_argument("source"), event_type=self.text_argument("type"),
             status=self.text_argument("status"), search=self.text_argument("q"),
             since=self.time_argument("since"), until=self.time_argument("until"))
-        try:
-            page = await self.ctx.db(functools.partial(
-                console.event_page, filters, self.text_argument("after") or None))
-        except console.BadCursor:
-            raise tornado.web.HTTPError(400) from None
-        query = {name: self.get_argument(name, "") for name in
-                 ("source", "type", "status", "q", "since", "until")}
-        next_query = {**{k: v for k, v in query.items() if v}, "after": page.after}
-        self.render_page("events", page=page, query=query, sources=sorted(self.ctx.plugins),
-                         statuses=operator.EVENT_STATUSES,
-                         next_link="/console/events?" + tornado.httputil.urlencode(next_query)
-                         if page.after else None)
 
     def time_argument(self, name):
         text = self.text_argument(name, 40)
@@ -355,6 +349,70 @@ class EventsHandler(ConsoleHandler):
         except ValueError:
             raise tornado.web.HTTPError(400) from None
 
+    def events_page(self):
+        """The events page of this filter, where a bulk action goes back to."""
+        query = {name: self.get_argument(name, "") for name in EVENT_FILTERS}
+        return "/console/events?" + tornado.httputil.urlencode(
+            {name: value for name, value in query.items() if value})
+
+
+class EventsHandler(EventFilterHandler):
+    async def get(self):
+        filters = self.event_filter()
+        try:
+            page, awaiting = await self.ctx.db(lambda: (
+                console.event_page(filters, self.text_argument("after") or None),
+                console.awaiting_an_operator(filters)))
+        except console.BadCursor:
+            raise tornado.web.HTTPError(400) from None
+        query = {name: self.get_argument(name, "") for name in EVENT_FILTERS}
+        next_query = {**{k: v for k, v in query.items() if v}, "after": page.after}
+        self.render_page("events", page=page, query=query, sources=sorted(self.ctx.plugins),
+                         statuses=operator.EVENT_STATUSES, awaiting=awaiting,
+                         next_link="/console/events?" + tornado.httputil.urlencode(next_query)
+                         if page.after else None)
+
+
+class RetryEventsHandler(EventFilterHandler):
+    """Every event the filter finds that awaits an operator, back in line."""
+
+    async def post(self):
+        filters = self.event_filter()
+        count = await self.ctx.db(functools.partial(
+            operator.retry_events, self.ctx, filters.conditions(),
+            (self.current_user, self.request.remote_ip)))
+        await self.record("retry events", self.events_page(), f"{count} back in line")
+        tick = self.ctx.settings.scheduler_tick_seconds
+        self.redirect_with(self.events_page(), (
+            f"{count} event(s) back in line, due now: the scheduler handles them at its "
+            f"next runs, oldest first (up to {CLAIM_BATCH} a run, every {tick} s); each "
+            "one's page shows how it went.") if count else (
+            "No event retried: none of those this filter finds failed and awaits you (an "
+            "event being handled right now is left as it is)."), refused=not count)
+
+
+class GiveUpEventsHandler(EventFilterHandler):
+    """Every event the filter finds that awaits an operator, given up with a reason."""
+
+    async def post(self):
+        filters = self.event_filter()
+        reason = self.required_reason()
+        count = await self.ctx.db(functools.partial(
+            operator.give_up_events, self.ctx, filters.conditions(), reason,
+            (self.current_user, self.request.remote_ip)))
+        await self.record("give up events", self.events_page(), f"{count} given up: {reason}")
+        self.redirect_with(self.events_page(), (
+            f"{count} event(s) given up, with your reason: they are dead and final, and no "
+            "retry takes them up again (a forced replay of one would).") if count else (
+            "No event given up: none of those this filter finds failed and awaits you (an "
+            "event being handled right now is left as it is)."), refused=not count)
+
+    def required_reason(self):
+        reason = self.text_argument("reason")
+        if not reason:
+            raise tornado.web.HTTPError(400)
+        return reason
+
 
 class EventHandler(ConsoleHandler):
     async def get(self, event_id):
@@ -364,9 +422,30 @@ class EventHandler(ConsoleHandler):
         except operator.NotFound:
             raise tornado.web.HTTPError(404) from None
         self.render_page("event", event=event, payload=console.shown_payload(event),
-                         effects=effects,
-                         needs_confirmation=event.status not in (*operator.UNFINISHED,
-                                                                 *operator.FAILURES))
+                         effects=effects, failures=operator.FAILURES,
+                         needs_confirmation=event.given_up_at is not None
+                         or event.status not in (*operator.UNFINISHED, *operator.FAILURES))
+
+
+class GiveUpEventHandler(GiveUpEventsHandler):
+    async def post(self, event_id):
+        event_id = int(event_id)
+        page = f"/console/events/{event_id}"
+        reason = self.required_reason()
+        try:
+            await self.ctx.db(functools.partial(
+                operator.give_up_event, self.ctx, event_id, reason,
+                (self.current_user, self.request.remote_ip)))
+        except operator.NotFound:
+            raise tornado.web.HTTPError(404) from None
+        except operator.Refused as refused:
+            await self.record("give up event", event_id, f"refused: {refused}")
+            self.redirect_with(page, f"Event #{event_id} not given up: {refused}.",
+                               refused=True)
+            return
+        self.redirect_with(page, (
+            f"Event #{event_id} given up, with your reason: it is dead and final; no retry "
+            "takes it up again (a forced replay would)."))
 
 
 class ReplayHandler(ConsoleHandler):
@@ -380,10 +459,14 @@ class ReplayHandler(ConsoleHandler):
             raise tornado.web.HTTPError(404) from None
         except operator.Refused:
             await self.record("replay event", event_id, "refused: not confirmed")
+            event = await self.ctx.db(functools.partial(operator.get_event, event_id))
+            why = (f"it was given up by {event.given_up_by} at "
+                   f"{operator.format_time(event.given_up_at)} UTC: {event.given_up_reason}"
+                   if event.given_up_at else f"it was handled already ({event.status})")
             self.redirect_with(page, (
-                f"Event #{event_id} not replayed: it was handled already. Tick the "
-                "confirmation to handle it again (its database changes are made again; "
-                "its effects are not sent twice)."), refused=True)
+                f"Event #{event_id} not replayed: {why}. Tick the confirmation to handle "
+                "it again (its database changes are made again; its effects are not sent "
+                "twice)."), refused=True)
             return
         await self.record("replay event", event_id, outcome)
         self.redirect_with(page, f"Event #{event_id} replayed: it is now {outcome}. "
@@ -577,6 +660,9 @@ def console_routes(ctx):
         (r"/console/events", EventsHandler),
         (r"/console/events/(\d{1,18})", EventHandler),
         (r"/console/events/(\d{1,18})/replay", ReplayHandler),
+        (r"/console/events/(\d{1,18})/give-up", GiveUpEventHandler),
+        (r"/console/events/retry", RetryEventsHandler),
+        (r"/console/events/give-up", GiveUpEventsHandler),
         (r"/console/orders", OrderSearchHandler),
         (r"/console/orders/([^/]{1,300})", OrderHandler),
         (r"/console/outbox", OutboxHandler),

@@ -93,6 +93,8 @@ class Overview:
     in_holdback: int
     # What this process has learnt of each destination (engine.destinations).
     destinations: list
+    # Events operators gave up (dead, final; not counted among the failures).
+    given_up_events: int
     # One line on the last reconciliation with the workflow system, once it runs.
     last_reconciliation: str | None = None
 
@@ -124,7 +126,9 @@ def overview(ctx, counts):
                       for (destination, status), count in outbox_counts().items()
                       if status == "dead"},
         event_failures=_count_by(WebhookEvent, WebhookEvent.status,
-                                 WebhookEvent.status.in_(operator.FAILURES)),
+                                 operator.awaiting_an_operator()),
+        given_up_events=WebhookEvent.select().where(
+            WebhookEvent.status == "dead", WebhookEvent.given_up_at.is_null(False)).count(),
         spool_files=files, spool_bytes=size, jobs=ctx.metrics.job_status(),
         settlement_queue=settlement.waiting_orders().count(),
         destinations=list(ctx.destinations),
@@ -200,20 +204,22 @@ class EventFilter:
     since: datetime.datetime = None
     until: datetime.datetime = None
 
-    def apply(self, query):
-        for column, value in ((WebhookEvent.source, self.source),
-                              (WebhookEvent.event_type, self.event_type),
-                              (WebhookEvent.status, self.status)):
-            if value:
-                query = query.where(column == value)
+    def conditions(self):
+        """The filter as conditions on WebhookEvent, all to hold."""
+        found = [column == value for column, value in (
+            (WebhookEvent.source, self.source), (WebhookEvent.event_type, self.event_type),
+            (WebhookEvent.status, self.status)) if value]
         if self.search:
-            query = query.where((WebhookEvent.order_number == self.search)
-                                | (WebhookEvent.external_id == self.search))
+            found.append((WebhookEvent.order_number == self.search)
+                         | (WebhookEvent.external_id == self.search))
         if self.since:
-            query = query.where(WebhookEvent.received_at >= self.since)
+            found.append(WebhookEvent.received_at >= self.since)
         if self.until:
-            query = query.where(WebhookEvent.received_at < self.until)
-        return query
+            found.append(WebhookEvent.received_at < self.until)
+        return found
+
+    def apply(self, query):
+        return query.where(*self.conditions()) if self.conditions() else query
 
 
 @dataclasses.dataclass
@@ -243,6 +249,12 @@ def event_page(filters, after=None, limit=PAGE_SIZE):
     more = len(rows) > limit
     rows = rows[:limit]
     return Page(rows, cursor_of(rows[-1]) if more else None)
+
+
+def awaiting_an_operator(filters):
+    """How many of the events `filters` finds await an operator (failed, or given up by
+    the retries): what the events page's bulk retry and give-up act on."""
+    return filters.apply(WebhookEvent.select()).where(operator.awaiting_an_operator()).count()
 
 
 def cursor_of(event):
@@ -532,8 +544,12 @@ def _event_moments(order_number):
         detail = f"{event.status}, {event.attempts} attempt(s)"
         if event.last_error:
             detail += f": {event.last_error}"
+        under = []
+        if event.given_up_at:
+            under.append(Moment(event.given_up_at, f"given up by {event.given_up_by}",
+                                event.given_up_reason, event_id=event.id))
         yield Moment(event.received_at, f"{event.source} event {event.event_type}",
-                     detail, event_id=event.id)
+                     detail, event_id=event.id, under=under)
 
 
 def _effect_moments(ctx, order_number):

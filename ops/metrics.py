@@ -201,7 +201,10 @@ def database_families(ctx):
                .where(Outbox.status == "pending").tuples().get())
     dead = Outbox.select().where(Outbox.status == "dead").count()
     failed = WebhookEvent.select().where(WebhookEvent.status == "failed").count()
-    dead_events = WebhookEvent.select().where(WebhookEvent.status == "dead").count()
+    dead_events = WebhookEvent.select().where(WebhookEvent.status == "dead",
+                                              WebhookEvent.given_up_at.is_null()).count()
+    given_up_events = WebhookEvent.select().where(WebhookEvent.status == "dead",
+                                                  WebhookEvent.given_up_at.is_null(False)).count()
     backlog, oldest = pending
     yield _gauge("receiver_outbox_pending", "Effects waiting to be sent.", backlog)
     age = 0.0
@@ -223,8 +226,11 @@ def database_families(ctx):
     yield family
     yield _gauge("receiver_events_failed", "Stored events whose handling failed and "
                  "waits for a retry.", failed)
-    yield _gauge("receiver_events_dead", "Stored events given up on after too many "
-                 "failures; see `events replay --failed`.", dead_events)
+    yield _gauge("receiver_events_dead", "Stored events their retries gave up on after "
+                 "too many failures, and no operator has since; see `events replay "
+                 "--failed` and `events give-up`.", dead_events)
+    yield _gauge("receiver_events_given_up", "Stored events an operator gave up (dead and "
+                 "final, with the reason).", given_up_events)
     reconciled = GaugeMetricFamily(
         "receiver_reconcile_last_success_timestamp_seconds", "Unix time the "
         "reconciliation with Frappe last finished for a doctype, in any process (0: "

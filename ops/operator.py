@@ -5,7 +5,8 @@ Replay runs an event through `engine.inbox.process` again, the same path a webho
 takes. What it can and cannot redo:
 - a `received` or `failed` event is handled as if it had just arrived, and so is a `dead`
   one (given up after too many failures) with its attempts counted afresh;
-- a `processed`, `ignored` or `rejected` event is handled again only when forced; its
+- a `processed`, `ignored` or `rejected` event, or one an operator gave up (final, with
+  who, when and why: `give_up_events`), is handled again only when forced; its
   database changes are made again (the order operations are idempotent: a paid order
   stays paid once) and every effect it asks for is deduplicated by its idempotency key,
   so nothing that is already in the outbox is sent a second time;
@@ -19,7 +20,7 @@ Every action on rows, the console's and the command line's alike, keeps one rule
 import dataclasses
 import datetime
 import functools
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import peewee
 from peewee import Value
@@ -97,7 +98,11 @@ async def replay(ctx, event_id, force=False):
 def _to_replay(ctx, event_id, force):
     event = get_event(event_id)
     if event.status not in UNFINISHED:
-        if event.status not in FAILURES and not force:
+        if not force and event.given_up_at:
+            raise Refused(f"event #{event.id} was given up by {event.given_up_by} at "
+                          f"{format_time(event.given_up_at)} UTC ({event.given_up_reason}); "
+                          "add --force to handle it again")
+        if not force and event.status not in FAILURES:
             raise Refused(f"event #{event.id} is {event.status}; add --force to handle "
                           "it again (its effects are not sent twice)")
         event = _reopen(ctx, event)
@@ -105,8 +110,10 @@ def _to_replay(ctx, event_id, force):
 
 
 def _reopen(ctx, event):
+    """To be handled again: a give-up it had is undone (the record of actions keeps it)."""
     now = ctx.clock()
-    (WebhookEvent.update(status="received", attempts=0, next_attempt_at=None, updated_at=now)
+    (WebhookEvent.update(status="received", attempts=0, next_attempt_at=None, updated_at=now,
+                         given_up_by=None, given_up_at=None, given_up_reason=None)
      .where(WebhookEvent.id == event.id).execute())
     return get_event(event.id)
 
@@ -118,10 +125,11 @@ class Replayed:
 
 
 async def replay_failed(ctx, progress: Optional[Callable[[int, int], None]] = None):
-    """Every failed or dead event, oldest first, one after the other (so the effects of
-    one order keep their order); `progress(done, total)` after each."""
+    """Every failed or dead event but those an operator gave up, oldest first, one after
+    the other (so the effects of one order keep their order); `progress(done, total)`
+    after each."""
     failed = await ctx.db(lambda: list(
-        WebhookEvent.select().where(WebhookEvent.status.in_(FAILURES))
+        WebhookEvent.select().where(awaiting_an_operator())
         .order_by(WebhookEvent.received_at, WebhookEvent.id)))
     replayed = []
     if progress:
@@ -136,6 +144,76 @@ async def replay_failed(ctx, progress: Optional[Callable[[int, int], None]] = No
 def destination_of(row: Outbox) -> str:
     """The name of the system `row` goes to (DESTINATIONS)."""
     return DESTINATION_OF.get(row.kind, row.kind)
+
+
+def awaiting_an_operator() -> peewee.Expression:
+    """The events whose handling failed and that no operator has given up: failed (the
+    scheduler tries them again) or dead (the retry policy gave them up)."""
+    return WebhookEvent.status.in_(FAILURES) & WebhookEvent.given_up_at.is_null()
+
+
+def give_up_events(ctx, conditions: Sequence[peewee.Expression], reason: str,
+                   given_up_by: tuple[str, str]) -> int:
+    """The events matching every one of `conditions` that await an operator (`awaiting_an_operator`)
+    and that no handling holds (`not_in_flight`), given up: dead, as the retry policy
+    leaves one it gives up, and final (handled again only by a forced replay); who, when
+    and `reason` kept on each, and in the record of actions, in one statement each
+    however many. Returns how many. `given_up_by`: (operator, address)."""
+    if not reason.strip():
+        raise ValueError("a give-up needs its reason")
+    now = ctx.clock()
+    operator_name, address = given_up_by
+    chosen = (*conditions, awaiting_an_operator(), not_in_flight(ctx, WebhookEvent))
+    _record_each(WebhookEvent, chosen, given_up_by, "give up event", reason, now)
+    return (WebhookEvent.update(status="dead", next_attempt_at=None, updated_at=now,
+                                given_up_by=operator_name, given_up_at=now,
+                                given_up_reason=reason)
+            .where(*chosen).execute())
+
+
+def give_up_event(ctx, event_id: int, reason: str,
+                  given_up_by: tuple[str, str]) -> WebhookEvent:
+    """One event given up (`give_up_events`); NotFound, or Refused when it is not one that
+    awaits an operator, or a handling may hold it."""
+    event = get_event(event_id)
+    if event.given_up_at:
+        raise Refused(f"event #{event.id} was given up already, by {event.given_up_by} at "
+                      f"{format_time(event.given_up_at)} UTC")
+    if event.status not in FAILURES:
+        raise Refused(f"event #{event.id} is {event.status}: only a failed event, or one "
+                      "the retries gave up, is given up")
+    if not give_up_events(ctx, [WebhookEvent.id == event_id], reason, given_up_by):
+        raise in_flight_refusal(ctx, event)
+    return get_event(event_id)
+
+
+def retry_events(ctx, conditions: Sequence[peewee.Expression],
+                 retried_by: tuple[str, str]) -> int:
+    """The events matching every one of `conditions` that await an operator and that no handling holds,
+    back in line: failed, due now, attempts counted afresh; the scheduler handles them at
+    its next runs, oldest first (engine.inbox.retry_due). Each retry kept in the record
+    of actions. Returns how many."""
+    now = ctx.clock()
+    chosen = (*conditions, awaiting_an_operator(), not_in_flight(ctx, WebhookEvent))
+    _record_each(WebhookEvent, chosen, retried_by, "retry event", "back in line", now)
+    return (WebhookEvent.update(status="failed", attempts=0, next_attempt_at=now,
+                                updated_at=now)
+            .where(*chosen).execute())
+
+
+def _record_each(model, chosen, by, action, outcome, now):
+    """One record of `action` by `by` (operator, address) for each row of `model` that
+    `chosen` selects, in one statement (a bulk action may take thousands)."""
+    operator_name, address = by
+    ConsoleAction.insert_from(
+        model.select(Value(operator_name), Value(address), Value(action),
+                     model.id.cast("TEXT"), Value(outcome),
+                     Value(now, converter=ConsoleAction.created_at.db_value),
+                     Value(now, converter=ConsoleAction.updated_at.db_value))
+        .where(*chosen),
+        fields=[ConsoleAction.operator, ConsoleAction.address, ConsoleAction.action,
+                ConsoleAction.target, ConsoleAction.outcome, ConsoleAction.created_at,
+                ConsoleAction.updated_at]).execute()
 
 
 def list_outbox(status=None, limit=50, destination=None):
@@ -235,16 +313,8 @@ def requeue(ctx, condition, retried_by=None):
     requeued = (condition, Outbox.status.not_in(("sent", "logged")),
                 not_in_flight(ctx, Outbox))
     if retried_by is not None:
-        operator_name, address = retried_by
-        ConsoleAction.insert_from(
-            Outbox.select(Value(operator_name), Value(address), Value("retry effect"),
-                          Outbox.id.cast("TEXT"), Value("back in line, with others"),
-                          Value(now, converter=ConsoleAction.created_at.db_value),
-                          Value(now, converter=ConsoleAction.updated_at.db_value))
-            .where(*requeued),
-            fields=[ConsoleAction.operator, ConsoleAction.address, ConsoleAction.action,
-                    ConsoleAction.target, ConsoleAction.outcome, ConsoleAction.created_at,
-                    ConsoleAction.updated_at]).execute()
+        _record_each(Outbox, requeued, retried_by, "retry effect",
+                     "back in line, with others", now)
     return (Outbox.update(status="pending", attempts=0, next_attempt_at=now,
                           updated_at=now)
             .where(*requeued).execute())

@@ -229,3 +229,27 @@ def test_0014_keeps_the_fiat_currency_of_old_treasury_jobs_and_ledger_entries(sc
             assert {(row.order_id, row.fiat_currency, row.amount_fiat_cents,
                      row.amount_usd_cents) for row in model.select()} == {
                 ("CA-USD", "USD", 9600, 9600), ("CA-EUR", "EUR", 10199, None)}
+
+
+EVENT_GIVEN_UP = importlib.import_module("migrations.0022_event_given_up")
+
+
+def test_0022_gives_old_events_an_empty_give_up_record_and_is_a_no_op_after(scratch_db):
+    def columns():  # an added column comes last, where a fresh table has it in place
+        return sorted(scratch_db.get_columns("webhook_events"))
+    fresh = columns()
+    migrator = migrator_for(scratch_db)
+    run(*(migrator.drop_column("webhook_events", name)
+          for name in ("given_up_by", "given_up_at", "given_up_reason")))
+    scratch_db.execute_sql(
+        "INSERT INTO webhook_events (source, event_type, dedup_key, payload, status, "
+        "attempts, received_at, created_at, updated_at) VALUES ('card', 'x', 'k', '{}', "
+        "'dead', 5, '2026-11-20 09:00:00+00:00', '2026-11-20 09:00:00+00:00', "
+        "'2026-11-20 09:00:00+00:00')")
+    EVENT_GIVEN_UP.apply(scratch_db, migrator)
+    assert columns() == fresh
+    EVENT_GIVEN_UP.apply(scratch_db, migrator)
+    assert columns() == fresh
+    assert scratch_db.execute_sql(
+        "SELECT status, given_up_by, given_up_at, given_up_reason FROM webhook_events"
+    ).fetchall() == [("dead", None, None, None)]
