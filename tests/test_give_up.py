@@ -144,7 +144,7 @@ async def test_the_events_a_filter_finds_are_retried_or_given_up_at_once(
     workflow = [failed_event(order_number=f"FO-{n}") for n in range(2)]
 
     page = text(await logged_in.get("/console/events?source=card"))
-    assert "<strong>5</strong> of the events this filter finds failed and await you" in page
+    assert "<strong>5</strong> of the events this filter finds have failed" in page
     assert "Retry 5</button>" in page and "Give up 5</button>" in page
     assert "<strong>" not in text(await logged_in.get("/console/events?status=processed"))
 
