@@ -5,17 +5,19 @@ timeline; an event a handling may hold is left as it is."""
 import datetime
 import re
 
+import hypothesis
 import pytest
+from hypothesis import strategies as st
 
 from engine import inbox
-from models import ConsoleAction, WebhookEvent
+from models import ConsoleAction, Outbox, WebhookEvent
 from ops import console
 from ops import operator as ops_operator
 from tests.console_helpers import (  # noqa: F401 (fixtures)
     console_settings, logged_in, notice, operator, refused, text,
 )
 from tests.door import through_the_door
-from tests.test_cli import at, run, stored_event
+from tests.test_cli import at, outbox_row, run, stored_event
 from tests.test_ops_endpoints import samples, value
 
 NOW = (2026, 11, 23, 12, 0)
@@ -129,6 +131,40 @@ def test_the_pages_and_the_actions_keep_one_rule(ctx, clock, status, next_try, r
     free = through_the_door(lambda: WebhookEvent.select().where(
         WebhookEvent.id == event.id, ops_operator.not_in_flight(ctx, WebhookEvent)).count())
     assert (ops_operator.in_flight(ctx, event), free) == (held, int(not held))
+
+
+SECONDS = st.one_of(st.none(), st.integers(-3600, 3600),
+                    st.sampled_from([-61, -60, -59, -1, 0, 1, 59, 60, 61]))
+
+
+@hypothesis.settings(max_examples=150, deadline=None,
+                     suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture])
+@hypothesis.given(kind=st.sampled_from(["event", "effect"]),
+                  status=st.sampled_from([*ops_operator.EVENT_STATUSES,
+                                          *ops_operator.OUTBOX_STATUSES]),
+                  next_try=SECONDS, received=st.integers(-3600, 0))
+def test_a_page_and_an_action_see_a_row_in_flight_alike_at_any_time(ctx, clock, kind, status,
+                                                                    next_try, received):
+    """For any row at any moment, the page's `in_flight` (its buttons) and the action's
+    `not_in_flight` (its statement) agree."""
+    clock.set(*NOW)
+    moment = None if next_try is None else clock() + datetime.timedelta(seconds=next_try)
+    if kind == "event":
+        row = stored_event(status=status, received=clock() + datetime.timedelta(
+            seconds=received))
+        WebhookEvent.update(next_attempt_at=moment).where(WebhookEvent.id == row.id).execute()
+        model = WebhookEvent
+    else:
+        row = outbox_row(status=status)
+        Outbox.update(next_attempt_at=moment or clock()).where(Outbox.id == row.id).execute()
+        model = Outbox
+    try:
+        row = model.get_by_id(row.id)
+        free = through_the_door(lambda: model.select().where(
+            model.id == row.id, ops_operator.not_in_flight(ctx, model)).count())
+        assert free == int(not ops_operator.in_flight(ctx, row))
+    finally:
+        model.delete().where(model.id == row.id).execute()
 
 
 @pytest.mark.gen_test(timeout=60)
