@@ -154,15 +154,15 @@ def awaiting_an_operator() -> peewee.Expression:
 
 def give_up_events(ctx, conditions: Sequence[peewee.Expression], reason: str,
                    given_up_by: tuple[str, str]) -> int:
-    """The events matching every one of `conditions` that await an operator (`awaiting_an_operator`)
-    and that no handling holds (`not_in_flight`), given up: dead, as the retry policy
-    leaves one it gives up, and final (handled again only by a forced replay); who, when
-    and `reason` kept on each, and in the record of actions, in one statement each
-    however many. Returns how many. `given_up_by`: (operator, address)."""
+    """The events matching every one of `conditions` that await an operator
+    (`awaiting_an_operator`) and that no handling holds (`not_in_flight`), given up: dead,
+    as the retry policy leaves one it gives up, and final (handled again only by a forced
+    replay); who, when and `reason` kept on each, and in the record of actions, in one
+    statement each however many. Returns how many. `given_up_by`: (operator, address)."""
     if not reason.strip():
         raise ValueError("a give-up needs its reason")
     now = ctx.clock()
-    operator_name, address = given_up_by
+    operator_name = given_up_by[0]
     chosen = (*conditions, awaiting_an_operator(), not_in_flight(ctx, WebhookEvent))
     _record_each(WebhookEvent, chosen, given_up_by, "give up event", reason, now)
     return (WebhookEvent.update(status="dead", next_attempt_at=None, updated_at=now,
@@ -189,10 +189,10 @@ def give_up_event(ctx, event_id: int, reason: str,
 
 def retry_events(ctx, conditions: Sequence[peewee.Expression],
                  retried_by: tuple[str, str]) -> int:
-    """The events matching every one of `conditions` that await an operator and that no handling holds,
-    back in line: failed, due now, attempts counted afresh; the scheduler handles them at
-    its next runs, oldest first (engine.inbox.retry_due). Each retry kept in the record
-    of actions. Returns how many."""
+    """The events matching every one of `conditions` that await an operator and that no
+    handling holds, back in line: failed, due now, attempts counted afresh; the scheduler
+    handles them at its next runs, oldest first (engine.inbox.retry_due). Each retry kept
+    in the record of actions. Returns how many."""
     now = ctx.clock()
     chosen = (*conditions, awaiting_an_operator(), not_in_flight(ctx, WebhookEvent))
     _record_each(WebhookEvent, chosen, retried_by, "retry event", "back in line", now)
@@ -237,8 +237,8 @@ def not_in_flight(ctx, model: type[Outbox] | type[WebhookEvent]) -> peewee.Expre
     that send's outcome. Such a row is due within a lease anyway, or sent by then.
     Read in the statement that changes the rows, so no claim comes in between."""
     now = ctx.clock()
-    held_until = now + lease(ctx)
-    not_held = (model.next_attempt_at <= now) | (model.next_attempt_at > held_until)
+    leased_until = now + lease(ctx)
+    not_held = (model.next_attempt_at <= now) | (model.next_attempt_at > leased_until)
     if model is Outbox:
         return (Outbox.status != "pending") | not_held
     return (WebhookEvent.status.not_in(inbox.AWAITING_HANDLING) | not_held
