@@ -334,6 +334,14 @@ EVENT_FILTERS = ("source", "type", "status", "q", "since", "until")
 class EventFilterHandler(ConsoleHandler):
     """A page or action that takes the events page's filter."""
 
+    def bulk_filter(self):
+        """The filter of a bulk action: by one of the two statuses of failure, as the
+        events page offers it."""
+        filters = self.event_filter()
+        if filters.status not in operator.FAILURES:
+            raise tornado.web.HTTPError(400)
+        return filters
+
     def event_filter(self):
         return console.EventFilter(
             source=self.text_argument("source"), event_type=self.text_argument("type"),
@@ -359,10 +367,11 @@ class EventFilterHandler(ConsoleHandler):
 class EventsHandler(EventFilterHandler):
     async def get(self):
         filters = self.event_filter()
+        bulk = filters.status in operator.FAILURES
         try:
             page, awaiting = await self.ctx.db(lambda: (
                 console.event_page(filters, self.text_argument("after") or None),
-                console.awaiting_an_operator(filters)))
+                console.awaiting_an_operator(filters) if bulk else None))
         except console.BadCursor:
             raise tornado.web.HTTPError(400) from None
         query = {name: self.get_argument(name, "") for name in EVENT_FILTERS}
@@ -377,7 +386,7 @@ class RetryEventsHandler(EventFilterHandler):
     """Every event the filter finds that awaits an operator, back in line."""
 
     async def post(self):
-        filters = self.event_filter()
+        filters = self.bulk_filter()
         count = await self.ctx.db(functools.partial(
             operator.retry_events, self.ctx, filters.conditions(),
             (self.current_user, self.request.remote_ip)))
@@ -395,7 +404,7 @@ class GiveUpEventsHandler(EventFilterHandler):
     """Every event the filter finds that awaits an operator, given up with a reason."""
 
     async def post(self):
-        filters = self.event_filter()
+        filters = self.bulk_filter()
         reason = self.required_reason()
         count = await self.ctx.db(functools.partial(
             operator.give_up_events, self.ctx, filters.conditions(), reason,

@@ -15,8 +15,6 @@ import logging
 import re
 import urllib.parse
 
-from peewee import fn
-
 from clients.http import JSON_HEADERS
 from domain import reconcile, settlement
 from domain.money import money
@@ -120,15 +118,15 @@ def last_reconciliation(settings):
 def overview(ctx, counts):
     now = ctx.clock()
     files, size = spool_usage(ctx.settings.spool_dir)
+    failures = operator.failures_awaiting_an_operator()
     return Overview(
         now=now, events_by_day=counts.by_day(ctx, now), backlog=backlog(),
         dead_effects={destination: count
                       for (destination, status), count in outbox_counts().items()
                       if status == "dead"},
-        event_failures=_count_by(WebhookEvent, WebhookEvent.status,
-                                 operator.awaiting_an_operator()),
-        given_up_events=WebhookEvent.select().where(
-            WebhookEvent.status == "dead", WebhookEvent.given_up_at.is_null(False)).count(),
+        event_failures={status: failures[status] for status in operator.FAILURES
+                        if failures[status]},
+        given_up_events=failures["given up"],
         spool_files=files, spool_bytes=size, jobs=ctx.metrics.job_status(),
         settlement_queue=settlement.waiting_orders().count(),
         destinations=list(ctx.destinations),
@@ -185,11 +183,6 @@ def backlog():
             if first is not None:
                 found.append(Backlog(destination, status, rows.count(), first.created_at))
     return found
-
-
-def _count_by(model, column, condition):
-    return dict(model.select(column, fn.COUNT(model.id)).where(condition).group_by(column)
-                .order_by(column).tuples())
 
 
 # Events.
@@ -252,9 +245,11 @@ def event_page(filters, after=None, limit=PAGE_SIZE):
 
 
 def awaiting_an_operator(filters):
-    """How many of the events `filters` finds await an operator (failed, or given up by
-    the retries): what the events page's bulk retry and give-up act on."""
-    return filters.apply(WebhookEvent.select()).where(operator.awaiting_an_operator()).count()
+    """How many of the events `filters` finds await an operator: what the events page's
+    bulk retry and give-up act on, offered when it filters by one of the two statuses
+    (failed; dead, given up by the retries)."""
+    return (filters.apply(WebhookEvent.select())
+            .where(operator.awaiting_an_operator(filters.status)).count())
 
 
 def cursor_of(event):

@@ -16,12 +16,13 @@ from peewee import fn
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from models import Outbox, WebhookEvent, database
+from models import Outbox, database
 from domain import reconcile
 from engine import commits, spool
 from engine.commits import on_commit
 from engine.db import UNAVAILABLE
 from engine.destinations import DESTINATION_OF
+from ops import operator
 
 log = logging.getLogger("receiver.metrics")
 
@@ -200,11 +201,8 @@ def database_families(ctx):
     pending = (Outbox.select(fn.COUNT(Outbox.id), fn.MIN(Outbox.created_at))
                .where(Outbox.status == "pending").tuples().get())
     dead = Outbox.select().where(Outbox.status == "dead").count()
-    failed = WebhookEvent.select().where(WebhookEvent.status == "failed").count()
-    dead_events = WebhookEvent.select().where(WebhookEvent.status == "dead",
-                                              WebhookEvent.given_up_at.is_null()).count()
-    given_up_events = WebhookEvent.select().where(WebhookEvent.status == "dead",
-                                                  WebhookEvent.given_up_at.is_null(False)).count()
+    events = operator.failures_awaiting_an_operator()
+    failed, dead_events, given_up_events = events["failed"], events["dead"], events["given up"]
     backlog, oldest = pending
     yield _gauge("receiver_outbox_pending", "Effects waiting to be sent.", backlog)
     age = 0.0

@@ -154,20 +154,26 @@ async def seen_at(browser, size, script, *args):
     return await browser.do(run)
 
 
-async def a_failed_and_retried_effect(service, client, worker, browser):
-    """FO-1's worker job fails (503), then an operator retries it from its page and it
-    is sent; FO-2's is refused (400) and dead; CA-7 is paid in crypto."""
-    FormationOrder.create(order_number="FO-1", customer_name="Ada Lovelace",
-                          customer_email="ada@example.test", service_name="Wyoming LLC",
-                          order_name="ORD-1")
-    worker.fail_with(503, {"error": "worker restarting"})
+async def a_job_failing_and_a_job_refused(service, client, worker):
+    """FO-1's worker job fails (503: pending, tried again later); FO-2's is refused (400:
+    dead)."""
     headers = {"X-Webhook-Secret": "test-webhook-secret"}
+    worker.fail_with(503, {"error": "worker restarting"})
     await client.fetch(service.url + "/api/v1/webhooks/formation/submitted", method="POST",
                        body=encode(SUBMITTED), headers=headers)
     worker.fail_with(400, {"error": "unknown state code"})
     await client.fetch(service.url + "/api/v1/webhooks/formation/submitted", method="POST",
                        body=encode({**SUBMITTED, "order_number": "FO-2",
                                     "order_name": "ORD-2"}), headers=headers)
+
+
+async def a_failed_and_retried_effect(service, client, worker, browser):
+    """FO-1's worker job fails (503), then an operator retries it from its page and it
+    is sent; FO-2's is refused (400) and dead; CA-7 is paid in crypto."""
+    FormationOrder.create(order_number="FO-1", customer_name="Ada Lovelace",
+                          customer_email="ada@example.test", service_name="Wyoming LLC",
+                          order_name="ORD-1")
+    await a_job_failing_and_a_job_refused(service, client, worker)
     CrtcOrder.create(order_number="CA-7", customer_name="Rae Radio Ltd", total_cents=123456)
     await client.fetch(service.url + CRYPTO_URL, method="POST",
                        body=encode(paid("CA-7", balance_fiat="1234.56")), headers=key_headers())
@@ -254,14 +260,7 @@ async def test_the_operators_actions_say_what_they_did_and_a_reload_does_not_rep
     for order in ("CA-7", "CA-8", "CA-9"):  # payments for orders not there yet: failed
         await client.fetch(service.url + CRYPTO_URL, method="POST", body=encode(paid(order)),
                            headers=key_headers())
-    headers = {"X-Webhook-Secret": "test-webhook-secret"}
-    worker.fail_with(503, {"error": "worker restarting"})
-    await client.fetch(service.url + "/api/v1/webhooks/formation/submitted", method="POST",
-                       body=encode(SUBMITTED), headers=headers)
-    worker.fail_with(400, {"error": "unknown state code"})
-    await client.fetch(service.url + "/api/v1/webhooks/formation/submitted", method="POST",
-                       body=encode({**SUBMITTED, "order_number": "FO-2",
-                                    "order_name": "ORD-2"}), headers=headers)
+    await a_job_failing_and_a_job_refused(service, client, worker)
     dead = Outbox.get(Outbox.kind == "job", Outbox.order_number == "FO-2")
     assert dead.status == "dead"
     worker.status, worker.body = 200, {"ok": True, "job_id": "job-2"}
@@ -280,7 +279,7 @@ async def test_the_operators_actions_say_what_they_did_and_a_reload_does_not_rep
     await browser.arrive("console/")
 
     await browser.open(service.url + "/console/events?status=failed")
-    assert "3 of the events this filter finds have failed" in await browser.text("#bulk")
+    assert "3 failed event(s) this filter finds" in await browser.text("#bulk")
     await shots_of(browser, "actions-events-bulk")
 
     await browser.open(f"{service.url}/console/events/{given_up.id}")

@@ -179,10 +179,14 @@ async def test_the_events_a_filter_finds_are_retried_or_given_up_at_once(
     done = stored_event(source="card", event_type="x", status="processed")
     workflow = [failed_event(order_number=f"FO-{n}") for n in range(2)]
 
-    page = text(await logged_in.get("/console/events?source=card"))
-    assert "<strong>5</strong> of the events this filter finds have failed" in page
-    assert "Retry 5</button>" in page and "Give up 5</button>" in page
-    assert "<strong>" not in text(await logged_in.get("/console/events?status=processed"))
+    page = text(await logged_in.get("/console/events?source=card&status=failed"))
+    assert "<strong>4</strong> failed event(s) this filter finds" in page
+    assert "Retry 4</button>" in page and "Give up 4</button>" in page
+    page = text(await logged_in.get("/console/events?source=card&status=dead"))
+    assert "<strong>1</strong> dead event(s) this filter finds" in page
+    for elsewhere in ("/console/events?status=processed", "/console/events?source=card"):
+        page = text(await logged_in.get(elsewhere))
+        assert 'id="bulk"' not in page and "Filter by status" in page
 
     response, page = await logged_in.act("/console/events/give-up", {
         "source": "card", "status": "failed", "reason": "test orders, never paid"})
@@ -193,16 +197,22 @@ async def test_the_events_a_filter_finds_are_retried_or_given_up_at_once(
     assert given_up_record(dead_card.id)[:2] == ("dead", None)
     assert given_up_record(done.id)[:2] == ("processed", None)
 
-    response, page = await logged_in.act("/console/events/retry", {"source": "workflow"})
+    response, page = await logged_in.act("/console/events/retry",
+                                         {"source": "workflow", "status": "failed"})
+    assert response.headers["Location"] == "/console/events?source=workflow&status=failed"
     assert notice(page).startswith("2 event(s) back in line, due now: the scheduler handles "
                                    "them at its next runs, oldest first")
     assert {(e.status, e.attempts, e.next_attempt_at) for e in WebhookEvent.select().where(
         WebhookEvent.id.in_([e.id for e in workflow]))} == {("failed", 0, clock())}
     assert await inbox.retry_due(ctx) == 2
     assert {WebhookEvent.get_by_id(e.id).status for e in workflow} == {"processed"}
-    _, page = await logged_in.act("/console/events/retry", {"source": "workflow"})
+    _, page = await logged_in.act("/console/events/retry",
+                                  {"source": "workflow", "status": "failed"})
     assert refused(page) and notice(page).startswith("No event retried")
-    assert (await logged_in.post("/console/events/give-up", {"source": "card"})).code == 400
+    for form in ({"source": "card", "status": "failed"},  # no reason
+                 {"source": "card", "reason": "x"}, {"status": "processed", "reason": "x"}):
+        assert (await logged_in.post("/console/events/give-up", form)).code == 400, form
+    assert (await logged_in.post("/console/events/retry", {"source": "card"})).code == 400
     actions = [(a.action, a.target) for a in ConsoleAction.select().where(
         ConsoleAction.action.in_(["give up event", "retry event"]))]
     assert sorted(actions) == sorted([("give up event", str(e.id)) for e in card]

@@ -237,9 +237,12 @@ EVENT_GIVEN_UP = importlib.import_module("migrations.0022_event_given_up")
 
 def test_0022_gives_old_events_an_empty_give_up_record_and_is_a_no_op_after(scratch_db):
     def columns():  # an added column comes last, where a fresh table has it in place
-        return sorted(scratch_db.get_columns("webhook_events"))
+        return (sorted(scratch_db.get_columns("webhook_events")),
+                sorted(index.name for index in scratch_db.get_indexes("webhook_events")))
     fresh = columns()
+    assert "webhook_events_given_up" in fresh[1]
     migrator = migrator_for(scratch_db)
+    scratch_db.execute_sql("DROP INDEX webhook_events_given_up")
     run(*(migrator.drop_column("webhook_events", name)
           for name in ("given_up_by", "given_up_at", "given_up_reason")))
     scratch_db.execute_sql(
