@@ -14,7 +14,7 @@ from tests.console_helpers import (  # noqa: F401 (fixture)
     console_settings, logged_in, notice, operator, refused, text,
 )
 from tests.door import name_search_jobs, through_the_door
-from tests.test_cli import at
+from tests.test_cli import at, outbox_row
 
 SUBMITTED = {"order_name": "ORD-1", "order_number": "FO-1", "state_code": "WY",
              "entity_name": "Acme LLC"}
@@ -219,3 +219,35 @@ async def test_an_effect_whose_payload_does_not_read_as_a_request_is_shown_as_st
     response = await logged_in.get(f"/console/outbox/{row.id}")
     assert response.code == 200 and "it does not read as a request" in text(response)
     assert "t0ps3cret" not in text(response) and "[hidden]" in text(response)
+
+
+@pytest.mark.gen_test(timeout=60)
+async def test_a_retry_left_to_the_scheduler_says_what_it_waits_for_not_that_it_failed(
+        logged_in, ctx, clock, worker):
+    clock.set(2026, 11, 23, 12, 0)
+    earlier = outbox_row(status="pending", key="earlier")
+    behind = outbox_row(status="dead", key="behind")
+    _, page = await logged_in.act(f"/console/outbox/{behind.id}/retry")
+    assert notice(page) == (
+        f"Effect #{behind.id} (worker job deliver) back in line, due now, after effect "
+        f"#{earlier.id} of its order (pending): it goes once that one is sent or given up.")
+    assert not refused(page) and worker.requests == []
+
+    Outbox.delete().execute()
+    alone = outbox_row(status="dead", key="alone")
+    destination = ctx.destinations.of("job")
+    destination.up, destination.probe_at = False, at(2026, 11, 23, 12, 5)
+    _, page = await logged_in.act(f"/console/outbox/{alone.id}/retry")
+    assert notice(page) == (
+        f"Effect #{alone.id} (worker job deliver) back in line, due now; worker is down: it "
+        "goes once a probe finds it back (the next at 2026-11-23 12:05:00 UTC).")
+    assert worker.requests == [] and Outbox.get_by_id(alone.id).status == "pending"
+
+    destination.up = True
+    ctx.settings.__dict__.update(worker_url="")
+    unconfigured = outbox_row(status="dead", key="unconfigured")
+    _, page = await logged_in.act(f"/console/outbox/{unconfigured.id}/retry")
+    assert notice(page) == (
+        f"Effect #{unconfigured.id} (worker job deliver) not sent: it waits for its "
+        "destination to be configured: WORKER_URL is not set; it goes once the setting is "
+        "there.")
