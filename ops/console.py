@@ -458,7 +458,7 @@ def after_retry(ctx, row, asked_at):
         return f"{name} not sent: it {waits_for(ctx, row)}; it goes once the setting is there."
     if row.status == "pending" and tried_now:
         return (f"{name} tried now: {row.last_error}. It stays in line and is tried again "
-                f"by itself: {waits_for(ctx, row)}.")
+                f"by itself, next at {operator.format_time(row.next_attempt_at)} UTC.")
     return f"{name} back in line, {waits_for(ctx, row)}."
 
 

@@ -21,6 +21,7 @@ from models import (
     WebhookEvent,
 )
 from ops import console
+from ops.operator import format_time
 from ops.passwords import verify_password
 from settings import ConfigurationError, Settings
 from tests.door import through_the_door
@@ -377,7 +378,9 @@ async def test_a_retry_that_fails_again_says_why(logged_in, worker):
     row = outbox_row(status="dead")
     _, page = await logged_in.act(f"/console/outbox/{row.id}/retry")
     assert notice(page).startswith(f"Effect #{row.id} (worker job deliver) tried now: HTTP 503")
-    assert "It stays in line and is tried again by itself: " in notice(page)
+    next_try = format_time(Outbox.get_by_id(row.id).next_attempt_at)
+    assert f"It stays in line and is tried again by itself, next at {next_try} UTC." \
+        in notice(page)
     assert Outbox.get_by_id(row.id).attempts == 1
 
 
