@@ -812,11 +812,15 @@ class WebhookEvent(BaseModel):
     """The inbox: every accepted call, stored raw before it is handled.
 
     status: received (stored, not yet handled), processed, failed (handling raised; the
-    scheduler retries it), rejected (malformed; kept with the reason), ignored (nothing
-    to do for it).
+    scheduler retries it), dead (given up: by the retry policy after too many failures,
+    or by an operator), rejected (malformed; kept with the reason), ignored (nothing to
+    do for it).
 
     reconciled: not delivered by its sender but found by reconciliation (a workflow state
-    change whose webhook never came, domain/reconcile.py) and handled as if it had come."""
+    change whose webhook never came, domain/reconcile.py) and handled as if it had come.
+
+    given_up_by, given_up_at, given_up_reason: who gave the event up, when and why, when
+    an operator did (ops.operator.give_up_events); it is then dead and final."""
 
     source = TextField()
     event_type = TextField()
@@ -832,6 +836,9 @@ class WebhookEvent(BaseModel):
     processed_at = UTCDateTimeField(null=True)
     # Nullable only so that adding it to a large table is one quick ALTER (migration 0016).
     reconciled = BooleanField(default=False, null=True, constraints=database_default("FALSE"))
+    given_up_by = TextField(null=True)
+    given_up_at = UTCDateTimeField(null=True)
+    given_up_reason = TextField(null=True)
     # Not columns: the id of the earlier unfinished event of its order that the event
     # waits behind when it was stored, or None, set by engine.inbox on an event it
     # stores; and what it waits behind as the operator reads it (ops.operator.note_holds).
@@ -907,6 +914,13 @@ class Outbox(BaseModel):
 Outbox.add_index(Outbox.index(Outbox.order_number, Outbox.kind, Outbox.id,
                               name="outbox_unsent_by_order")
                  .where(Outbox.status.in_(["pending", "waiting"])))
+
+# The events operators gave up (the few): counted on their own, so the failures that
+# await someone are the status index's counts less these, read from no event's row. An
+# event stored has none, and costs this index nothing.
+WebhookEvent.add_index(WebhookEvent.index(WebhookEvent.status, WebhookEvent.given_up_at,
+                                          name="webhook_events_given_up")
+                       .where(WebhookEvent.given_up_at.is_null(False)))
 
 
 

@@ -155,6 +155,21 @@ def add_operator_commands(commands):
                         help="also an event already processed (its effects are not "
                              "sent twice)")
     replay.set_defaults(run=events_replay)
+    give_up = events.add_parser(
+        "give-up", help="give up events whose handling failed: dead and final, with your "
+                        "reason (kept with each, and who and when)")
+    which = give_up.add_mutually_exclusive_group(required=True)
+    which.add_argument("id", type=int, nargs="?", help="the event's id")
+    which.add_argument("--failed", action="store_true",
+                       help="every event that failed or that its retries gave up, of "
+                            "--source, --since and --until when given")
+    give_up.add_argument("--reason", required=True, type=reason_argument,
+                         help="why (up to 200 characters), kept with each event")
+    give_up.add_argument("--source", choices=operator.EVENT_SOURCES)
+    give_up.add_argument("--since", type=time_argument,
+                         help="received at or after (ISO 8601; UTC when no offset)")
+    give_up.add_argument("--until", type=time_argument, help="received before (ISO 8601)")
+    give_up.set_defaults(run=events_give_up)
 
     outbox = commands.add_parser(
         "outbox", help="list effects on other systems; put dead, waiting or pending ones "
@@ -162,6 +177,7 @@ def add_operator_commands(commands):
     ).add_subparsers(dest="action", metavar="ACTION", required=True)
     listing = outbox.add_parser("list", help="the newest rows first")
     listing.add_argument("--status", choices=operator.OUTBOX_STATUSES)
+    listing.add_argument("--destination", choices=operator.DESTINATIONS)
     listing.add_argument("--limit", type=int, default=50, help="at most this many (50)")
     listing.set_defaults(run=outbox_list)
     retry = outbox.add_parser(
@@ -174,6 +190,8 @@ def add_operator_commands(commands):
                        help="every waiting row (its destination was not configured)")
     which.add_argument("--pending", dest="status", action="store_const", const="pending",
                        help="every pending row (waiting for its next try)")
+    retry.add_argument("--destination", choices=operator.DESTINATIONS,
+                       help="with --dead, --waiting or --pending: only the rows going there")
     retry.set_defaults(run=outbox_retry)
 
     spooled = commands.add_parser(
@@ -231,6 +249,13 @@ def add_command_group(commands, name, about, actions):
         dest="action", metavar="ACTION", required=True)
     for action, about_action, run in actions:
         group.add_parser(action, help=about_action).set_defaults(run=run)
+
+
+def reason_argument(text):
+    reason = " ".join(text.split())
+    if not reason or len(reason) > 200:
+        raise argparse.ArgumentTypeError("give a reason of 1 to 200 characters")
+    return reason
 
 
 def time_argument(text):
@@ -307,21 +332,22 @@ async def _with_context(command, settings, args):
 
 EVENT_COLUMNS = ("ID", "RECEIVED (UTC)", "SOURCE", "TYPE", "STATUS", "TRIES", "ORDER",
                  "EXTERNAL ID", "LAST ERROR")
-OUTBOX_COLUMNS = ("ID", "EVENT", "KIND", "ORDER", "STATUS", "TRIES", "NEXT TRY (UTC)",
+OUTBOX_COLUMNS = ("ID", "EVENT", "DESTINATION", "ORDER", "STATUS", "TRIES", "NEXT TRY (UTC)",
                   "LAST ERROR")
 
 
 def event_row(event):
+    status = f"{event.status} (given up)" if event.given_up_at else event.status
     return (event.id, operator.format_time(event.received_at), operator.source_of(event),
-            event.event_type, "held" if event.held else event.status, event.attempts,
+            event.event_type, "held" if event.held else status, event.attempts,
             event.order_number, event.external_id,
             operator.clip(event.held or event.last_error))
 
 
 def outbox_row(row):
     next_try = operator.format_time(row.next_attempt_at) if row.status == "pending" else ""
-    return (row.id, row.event_id, row.kind, row.order_number, row.status, row.attempts,
-            next_try, operator.clip(row.last_error))
+    return (row.id, row.event_id, operator.destination_of(row), row.order_number, row.status,
+            row.attempts, next_try, operator.clip(row.last_error))
 
 
 async def console_logout_all(ctx, args):
@@ -350,6 +376,9 @@ async def events_show(ctx, args):
             ("held", event.held or "-"),
             ("last error", event.last_error or "-")):
         print(f"{label + ':':<14}{value}")
+    if event.given_up_at:
+        print(f"{'given up:':<14}by {event.given_up_by} at "
+              f"{operator.format_time(event.given_up_at)}: {event.given_up_reason}")
     print("payload:")
     try:
         print(json.dumps(read_json(event.payload), indent=2, sort_keys=True))
@@ -377,8 +406,28 @@ async def events_replay(ctx, args):
     return 1 if outcome == "failed" else 0
 
 
+async def events_give_up(ctx, args):
+    if args.failed:
+        # The console's filter of the events page: one meaning for both.
+        conditions = console.EventFilter(source=args.source or "", since=args.since,
+                                         until=args.until).conditions()
+        count = await ctx.db(functools.partial(
+            operator.give_up_events, ctx, conditions, args.reason, command_line_operator()))
+        print(f"{count} event(s) given up: dead and final (events being handled right now "
+              "are left as they are)")
+        return 0
+    if args.source or args.since or args.until:
+        print("receiver: --source, --since and --until go with --failed", file=sys.stderr)
+        return 2
+    event = await ctx.db(functools.partial(operator.give_up_event, ctx, args.id, args.reason,
+                                           command_line_operator()))
+    print(f"event #{event.id} given up: dead and final")
+    return 0
+
+
 async def outbox_list(ctx, args):
-    rows = await ctx.db(functools.partial(operator.list_outbox, args.status, args.limit))
+    rows = await ctx.db(functools.partial(operator.list_outbox, args.status, args.limit,
+                                          args.destination))
     print(operator.table(OUTBOX_COLUMNS, [outbox_row(row) for row in rows]))
     return 0
 
@@ -392,14 +441,21 @@ def command_line_operator() -> tuple[str, str]:
 async def outbox_retry(ctx, args):
     if args.status:
         count = await ctx.db(functools.partial(operator.retry_all, ctx, args.status,
-                                               command_line_operator()))
-        print(f"{count} {args.status} row(s) back to pending, due now")
+                                               command_line_operator(), args.destination))
+        to = f" {args.destination}" if args.destination else ""
+        print(f"{count} {args.status}{to} row(s) back to pending, due now; the scheduler "
+              "sends them at its next run (rows on their way out are left as they are)")
         return 0
+    if args.destination:
+        print("receiver: --destination goes with --dead, --waiting or --pending",
+              file=sys.stderr)
+        return 2
     row = await ctx.db(functools.partial(operator.retry_outbox, ctx, args.id))
     # Kept with the console's actions, so the effect's timeline shows who retried it.
     await ctx.db(functools.partial(console.record_action, ctx, *command_line_operator(),
                                    "retry effect", row.id, "back in line"))
-    print(f"outbox row #{row.id} ({row.kind}) back to pending, due now")
+    print(f"outbox row #{row.id} ({operator.destination_of(row)}) back to pending, due now; "
+          "the scheduler sends it at its next run")
     return 0
 
 

@@ -29,7 +29,7 @@ class _Worker(tornado.web.RequestHandler):
 # What Frappe's whitelisted methods the service reads answer, as a v15 site does: who we
 # are, the site's time zone (System Settings), and a document's history, whose workflow
 # log is empty here (the demo's changes come as webhooks).
-_METHOD_ANSWERS = {
+_METHOD_ANSWERS: dict[str, dict] = {
     "frappe.auth.get_logged_user": {"message": DEMO_API_USER},
     "frappe.client.get_time_zone": {"message": {"time_zone": "UTC"}},
     "frappe.desk.form.load.get_docinfo": {"docinfo": {"workflow_logs": []}},

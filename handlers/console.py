@@ -8,12 +8,17 @@ Secure when the request came over HTTPS. Every POST carries Tornado's xsrf token
 webhooks are not affected, the check is made by these handlers only. Login attempts are
 rate limited per client address. Every action is recorded (ops.console.record_action).
 
+Every action answers its POST with a redirect (303) to the page it came from, which
+shows once what the action did and what comes next (the notice travels in a signed
+cookie): a reload of that page asks nothing again.
+
 Longer than most: one small handler a page or action, sharing the session, xsrf and
 action-recording base defined here."""
 import concurrent.futures
 import datetime
 import functools
 import hmac
+import json
 import logging
 import re
 import secrets
@@ -28,6 +33,7 @@ from domain import filings, intake, links
 from handlers.html import HtmlHandler
 from handlers.addresses import client_key
 from handlers.ratelimit import LoginThrottle
+from engine.claims import CLAIM_BATCH
 from ops import console, operator, sessions
 from ops.passwords import verify_password
 
@@ -40,6 +46,10 @@ REPEATS = lograte.Repeats(log)
 PASSWORD_CHECKS = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="password")
 
 SESSION_COOKIE = "console_session"
+# What an action did, shown once by the page it redirects to.
+NOTICE_COOKIE = "console_notice"
+# A notice not shown within this long (the redirect was not followed) is dropped.
+NOTICE_MAX_AGE_DAYS = 1 / 24 / 12
 SESSION_LENGTH = datetime.timedelta(hours=12)
 # Wrong passwords per address, and in all, per window (handlers.ratelimit.LoginThrottle).
 LOGIN_FAILURES, LOGIN_FAILURES_TOTAL, LOGIN_WINDOW_SECONDS = 5, 30, 60
@@ -67,6 +77,14 @@ def cookie_secret(settings):
 def path_part(value):
     """A value as one segment of a path: a "/" in an order number is escaped too."""
     return urllib.parse.quote(value, safe="")
+
+
+def console_path(wanted, default):
+    """`wanted` when it is a console page of ours (never another site, nor the login
+    page), else `default`: where a login or an action sends the browser on."""
+    if re.fullmatch(r"/console/[^\\\s]*", wanted) and not wanted.startswith("/console/login"):
+        return wanted
+    return default
 
 
 class ConsoleState:
@@ -151,8 +169,32 @@ class ConsoleHandler(HtmlHandler):
         self.finish(page.render(
             operator=self.current_user if not self.public else None,
             xsrf=markupsafe.Markup(self.xsrf_form_html()), fmt=operator.format_time,
-            now=self.ctx.clock(), path=self.request.path, path_part=path_part,
-            effect_name=functools.partial(console.effect_name, self.ctx), **values))
+            now=self.ctx.clock(), path=self.request.path, here=self.request.uri,
+            path_part=path_part, destination_of=operator.destination_of,
+            in_flight=functools.partial(operator.in_flight, self.ctx),
+            effect_name=functools.partial(console.effect_name, self.ctx),
+            notice=None if self.public else self.take_notice(), **values))
+
+    def redirect_with(self, default, text, refused=False, code=None):
+        """The end of every action (POST/redirect/GET): back to the page the form was on
+        (its `back` field, a console path) or to `default`, which shows `text` once;
+        `refused`: the action was not done; `code`: a value shown apart (a signed link)."""
+        self.set_signed_cookie(NOTICE_COOKIE, json.dumps(
+            {"text": text, "refused": refused, "code": code}))
+        self.redirect(console_path(self.get_body_argument("back", ""), default), status=303)
+
+    def take_notice(self):
+        """The notice an action left for this page, once."""
+        value = self.get_signed_cookie(NOTICE_COOKIE, max_age_days=NOTICE_MAX_AGE_DAYS)
+        if NOTICE_COOKIE in self.request.cookies:
+            self.clear_cookie(NOTICE_COOKIE)
+        if not value:
+            return None
+        try:
+            notice = json.loads(value)
+        except ValueError:
+            return None
+        return notice if isinstance(notice, dict) and notice.get("text") else None
 
     def stop_with(self, template, code, **values):
         self.render_page(template, code, **values)
@@ -235,10 +277,7 @@ class LoginHandler(ConsoleHandler):
 
     def next_path(self):
         """Where to go after logging in: a console page of ours, never another site."""
-        wanted = self.get_argument("next", "")
-        if re.fullmatch(r"/console/[^\\\s]*", wanted) and not wanted.startswith("/console/login"):
-            return wanted
-        return "/console/"
+        return console_path(self.get_argument("next", ""), "/console/")
 
 
 class LogoutHandler(ConsoleHandler):
@@ -290,24 +329,25 @@ def chart(events_by_day, width=560, height=160, gap=2):
             "legend": legend, "top": top}
 
 
-class EventsHandler(ConsoleHandler):
-    async def get(self):
-        filters = console.EventFilter(
+EVENT_FILTERS = ("source", "type", "status", "q", "since", "until")
+
+
+class EventFilterHandler(ConsoleHandler):
+    """A page or action that takes the events page's filter."""
+
+    def bulk_filter(self):
+        """The filter of a bulk action: by one of the two statuses of failure, as the
+        events page offers it."""
+        filters = self.event_filter()
+        if filters.status not in operator.FAILURES:
+            raise tornado.web.HTTPError(400)
+        return filters
+
+    def event_filter(self):
+        return console.EventFilter(
             source=self.text_argument("source"), event_type=self.text_argument("type"),
             status=self.text_argument("status"), search=self.text_argument("q"),
             since=self.time_argument("since"), until=self.time_argument("until"))
-        try:
-            page = await self.ctx.db(functools.partial(
-                console.event_page, filters, self.text_argument("after") or None))
-        except console.BadCursor:
-            raise tornado.web.HTTPError(400) from None
-        query = {name: self.get_argument(name, "") for name in
-                 ("source", "type", "status", "q", "since", "until")}
-        next_query = {**{k: v for k, v in query.items() if v}, "after": page.after}
-        self.render_page("events", page=page, query=query, sources=sorted(self.ctx.plugins),
-                         statuses=operator.EVENT_STATUSES,
-                         next_link="/console/events?" + tornado.httputil.urlencode(next_query)
-                         if page.after else None)
 
     def time_argument(self, name):
         text = self.text_argument(name, 40)
@@ -318,29 +358,116 @@ class EventsHandler(ConsoleHandler):
         except ValueError:
             raise tornado.web.HTTPError(400) from None
 
+    def events_page(self):
+        """The events page of this filter, where a bulk action goes back to."""
+        query = {name: self.get_argument(name, "") for name in EVENT_FILTERS}
+        return "/console/events?" + tornado.httputil.urlencode(
+            {name: value for name, value in query.items() if value})
+
+
+class EventsHandler(EventFilterHandler):
+    async def get(self):
+        filters = self.event_filter()
+        bulk = filters.status in operator.FAILURES
+        try:
+            page, awaiting = await self.ctx.db(lambda: (
+                console.event_page(filters, self.text_argument("after") or None),
+                console.awaiting_an_operator(filters) if bulk else None))
+        except console.BadCursor:
+            raise tornado.web.HTTPError(400) from None
+        query = {name: self.get_argument(name, "") for name in EVENT_FILTERS}
+        next_query = {**{k: v for k, v in query.items() if v}, "after": page.after}
+        self.render_page("events", page=page, query=query, sources=sorted(self.ctx.plugins),
+                         statuses=operator.EVENT_STATUSES, awaiting=awaiting,
+                         next_link="/console/events?" + tornado.httputil.urlencode(next_query)
+                         if page.after else None)
+
+
+class RetryEventsHandler(EventFilterHandler):
+    """Every event the filter finds that awaits an operator, back in line."""
+
+    async def post(self):
+        filters = self.bulk_filter()
+        count = await self.ctx.db(functools.partial(
+            operator.retry_events, self.ctx, filters.conditions(),
+            (self.current_user, self.request.remote_ip)))
+        await self.record("retry events", self.events_page(), f"{count} back in line")
+        tick = self.ctx.settings.scheduler_tick_seconds
+        self.redirect_with(self.events_page(), (
+            f"{count} event(s) back in line, due now: the scheduler handles them at its "
+            f"next runs, oldest first (up to {CLAIM_BATCH} a run, every {tick} s); each "
+            "one's page shows how it went.") if count else (
+            "No event retried: none of those this filter finds failed and awaits you (an "
+            "event being handled right now is left as it is)."), refused=not count)
+
+
+class GiveUpEventsHandler(EventFilterHandler):
+    """Every event the filter finds that awaits an operator, given up with a reason."""
+
+    async def post(self):
+        filters = self.bulk_filter()
+        reason = self.required_reason()
+        count = await self.ctx.db(functools.partial(
+            operator.give_up_events, self.ctx, filters.conditions(), reason,
+            (self.current_user, self.request.remote_ip)))
+        await self.record("give up events", self.events_page(), f"{count} given up: {reason}")
+        if count:
+            # The calls of their orders held behind them go now, each in its turn.
+            intake.run_waiting_calls(self.ctx)
+        self.redirect_with(self.events_page(), (
+            f"{count} event(s) given up, with your reason: they are dead and final, and no "
+            "retry takes them up again (a forced replay of one would); the calls of their "
+            "orders that waited behind them are handled now.") if count else (
+            "No event given up: none of those this filter finds failed and awaits you (an "
+            "event being handled right now is left as it is)."), refused=not count)
+
+    def required_reason(self):
+        reason = self.text_argument("reason")
+        if not reason:
+            raise tornado.web.HTTPError(400)
+        return reason
+
 
 class EventHandler(ConsoleHandler):
     async def get(self, event_id):
-        await self.show_event(int(event_id))
-
-    async def show_event(self, event_id, status=200, notice=None):
         try:
             event, effects = await self.ctx.db(
-                functools.partial(operator.event_with_effects, event_id))
+                functools.partial(operator.event_with_effects, int(event_id)))
         except operator.NotFound:
             raise tornado.web.HTTPError(404) from None
-        self.render_page("event", status, event=event, payload=console.shown_payload(event),
-                         effects=effects, notice=notice,
-                         needs_confirmation=event.status not in (*operator.UNFINISHED,
-                                                                 *operator.FAILURES))
+        self.render_page("event", event=event, payload=console.shown_payload(event),
+                         effects=effects, failures=operator.FAILURES,
+                         needs_confirmation=event.given_up_at is not None
+                         or event.status not in (*operator.UNFINISHED, *operator.FAILURES))
 
 
-class ReplayHandler(EventHandler):
-    # It answers with the event's page, but only to the action's POST.
-    SUPPORTED_METHODS = ("POST",)
-
+class GiveUpEventHandler(GiveUpEventsHandler):
     async def post(self, event_id):
         event_id = int(event_id)
+        page = f"/console/events/{event_id}"
+        reason = self.required_reason()
+        try:
+            await self.ctx.db(functools.partial(
+                operator.give_up_event, self.ctx, event_id, reason,
+                (self.current_user, self.request.remote_ip)))
+        except operator.NotFound:
+            raise tornado.web.HTTPError(404) from None
+        except operator.Refused as refused:
+            await self.record("give up event", event_id, f"refused: {refused}")
+            self.redirect_with(page, f"Event #{event_id} not given up: {refused}.",
+                               refused=True)
+            return
+        intake.run_waiting_calls(self.ctx)
+        self.redirect_with(page, (
+            f"Event #{event_id} given up, with your reason: it is dead and final; no retry "
+            "takes it up again (a forced replay would). The calls of its order that waited "
+            "behind it are handled now."))
+
+
+class ReplayHandler(ConsoleHandler):
+    async def post(self, event_id):
+        event_id = int(event_id)
+        page = f"/console/events/{event_id}"
         confirmed = self.get_body_argument("confirm", "") == "yes"
         try:
             outcome = await operator.replay(self.ctx, event_id, force=confirmed)
@@ -348,12 +475,28 @@ class ReplayHandler(EventHandler):
             raise tornado.web.HTTPError(404) from None
         except operator.Refused:
             await self.record("replay event", event_id, "refused: not confirmed")
-            await self.show_event(event_id, 409, notice=(
-                "This event was handled already. Tick the confirmation to handle it again "
-                "(its database changes are made again; its effects are not sent twice)."))
+            event = await self.ctx.db(functools.partial(operator.get_event, event_id))
+            why = (f"it was given up by {event.given_up_by} at "
+                   f"{operator.format_time(event.given_up_at)} UTC: {event.given_up_reason}"
+                   if event.given_up_at else f"it was handled already ({event.status})")
+            self.redirect_with(page, (
+                f"Event #{event_id} not replayed: {why}. Tick the confirmation to handle "
+                "it again (its database changes are made again; its effects are not sent "
+                "twice)."), refused=True)
             return
         await self.record("replay event", event_id, outcome)
-        await self.show_event(event_id, notice=f"Replayed: the event is now {outcome}.")
+        self.redirect_with(page, f"Event #{event_id} replayed: it is now {outcome}. "
+                                 f"{REPLAYED_NEXT.get(outcome, '')}".strip())
+
+
+# What comes after a replay, by its outcome.
+REPLAYED_NEXT = {
+    "processed": "Its effects are listed below; each one's page shows how its send went.",
+    "failed": "The scheduler handles it again at its next try (below), with a growing "
+              "wait; give it up if it should not be.",
+    "rejected": "It is final: the reason is its last error, below.",
+    "ignored": "Nothing handles events of its type.",
+}
 
 
 class OrderSearchHandler(ConsoleHandler):
@@ -374,20 +517,24 @@ class OrderHandler(ConsoleHandler):
 
 
 class OutboxHandler(ConsoleHandler):
-    async def get(self, notice=None, status_code=200):
+    async def get(self):
         status = self.text_argument("status") or "dead"
-        kind = self.text_argument("kind")
+        destination = self.text_argument("destination")
         before = self.text_argument("before")
-        if status not in operator.OUTBOX_STATUSES or (before and not before.isdigit()):
+        if status not in operator.OUTBOX_STATUSES or (before and not before.isdigit()) \
+                or (destination and destination not in operator.DESTINATIONS):
             raise tornado.web.HTTPError(400)
-        page, counts = await self.ctx.db(lambda: (
-            console.outbox_page(status, kind, int(before) if before else None),
-            console.outbox_counts()))
-        kinds = sorted({kind for kind, _ in counts})
-        self.render_page("outbox", status_code, page=page, counts=counts, kinds=kinds,
-                         statuses=console.COUNTED_OUTBOX_STATUSES,
-                         status=status, kind=kind, notice=notice,
-                         all_statuses=operator.OUTBOX_STATUSES)
+        page, counts, later = await self.ctx.db(lambda: (
+            console.outbox_page(status, destination, int(before) if before else None),
+            console.outbox_counts(), console.later_tries(self.ctx)))
+        self.render_page("outbox", page=page, counts=counts, later=later,
+                         destinations=[name for name in operator.DESTINATIONS
+                                       if name in later
+                                       or any(name == counted for counted, _ in counts)],
+                         statuses=console.COUNTED_OUTBOX_STATUSES, status=status,
+                         destination=destination, all_destinations=operator.DESTINATIONS,
+                         all_statuses=operator.OUTBOX_STATUSES,
+                         tick=self.ctx.settings.scheduler_tick_seconds)
 
 
 class EffectHandler(ConsoleHandler):
@@ -395,86 +542,91 @@ class EffectHandler(ConsoleHandler):
     retry and give-up buttons."""
 
     async def get(self, row_id):
-        await self.show_effect(int(row_id))
-
-    async def show_effect(self, row_id, notice=None, status_code=200):
         try:
-            page = await self.ctx.db(functools.partial(console.effect_page, self.ctx, row_id))
+            page = await self.ctx.db(functools.partial(console.effect_page, self.ctx,
+                                                       int(row_id)))
         except operator.NotFound:
             raise tornado.web.HTTPError(404) from None
-        self.render_page("effect", status_code, effect=page, notice=notice,
-                         outcomes=console.ATTEMPT_OUTCOMES)
+        self.render_page("effect", effect=page, outcomes=console.ATTEMPT_OUTCOMES)
 
 
-class RetryEffectHandler(OutboxHandler, EffectHandler):
-    """Answers with the outbox page, or with the effect's page when it came from there
-    (`back=effect`)."""
-    SUPPORTED_METHODS = ("POST",)
+class RetryEffectHandler(ConsoleHandler):
+    """Back to the page the button was on (the outbox, the event, the effect's own)."""
 
     async def post(self, row_id):
+        row_id = int(row_id)
         asked_at = self.ctx.clock()
         try:
-            row = await console.retry_now(self.ctx, int(row_id))
+            row = await console.retry_now(self.ctx, row_id)
         except operator.NotFound:
             raise tornado.web.HTTPError(404) from None
         except operator.Refused as refused:
             await self.record("retry effect", row_id, f"refused: {refused}")
-            await self.answer(int(row_id), f"Not retried: {refused}.", 409)
+            self.redirect_with(f"/console/outbox/{row_id}",
+                               f"Effect #{row_id} not retried: {refused}.", refused=True)
             return
         outcome = row.status if not row.last_error else f"{row.status}: {row.last_error}"
         await self.record("retry effect", row_id, outcome, at=asked_at)
-        await self.answer(int(row_id), f"Effect #{row_id} ({row.kind}) retried: now {outcome}.")
-
-    async def answer(self, row_id, notice, status_code=200):
-        if self.get_body_argument("back", "") == "effect":
-            await self.show_effect(row_id, notice, status_code)
-        else:
-            await OutboxHandler.get(self, notice=notice, status_code=status_code)
+        self.redirect_with(f"/console/outbox/{row_id}", await self.ctx.db(
+            functools.partial(console.after_retry, self.ctx, row, asked_at)))
 
 
-class GiveUpHandler(EffectHandler):
-    SUPPORTED_METHODS = ("POST",)
-
+class GiveUpHandler(ConsoleHandler):
     async def post(self, row_id):
         row_id = int(row_id)
+        reason = self.text_argument("reason")
         try:
             row = await self.ctx.db(functools.partial(console.give_up, self.ctx, row_id,
-                                                      self.current_user))
+                                                      self.current_user, reason))
         except operator.NotFound:
             raise tornado.web.HTTPError(404) from None
         except operator.Refused as refused:
             await self.record("give up effect", row_id, f"refused: {refused}")
-            await self.show_effect(row_id, f"Not given up: {refused}.", 409)
+            self.redirect_with(f"/console/outbox/{row_id}",
+                               f"Effect #{row_id} not given up: {refused}.", refused=True)
             return
-        await self.record("give up effect", row_id, "dead")
-        await self.show_effect(row_id, f"Effect #{row_id} given up: it is not sent "
-                                       f"unless retried (now {row.status}).")
+        await self.record("give up effect", row_id, row.last_error)
+        self.redirect_with(f"/console/outbox/{row_id}", (
+            f"Effect #{row_id} given up: it is dead, and not sent unless someone retries "
+            "it."))
 
 
-class RetryDeadHandler(OutboxHandler):
-    SUPPORTED_METHODS = ("POST",)
+class DestinationAction(ConsoleHandler):
+    """An action on the effects of one destination (the outbox page's buttons)."""
 
-    async def post(self):
-        kind = self.required_kind()
-        count = await self.ctx.db(functools.partial(
-            console.retry_dead, self.ctx, kind, (self.current_user, self.request.remote_ip)))
-        await self.record("retry dead effects", kind, f"{count} back in line")
-        await self.get(notice=f"{count} dead {kind} effect(s) back in line, due now.")
-
-    def required_kind(self):
-        kind = self.get_body_argument("kind", "").strip()
-        if not kind or len(kind) > 64:
+    def destination(self):
+        destination = self.get_body_argument("destination", "")
+        if destination not in operator.DESTINATIONS:
             raise tornado.web.HTTPError(400)
-        return kind
+        return destination
+
+    def then(self, destination, count, done):
+        """Back to the outbox, saying what was done to `count` effects and what comes
+        next."""
+        tick = self.ctx.settings.scheduler_tick_seconds
+        next_step = (f"the scheduler sends them at its next run (within {tick} s); each "
+                     "one's page shows how it went") if count else "nothing to send"
+        self.redirect_with("/console/outbox",
+                           f"{count} {destination} effect(s) {done}: {next_step}.")
 
 
-class DueNowHandler(RetryDeadHandler):
+class RetryDeadHandler(DestinationAction):
     async def post(self):
-        kind = self.required_kind()
-        count = await self.ctx.db(functools.partial(console.make_due_now, self.ctx, kind))
-        await self.record("make waiting effects due", kind, f"{count} due now")
-        await self.get(notice=f"{count} waiting {kind} effect(s) due now; the scheduler "
-                              "sends them at its next tick.")
+        destination = self.destination()
+        count = await self.ctx.db(functools.partial(
+            console.retry_dead, self.ctx, destination,
+            (self.current_user, self.request.remote_ip)))
+        await self.record("retry dead effects", destination, f"{count} back in line")
+        self.then(destination, count, "given up on are back in line, due now")
+
+
+class DueNowHandler(DestinationAction):
+    async def post(self):
+        destination = self.destination()
+        count = await self.ctx.db(functools.partial(console.make_due_now, self.ctx,
+                                                    destination))
+        await self.record("make effects due now", destination, f"{count} due now")
+        self.then(destination, count, "that waited for a later try are due now")
 
 
 class SettlementHandler(ConsoleHandler):
@@ -488,7 +640,7 @@ class LinksHandler(ConsoleHandler):
     FIELDS = ("kind", "order", "cycle")
 
     def get(self):
-        self.render_page("links", kinds=links.KINDS, link=None, problem=None,
+        self.render_page("links", kinds=links.KINDS, problem=None,
                          form=dict.fromkeys(self.FIELDS, ""))
 
     async def post(self):
@@ -499,11 +651,13 @@ class LinksHandler(ConsoleHandler):
             link = links.signed_link(self.ctx.settings, form["kind"], form["order"],
                                      form["cycle"])
         except (links.InvalidLinkPart, filings.LinkRefused) as exc:
-            self.render_page("links", 400, kinds=links.KINDS, link=None, problem=str(exc),
+            self.render_page("links", 400, kinds=links.KINDS, problem=str(exc),
                              form=form)
             return
         await self.record("sign link", f"{form['kind']} {form['order']} {form['cycle']}", "ok")
-        self.render_page("links", kinds=links.KINDS, link=link, problem=None, form=form)
+        self.redirect_with("/console/links", (
+            f"Link for {form['kind'].upper()} {form['order']} {form['cycle']} signed, "
+            "below: send it to the customer."), code=link)
 
 
 class ActionsHandler(ConsoleHandler):
@@ -522,6 +676,9 @@ def console_routes(ctx):
         (r"/console/events", EventsHandler),
         (r"/console/events/(\d{1,18})", EventHandler),
         (r"/console/events/(\d{1,18})/replay", ReplayHandler),
+        (r"/console/events/(\d{1,18})/give-up", GiveUpEventHandler),
+        (r"/console/events/retry", RetryEventsHandler),
+        (r"/console/events/give-up", GiveUpEventsHandler),
         (r"/console/orders", OrderSearchHandler),
         (r"/console/orders/([^/]{1,300})", OrderHandler),
         (r"/console/outbox", OutboxHandler),

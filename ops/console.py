@@ -15,13 +15,12 @@ import logging
 import re
 import urllib.parse
 
-from peewee import fn
-
 from clients.http import JSON_HEADERS
 from domain import reconcile, settlement
 from domain.money import money
 from engine import outbox
 from engine.claims import claim, lease
+from engine.destinations import ORDERED_KINDS
 from models import (
     ORDER_MODELS, Attempt, ConsoleAction, CrtcOrder, LedgerEntry, Outbox, SelfFiling,
     SurveyResponse, TreasuryJob, WebhookEvent,
@@ -71,7 +70,7 @@ def recent_actions(limit=PAGE_SIZE):
 
 @dataclasses.dataclass
 class Backlog:
-    kind: str
+    destination: str
     status: str
     count: int
     oldest: datetime.datetime
@@ -92,6 +91,8 @@ class Overview:
     in_holdback: int
     # What this process has learnt of each destination (engine.destinations).
     destinations: list
+    # Events operators gave up (dead, final; not counted among the failures).
+    given_up_events: int
     # One line on the last reconciliation with the workflow system, once it runs.
     last_reconciliation: str | None = None
 
@@ -117,12 +118,15 @@ def last_reconciliation(settings):
 def overview(ctx, counts):
     now = ctx.clock()
     files, size = spool_usage(ctx.settings.spool_dir)
+    failures = operator.failures_awaiting_an_operator()
     return Overview(
         now=now, events_by_day=counts.by_day(ctx, now), backlog=backlog(),
-        dead_effects={kind: count for (kind, status), count in outbox_counts().items()
+        dead_effects={destination: count
+                      for (destination, status), count in outbox_counts().items()
                       if status == "dead"},
-        event_failures=_count_by(WebhookEvent, WebhookEvent.status,
-                                 WebhookEvent.status.in_(operator.FAILURES)),
+        event_failures={status: failures[status] for status in operator.FAILURES
+                        if failures[status]},
+        given_up_events=failures["given up"],
         spool_files=files, spool_bytes=size, jobs=ctx.metrics.job_status(),
         settlement_queue=settlement.waiting_orders().count(),
         destinations=list(ctx.destinations),
@@ -171,18 +175,14 @@ def backlog():
     waiting = [status for status in operator.OUTBOX_STATUSES
                if status not in FINAL_OUTBOX_STATUSES]
     found = []
-    for kind in sorted(outbox.SENDERS):
+    for destination in operator.DESTINATIONS:
         for status in waiting:
-            rows = Outbox.select().where(Outbox.kind == kind, Outbox.status == status)
+            rows = Outbox.select().where(Outbox.kind == operator.KIND_OF[destination],
+                                         Outbox.status == status)
             first = rows.order_by(Outbox.id).first()
             if first is not None:
-                found.append(Backlog(kind, status, rows.count(), first.created_at))
+                found.append(Backlog(destination, status, rows.count(), first.created_at))
     return found
-
-
-def _count_by(model, column, condition):
-    return dict(model.select(column, fn.COUNT(model.id)).where(condition).group_by(column)
-                .order_by(column).tuples())
 
 
 # Events.
@@ -197,20 +197,22 @@ class EventFilter:
     since: datetime.datetime = None
     until: datetime.datetime = None
 
-    def apply(self, query):
-        for column, value in ((WebhookEvent.source, self.source),
-                              (WebhookEvent.event_type, self.event_type),
-                              (WebhookEvent.status, self.status)):
-            if value:
-                query = query.where(column == value)
+    def conditions(self):
+        """The filter as conditions on WebhookEvent, all to hold."""
+        found = [column == value for column, value in (
+            (WebhookEvent.source, self.source), (WebhookEvent.event_type, self.event_type),
+            (WebhookEvent.status, self.status)) if value]
         if self.search:
-            query = query.where((WebhookEvent.order_number == self.search)
-                                | (WebhookEvent.external_id == self.search))
+            found.append((WebhookEvent.order_number == self.search)
+                         | (WebhookEvent.external_id == self.search))
         if self.since:
-            query = query.where(WebhookEvent.received_at >= self.since)
+            found.append(WebhookEvent.received_at >= self.since)
         if self.until:
-            query = query.where(WebhookEvent.received_at < self.until)
-        return query
+            found.append(WebhookEvent.received_at < self.until)
+        return found
+
+    def apply(self, query):
+        return query.where(*self.conditions()) if self.conditions() else query
 
 
 @dataclasses.dataclass
@@ -240,6 +242,14 @@ def event_page(filters, after=None, limit=PAGE_SIZE):
     more = len(rows) > limit
     rows = operator.note_holds(rows[:limit])
     return Page(rows, cursor_of(rows[-1]) if more else None)
+
+
+def awaiting_an_operator(filters):
+    """How many of the events `filters` finds await an operator: what the events page's
+    bulk retry and give-up act on, offered when it filters by one of the two statuses
+    (failed; dead, given up by the retries)."""
+    return (filters.apply(WebhookEvent.select())
+            .where(operator.awaiting_an_operator(filters.status)).count())
 
 
 def cursor_of(event):
@@ -395,31 +405,77 @@ ATTEMPT_OUTCOMES = {"sent": "sent", "pending": "will retry", "dead": "given up",
 EFFECT_ACTIONS = ("retry effect", "give up effect")
 
 
-def waits_for(row, now):
-    """What an unsent effect waits for, in words; None once it is final."""
+def waits_for(ctx, row):
+    """What an unsent effect waits for, and so what comes next for it, in words; None
+    once it is final."""
     if row.status == "waiting":
         return f"waits for its destination to be configured: {row.last_error}"
-    if row.status == "pending":
-        if row.next_attempt_at > now:
-            return f"next try {operator.format_time(row.next_attempt_at)} UTC"
-        return "due now: the scheduler sends it at its next run (after any earlier " \
-               "effect of its order)"
     if row.status == "logged":
         return f"logged, not sent (final): {row.last_error}"
-    return None
+    if row.status != "pending":
+        return None
+    now = ctx.clock()
+    if row.next_attempt_at > now + lease(ctx):
+        return f"next try {operator.format_time(row.next_attempt_at)} UTC"
+    if row.next_attempt_at > now:
+        return (f"on its way out, or its next try by "
+                f"{operator.format_time(row.next_attempt_at)} UTC")
+    earlier = _earlier_unsent(row)
+    if earlier is not None:
+        return (f"due now, after effect #{earlier.id} of its order ({earlier.status}): it "
+                "goes once that one is sent or given up")
+    destination = ctx.destinations.of(row.kind)
+    if destination.configured and not destination.up:
+        return (f"due now; {destination.name} is {destination.state}: it goes once a probe "
+                f"finds it back (the next at {operator.format_time(destination.probe_at)} "
+                "UTC)")
+    return (f"due now: the scheduler sends it at its next run (every "
+            f"{ctx.settings.scheduler_tick_seconds} s)")
 
 
-def give_up(ctx, row_id, who):
+def _earlier_unsent(row):
+    """The earliest unsent effect of the same order that `row` goes out after, if any
+    (the worker's jobs and the workflow's actions keep each order's order)."""
+    if row.order_number is None or row.kind not in ORDERED_KINDS:
+        return None
+    return (Outbox.select().where(Outbox.order_number == row.order_number,
+                                  Outbox.kind == row.kind, Outbox.status.in_(outbox.UNSENT),
+                                  Outbox.id < row.id)
+            .order_by(Outbox.id).first())
+
+
+def after_retry(ctx, row, asked_at):
+    """What a retry of one effect did (`row` as it stands after it; `asked_at`: when it
+    was asked for) and what comes next, in a sentence."""
+    name = f"Effect #{row.id} ({effect_name(ctx, row)})"
+    tried_now = row.last_attempt_at is not None and row.last_attempt_at >= asked_at
+    if row.status == "sent":
+        return f"{name} sent at {operator.format_time(row.sent_at)} UTC."
+    if row.status == "dead":
+        return (f"{name} tried now and refused for good: {row.last_error}. It is dead "
+                "again: mend the cause, then retry it.")
+    if row.status == "waiting":
+        return f"{name} not sent: it {waits_for(ctx, row)}; it goes once the setting is there."
+    if row.status == "pending" and tried_now:
+        return (f"{name} tried now: {row.last_error}. It stays in line and is tried again "
+                f"by itself, next at {operator.format_time(row.next_attempt_at)} UTC.")
+    return f"{name} back in line, {waits_for(ctx, row)}."
+
+
+def give_up(ctx, row_id, who, reason=""):
     """Mark a pending or waiting effect dead: it is not sent unless retried. Returns the
-    row; NotFound, or Refused for one sent, logged or dead already."""
+    row; NotFound, or Refused for one sent, logged or dead already, or on its way out."""
     row = Outbox.get_or_none(Outbox.id == row_id)
     if row is None:
         raise operator.NotFound(f"no outbox row #{row_id}")
     if row.status not in ("pending", "waiting"):
         raise operator.Refused(f"effect #{row_id} is {row.status} already")
     now = ctx.clock()
-    (Outbox.update(status="dead", last_error=f"given up by {who}", updated_at=now)
-     .where(Outbox.id == row_id, Outbox.status.in_(("pending", "waiting"))).execute())
+    given_up = f"given up by {who}" + (f": {reason}" if reason else "")
+    if not (Outbox.update(status="dead", last_error=given_up, updated_at=now)
+            .where(Outbox.id == row_id, Outbox.status.in_(("pending", "waiting")),
+                   operator.not_in_flight(ctx, Outbox)).execute()):
+        raise operator.in_flight_refusal(ctx, row)
     return Outbox.get_by_id(row_id)
 
 
@@ -427,6 +483,7 @@ def give_up(ctx, row_id, who):
 class EffectPage:
     row: Outbox
     name: str
+    destination: str
     request: SentRequest
     attempts: list
     actions: list
@@ -437,9 +494,9 @@ def effect_page(ctx, row_id):
     row = Outbox.get_or_none(Outbox.id == row_id)
     if row is None:
         raise operator.NotFound(f"no outbox row #{row_id}")
-    return EffectPage(row, effect_name(ctx, row), request_as_sent(ctx, row),
-                      attempts_of([row_id])[row_id], retries_of([row_id])[row_id],
-                      waits_for(row, ctx.clock()))
+    return EffectPage(row, effect_name(ctx, row), operator.destination_of(row),
+                      request_as_sent(ctx, row), attempts_of([row_id])[row_id],
+                      retries_of([row_id])[row_id], waits_for(ctx, row))
 
 
 # One order's timeline.
@@ -486,8 +543,12 @@ def _event_moments(order_number):
             detail = f"{event.held}; {detail}"
         if event.last_error:
             detail += f": {event.last_error}"
+        under = []
+        if event.given_up_at:
+            under.append(Moment(event.given_up_at, f"given up by {event.given_up_by}",
+                                event.given_up_reason, event_id=event.id))
         yield Moment(event.received_at, f"{event.source} event {event.event_type}",
-                     detail, event_id=event.id)
+                     detail, event_id=event.id, under=under)
 
 
 def _effect_moments(ctx, order_number):
@@ -496,7 +557,6 @@ def _effect_moments(ctx, order_number):
     rows = list(Outbox.select().where(Outbox.order_number == order_number))
     ids = [row.id for row in rows]
     attempts, actions = attempts_of(ids), retries_of(ids)
-    now = ctx.clock()
     for row in rows:
         cause = f"caused by event #{row.event_id}; " if row.event_id else ""
         # An operator's retry bears the time it was asked for, before the attempt it
@@ -507,7 +567,7 @@ def _effect_moments(ctx, order_number):
                          attempt_summary(attempt), outbox_id=row.id)
                   for number, attempt in enumerate(attempts[row.id], 1)]
         under.sort(key=lambda moment: moment.at)
-        waiting = waits_for(row, now)
+        waiting = waits_for(ctx, row)
         if waiting:
             under.append(Moment(row.updated_at, "now", waiting, outbox_id=row.id))
         elif row.status == "dead":
@@ -582,25 +642,41 @@ def _order_detail(ctx, order, column):
 # The outbox.
 
 def outbox_counts():
-    """{(kind, status): count} of the rows still to go out or given up on (the sent and
-    logged rows, most of the table, are counted by no page): one range of the (kind,
-    status, id) index counted per destination and status. A GROUP BY over the statuses
-    was answered by scanning the whole index (SQLite: 191 ms at 1M rows)."""
+    """{(destination, status): count} of the rows still to go out or given up on (the
+    sent and logged rows, most of the table, are counted by no page): one range of the
+    (kind, status, id) index counted per destination and status. A GROUP BY over the
+    statuses was answered by scanning the whole index (SQLite: 191 ms at 1M rows)."""
     counts = {}
-    for kind in sorted(outbox.SENDERS):
+    for destination in operator.DESTINATIONS:
         for status in COUNTED_OUTBOX_STATUSES:
-            count = Outbox.select().where(Outbox.kind == kind, Outbox.status == status).count()
+            count = Outbox.select().where(Outbox.kind == operator.KIND_OF[destination],
+                                          Outbox.status == status).count()
             if count:
-                counts[kind, status] = count
+                counts[destination, status] = count
     return counts
 
 
-def outbox_page(status, kind="", before=None, limit=PAGE_SIZE):
+def waiting_for_a_later_try(ctx, destination):
+    """The pending effects of `destination` that wait for a later try (a backoff) and
+    no send holds (operator.not_in_flight): what `make_due_now` makes due."""
+    return ((Outbox.status == "pending") & (Outbox.kind == operator.KIND_OF[destination])
+            & (Outbox.next_attempt_at > ctx.clock()) & operator.not_in_flight(ctx, Outbox))
+
+
+def later_tries(ctx):
+    """{destination: how many of its effects wait for a later try}, for the destinations
+    that have any: one range of the (status, next_attempt_at) index each."""
+    counts = {destination: Outbox.select().where(waiting_for_a_later_try(ctx, destination))
+              .count() for destination in operator.DESTINATIONS}
+    return {destination: count for destination, count in counts.items() if count}
+
+
+def outbox_page(status, destination="", before=None, limit=PAGE_SIZE):
     """Rows of one status (and destination), newest first, on the (status, id) and
     (kind, status, id) indexes; `before` is the id the previous page ended at."""
     query = Outbox.select().where(Outbox.status == status)
-    if kind:
-        query = query.where(Outbox.kind == kind)
+    if destination:
+        query = query.where(Outbox.kind == operator.KIND_OF[destination])
     if before:
         query = query.where(Outbox.id < before)
     rows = list(query.order_by(Outbox.id.desc()).limit(limit + 1))
@@ -609,8 +685,9 @@ def outbox_page(status, kind="", before=None, limit=PAGE_SIZE):
 
 async def retry_now(ctx, row_id):
     """Put one effect back in line (as `outbox retry` does) and send it now, unless an
-    earlier effect of its order is still waiting (then the scheduler sends it after that
-    one). Returns the row as it then stands."""
+    earlier effect of its order is still waiting, or its destination is down (then the
+    scheduler sends it after that one, or once a probe finds it back). Returns the row as
+    it then stands (`after_retry` says what that means)."""
     await ctx.db(functools.partial(operator.retry_outbox, ctx, row_id))
     due = ((Outbox.id == row_id) & (Outbox.status == "pending")
            & (Outbox.next_attempt_at <= ctx.clock()))
@@ -619,24 +696,20 @@ async def retry_now(ctx, row_id):
     return await ctx.db(functools.partial(Outbox.get_by_id, row_id))
 
 
-def retry_dead(ctx, kind, retried_by):
+def retry_dead(ctx, destination, retried_by):
     """Every dead effect of one destination back in line, due now, each with its retry on
     its timeline (`retried_by`: operator, address); returns how many."""
-    return operator.requeue(ctx, (Outbox.status == "dead") & (Outbox.kind == kind),
-                            retried_by)
+    return operator.retry_all(ctx, "dead", retried_by, destination)
 
 
-def make_due_now(ctx, kind):
-    """Effects of one destination waiting for a later try (a backoff) or for their
-    destination to be configured become due now; returns how many. A row due within one
-    lease may be on its way out right now (a lease is how a send holds its row), so it is
-    left alone."""
+def make_due_now(ctx, destination):
+    """The effects of one destination that wait for a later try (a backoff) become due
+    now, their attempts counted on; returns how many. A row on its way out is left as it
+    is (`operator.not_in_flight`). Effects waiting for their destination's settings are
+    not among them: they go once the service starts with the setting."""
     now = ctx.clock()
-    backing_off = (Outbox.update(next_attempt_at=now, updated_at=now)
-                   .where(Outbox.status == "pending", Outbox.kind == kind,
-                          Outbox.next_attempt_at > now + lease(ctx)).execute())
-    return backing_off + operator.requeue(
-        ctx, (Outbox.status == "waiting") & (Outbox.kind == kind))
+    return (Outbox.update(next_attempt_at=now, updated_at=now)
+            .where(waiting_for_a_later_try(ctx, destination)).execute())
 
 
 # Settlement and holdbacks.

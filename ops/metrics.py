@@ -19,12 +19,14 @@ from peewee import fn
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from models import UTC, Outbox, WebhookEvent, database
+from models import UTC, Outbox, database
 from domain import reconcile
 from engine import commits, inbox, spool
 from engine.commits import on_commit
 from engine.db import UNAVAILABLE
 from engine.destinations import DESTINATION_OF
+from ops import operator
+
 # What Frappe's configuration check may find that leaves it in use (clients.workflow).
 WORKFLOW_WARNINGS = ("workflow_read", "time_zone")
 
@@ -51,8 +53,8 @@ class Metrics:
             "including sending its effects.", ["source"], buckets=LATENCY_BUCKETS,
             registry=self.registry)
         self.sends = Counter(
-            "receiver_outbox_sends", "Attempts to send an outbox effect, by kind and "
-            "result (sent, logged, retry, dead).", ["kind", "result"],
+            "receiver_outbox_sends", "Attempts to send an outbox effect, by destination "
+            "and result (sent, logged, retry, dead).", ["destination", "result"],
             registry=self.registry)
 
         self.job_runs = Counter(
@@ -107,7 +109,8 @@ class Metrics:
         self.login_failures.labels(reason).inc()
 
     def effect_sent(self, kind, result):
-        on_commit(self.sends.labels(kind, result).inc)
+        """An effect of `kind` (the outbox's) counted under its destination's name."""
+        on_commit(self.sends.labels(DESTINATION_OF.get(kind, kind), result).inc)
 
     async def exposition(self, ctx):
         """The text format: our counters, then the gauges of this moment (or of the last
@@ -219,8 +222,8 @@ def database_families(ctx):
     pending = (Outbox.select(fn.COUNT(Outbox.id), fn.MIN(Outbox.created_at))
                .where(Outbox.status == "pending").tuples().get())
     dead = Outbox.select().where(Outbox.status == "dead").count()
-    failed = WebhookEvent.select().where(WebhookEvent.status == "failed").count()
-    dead_events = WebhookEvent.select().where(WebhookEvent.status == "dead").count()
+    events = operator.failures_awaiting_an_operator()
+    failed, dead_events, given_up_events = events["failed"], events["dead"], events["given up"]
     backlog, oldest = pending
     yield _gauge("receiver_outbox_pending", "Effects waiting to be sent.", backlog)
     age = 0.0
@@ -242,8 +245,11 @@ def database_families(ctx):
     yield family
     yield _gauge("receiver_events_failed", "Stored events whose handling failed and "
                  "waits for a retry.", failed)
-    yield _gauge("receiver_events_dead", "Stored events given up on after too many "
-                 "failures; see `events replay --failed`.", dead_events)
+    yield _gauge("receiver_events_dead", "Stored events their retries gave up on after "
+                 "too many failures, and no operator has since; see `events replay "
+                 "--failed` and `events give-up`.", dead_events)
+    yield _gauge("receiver_events_given_up", "Stored events an operator gave up (dead and "
+                 "final, with the reason).", given_up_events)
     held, held_since = inbox.held_count()
     yield _gauge("receiver_events_held", "Stored events waiting behind an unfinished "
                  "earlier event of their order.", held)

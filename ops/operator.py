@@ -5,27 +5,40 @@ Replay runs an event through `engine.inbox.process` again, the same path a webho
 takes. What it can and cannot redo:
 - a `received` or `failed` event is handled as if it had just arrived, and so is a `dead`
   one (given up after too many failures) with its attempts counted afresh;
-- a `processed`, `ignored` or `rejected` event is handled again only when forced; its
+- a `processed`, `ignored` or `rejected` event, or one an operator gave up (final, with
+  who, when and why: `give_up_events`), is handled again only when forced; its
   database changes are made again (the order operations are idempotent: a paid order
   stays paid once) and every effect it asks for is deduplicated by its idempotency key,
   so nothing that is already in the outbox is sent a second time;
 - an effect that was sent, or that died, is not sent again by a replay: `outbox retry`
   puts a dead one back in line (or a waiting or pending one, due now); nothing undoes an
   effect another system received.
+
+Every action on rows, the console's and the command line's alike, keeps one rule
+(`not_in_flight`): a row a process may be working on right now is left as it is.
 """
 import dataclasses
 import datetime
 import functools
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
+import peewee
 from peewee import Value
 
 from models import ConsoleAction, Outbox, WebhookEvent
 from engine import inbox
+from engine.claims import lease
+from engine.destinations import DESTINATION_OF
 
 EVENT_SOURCES = ("workflow", "card", "crypto")
 EVENT_STATUSES = ("received", "processed", "failed", "dead", "rejected", "ignored")
 OUTBOX_STATUSES = ("pending", "waiting", "sent", "logged", "dead")
+# Where effects go, by the one name the operator meets everywhere (the console, this
+# command line, /metrics, /readyz, the settings WORKER_URL, WORKFLOW_URL, TELEGRAM_*,
+# SMTP_URL): worker, workflow, telegram, smtp. The outbox keeps each effect's kind (job,
+# workflow_action, alert, email), one kind per destination; no page and no command shows it.
+DESTINATIONS = tuple(DESTINATION_OF.values())
+KIND_OF = {destination: kind for kind, destination in DESTINATION_OF.items()}
 # What `outbox retry --STATUS` may put back in line, due now.
 RETRYABLE_OUTBOX_STATUSES = ("dead", "waiting", "pending")
 # Handled without --force: the event never got through. A dead or forced one is reopened
@@ -102,7 +115,11 @@ async def replay(ctx, event_id, force=False):
 def _to_replay(ctx, event_id, force):
     event = get_event(event_id)
     if event.status not in UNFINISHED:
-        if event.status not in FAILURES and not force:
+        if not force and event.given_up_at:
+            raise Refused(f"event #{event.id} was given up by {event.given_up_by} at "
+                          f"{format_time(event.given_up_at)} UTC ({event.given_up_reason}); "
+                          "add --force to handle it again")
+        if not force and event.status not in FAILURES:
             raise Refused(f"event #{event.id} is {event.status}; add --force to handle "
                           "it again (its effects are not sent twice)")
         event = _reopen(ctx, event)
@@ -110,8 +127,10 @@ def _to_replay(ctx, event_id, force):
 
 
 def _reopen(ctx, event):
+    """To be handled again: a give-up it had is undone (the record of actions keeps it)."""
     now = ctx.clock()
-    (WebhookEvent.update(status="received", attempts=0, next_attempt_at=None, updated_at=now)
+    (WebhookEvent.update(status="received", attempts=0, next_attempt_at=None, updated_at=now,
+                         given_up_by=None, given_up_at=None, given_up_reason=None)
      .where(WebhookEvent.id == event.id).execute())
     return get_event(event.id)
 
@@ -123,10 +142,11 @@ class Replayed:
 
 
 async def replay_failed(ctx, progress: Optional[Callable[[int, int], None]] = None):
-    """Every failed or dead event, oldest first, one after the other (so the effects of
-    one order keep their order); `progress(done, total)` after each."""
+    """Every failed or dead event but those an operator gave up, oldest first, one after
+    the other (so the effects of one order keep their order); `progress(done, total)`
+    after each."""
     failed = await ctx.db(lambda: list(
-        WebhookEvent.select().where(WebhookEvent.status.in_(FAILURES))
+        WebhookEvent.select().where(awaiting_an_operator())
         .order_by(WebhookEvent.received_at, WebhookEvent.id)))
     replayed = []
     if progress:
@@ -138,16 +158,163 @@ async def replay_failed(ctx, progress: Optional[Callable[[int, int], None]] = No
     return replayed
 
 
-def list_outbox(status=None, limit=50):
+def destination_of(row: Outbox) -> str:
+    """The name of the system `row` goes to (DESTINATIONS)."""
+    return DESTINATION_OF.get(row.kind, row.kind)
+
+
+def awaiting_an_operator(status: str | None = None) -> peewee.Expression:
+    """The events whose handling failed and that no operator has given up: failed (the
+    scheduler tries them again) or dead (the retry policy gave them up); of one of the
+    two `status`es when given. A failed event is never one given up (giving up makes it
+    dead): only the dead are looked at for it, so the failed are a range of the status
+    indexes, read from no row."""
+    failed = WebhookEvent.status == "failed"
+    dead = (WebhookEvent.status == "dead") & WebhookEvent.given_up_at.is_null()
+    return {"failed": failed, "dead": dead}.get(status or "", failed | dead)
+
+
+def failures_awaiting_an_operator() -> dict[str, int]:
+    """{failed: n, dead: n} of `awaiting_an_operator`, and how many were given up
+    (`given up`): counts of the status index and of the given-up events' own, each
+    without a look at a row (1M events, 10,000 failed: a count reading each failed row's
+    given_up_at took 100 ms)."""
+    counts = {status: WebhookEvent.select().where(WebhookEvent.status == status).count()
+              for status in FAILURES}
+    given_up = (WebhookEvent.select().where(WebhookEvent.status == "dead",
+                                            WebhookEvent.given_up_at.is_null(False))
+                .count())
+    return {"failed": counts["failed"], "dead": counts["dead"] - given_up,
+            "given up": given_up}
+
+
+def give_up_events(ctx, conditions: Sequence[peewee.Expression], reason: str,
+                   given_up_by: tuple[str, str]) -> int:
+    """The events matching every one of `conditions` that await an operator
+    (`awaiting_an_operator`) and that no handling holds (`not_in_flight`), given up: dead,
+    as the retry policy leaves one it gives up, and final (handled again only by a forced
+    replay); who, when and `reason` kept on each, and in the record of actions, in one
+    statement each however many. Returns how many. `given_up_by`: (operator, address)."""
+    if not reason.strip():
+        raise ValueError("a give-up needs its reason")
+    now = ctx.clock()
+    operator_name = given_up_by[0]
+    chosen = (*conditions, awaiting_an_operator(), not_in_flight(ctx, WebhookEvent))
+    _record_each(WebhookEvent, chosen, given_up_by, "give up event", reason, now)
+    return (WebhookEvent.update(status="dead", next_attempt_at=None, updated_at=now,
+                                given_up_by=operator_name, given_up_at=now,
+                                given_up_reason=reason)
+            .where(*chosen).execute())
+
+
+def give_up_event(ctx, event_id: int, reason: str,
+                  given_up_by: tuple[str, str]) -> WebhookEvent:
+    """One event given up (`give_up_events`); NotFound, or Refused when it is not one that
+    awaits an operator, or a handling may hold it."""
+    event = get_event(event_id)
+    if event.given_up_at:
+        raise Refused(f"event #{event.id} was given up already, by {event.given_up_by} at "
+                      f"{format_time(event.given_up_at)} UTC")
+    if event.status not in FAILURES:
+        raise Refused(f"event #{event.id} is {event.status}: only a failed event, or one "
+                      "the retries gave up, is given up")
+    if not give_up_events(ctx, [WebhookEvent.id == event_id], reason, given_up_by):
+        raise in_flight_refusal(ctx, event)
+    return get_event(event_id)
+
+
+def retry_events(ctx, conditions: Sequence[peewee.Expression],
+                 retried_by: tuple[str, str]) -> int:
+    """The events matching every one of `conditions` that await an operator and that no
+    handling holds, back in line: failed, due now, attempts counted afresh; the scheduler
+    handles them at its next runs, oldest first (engine.inbox.retry_due). Each retry kept
+    in the record of actions. Returns how many."""
+    now = ctx.clock()
+    chosen = (*conditions, awaiting_an_operator(), not_in_flight(ctx, WebhookEvent))
+    _record_each(WebhookEvent, chosen, retried_by, "retry event", "back in line", now)
+    return (WebhookEvent.update(status="failed", attempts=0, next_attempt_at=now,
+                                updated_at=now)
+            .where(*chosen).execute())
+
+
+def _record_each(model, chosen, by, action, outcome, now):
+    """One record of `action` by `by` (operator, address) for each row of `model` that
+    `chosen` selects, in one statement (a bulk action may take thousands)."""
+    operator_name, address = by
+    ConsoleAction.insert_from(
+        model.select(Value(operator_name), Value(address), Value(action),
+                     model.id.cast("TEXT"), Value(outcome),
+                     Value(now, converter=ConsoleAction.created_at.db_value),
+                     Value(now, converter=ConsoleAction.updated_at.db_value))
+        .where(*chosen),
+        fields=[ConsoleAction.operator, ConsoleAction.address, ConsoleAction.action,
+                ConsoleAction.target, ConsoleAction.outcome, ConsoleAction.created_at,
+                ConsoleAction.updated_at]).execute()
+
+
+def list_outbox(status=None, limit=50, destination=None):
     query = Outbox.select()
     if status:
         query = query.where(Outbox.status == status)
+    if destination:
+        query = query.where(Outbox.kind == KIND_OF[destination])
     return list(query.order_by(Outbox.id.desc()).limit(limit))
+
+
+def not_in_flight(ctx, model: type[Outbox] | type[WebhookEvent]) -> peewee.Expression:
+    """The rows of `model` no process may be working on now: the one rule of every
+    operator's action on effects and events, from the console or the command line.
+
+    A row being worked on holds a lease (engine.claims): an effect its cause's request
+    sends, or one the scheduler claimed, is pending until one lease from when it was
+    taken, and so is an event being handled (failed, or received; one stored and handled
+    at once holds it from its arrival). Put back in line, made due or given up then, the
+    row would be sent a second time beside the send under way, or the give-up undone by
+    that send's outcome. Such a row is due within a lease anyway, or sent by then.
+    Read in the statement that changes the rows, so no claim comes in between."""
+    now = ctx.clock()
+    leased_until = now + lease(ctx)
+    not_held = (model.next_attempt_at <= now) | (model.next_attempt_at > leased_until)
+    if model is Outbox:
+        return (Outbox.status != "pending") | not_held
+    return (WebhookEvent.status.not_in(inbox.AWAITING_HANDLING) | not_held
+            | (WebhookEvent.next_attempt_at.is_null()
+               & (WebhookEvent.received_at <= now - lease(ctx))))
+
+
+def in_flight(ctx, row: Outbox | WebhookEvent) -> bool:
+    """`not_in_flight`'s rule for one row already read, for the pages: whether an action
+    on it would be left undone now (its buttons are not offered then)."""
+    return held_until(ctx, row) is not None
+
+
+def held_until(ctx, row: Outbox | WebhookEvent) -> datetime.datetime | None:
+    """Until when a process may be working on `row` (`not_in_flight`), or None."""
+    now = ctx.clock()
+    if isinstance(row, Outbox):
+        until = row.next_attempt_at if row.status == "pending" else None
+    elif row.status not in inbox.AWAITING_HANDLING:
+        until = None
+    else:
+        until = row.next_attempt_at or row.received_at + lease(ctx)
+    return until if until is not None and now < until <= now + lease(ctx) else None
+
+
+def in_flight_refusal(ctx, row: Outbox | WebhookEvent) -> Refused:
+    """Why an action left `row` as it is (`not_in_flight`)."""
+    until = format_time(held_until(ctx, row) or ctx.clock())
+    if isinstance(row, Outbox):
+        return Refused(f"effect #{row.id} may be on its way out right now: a send holds it, "
+                       f"or its next try comes, by {until} UTC. Left as it is, so that it "
+                       "goes out once; look again after that time")
+    return Refused(f"event #{row.id} may be being handled right now: a handling holds it, "
+                   f"or its next try comes, by {until} UTC. Left as it is; look again after "
+                   "that time")
 
 
 def retry_outbox(ctx, row_id):
     """Put one pending, waiting or dead effect back in line, due now, with a fresh
-    attempt count."""
+    attempt count; Refused for one sent, logged, or on its way out (`not_in_flight`)."""
     row = Outbox.get_or_none(Outbox.id == row_id)
     if row is None:
         raise NotFound(f"no outbox row #{row_id}")
@@ -157,36 +324,33 @@ def retry_outbox(ctx, row_id):
     if row.status == "logged":
         raise Refused(f"outbox row #{row_id} was logged, not sent, as the settings "
                       "asked; it is final")
-    requeue(ctx, Outbox.id == row_id)
+    if not requeue(ctx, Outbox.id == row_id):
+        raise in_flight_refusal(ctx, row)
     return Outbox.get_by_id(row_id)
 
 
-def retry_all(ctx, status, retried_by=None):
-    """Put every effect in `status` (dead, waiting or pending) back in line, due now;
-    returns how many. `retried_by`: see `requeue`."""
+def retry_all(ctx, status, retried_by=None, destination=None):
+    """Put every effect in `status` (dead, waiting or pending), of one destination or of
+    all, back in line, due now; returns how many. `retried_by`: see `requeue`."""
     if status not in RETRYABLE_OUTBOX_STATUSES:
         raise ValueError(f"cannot retry {status} rows")
-    return requeue(ctx, Outbox.status == status, retried_by)
+    condition = Outbox.status == status
+    if destination:
+        condition &= Outbox.kind == KIND_OF[destination]
+    return requeue(ctx, condition, retried_by)
 
 
 def requeue(ctx, condition, retried_by=None):
-    """Rows matching `condition`, unless sent or logged, back to pending, due now,
-    attempts reset. `retried_by` (operator, address): each row's timeline shows the retry
-    as its own line, recorded for every row in one statement (a bulk retry may take
-    thousands)."""
+    """Rows matching `condition`, unless sent, logged or on their way out
+    (`not_in_flight`), back to pending, due now, attempts reset; returns how many.
+    `retried_by` (operator, address): each row's timeline shows the retry as its own line,
+    recorded for every row in one statement (a bulk retry may take thousands)."""
     now = ctx.clock()
-    requeued = (condition, Outbox.status.not_in(("sent", "logged")))
+    requeued = (condition, Outbox.status.not_in(("sent", "logged")),
+                not_in_flight(ctx, Outbox))
     if retried_by is not None:
-        operator_name, address = retried_by
-        ConsoleAction.insert_from(
-            Outbox.select(Value(operator_name), Value(address), Value("retry effect"),
-                          Outbox.id.cast("TEXT"), Value("back in line, with others"),
-                          Value(now, converter=ConsoleAction.created_at.db_value),
-                          Value(now, converter=ConsoleAction.updated_at.db_value))
-            .where(*requeued),
-            fields=[ConsoleAction.operator, ConsoleAction.address, ConsoleAction.action,
-                    ConsoleAction.target, ConsoleAction.outcome, ConsoleAction.created_at,
-                    ConsoleAction.updated_at]).execute()
+        _record_each(Outbox, requeued, retried_by, "retry effect",
+                     "back in line, with others", now)
     return (Outbox.update(status="pending", attempts=0, next_attempt_at=now,
                           updated_at=now)
             .where(*requeued).execute())

@@ -90,11 +90,14 @@ class Browser:
                 "return [root.scrollWidth, root.clientWidth];"))
         return await self.do(run)
 
-    async def screenshot(self, path, size):
-        """Save the open page at `size` to `path`; returns its laid-out scrollWidth."""
+    async def screenshot(self, path, size, reload=True):
+        """Save the open page at `size` to `path`; returns its laid-out scrollWidth.
+        `reload=False`: as it stands (a page shown once, after an action), laid out
+        afresh at the new size without asking the server again."""
         def run(driver):
             driver.set_window_size(*size)
-            driver.refresh()
+            if reload:
+                driver.refresh()
             width = driver.execute_script("return document.documentElement.scrollWidth")
             driver.save_screenshot(path)
             return width

@@ -40,6 +40,13 @@ class Operator:
             form["_xsrf"] = await self.xsrf_token()
         return await self.fetch(path, "POST", urllib.parse.urlencode(form), headers)
 
+    async def act(self, path, form=None, **headers):
+        """An action as a browser makes it: the form POSTed, answered with a redirect
+        (303), which is followed; returns (the redirect, the page it led to)."""
+        response = await self.post(path, form, **headers)
+        assert response.code == 303, (response.code, text(response))
+        return response, await self.get(response.headers["Location"])
+
     async def fetch(self, path, method, body, headers):
         if self.cookies:
             headers["Cookie"] = "; ".join(f"{k}={v}" for k, v in self.cookies.items())
@@ -67,6 +74,22 @@ class Operator:
 
 def text(response):
     return response.body.decode("utf-8")
+
+
+NOTICE = re.compile(r'<p class="notice( refused)?" role="status" id="notice">(.*?)(<br>|</p>)',
+                    re.S)
+
+
+def notice(page):
+    """The notice a page shows (what the action before did), unescaped; None if none."""
+    found = NOTICE.search(text(page))
+    return html.unescape(found.group(2)) if found else None
+
+
+def refused(page):
+    """Whether the page's notice says the action was not done."""
+    found = NOTICE.search(text(page))
+    return bool(found and found.group(1))
 
 
 @pytest.fixture

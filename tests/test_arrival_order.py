@@ -11,6 +11,7 @@ import pytest
 from models import ComplianceOrder, WebhookEvent
 from engine import inbox, outbox, spool
 from engine.claims import lease
+from ops import operator
 from tests import shkeeper, stripe_events as se
 from tests.conftest import WEBHOOK_SECRET
 from tests.service_process import database_down
@@ -243,3 +244,19 @@ async def test_a_held_payment_is_answered_as_every_stored_one_by_its_sender(
     assert events_by_status() == [("fulfillment/authorization_required", "failed"),
                                   ("payment_intent.succeeded", "received"),
                                   ("PAID", "received")]
+
+
+@pytest.mark.gen_test
+async def test_an_earlier_event_given_up_by_an_operator_lets_the_held_ones_go(post, ctx, clock):
+    clock.set(2026, 11, 20, 9, 0)
+    await report(post, "authorization_required")  # fails: the order is not in
+    compliance_order()
+    await report(post, "awaiting_intake")  # held behind the first
+    first = WebhookEvent.get(WebhookEvent.event_type == "fulfillment/authorization_required")
+    clock.advance(minutes=2)  # its next try come and gone: no handling holds it
+    await ctx.db(lambda: operator.give_up_event(ctx, first.id, "sent by mistake",
+                                                ("Dana", "127.0.0.1")))
+    assert await inbox.retry_due(ctx) == 1
+    assert events_by_status() == [("fulfillment/authorization_required", "dead"),
+                                  ("fulfillment/awaiting_intake", "processed")]
+    assert ComplianceOrder.get().fulfillment_status == "awaiting_intake"

@@ -21,12 +21,13 @@ from models import (
     WebhookEvent,
 )
 from ops import console
+from ops.operator import format_time
 from ops.passwords import verify_password
 from settings import ConfigurationError, Settings
 from tests.door import through_the_door
 from tests.console_helpers import (  # noqa: F401 (fixtures)
-    COOKIE_SECRET, PASSWORD, PASSWORD_HASH, Operator, console_settings, logged_in, operator,
-    text,
+    COOKIE_SECRET, PASSWORD, PASSWORD_HASH, Operator, console_settings, logged_in, notice,
+    operator, refused, text,
 )
 from tests.ops_helpers import ROOT
 from tests.public_helpers import served
@@ -186,8 +187,8 @@ async def test_the_login_page_goes_back_only_to_a_console_page(operator):
 
 ACTIONS = [("/console/events/1/replay", {}), ("/console/outbox/1/retry", {}),
            ("/console/outbox/1/give-up", {}),
-           ("/console/outbox/retry-dead", {"kind": "job"}),
-           ("/console/outbox/due-now", {"kind": "job"}),
+           ("/console/outbox/retry-dead", {"destination": "worker"}),
+           ("/console/outbox/due-now", {"destination": "worker"}),
            ("/console/links", {"kind": "ifta", "order": "CO-1", "cycle": "2026-Q3"}),
            ("/console/logout", {})]
 
@@ -251,8 +252,9 @@ async def test_the_overview_counts_what_needs_attention(logged_in, clock, tmp_pa
     assert overview.events_by_day["workflow"] == [0, 0, 0, 1, 0, 0, 1]
     assert overview.last_day == {"card": 1, "crypto": 0, "workflow": 1}
     assert overview.event_failures == {"dead": 1, "failed": 1}
-    assert overview.dead_effects == {"job": 1}
-    assert [(b.kind, b.status, b.count) for b in overview.backlog] == [("job", "pending", 1)]
+    assert overview.dead_effects == {"worker": 1}
+    assert [(b.destination, b.status, b.count) for b in overview.backlog] == [
+        ("worker", "pending", 1)]
     assert (overview.settlement_queue, overview.in_holdback) == (1, 1)
 
     page = text(await logged_in.get("/console/"))
@@ -334,8 +336,9 @@ async def test_replaying_a_failed_event_handles_it_and_records_who(logged_in, ct
     assert event.status == "failed"  # the order was not there yet
     CrtcOrder.create(order_number="CA-7", total_cents=780)
 
-    response = await logged_in.post(f"/console/events/{event.id}/replay")
-    assert response.code == 200 and "Replayed: the event is now processed." in text(response)
+    response, page = await logged_in.act(f"/console/events/{event.id}/replay")
+    assert response.headers["Location"] == f"/console/events/{event.id}"
+    assert notice(page).startswith(f"Event #{event.id} replayed: it is now processed.")
     assert WebhookEvent.get_by_id(event.id).status == "processed"
     assert CrtcOrder.get().payment_status == "paid"
     assert actions()[-1] == ("Dana", "replay event", str(event.id), "processed")
@@ -347,10 +350,10 @@ async def test_a_processed_event_replays_only_with_the_confirmation(logged_in, w
     await logged_in.post(f"/console/events/{event.id}/replay")
     assert len(worker.requests) == 1
 
-    refused = await logged_in.post(f"/console/events/{event.id}/replay")
-    assert refused.code == 409 and "Tick the confirmation" in text(refused)
-    confirmed = await logged_in.post(f"/console/events/{event.id}/replay", {"confirm": "yes"})
-    assert confirmed.code == 200 and "now processed" in text(confirmed)
+    _, again = await logged_in.act(f"/console/events/{event.id}/replay")
+    assert refused(again) and "Tick the confirmation" in notice(again)
+    _, confirmed = await logged_in.act(f"/console/events/{event.id}/replay", {"confirm": "yes"})
+    assert not refused(confirmed) and "it is now processed" in notice(confirmed)
     assert len(worker.requests) == 1 and Outbox.select().count() == 2  # nothing sent twice
     assert [a[3] for a in actions()[1:]] == ["processed", "refused: not confirmed",
                                              "processed"]
@@ -361,8 +364,9 @@ async def test_a_processed_event_replays_only_with_the_confirmation(logged_in, w
 @pytest.mark.gen_test(timeout=60)
 async def test_retrying_a_dead_effect_sends_it_now_to_a_peer_that_answers(logged_in, worker):
     row = outbox_row(status="dead")
-    response = await logged_in.post(f"/console/outbox/{row.id}/retry")
-    assert response.code == 200 and f"Effect #{row.id} (job) retried: now sent." in text(response)
+    _, page = await logged_in.act(f"/console/outbox/{row.id}/retry",
+                                  {"back": "/console/outbox?status=dead"})
+    assert notice(page).startswith(f"Effect #{row.id} (worker job deliver) sent at ")
     assert Outbox.get_by_id(row.id).status == "sent"
     assert [r.json["action"] for r in worker.requests] == ["deliver"]
     assert actions()[-1] == ("Dana", "retry effect", str(row.id), "sent")
@@ -372,16 +376,19 @@ async def test_retrying_a_dead_effect_sends_it_now_to_a_peer_that_answers(logged
 async def test_a_retry_that_fails_again_says_why(logged_in, worker):
     worker.fail_with(503)
     row = outbox_row(status="dead")
-    page = text(await logged_in.post(f"/console/outbox/{row.id}/retry"))
-    assert "now pending: HTTP 503" in page
+    _, page = await logged_in.act(f"/console/outbox/{row.id}/retry")
+    assert notice(page).startswith(f"Effect #{row.id} (worker job deliver) tried now: HTTP 503")
+    next_try = format_time(Outbox.get_by_id(row.id).next_attempt_at)
+    assert f"It stays in line and is tried again by itself, next at {next_try} UTC." \
+        in notice(page)
     assert Outbox.get_by_id(row.id).attempts == 1
 
 
 @pytest.mark.gen_test(timeout=60)
 async def test_a_sent_effect_is_not_retried(logged_in, worker):
     row = outbox_row(status="sent")
-    response = await logged_in.post(f"/console/outbox/{row.id}/retry")
-    assert response.code == 409 and "was sent at" in text(response)
+    _, page = await logged_in.act(f"/console/outbox/{row.id}/retry")
+    assert refused(page) and "was sent at" in notice(page)
     assert worker.requests == [] and actions()[-1][3].startswith(f"refused: outbox row #{row.id} was sent at")
     assert (await logged_in.post("/console/outbox/999999/retry")).code == 404
 
@@ -393,8 +400,8 @@ async def test_retry_all_dead_of_one_destination(logged_in, clock):
     outbox_row(status="dead", key="b")
     other = outbox_row(status="dead", key="c")
     Outbox.update(kind="email").where(Outbox.id == other.id).execute()
-    response = await logged_in.post("/console/outbox/retry-dead", {"kind": "job"})
-    assert "2 dead job effect(s) back in line" in text(response)
+    _, page = await logged_in.act("/console/outbox/retry-dead", {"destination": "worker"})
+    assert notice(page).startswith("2 worker effect(s) given up on are back in line, due now")
     assert sorted((r.kind, r.status) for r in Outbox.select()) == [
         ("email", "dead"), ("job", "pending"), ("job", "pending")]
     assert all(r.next_attempt_at == clock() for r in Outbox.select().where(Outbox.kind == "job"))
@@ -408,20 +415,38 @@ async def test_retry_all_dead_of_one_destination(logged_in, clock):
 
 
 @pytest.mark.gen_test(timeout=60)
-async def test_making_waiting_effects_due_now_leaves_those_on_their_way_out(logged_in, clock):
+async def test_making_effects_due_now_leaves_those_on_their_way_out(logged_in, clock):
     clock.set(2026, 11, 23, 12, 0)
-    later = outbox_row(status="pending", key="later")
+    later = outbox_row(status="pending", key="later", attempts=4)
     leased = outbox_row(status="pending", key="leased")
     Outbox.update(next_attempt_at=at(2026, 11, 23, 18, 0)).where(Outbox.id == later.id).execute()
     Outbox.update(next_attempt_at=at(2026, 11, 23, 12, 0, 50)).where(
         Outbox.id == leased.id).execute()
     unconfigured = outbox_row(status="waiting", key="unconfigured")
-    response = await logged_in.post("/console/outbox/due-now", {"kind": "job"})
-    assert "2 waiting job effect(s) due now" in text(response)
-    assert Outbox.get_by_id(later.id).next_attempt_at == clock()
+    _, page = await logged_in.act("/console/outbox/due-now", {"destination": "worker"})
+    assert notice(page).startswith("1 worker effect(s) that waited for a later try are due "
+                                   "now: the scheduler sends them at its next run")
+    assert (Outbox.get_by_id(later.id).next_attempt_at, Outbox.get_by_id(later.id).attempts) \
+        == (clock(), 4)
     assert Outbox.get_by_id(leased.id).next_attempt_at == at(2026, 11, 23, 12, 0, 50)
-    assert Outbox.get_by_id(unconfigured.id).status == "pending"
-    assert Outbox.get_by_id(unconfigured.id).next_attempt_at == clock()
+    # Waiting for its destination's setting, not for a try: it goes once that is set.
+    assert Outbox.get_by_id(unconfigured.id).status == "waiting"
+
+
+@pytest.mark.gen_test(timeout=60)
+async def test_make_due_now_is_offered_only_where_effects_wait_for_a_later_try(logged_in, clock):
+    clock.set(2026, 11, 23, 12, 0)
+    outbox_row(status="dead", key="dead")
+    outbox_row(status="waiting", key="unconfigured")
+    leased = outbox_row(status="pending", key="leased")
+    Outbox.update(next_attempt_at=at(2026, 11, 23, 12, 0, 50)).where(
+        Outbox.id == leased.id).execute()
+    page = text(await logged_in.get("/console/outbox"))
+    assert "Retry all dead" in page and "due now</button>" not in page
+    later = outbox_row(status="pending", key="later")
+    Outbox.update(next_attempt_at=at(2026, 11, 23, 18, 0)).where(Outbox.id == later.id).execute()
+    page = text(await logged_in.get("/console/outbox"))
+    assert page.count("due now</button>") == 1 and "Make 1 due now</button>" in page
 
 
 @pytest.mark.gen_test(timeout=60)
@@ -431,9 +456,10 @@ async def test_the_outbox_page_groups_by_destination_and_status(logged_in):
     outbox_row(status="sent", key="s")
     page = text(await logged_in.get("/console/outbox"))
     assert "Retry all dead" in page and page.count("HTTP 400: bad job") == 3
-    sent = text(await logged_in.get("/console/outbox?status=sent&kind=job"))
+    sent = text(await logged_in.get("/console/outbox?status=sent&destination=worker"))
     assert sent.count("Retry now") == 0 and 'class="status good"><span class="cell-label">Status: </span>sent</td>' in sent
     assert (await logged_in.get("/console/outbox?status=lost")).code == 400
+    assert (await logged_in.get("/console/outbox?destination=job")).code == 400
 
 
 # --- order timeline, settlement, links, actions --------------------------------------------
@@ -505,9 +531,10 @@ def test_the_due_date_counts_business_days_only():
 async def test_signing_a_link_as_the_command_line_does(logged_in, ctx):
     from tests.public_helpers import compliance_order
     compliance_order("CO-20001", service_slug="ucr")
-    page = text(await logged_in.post("/console/links", {"kind": "ucr", "order": "CO-20001",
-                                                        "cycle": "2027"}))
-    link = re.search(r'<code id="signed-link">([^<]+)</code>', page).group(1)
+    _, page = await logged_in.act("/console/links", {"kind": "ucr", "order": "CO-20001",
+                                                     "cycle": "2027"})
+    assert notice(page) == "Link for UCR CO-20001 2027 signed, below: send it to the customer."
+    link = re.search(r'<code id="notice-code">([^<]+)</code>', text(page)).group(1)
     token = re.search(r"token=([^&]+)", link.replace("&amp;", "&")).group(1)
     assert token_valid(ctx.settings.link_secret, "ucr", "CO-20001", "2027", token)
     assert actions()[-1] == ("Dana", "sign link", "ucr CO-20001 2027", "ok")

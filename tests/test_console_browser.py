@@ -4,6 +4,7 @@ the test database, the worker stand-in on loopback.
 
 Selenium's calls block, so each runs in a thread while this test's event loop serves the
 stand-ins. Screenshots at a phone and a desktop width go to tests/artifacts/console/."""
+import datetime
 import os
 import re
 import struct
@@ -11,10 +12,12 @@ import struct
 import pytest
 
 from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import Select
 
-from models import CrtcOrder, FormationOrder, Outbox, TreasuryJob, WebhookEvent
+from models import ConsoleAction, CrtcOrder, FormationOrder, Outbox, TreasuryJob, WebhookEvent
 from tests.browser_helpers import browser, needs_selenium_chromium  # noqa: F401 (a fixture)
 from tests.console_helpers import COOKIE_SECRET, PASSWORD, PASSWORD_HASH
+from tests.public_helpers import compliance_order
 from tests.ops_helpers import ROOT, Service
 from tests.shkeeper import API_KEY, URL as CRYPTO_URL, encode, key_headers, paid
 
@@ -26,10 +29,10 @@ SUBMITTED = {"order_name": "ORD-1", "order_number": "FO-1", "state_code": "WY",
 pytestmark = needs_selenium_chromium() or []
 
 
-async def save_screenshot(browser, name, size):
+async def save_screenshot(browser, name, size, reload=True):
     os.makedirs(SCREENSHOTS, exist_ok=True)
     path = os.path.join(SCREENSHOTS, f"{name}.png")
-    return path, await browser.screenshot(path, size)
+    return path, await browser.screenshot(path, size, reload)
 
 
 @pytest.fixture
@@ -39,7 +42,10 @@ def service(tmp_path, database_url, worker, frappe, io_loop):
         "WEBHOOK_SECRET": "test-webhook-secret", "WORKER_URL": worker.url,
         "WORKFLOW_URL": frappe.url, "WORKFLOW_API_KEY": "k", "WORKFLOW_API_SECRET": "s",
         "CRYPTO_PROCESSOR_API_KEY": API_KEY, "CONSOLE_PASSWORD_HASH": PASSWORD_HASH,
-        "COOKIE_SECRET": COOKIE_SECRET, "OUTBOUND_TIMEOUT_SECONDS": "3"})
+        "COOKIE_SECRET": COOKIE_SECRET, "OUTBOUND_TIMEOUT_SECONDS": "3",
+        # Shorter than an effect's first wait after a failed try (15 to 30 s): a failed
+        # effect is then soon off its send's lease, and can be retried from its page.
+        "CLAIM_LEASE_SECONDS": "5"})
     yield running
     running.kill()
 
@@ -81,14 +87,14 @@ async def test_an_operator_replays_a_failed_event_and_retries_a_dead_effect(
     await browser.arrive(f"console/events/{failed.id}")
     assert await browser.text("#event-status") == "failed"
     await browser.click('form[action$="/replay"] button')
-    assert "Replayed: the event is now processed." in await browser.text(".notice")
+    assert f"Event #{failed.id} replayed: it is now processed." in await browser.text(".notice")
     assert await browser.text("#event-status") == "processed"
     assert WebhookEvent.get_by_id(failed.id).status == "processed"
     assert CrtcOrder.get(CrtcOrder.order_number == "CA-7").payment_status == "paid"
 
     await browser.open(service.url + "/console/outbox?status=dead")
     await browser.click(f'form[action="/console/outbox/{dead.id}/retry"] button')
-    assert f"Effect #{dead.id} (job) retried: now sent." in await browser.text(".notice")
+    assert f"Effect #{dead.id} (worker job name_search) sent at" in await browser.text(".notice")
     assert Outbox.get_by_id(dead.id).status == "sent"
     assert [r.json["action"] for r in worker.requests][-1] == "name_search"
 
@@ -141,20 +147,26 @@ async def seen_at(browser, size, script, *args):
     return await browser.do(run)
 
 
-async def a_failed_and_retried_effect(service, client, worker, browser):
-    """FO-1's worker job fails (503), then an operator retries it from its page and it
-    is sent; FO-2's is refused (400) and dead; CA-7 is paid in crypto."""
-    FormationOrder.create(order_number="FO-1", customer_name="Ada Lovelace",
-                          customer_email="ada@example.test", service_name="Wyoming LLC",
-                          order_name="ORD-1")
-    worker.fail_with(503, {"error": "worker restarting"})
+async def a_job_failing_and_a_job_refused(service, client, worker):
+    """FO-1's worker job fails (503: pending, tried again later); FO-2's is refused (400:
+    dead)."""
     headers = {"X-Webhook-Secret": "test-webhook-secret"}
+    worker.fail_with(503, {"error": "worker restarting"})
     await client.fetch(service.url + "/api/v1/webhooks/formation/submitted", method="POST",
                        body=encode(SUBMITTED), headers=headers)
     worker.fail_with(400, {"error": "unknown state code"})
     await client.fetch(service.url + "/api/v1/webhooks/formation/submitted", method="POST",
                        body=encode({**SUBMITTED, "order_number": "FO-2",
                                     "order_name": "ORD-2"}), headers=headers)
+
+
+async def a_failed_and_retried_effect(service, client, worker, browser):
+    """FO-1's worker job fails (503), then an operator retries it from its page and it
+    is sent; FO-2's is refused (400) and dead; CA-7 is paid in crypto."""
+    FormationOrder.create(order_number="FO-1", customer_name="Ada Lovelace",
+                          customer_email="ada@example.test", service_name="Wyoming LLC",
+                          order_name="ORD-1")
+    await a_job_failing_and_a_job_refused(service, client, worker)
     CrtcOrder.create(order_number="CA-7", customer_name="Rae Radio Ltd", total_cents=123456)
     await client.fetch(service.url + CRYPTO_URL, method="POST",
                        body=encode(paid("CA-7", balance_fiat="1234.56")), headers=key_headers())
@@ -164,7 +176,7 @@ async def a_failed_and_retried_effect(service, client, worker, browser):
     worker.status, worker.body = 200, {"ok": True, "job_id": "job-1"}
     await browser.open(f"{service.url}/console/outbox/{job.id}")
     await browser.click('form[action$="/retry"] button')
-    assert "retried: now sent" in await browser.text(".notice")
+    assert "(worker job name_search) sent at" in await browser.text(".notice")
     return job
 
 
@@ -218,3 +230,99 @@ async def test_every_page_at_desktop_and_phone_width(service, browser, client, w
     await save_screenshot(browser, "timeline-docs", (1280, 900))
     await browser.open(service.url + "/console/")
     await save_screenshot(browser, "overview-docs", (1280, 1000))
+
+
+async def shots_of(browser, name, reload=True):
+    """The open page at both widths, kept as `name`-desktop/-phone.png; each within its
+    width."""
+    for device, size in SIZES.items():
+        shot, width = await save_screenshot(browser, f"{name}-{device}", size, reload)
+        assert png_size(shot)[0] == size[0]
+        assert width <= size[0], f"{name} is {width} px wide on a {size[0]} px {device}"
+
+
+@pytest.mark.gen_test(timeout=300)
+async def test_the_operators_actions_say_what_they_did_and_a_reload_does_not_repeat_them(
+        service, browser, client, worker):
+    """Give up one event, retry the others of a filter, make the waiting effects due and
+    retry a dead one, sign a link: each POST leads back to its page with what it did and
+    what comes next; the page reloaded asks nothing again. Every page so changed is kept
+    at both widths."""
+    await service.start()
+    await service.wait_ready(client)
+    for order in ("CA-7", "CA-8", "CA-9"):  # payments for orders not there yet: failed
+        await client.fetch(service.url + CRYPTO_URL, method="POST", body=encode(paid(order)),
+                           headers=key_headers())
+    await a_job_failing_and_a_job_refused(service, client, worker)
+    dead = Outbox.get(Outbox.kind == "job", Outbox.order_number == "FO-2")
+    assert dead.status == "dead"
+    worker.status, worker.body = 200, {"ok": True, "job_id": "job-2"}
+    given_up = WebhookEvent.get(WebhookEvent.order_number == "CA-7")
+    assert given_up.status == "failed"
+    # Their next tries an hour away, as after a few failures: no scheduler run takes one
+    # while the operator looks.
+    later = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(hours=1)
+    assert WebhookEvent.update(next_attempt_at=later).where(
+        WebhookEvent.status == "failed").execute() == 3
+    assert Outbox.update(next_attempt_at=later).where(Outbox.status == "pending",
+                                                      Outbox.kind == "job").execute() == 1
+
+    await browser.open(service.url + "/console/login")
+    await browser.fill_and_submit("main form", name="Dana", password=PASSWORD)
+    await browser.arrive("console/")
+
+    await browser.open(service.url + "/console/events?status=failed")
+    assert "3 failed event(s) this filter finds" in await browser.text("#bulk")
+    await shots_of(browser, "actions-events-bulk")
+
+    await browser.open(f"{service.url}/console/events/{given_up.id}")
+    await shots_of(browser, "actions-event-give-up-form")
+    await browser.fill_and_submit("form.give-up", reason="test payment, no such order")
+    await browser.arrive(f"console/events/{given_up.id}")
+    assert "given up, with your reason" in await browser.text("#notice")
+    assert "by Dana at" in await browser.text("#event-given-up")
+    await shots_of(browser, "actions-event-given-up", reload=False)
+    await browser.do(lambda driver: driver.refresh())
+    assert not await browser.do(lambda d: d.find_elements(By.ID, "notice"))
+    assert ConsoleAction.select().where(ConsoleAction.action == "give up event").count() == 1
+
+    await browser.open(service.url + "/console/events?status=failed&source=crypto")
+    await browser.click('#bulk form[action="/console/events/retry"] button')
+    await browser.arrive("console/events")
+    assert (await browser.text("#notice")).startswith("2 event(s) back in line, due now")
+    await shots_of(browser, "actions-events-retried", reload=False)
+
+    await browser.open(service.url + "/console/outbox")
+    await shots_of(browser, "actions-outbox")
+    await browser.click('form[action="/console/outbox/due-now"] button')
+    await browser.arrive("console/outbox")
+    assert (await browser.text("#notice")).startswith(
+        "1 worker effect(s) that waited for a later try are due now")
+    await shots_of(browser, "actions-outbox-due-now", reload=False)
+
+    await browser.open(f"{service.url}/console/outbox/{dead.id}")
+    await shots_of(browser, "actions-effect-dead")
+    await browser.click('form[action$="/retry"] button')
+    await browser.arrive(f"console/outbox/{dead.id}")
+    assert f"Effect #{dead.id} (worker job name_search) sent at" in await browser.text("#notice")
+    assert await browser.text("#effect-destination") == "worker"
+    await shots_of(browser, "actions-effect-retried", reload=False)
+    await browser.do(lambda driver: driver.refresh())
+    assert len([r for r in worker.requests if r.json["order_number"] == "FO-2"]) == 2
+
+    await browser.open(service.url + "/console/orders/CA-7")
+    assert "given up by Dana" in await browser.text("main")
+    await shots_of(browser, "actions-timeline-given-up")
+    await browser.open(service.url + "/console/")
+    await shots_of(browser, "actions-overview")
+
+    compliance_order("CO-20001", service_slug="ucr")
+    await browser.open(service.url + "/console/links")
+    await browser.do(lambda d: Select(d.find_element(By.NAME, "kind"))
+                     .select_by_visible_text("ucr"))
+    await browser.fill_and_submit("main form", order="CO-20001", cycle="2027")
+    await browser.arrive("console/links")
+    assert "/api/v1/ucr/filed?order=CO-20001" in await browser.text("#notice-code")
+    await shots_of(browser, "actions-link-signed", reload=False)
+    await browser.do(lambda driver: driver.refresh())
+    assert ConsoleAction.select().where(ConsoleAction.action == "sign link").count() == 1

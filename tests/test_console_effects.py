@@ -11,10 +11,10 @@ from engine.outbox import Effects
 from models import ConsoleAction, CrtcOrder, Outbox
 from ops import console
 from tests.console_helpers import (  # noqa: F401 (fixture)
-    console_settings, logged_in, operator, text,
+    console_settings, logged_in, notice, operator, refused, text,
 )
 from tests.door import name_search_jobs, through_the_door
-from tests.test_cli import at
+from tests.test_cli import at, outbox_row
 
 SUBMITTED = {"order_name": "ORD-1", "order_number": "FO-1", "state_code": "WY",
              "entity_name": "Acme LLC"}
@@ -49,8 +49,8 @@ async def test_the_timeline_names_each_effect_with_its_attempts_and_retries(
     assert the_job().status == "pending"
     clock.set(2026, 11, 20, 9, 5)
     worker.status, worker.body = 200, {"ok": True, "job_id": "job-1"}
-    retried = await logged_in.post(f"/console/outbox/{the_job().id}/retry")
-    assert retried.code == 200 and the_job().status == "sent"
+    await logged_in.act(f"/console/outbox/{the_job().id}/retry")
+    assert the_job().status == "sent"
 
     lines = timeline_lines(text(await logged_in.get("/console/orders/FO-1")))
     job = next(i for i, line in enumerate(lines) if line.startswith("worker job name_search"))
@@ -93,13 +93,16 @@ async def test_the_effect_page_shows_the_request_without_credentials_and_every_a
     worker.fail_with(503, {"error": "worker busy"})
     await post("/api/v1/webhooks/formation/submitted", SUBMITTED, WEBHOOK_HEADERS)
     job = the_job()
+    clock.advance(minutes=2)  # past its next try's time: the buttons are offered
     page = text(await logged_in.get(f"/console/outbox/{job.id}"))
     assert "Effect #%d: worker job name_search" % job.id in page
     assert f"POST {worker.url}/jobs" in page and f"Idempotency-Key: {job.idempotency_key}" in page
     assert "&#34;action&#34;: &#34;name_search&#34;" in page or '"action": "name_search"' in page
     assert f'href="/console/events/{job.event_id}"' in page
     assert "HTTP 503" in page and "worker busy" in page
-    assert '<form class="inline" action="/console/outbox/%d/give-up" method="post">' % job.id in page
+    assert '<form class="inline give-up" action="/console/outbox/%d/give-up" method="post">' \
+        % job.id in page
+    assert '<dd id="effect-destination">worker</dd>' in page
 
 
 
@@ -142,27 +145,41 @@ async def test_an_admin_mail_is_named_by_its_subject(logged_in, ctx):
 
 
 @pytest.mark.gen_test(timeout=60)
-async def test_giving_up_an_effect_is_a_recorded_post_with_its_token(logged_in, post, worker):
+async def test_giving_up_an_effect_is_a_recorded_post_with_its_token(logged_in, post, worker,
+                                                                     clock):
     worker.fail_with(503)
     await post("/api/v1/webhooks/formation/submitted", SUBMITTED, WEBHOOK_HEADERS)
     job = the_job()
-    refused = await logged_in.post(f"/console/outbox/{job.id}/give-up", xsrf=False)
-    assert refused.code == 403 and the_job().status == "pending"
+    # Within a lease of its failed try it may be on its way out again: left as it is.
+    _, page = await logged_in.act(f"/console/outbox/{job.id}/give-up")
+    assert refused(page) and "may be on its way out right now" in notice(page)
+    assert "Give up</button>" not in text(page) and 'id="effect-held"' in text(page)
+    clock.advance(minutes=2)  # past its next try's time: no send can hold it now
+    forged = await logged_in.post(f"/console/outbox/{job.id}/give-up", xsrf=False)
+    assert forged.code == 403 and the_job().status == "pending"
     assert (await logged_in.get(f"/console/outbox/{job.id}/give-up")).code == 405
-    page = await logged_in.post(f"/console/outbox/{job.id}/give-up")
-    assert page.code == 200 and f"Effect #{job.id} given up" in text(page)
-    assert (the_job().status, the_job().last_error) == ("dead", "given up by Dana")
-    again = await logged_in.post(f"/console/outbox/{job.id}/give-up")
-    assert again.code == 409 and "is dead already" in text(again)
+    response, page = await logged_in.act(f"/console/outbox/{job.id}/give-up",
+                                         {"reason": "the customer cancelled"})
+    assert response.headers["Location"] == f"/console/outbox/{job.id}"
+    assert notice(page).startswith(f"Effect #{job.id} given up: it is dead")
+    assert (the_job().status, the_job().last_error) == (
+        "dead", "given up by Dana: the customer cancelled")
+    _, again = await logged_in.act(f"/console/outbox/{job.id}/give-up")
+    assert refused(again) and "is dead already" in notice(again)
     assert [(a.action, a.target, a.outcome) for a in ConsoleAction.select()
-            .where(ConsoleAction.action == "give up effect").order_by(ConsoleAction.id)] == [
-        ("give up effect", str(job.id), "dead"),
+            .where(ConsoleAction.action == "give up effect").order_by(ConsoleAction.id)][1:] == [
+        ("give up effect", str(job.id), "given up by Dana: the customer cancelled"),
         ("give up effect", str(job.id), f"refused: effect #{job.id} is dead already")]
-    # Retried from its page, it answers with its page.
+    # Retried from its page, it comes back to its page, and says so once.
     worker.status, worker.body = 200, {"ok": True}
-    retried = await logged_in.post(f"/console/outbox/{job.id}/retry", {"back": "effect"})
-    assert f"Effect #{job.id}: worker job name_search" in text(retried)
-    assert the_job().status == "sent" and "retry effect" in text(retried)
+    response, page = await logged_in.act(f"/console/outbox/{job.id}/retry",
+                                         {"back": f"/console/outbox/{job.id}"})
+    assert response.headers["Location"] == f"/console/outbox/{job.id}"
+    assert notice(page).startswith(f"Effect #{job.id} (worker job name_search) sent at ")
+    assert the_job().status == "sent" and "retry effect" in text(page)
+    # A reload shows the page as it is, asks nothing again and says nothing again.
+    reloaded = await logged_in.get(f"/console/outbox/{job.id}")
+    assert notice(reloaded) is None and the_job().attempts == 1
     assert (await logged_in.get("/console/outbox/999999")).code == 404
 
 
@@ -183,7 +200,7 @@ async def test_the_overview_shows_each_destinations_health(logged_in, ctx, clock
     await outbox.deliver(ctx, effects.rows)
     page = text(await logged_in.get("/console/"))
     rows = dict(re.findall(r'<span class="cell-label">Destination: </span>(\w+)</td>(.*?)</tr>',
-                           page.split('id="destinations"')[1], re.S))
+                           page.split('id="destinations"')[1].split("</table>")[0], re.S))
     cells = {name: re.sub(r"<[^>]+>", "", row).split() for name, row in rows.items()}
     worker_row = " ".join(cells["worker"])
     assert "State: down since 2026-11-20 09:00:00" in worker_row
@@ -202,3 +219,35 @@ async def test_an_effect_whose_payload_does_not_read_as_a_request_is_shown_as_st
     response = await logged_in.get(f"/console/outbox/{row.id}")
     assert response.code == 200 and "it does not read as a request" in text(response)
     assert "t0ps3cret" not in text(response) and "[hidden]" in text(response)
+
+
+@pytest.mark.gen_test(timeout=60)
+async def test_a_retry_left_to_the_scheduler_says_what_it_waits_for_not_that_it_failed(
+        logged_in, ctx, clock, worker):
+    clock.set(2026, 11, 23, 12, 0)
+    earlier = outbox_row(status="pending", key="earlier")
+    behind = outbox_row(status="dead", key="behind")
+    _, page = await logged_in.act(f"/console/outbox/{behind.id}/retry")
+    assert notice(page) == (
+        f"Effect #{behind.id} (worker job deliver) back in line, due now, after effect "
+        f"#{earlier.id} of its order (pending): it goes once that one is sent or given up.")
+    assert not refused(page) and worker.requests == []
+
+    Outbox.delete().execute()
+    alone = outbox_row(status="dead", key="alone")
+    destination = ctx.destinations.of("job")
+    destination.up, destination.probe_at = False, at(2026, 11, 23, 12, 5)
+    _, page = await logged_in.act(f"/console/outbox/{alone.id}/retry")
+    assert notice(page) == (
+        f"Effect #{alone.id} (worker job deliver) back in line, due now; worker is down: it "
+        "goes once a probe finds it back (the next at 2026-11-23 12:05:00 UTC).")
+    assert worker.requests == [] and Outbox.get_by_id(alone.id).status == "pending"
+
+    destination.up = True
+    ctx.settings.__dict__.update(worker_url="")
+    unconfigured = outbox_row(status="dead", key="unconfigured")
+    _, page = await logged_in.act(f"/console/outbox/{unconfigured.id}/retry")
+    assert notice(page) == (
+        f"Effect #{unconfigured.id} (worker job deliver) not sent: it waits for its "
+        "destination to be configured: WORKER_URL is not set; it goes once the setting is "
+        "there.")

@@ -133,8 +133,8 @@ async def test_the_thread_check_refuses_service_code_off_the_database_thread(
     assert thread_check.refused == []
 
 
-def sends_counted(ctx, kind, result):
-    return ctx.metrics.sends.labels(kind, result)._value.get()
+def sends_counted(ctx, destination, result):
+    return ctx.metrics.sends.labels(destination, result)._value.get()
 
 
 @pytest.mark.gen_test
@@ -150,7 +150,7 @@ async def test_a_counter_changed_in_a_unit_is_counted_once_when_its_turn_runs_ag
         ctx.db(failing), return_exceptions=True)
     assert recorded is None and isinstance(failed, ValueError)
     assert Outbox.get_by_id(row.id).status == "sent"
-    assert sends_counted(ctx, "job", "sent") == 1
+    assert sends_counted(ctx, "worker", "sent") == 1
 
 
 @pytest.mark.gen_test
@@ -163,4 +163,4 @@ async def test_a_counter_changed_in_a_unit_that_is_undone_is_not_counted(ctx):
     with pytest.raises(ValueError):
         await ctx.db(recorded_then_failing)
     assert Outbox.get_by_id(row.id).status == "pending"
-    assert sends_counted(ctx, "job", "sent") == 0
+    assert sends_counted(ctx, "worker", "sent") == 0

@@ -3,6 +3,7 @@ the same defaults a fresh database gets from 0001, and is a no-op where they are
 0010 adds reminders_sent to a database from before it."""
 import importlib
 import os
+import re
 
 import pytest
 from peewee import IntegrityError, PostgresqlDatabase, SqliteDatabase
@@ -313,3 +314,63 @@ def test_0020_gives_old_crtc_orders_their_currency_usd(scratch_db):
             ("CA-OLD", "USD"), ("CA-NEW", "USD")}
     ORDER_CURRENCY.apply(scratch_db, migrator)
     assert columns() == fresh
+
+
+EVENT_GIVEN_UP = importlib.import_module("migrations.0022_event_given_up")
+
+
+def test_0022_gives_old_events_an_empty_give_up_record_and_is_a_no_op_after(scratch_db):
+    def columns():  # an added column comes last, where a fresh table has it in place
+        return (sorted(scratch_db.get_columns("webhook_events")),
+                sorted(index.name for index in scratch_db.get_indexes("webhook_events")))
+    fresh = columns()
+    assert "webhook_events_given_up" in fresh[1]
+    migrator = migrator_for(scratch_db)
+    scratch_db.execute_sql("DROP INDEX webhook_events_given_up")
+    run(*(migrator.drop_column("webhook_events", name)
+          for name in ("given_up_by", "given_up_at", "given_up_reason")))
+    scratch_db.execute_sql(
+        "INSERT INTO webhook_events (source, event_type, dedup_key, payload, status, "
+        "attempts, received_at, created_at, updated_at) VALUES ('card', 'x', 'k', '{}', "
+        "'dead', 5, '2026-11-20 09:00:00+00:00', '2026-11-20 09:00:00+00:00', "
+        "'2026-11-20 09:00:00+00:00')")
+    EVENT_GIVEN_UP.apply(scratch_db, migrator)
+    assert columns() == fresh
+    EVENT_GIVEN_UP.apply(scratch_db, migrator)
+    assert columns() == fresh
+    assert scratch_db.execute_sql(
+        "SELECT status, given_up_by, given_up_at, given_up_reason FROM webhook_events"
+    ).fetchall() == [("dead", None, None, None)]
+
+
+# What a migration may do, so that the release before it runs on the schema it leaves
+# (deploy/DEPLOY.md, "Rolling an upgrade back"): add, never take away or rename, never
+# make a column required.
+TAKES_AWAY = re.compile(r"\.(drop_column|rename_column|rename_table|drop_table|add_not_null)\("
+                        r"|DROP\s+(TABLE|COLUMN)|RENAME\s+(TO|COLUMN)|SET\s+NOT\s+NULL",
+                        re.IGNORECASE)
+
+
+def test_every_migration_only_adds_so_the_release_before_runs_on_its_schema(scratch_db,
+                                                                           monkeypatch):
+    added = []
+
+    def recorded(db, migrator, table, name, field):
+        added.append((table, name))
+        migrations.add_column_if_missing(db, migrator, table, name, field)
+
+    for name in migrations.available():
+        with open(os.path.join(os.path.dirname(migrations.__file__), f"{name}.py"),
+                  encoding="utf-8") as source:
+            assert not TAKES_AWAY.search(source.read()), name
+        module = importlib.import_module(f"migrations.{name}")
+        if hasattr(module, "add_column_if_missing"):
+            monkeypatch.setattr(module, "add_column_if_missing", recorded)
+        module.apply(scratch_db, migrator_for(scratch_db))  # a no-op where applied
+    assert ("webhook_events", "given_up_reason") in added
+    # A column added later is one the release before does not write: it may be empty, or
+    # the database fills it in.
+    required = [(table, name) for table, name in added
+                if not any(column.name == name and (column.null or column.default is not None)
+                           for column in scratch_db.get_columns(table))]
+    assert required == []

@@ -53,18 +53,75 @@ def unit_settings():
     return [tuple(line.split("=", 1)) for line in lines if re.match(r"^[A-Z]\w*=", line)]
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None,
-                    reason="systemd-analyze is not installed on this machine")
-@pytest.mark.parametrize("name,instance", [("receiver.service", "receiver.service"),
-                                           ("receiver@.service", "receiver@8001.service")])
-def test_the_unit_passes_systemd_analyze_verify(tmp_path, name, instance):
+needs_systemd_analyze = pytest.mark.skipif(
+    shutil.which("systemd-analyze") is None,
+    reason="systemd-analyze is not installed on this machine")
+
+
+@needs_systemd_analyze
+@pytest.mark.parametrize("names,instance", [
+    (["receiver.service"], "receiver.service"),
+    (["receiver@.service"], "receiver@8001.service"),
+    (["receiver-backup.service"], "receiver-backup.service"),
+    (["receiver-backup.timer", "receiver-backup.service"], "receiver-backup.timer")])
+def test_the_unit_passes_systemd_analyze_verify(tmp_path, names, instance):
     # verify checks that ExecStart exists: point it at this checkout's interpreter.
-    unit = read(DEPLOY, name).replace(
-        "/opt/receiver/.venv/bin/python", sys.executable).replace("/opt/receiver", ROOT)
-    (tmp_path / name).write_text(unit)
+    for name in names:
+        unit = read(DEPLOY, name).replace(
+            "/opt/receiver/.venv/bin/python", sys.executable).replace("/opt/receiver", ROOT)
+        (tmp_path / name).write_text(unit)
     result = subprocess.run(["systemd-analyze", "verify", "--man=no", instance],
                             cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert (result.returncode, result.stderr) == (0, "")
+
+
+def unit_lines(name):
+    return [tuple(line.split("=", 1)) for line in read(DEPLOY, name).splitlines()
+            if re.match(r"^[A-Z]\w*=", line)]
+
+
+@needs_systemd_analyze
+def test_the_backup_runs_every_day_and_catches_up_after_a_stop():
+    timer = dict(unit_lines("receiver-backup.timer"))
+    assert timer["Persistent"] == "true" and "Unit" not in timer  # the .service of its name
+    calendar = subprocess.run(["systemd-analyze", "calendar", "--iterations=2",
+                               timer["OnCalendar"]], capture_output=True, text=True,
+                              timeout=60, env={**os.environ, "TZ": "UTC"})
+    assert calendar.returncode == 0, calendar.stderr
+    elapses = re.findall(r"(?:Next elapse|Iter\. #2): \w+ (\S+) (\S+)", calendar.stdout)
+    assert [time for _, time in elapses] == ["03:15:00", "03:15:00"]
+    assert elapses[0][0] != elapses[1][0]  # one a day
+
+
+def test_the_backup_runs_as_the_service_with_its_settings_and_writes_only_its_folders():
+    service = dict(unit_lines("receiver-backup.service"))
+    unit = dict(unit_settings())
+    for option in ("User", "Group", "WorkingDirectory", "EnvironmentFile", "NoNewPrivileges",
+                   "ProtectSystem", "ProtectHome", "PrivateTmp", "UMask"):
+        assert service[option] == unit[option], option
+    assert service["Type"] == "oneshot"
+    assert service["ExecStart"] == "/opt/receiver/deploy/receiver-backup"
+    backup_dir = dict(pair.split("=") for pair in service["Environment"].split())["BACKUP_DIR"]
+    assert service["ReadWritePaths"].split() == [backup_dir, unit["ReadWritePaths"]]
+    script = read(DEPLOY, "receiver-backup")
+    assert f"dir=${{BACKUP_DIR:-{backup_dir}}}" in script
+
+
+def test_deploy_md_installs_what_the_backups_need():
+    """The packages, the folder (the unit starts only where it exists), the units, a
+    restore for each database, and the rollback of an upgrade."""
+    page = read(DEPLOY, "DEPLOY.md")
+    backups = page[page.index("## Backups"):]
+    backups = backups[:backups.index("\n## ", 1)]
+    service = dict(unit_lines("receiver-backup.service"))
+    backup_dir = dict(pair.split("=") for pair in service["Environment"].split())["BACKUP_DIR"]
+    for needed in ("apt-get install -y sqlite3", "postgresql-client",
+                   f"install -d -o receiver -g receiver -m 0700 {backup_dir}",
+                   "deploy/receiver-backup.service", "deploy/receiver-backup.timer",
+                   "systemctl enable --now receiver-backup.timer", "pg_restore",
+                   "rcv migrate", "tests/test_backup.py"):
+        assert needed in backups, needed
+    assert "## Rolling an upgrade back" in page
 
 
 def test_the_unit_gives_room_for_the_connections_it_allows():

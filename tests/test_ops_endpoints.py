@@ -161,7 +161,7 @@ async def test_metrics_count_events_by_source_type_and_outcome(get, post):
     assert value(found, "receiver_events_total", outcome="processed", **kind) == 1
     assert value(found, "receiver_events_total", outcome="duplicate", **kind) == 1
     assert value(found, "receiver_event_handling_seconds_count", source="workflow") == 1
-    assert value(found, "receiver_outbox_sends_total", kind="job", result="sent") == 1
+    assert value(found, "receiver_outbox_sends_total", destination="worker", result="sent") == 1
     assert value(found, "receiver_outbox_pending") == 0
     assert value(found, "receiver_database_up") == 1
 
@@ -175,7 +175,7 @@ async def test_metrics_show_the_backlog_and_its_oldest_age(get, post, worker, cl
     found = samples((await get("/metrics"))[1].body)
     assert value(found, "receiver_outbox_pending") == 1
     assert value(found, "receiver_outbox_oldest_pending_age_seconds") == 90
-    assert value(found, "receiver_outbox_sends_total", kind="job", result="retry") == 1
+    assert value(found, "receiver_outbox_sends_total", destination="worker", result="retry") == 1
 
 
 @pytest.mark.gen_test

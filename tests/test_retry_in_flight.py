@@ -1,0 +1,72 @@
+"""An operator's retry and a send in flight: every way an operator puts an effect back in
+line (the console's buttons, the command line's `outbox retry`) leaves alone a row whose
+send holds its lease, so the effect goes out once. Found by a review: `outbox retry`
+ignored the lease and Telegram got two alerts for one effect."""
+import asyncio
+import functools
+
+import pytest
+
+from engine import outbox
+from engine.outbox import Effects
+from models import Outbox
+from ops import console, operator
+
+WHO = ("Dana", "127.0.0.1")
+
+
+async def retry_one(ctx, row):
+    return await ctx.db(functools.partial(operator.retry_outbox, ctx, row.id))
+
+
+async def retry_every_pending(ctx, row):
+    return await ctx.db(functools.partial(operator.retry_all, ctx, "pending", WHO))
+
+
+async def retry_now_from_the_console(ctx, row):
+    return await console.retry_now(ctx, row.id)
+
+
+async def make_due_now_from_the_console(ctx, row):
+    return await ctx.db(functools.partial(console.make_due_now, ctx,
+                                          operator.destination_of(row)))
+
+
+async def give_up_from_the_console(ctx, row):
+    return await ctx.db(functools.partial(console.give_up, ctx, row.id, "Dana"))
+
+
+OPERATORS_WAYS = [retry_one, retry_every_pending, retry_now_from_the_console,
+                  make_due_now_from_the_console, give_up_from_the_console]
+
+
+async def alert_in_flight(ctx, telegram):
+    """An alert written as its cause writes it, and its live send on its way: Telegram has
+    the request and holds its answer. Returns (the row, the send)."""
+    effects = Effects(ctx)
+    await ctx.db(lambda: effects.alert("Order CA-7 paid", key="alert-CA-7"))
+    [row] = effects.rows
+    telegram.hold = asyncio.Event()
+    sending = asyncio.ensure_future(outbox.deliver(ctx, effects.rows))
+    while telegram.in_flight == 0:
+        await asyncio.sleep(0.01)
+    return row, sending
+
+
+@pytest.mark.parametrize("way", OPERATORS_WAYS, ids=lambda way: way.__name__)
+@pytest.mark.gen_test(timeout=60)
+async def test_an_effect_whose_send_is_in_flight_is_not_sent_again(ctx, telegram, way):
+    row, sending = await alert_in_flight(ctx, telegram)
+    try:
+        assert await way(ctx, row) == 0  # the bulk actions: none of the rows
+    except operator.Refused as refused:  # the actions on one row
+        assert f"effect #{row.id} may be on its way out right now" in str(refused)
+    # The scheduler's next run, while the first send still waits for its answer.
+    scheduled = asyncio.ensure_future(outbox.send_due(ctx))
+    await asyncio.sleep(0.2)
+    telegram.hold.set()
+    await sending
+    await scheduled
+    await outbox.send_due(ctx)
+    assert len(telegram.posts) == 1
+    assert Outbox.get_by_id(row.id).status == "sent"
