@@ -39,7 +39,7 @@ async def one_effect_of_each_kind(ctx, worker, frappe, telegram, smtp):
 
         def ask(effects=effects, status=status):
             effects.job("name_search", {"order_number": "FO-1"}, key=f"job-{status}")
-            effects.workflow_action("Formation Order", "ORD-1", "Start Name Check",
+            effects.workflow_action("workflow_doctype", "ORD-1", "Start Name Check",
                                     key=f"action-{status}", order_number="FO-1")
             effects.alert("FO-1 paid", key=f"alert-{status}", order_number="FO-1")
             effects.email(["admin@example.test"], "Payment failed", "email/outbox_dead",
