@@ -360,13 +360,17 @@ def receive_payment(ctx, payload, effects):
 def tell_mispaid(ctx, effects, callback, order):
     """An invoice paid past CRYPTO_PAYMENT_TOLERANCE_PERCENT more or less than expected is
     told to the administrator, once per order and way. Expected: the order's total
-    (total_cents, in hundredths of the invoice's currency), against what the invoice
-    received less SHKeeper's fee; for an order without a total, SHKeeper's own measure,
+    (total_cents, in the minor unit of the order's currency), against what the invoice
+    received less SHKeeper's fee, when the invoice is in that currency; otherwise
+    (no total, or an invoice in another currency), SHKeeper's own measure,
     `overpaid_fiat` (paid beyond its upper limit), against the rest of the balance."""
     tolerance = ctx.settings.crypto_payment_tolerance_percent
     total = getattr(order, "total_cents", None)
-    if total:
-        expected = decimal.Decimal(total).scaleb(-2)
+    priced_in = getattr(order, "currency", None) or "USD"
+    by_total = bool(total) and Money.of(0, priced_in).currency == Money.of(
+        0, callback.fiat_currency).currency
+    if by_total:
+        expected = Money.of(total, priced_in).amount
         received = callback.net_fiat
     elif callback.overpaid_fiat > 0:
         expected = callback.amount_fiat - callback.overpaid_fiat
@@ -390,7 +394,7 @@ def tell_mispaid(ctx, effects, callback, order):
                 received=str(Money.of_decimal(received, currency)),
                 balance=str(callback.balance),
                 overpaid=str(Money.of_decimal(callback.overpaid_fiat, currency)),
-                coins=f"{callback.amount_coin} {callback.coin}", by_total=bool(total))
+                coins=f"{callback.amount_coin} {callback.coin}", by_total=by_total)
 
 
 def read_ahead(payload):

@@ -140,6 +140,21 @@ async def test_an_invoice_paid_past_the_tolerance_against_the_orders_total_is_to
         assert "$320.00" in text and "$326.40" in text
 
 
+@pytest.mark.parametrize("total_cents,currency,fiat,subject", [
+    (4896, "JPY", "JPY", None),  # ¥4,896 asked, ¥4,896 paid: yen have no minor unit
+    (4000, "JPY", "JPY", "Crypto invoice for order CA-8 overpaid by 22.4 %"),
+    (4896, "CAD", "USD", None),  # priced in CAD, invoiced in USD: not compared
+])
+@pytest.mark.gen_test
+async def test_an_orders_total_is_read_in_its_own_currency(
+        post, ctx, smtp, total_cents, currency, fiat, subject):
+    CrtcOrder.create(order_number="CA-8", total_cents=total_cents, currency=currency)
+    paid = shkeeper.paid("CA-8", balance_fiat="4993.92", fiat=fiat)  # 4,896 with the fee
+    await send(post, ctx, paid)
+    told = [s for s in subjects(smtp) if s.startswith("Crypto invoice")]
+    assert told == ([subject] if subject else [])
+
+
 @pytest.mark.gen_test
 async def test_an_overpaid_invoice_without_an_order_total_is_told_by_shkeepers_measure(
         post, ctx, smtp):
