@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import peewee
 
+from engine import inbox
 from engine.commits import raise_if_conflict, savepoint
 from engine.db import locked
 from models import ORDER_MODELS, OrderBase, WebhookEvent
@@ -307,19 +308,23 @@ class Waiting:
 
 
 def waiting_calls(limit: int = 20) -> Waiting:
-    """The failed calls whose order is in none of the order tables (a unit of work)."""
+    """The calls not yet handled whose order is in none of the order tables (a unit of
+    work): the first of an order failed for want of it, the later ones held behind it
+    (engine.inbox)."""
     number = WebhookEvent.order_number
     missing = functools.reduce(operator.and_, (
         ~peewee.fn.EXISTS(model.select(peewee.SQL("1")).where(model.order_number == number))
         for model in ORDER_MODELS.values()))
     per_order = (WebhookEvent.select(number, peewee.fn.COUNT(WebhookEvent.id).alias("calls"),
                                      peewee.fn.MIN(WebhookEvent.received_at).alias("since"))
-                 .where(WebhookEvent.status == "failed", number.is_null(False), missing)
+                 .where(WebhookEvent.status.in_(inbox.AWAITING_HANDLING), number.is_null(False),
+                        missing)
                  .group_by(number))
     rows = list(per_order.order_by(peewee.SQL("since"), number).limit(limit).dicts())
     totals = (WebhookEvent.select(peewee.fn.COUNT(WebhookEvent.id),
                                   peewee.fn.COUNT(number.distinct()))
-              .where(WebhookEvent.status == "failed", number.is_null(False), missing)
+              .where(WebhookEvent.status.in_(inbox.AWAITING_HANDLING), number.is_null(False),
+                        missing)
               .tuples().first())
     calls, orders = totals or (0, 0)
     oldest = [(row["order_number"], row["calls"],

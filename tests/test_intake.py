@@ -250,9 +250,9 @@ async def test_concurrent_puts_of_a_new_order_create_it_once(put):
 
 # --- the calls waiting for an order ------------------------------------------------------------
 
-async def crypto_paid(client, base_url, number):
+async def crypto_paid(client, base_url, number, txid="tx-paid-1"):
     response = await client.fetch(base_url + shkeeper.URL, method="POST",
-                                  body=shkeeper.encode(shkeeper.paid(number)),
+                                  body=shkeeper.encode(shkeeper.paid(number, txid=txid)),
                                   headers=shkeeper.key_headers())
     assert response.code == 202
 
@@ -262,18 +262,21 @@ async def test_a_call_for_an_order_not_there_waits_and_is_due_the_moment_it_arri
         put, ctx, clock, client, base_url, telegram):
     clock.fixed = NOW
     await crypto_paid(client, base_url, "CA-9")
-    [event] = WebhookEvent.select()
+    # The second waits behind the first, which failed: an order's calls go in turn.
+    await crypto_paid(client, base_url, "CA-9", txid="tx-paid-2")
+    event, second = WebhookEvent.select().order_by(WebhookEvent.id)
     assert event.status == "failed" and event.next_attempt_at > NOW
+    assert second.status == "received"
     waiting = through_the_door(intake.waiting_calls)
-    assert (waiting.calls, waiting.orders, waiting.oldest) == (1, 1, [("CA-9", 1, NOW)])
+    assert (waiting.calls, waiting.orders, waiting.oldest) == (2, 1, [("CA-9", 2, NOW)])
 
     clock.fixed = NOW + datetime.timedelta(seconds=5)
     assert (await put("canada_crtc", "CA-9", {"total_cents": 780}))[0] == 201
     event = WebhookEvent.get_by_id(event.id)
     assert event.status == "failed" and event.next_attempt_at == clock.fixed
+    assert await inbox.retry_due(ctx) == 2
+    assert {e.status for e in WebhookEvent.select()} == {"processed"}
     assert through_the_door(intake.waiting_calls).calls == 0
-    assert await inbox.retry_due(ctx) == 1
-    assert WebhookEvent.get_by_id(event.id).status == "processed"
     assert CrtcOrder.get().payment_status == "paid"
 
 
