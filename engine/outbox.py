@@ -15,7 +15,7 @@ import logging
 import time
 from typing import Any, Iterable, Iterator, TypeVar
 
-from peewee import SQL, Case, fn
+from peewee import SQL, Case, Expression, fn
 
 import lograte
 from clients.http import Result
@@ -677,6 +677,11 @@ def _due(now, kinds):
             & (Outbox.kind.not_in(ORDERED_KINDS) | ~fn.EXISTS(unsent_before)))
 
 
+# Rows read for a probe of a destination whose effects all wait on a backoff: the first
+# of them not held by a send is taken.
+PROBE_CANDIDATES = 20
+
+
 async def _claim_due(ctx):
     """The due rows of the destinations that are up, SEND_BATCH of each kind at most,
     and one row of each destination that is down and due for a probe. Each kind's rows
@@ -695,10 +700,13 @@ async def _claim_due(ctx):
         if not probe:
             # Every row on a retry's backoff (they failed as it went down): the probe is
             # the first of them in line, or the destination would stay down, back or not,
-            # until a backoff ends. A row another process claimed a moment ago may be
-            # taken too: sent twice at worst, under its one key, as after a crash.
+            # until a backoff ends; not one a send holds, which would go out twice.
             later = now + datetime.timedelta(seconds=retry.outbox(ctx.settings).cap_seconds)
-            probe = await claim(ctx, Outbox, _due(later, [kind]), limit=1)
+            backed_off = await ctx.commits.run(functools.partial(
+                _backed_off, ctx, _due(later, [kind]), limit=PROBE_CANDIDATES))
+            if backed_off:
+                probe = await claim(ctx, Outbox, _due(later, [kind])
+                                    & (Outbox.id == backed_off[0]), limit=1)
         rows += probe
     return rows
 
@@ -787,19 +795,26 @@ def release_waiting(ctx: EngineContext) -> int:
     return released
 
 
-def release_backed_off(ctx: EngineContext, kinds: list[str]) -> int:
-    """A destination found back: its effects waiting on a retry's backoff are made due
-    now (they go in this run, each order's in its sequence, `_due`), not each at its own
-    time up to hours later. A row a sender holds (claimed or re-taken, or written by a
-    request that sends it: its next try exactly one lease after its last update) may be
-    mid-send and is left to it. Returns how many."""
+def _backed_off(ctx: EngineContext, condition: Expression,
+                limit: int | None = None) -> list[int]:
+    """The ids, oldest first, of the pending rows meeting `condition` that wait on a
+    retry's backoff, not on a send: a row a sender holds (claimed or re-taken, or written
+    by a request that sends it) has its next try exactly one lease after its last update,
+    and may be mid-send."""
     now = ctx.clock()
     held = lease(ctx)
-    waiting = [row.id for row in Outbox.select(Outbox.id, Outbox.next_attempt_at,
-                                               Outbox.updated_at)
-               .where(Outbox.status == "pending", Outbox.kind.in_(kinds),
-                      Outbox.next_attempt_at > now)
-               if row.next_attempt_at - row.updated_at != held]
+    rows = (Outbox.select(Outbox.id, Outbox.next_attempt_at, Outbox.updated_at)
+            .where(condition, Outbox.status == "pending", Outbox.next_attempt_at > now)
+            .order_by(Outbox.id).limit(limit))
+    return [row.id for row in rows if row.next_attempt_at - row.updated_at != held]
+
+
+def release_backed_off(ctx: EngineContext, kinds: list[str]) -> int:
+    """A destination found back: its effects waiting on a retry's backoff
+    (`_backed_off`) are made due now (they go in this run, each order's in its sequence,
+    `_due`), not each at its own time up to hours later. Returns how many."""
+    now = ctx.clock()
+    waiting = _backed_off(ctx, Outbox.kind.in_(kinds))
     for start in range(0, len(waiting), RELEASE_BATCH):
         (Outbox.update(next_attempt_at=now, updated_at=now)
          .where(Outbox.id.in_(waiting[start:start + RELEASE_BATCH])).execute())

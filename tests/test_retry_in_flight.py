@@ -3,11 +3,13 @@ line (the console's buttons, the command line's `outbox retry`) leaves alone a r
 send holds its lease, so the effect goes out once. Found by a review: `outbox retry`
 ignored the lease and Telegram got two alerts for one effect."""
 import asyncio
+import datetime
 import functools
 
 import pytest
 
 from engine import outbox
+from engine.claims import lease
 from engine.outbox import Effects
 from models import Outbox
 from ops import console, operator
@@ -70,3 +72,29 @@ async def test_an_effect_whose_send_is_in_flight_is_not_sent_again(ctx, telegram
     await outbox.send_due(ctx)
     assert len(telegram.posts) == 1
     assert Outbox.get_by_id(row.id).status == "sent"
+
+
+@pytest.mark.gen_test
+async def test_the_probe_of_a_down_destination_never_takes_a_row_a_send_holds(
+        ctx, clock, telegram):
+    """Telegram down, its one alert on its way out (claimed: its next try one lease after
+    its last update): the probe, finding no row due, takes the first row on a backoff,
+    and this one is not on a backoff. Taken, it would be sent beside the send under way."""
+    clock.set(2026, 11, 23, 12, 0)
+    now = clock()
+    held = Outbox.create(kind="alert", payload='{"text": "New paid order"}',
+                         idempotency_key="alert-held", status="pending", updated_at=now,
+                         next_attempt_at=now + lease(ctx))
+    destination = ctx.destinations.of("alert")
+    destination._go_down("test: down")
+    clock.advance(seconds=destination.probe_wait.total_seconds() + 1)
+    await outbox.send_due(ctx)
+    assert telegram.requests == []
+    assert Outbox.get_by_id(held.id).next_attempt_at == now + lease(ctx)
+    # On a backoff instead (its last update its failure, its next try later), it is the
+    # probe.
+    Outbox.update(next_attempt_at=clock() + datetime.timedelta(minutes=5)).where(
+        Outbox.id == held.id).execute()
+    clock.advance(seconds=destination.probe_wait.total_seconds() + 1)
+    await outbox.send_due(ctx)
+    assert len(telegram.requests) == 1
