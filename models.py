@@ -844,6 +844,9 @@ class WebhookEvent(BaseModel):
     # stores; and what it waits behind as the operator reads it (ops.operator.note_holds).
     held_behind: int | None
     held: str | None
+    # Not a column: whether later events of its order are finished (a dead one; read by
+    # ops.operator.event_with_effects for the console's replay).
+    overtaken: bool
 
     class Meta:
         table_name = "webhook_events"

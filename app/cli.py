@@ -22,7 +22,7 @@ from app.progress import TerminalProgress
 from app.server import CannotStart, refused_database_settings, serve
 from clients.stripe_api import NotConfigured
 from domain import backfill, filings, holdback, intake, links, reconcile, reminders, settlement
-from engine import spool
+from engine import inbox, spool
 from engine.db import UNAVAILABLE, refused_settings
 from engine.payload import read_json
 from models import open_database, sqlite_file
@@ -393,17 +393,23 @@ async def events_replay(ctx, args):
     if args.failed:
         with TerminalProgress("replaying", "event") as progress:
             replayed = await operator.replay_failed(ctx, progress)
-        # One line per event still failing (what needs looking at), then the summary.
+        # One line per event not done (what needs looking at), then the summary.
         for item in replayed:
-            if item.outcome == "failed":
+            if item.outcome in NOT_DONE:
                 print(f"event #{item.event.id} {item.event.source} {item.event.event_type}: "
                       f"{item.outcome}")
         still_failing = sum(item.outcome == "failed" for item in replayed)
-        print(f"replayed {len(replayed)} failed event(s); {still_failing} still failing")
-        return 1 if still_failing else 0
+        held = sum(item.outcome == inbox.HELD for item in replayed)
+        print(f"replayed {len(replayed)} failed event(s); {still_failing} still failing"
+              + (f", {held} held behind an earlier call of their order" if held else ""))
+        return 1 if still_failing or held else 0
     outcome = await operator.replay(ctx, args.id, force=args.force)
     print(f"event #{args.id}: {outcome}")
-    return 1 if outcome == "failed" else 0
+    return 1 if outcome in NOT_DONE else 0
+
+
+# A replay's outcomes that leave the event to be handled still.
+NOT_DONE = ("failed", inbox.HELD)
 
 
 async def events_give_up(ctx, args):

@@ -84,6 +84,18 @@ def first_unfinished_before(row: Any = WebhookEvent) -> peewee.Select:
         .order_by(_EARLIER.received_at, _EARLIER.id).limit(peewee.SQL("1")))
 
 
+def overtaken() -> peewee.Node:
+    """Whether an event of the row's order that came after it is finished: handling the
+    row now would hand it over out of its sequence (a dead event the retries or an
+    operator gave up, which let the later ones go). Nothing for a row of no order."""
+    later = WebhookEvent.alias("later")
+    return peewee.fn.EXISTS(later.select(peewee.SQL("1")).where(
+        later.order_number == WebhookEvent.order_number,
+        later.status.in_(FINAL_STATUSES),
+        peewee.Tuple(later.received_at, later.id)
+        > peewee.Tuple(WebhookEvent.received_at, WebhookEvent.id)))
+
+
 # Each new event says, in its insert's RETURNING, what it waits behind (`held_behind`).
 _HELD_BEHIND = (("held_behind", first_unfinished_before),)
 NEW_EVENT = InsertOnce(WebhookEvent, also_returning=_HELD_BEHIND)

@@ -437,7 +437,7 @@ class EventHandler(ConsoleHandler):
             raise tornado.web.HTTPError(404) from None
         self.render_page("event", event=event, payload=console.shown_payload(event),
                          effects=effects, failures=operator.FAILURES,
-                         needs_confirmation=event.given_up_at is not None
+                         needs_confirmation=event.given_up_at is not None or event.overtaken
                          or event.status not in (*operator.UNFINISHED, *operator.FAILURES))
 
 
@@ -478,7 +478,10 @@ class ReplayHandler(ConsoleHandler):
             event = await self.ctx.db(functools.partial(operator.get_event, event_id))
             why = (f"it was given up by {event.given_up_by} at "
                    f"{operator.format_time(event.given_up_at)} UTC: {event.given_up_reason}"
-                   if event.given_up_at else f"it was handled already ({event.status})")
+                   if event.given_up_at else
+                   f"calls of order {event.order_number} that came after it have been "
+                   "handled since, and it would go after them" if event.status == "dead"
+                   else f"it was handled already ({event.status})")
             self.redirect_with(page, (
                 f"Event #{event_id} not replayed: {why}. Tick the confirmation to handle "
                 "it again (its database changes are made again; its effects are not sent "
@@ -496,6 +499,8 @@ REPLAYED_NEXT = {
               "wait; give it up if it should not be.",
     "rejected": "It is final: the reason is its last error, below.",
     "ignored": "Nothing handles events of its type.",
+    "held": "It waits behind an earlier call of its order that is not finished (below): "
+            "it goes when that one is handled or given up.",
 }
 
 

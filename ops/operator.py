@@ -100,9 +100,11 @@ def get_event(event_id):
 
 
 def event_with_effects(event_id):
-    """(the event, with what it is held behind (`note_holds`), its outbox rows);
-    NotFound when there is no such event."""
+    """(the event, with what it is held behind (`note_holds`) and whether later events
+    of its order overtook it (`overtaken`: a replay would be out of sequence), its
+    outbox rows); NotFound when there is no such event."""
     [event] = note_holds([get_event(event_id)])
+    event.overtaken = event.status == "dead" and _overtaken(event)
     return event, list(Outbox.select().where(Outbox.event == event.id).order_by(Outbox.id))
 
 
@@ -122,8 +124,16 @@ def _to_replay(ctx, event_id, force):
         if not force and event.status not in FAILURES:
             raise Refused(f"event #{event.id} is {event.status}; add --force to handle "
                           "it again (its effects are not sent twice)")
+        if not force and _overtaken(event):
+            raise Refused(f"event #{event.id} is dead, and events of order "
+                          f"{event.order_number} that came after it have been handled "
+                          "since; add --force to handle it after them all the same")
         event = _reopen(ctx, event)
     return event
+
+
+def _overtaken(event):
+    return WebhookEvent.select().where(WebhookEvent.id == event.id, inbox.overtaken()).exists()
 
 
 def _reopen(ctx, event):
@@ -142,11 +152,12 @@ class Replayed:
 
 
 async def replay_failed(ctx, progress: Optional[Callable[[int, int], None]] = None):
-    """Every failed or dead event but those an operator gave up, oldest first, one after
-    the other (so the effects of one order keep their order); `progress(done, total)`
-    after each."""
+    """Every failed or dead event but those an operator gave up and those later events of
+    their order have overtaken (engine.inbox.overtaken: one is replayed alone, forced),
+    oldest first, one after the other (so the effects of one order keep their order);
+    `progress(done, total)` after each."""
     failed = await ctx.db(lambda: list(
-        WebhookEvent.select().where(awaiting_an_operator())
+        WebhookEvent.select().where(awaiting_an_operator(), ~inbox.overtaken())
         .order_by(WebhookEvent.received_at, WebhookEvent.id)))
     replayed = []
     if progress:
@@ -225,12 +236,15 @@ def give_up_event(ctx, event_id: int, reason: str,
 
 def retry_events(ctx, conditions: Sequence[peewee.Expression],
                  retried_by: tuple[str, str]) -> int:
-    """The events matching every one of `conditions` that await an operator and that no
-    handling holds, back in line: failed, due now, attempts counted afresh; the scheduler
+    """The events matching every one of `conditions` that await an operator, that no
+    handling holds and that no later event of their order has overtaken
+    (engine.inbox.overtaken: one is replayed alone, forced), back in line: failed, due
+    now, attempts counted afresh; the scheduler
     handles them at its next runs, oldest first (engine.inbox.retry_due). Each retry kept
     in the record of actions. Returns how many."""
     now = ctx.clock()
-    chosen = (*conditions, awaiting_an_operator(), not_in_flight(ctx, WebhookEvent))
+    chosen = (*conditions, awaiting_an_operator(), not_in_flight(ctx, WebhookEvent),
+              ~inbox.overtaken())
     _record_each(WebhookEvent, chosen, retried_by, "retry event", "back in line", now)
     return (WebhookEvent.update(status="failed", attempts=0, next_attempt_at=now,
                                 updated_at=now)

@@ -260,3 +260,21 @@ async def test_an_earlier_event_given_up_by_an_operator_lets_the_held_ones_go(po
     assert events_by_status() == [("fulfillment/authorization_required", "dead"),
                                   ("fulfillment/awaiting_intake", "processed")]
     assert ComplianceOrder.get().fulfillment_status == "awaiting_intake"
+
+
+@pytest.mark.gen_test
+async def test_a_dead_event_overtaken_by_its_orders_later_calls_is_replayed_only_when_forced(
+        post, ctx, clock, smtp):
+    """Given up, it let the later calls of its order go; replayed now it would be handled
+    after them: `replay` and `replay --failed` leave it unless forced."""
+    clock.set(2026, 11, 20, 9, 0)
+    ctx.settings = dataclasses.replace(ctx.settings, inbox_max_attempts=1)
+    await report(post, "authorization_required")  # dead at once: the order is not in
+    compliance_order()
+    await report(post, "awaiting_intake")
+    first, later = WebhookEvent.select().order_by(WebhookEvent.id)
+    assert (first.status, later.status) == ("dead", "processed")
+    with pytest.raises(operator.Refused, match="add --force"):
+        await operator.replay(ctx, first.id)
+    assert await operator.replay_failed(ctx) == []
+    assert await operator.replay(ctx, first.id, force=True) == "processed"

@@ -178,7 +178,7 @@ async def test_the_events_a_filter_finds_are_retried_or_given_up_at_once(
     # Of an order of its own: an unfinished event holds its order's later ones.
     held = failed_event(source="card", event_type="x", order_number="CO-8",
                         next_try=at(2026, 11, 23, 12, 0, 30))
-    done = stored_event(source="card", event_type="x", status="processed")
+    done = stored_event(source="card", event_type="x", status="processed", order_number="CO-7")
     workflow = [failed_event(order_number=f"FO-{n}") for n in range(2)]
 
     page = text(await logged_in.get("/console/events?source=card&status=failed"))
