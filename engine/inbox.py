@@ -1026,7 +1026,8 @@ async def _fail(ctx, event, error):
 
 def _record_failure(ctx, event, error):
     """Failed with a retry time; dead, with one admin e-mail, once the retry policy gives
-    up (engine.retry)."""
+    up (engine.retry). An event made due meanwhile (its order came in while it was
+    handled: domain.intake) stays due: what it waited for may be there now."""
     now = ctx.clock()
     attempts = event.attempts + 1
     error = error_text(error)
@@ -1034,10 +1035,21 @@ def _record_failure(ctx, event, error):
     if policy.gives_up(attempts):
         _give_up(ctx, event, attempts, error)
         return
+    next_attempt_at = now + policy.delay(attempts)
+    if _made_due_meanwhile(event, now):
+        next_attempt_at = now
     (WebhookEvent.update(status="failed", attempts=attempts, updated_at=now, last_error=error,
-                         processed_at=None,
-                         next_attempt_at=now + policy.delay(attempts))
+                         processed_at=None, next_attempt_at=next_attempt_at)
      .where(WebhookEvent.id == event.id).execute())
+
+
+def _made_due_meanwhile(event, now):
+    """Whether the event's next try was moved to now or before by someone else while it
+    was handled: it is no longer the lease (or the nothing) its handling holds."""
+    current = WebhookEvent.select(WebhookEvent.next_attempt_at).where(
+        WebhookEvent.id == event.id).scalar()
+    current = WebhookEvent.next_attempt_at.python_value(current)
+    return current is not None and current != event.next_attempt_at and current <= now
 
 
 def _give_up(ctx, event, attempts, error):

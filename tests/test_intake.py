@@ -5,6 +5,7 @@ there yet are made due the moment it arrives."""
 import asyncio
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import re
@@ -14,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings as hypothesis_settings, strategies as st
 
 from domain import intake
-from engine import inbox
+from engine import claims, inbox
 from models import (
     ORDER_MODELS, UTC, BundleOrder, ComplianceOrder, CrtcOrder, FormationOrder, WebhookEvent,
 )
@@ -564,3 +565,24 @@ async def test_the_readme_s_first_order_for_make_run_is_made_as_it_says(
     assert (order["kind"], order["order_number"]) == ("formation", "FO-0001")
     assert order["shop"]["customer_email"] == "ana@example.com"
     assert FormationOrder.get().service_name == "Wyoming LLC"
+
+
+@pytest.mark.gen_test
+async def test_a_call_failing_while_its_order_comes_in_stays_due(ctx, clock):
+    """The inbox retry holds the call (its order not there when it read); the order comes
+    in and makes it due; the handling then records its failure: it stays due, not put
+    off by the retry's backoff, up to hours for a call that failed often."""
+    clock.fixed = NOW
+    event = WebhookEvent.create(source="crypto", event_type="PAID", dedup_key="k",
+                                payload="{}", order_number="CA-9", status="failed",
+                                attempts=6, next_attempt_at=NOW, received_at=NOW)
+    [claimed] = await claims.claim(ctx, WebhookEvent, WebhookEvent.id == event.id)
+    clock.fixed = NOW + datetime.timedelta(seconds=5)
+    through_the_door(functools.partial(intake.make_waiting_due, "CA-9", clock.fixed))
+    await ctx.db(functools.partial(inbox._record_failure, ctx, claimed, "no such order"))
+    assert WebhookEvent.get_by_id(event.id).next_attempt_at == clock.fixed
+    # Not made due meanwhile: its backoff.
+    [claimed] = await claims.claim(ctx, WebhookEvent, WebhookEvent.id == event.id)
+    await ctx.db(functools.partial(inbox._record_failure, ctx, claimed, "no such order"))
+    assert WebhookEvent.get_by_id(event.id).next_attempt_at > clock.fixed + datetime.timedelta(
+        minutes=10)
