@@ -527,7 +527,10 @@ class Settings:
             raise ConfigurationError(
                 f"RECEIVER_ENV=production needs real secrets for the senders in use "
                 f"(SENDERS={','.join(self.senders)}); not set: " + ", ".join(missing))
-        if "orders" in self.senders and len(self.orders_api_key) < MIN_ORDERS_API_KEY_LENGTH:
+        # Set, the key opens the orders API whatever SENDERS says: a weak one never does.
+        if (("orders" in self.senders or self.orders_api_key)
+                and (_placeholder(self.orders_api_key)
+                     or len(self.orders_api_key) < MIN_ORDERS_API_KEY_LENGTH)):
             raise ConfigurationError(
                 f"RECEIVER_ENV=production needs an ORDERS_API_KEY of "
                 f"{MIN_ORDERS_API_KEY_LENGTH} random characters or more (python3 -c 'import "

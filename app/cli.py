@@ -591,6 +591,7 @@ async def reconcile_workflow(ctx, args):
     finally:
         await lock.release()
     print(f"looked at {counts.listed} document(s): {counts.handled} change(s) handled, "
+          f"{counts.held} held behind an earlier call of their order, "
           f"{counts.already} already stored, {counts.recorded} recorded and not handled, "
           f"{counts.unusable} not usable")
     for doctype in counts.failed:

@@ -81,6 +81,9 @@ class Counts:
     # State changes recorded and not handled (left before they were handled, or older
     # than one handled), the administrator told.
     recorded: int = 0
+    # State changes stored and waiting behind an earlier call of their order that is not
+    # finished: handled in that order's turn (engine.inbox).
+    held: int = 0
     failed: list = dataclasses.field(default_factory=list)  # doctypes Frappe did not list
     # The run spent WORKFLOW_RECONCILE_DATABASE_SECONDS and stopped before its end.
     stopped: bool = False
@@ -492,6 +495,10 @@ async def _reconcile_document(ctx, doctype, document, window, counts) -> str | N
             continue
         if outcome == "ignored":
             counts.recorded += 1
+            continue
+        if outcome == inbox.HELD:
+            # Stored, and handled in its order's turn (BEHAVIOUR.md 6.1).
+            counts.held += 1
             continue
         counts.handled += 1
         log.warning("reconciliation: %s of %s (%s), entered at %s, had no webhook; handled "

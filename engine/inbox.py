@@ -820,8 +820,8 @@ async def _release_after(ctx, event, outcome):
 async def release(ctx: EngineContext, order_number: str) -> int:
     """Hand the first unfinished event of the order to its plugin while it is due (a held
     event is; a failed one whose retry time has not come holds the rest), one after
-    another; returns how many. What finishing an event of the order calls for, here
-    (`process`), or giving one up from the console or the command line."""
+    another; returns how many. What finishing an event of the order here calls for
+    (`process`); the inbox retry does the same for every order (`_due`)."""
     handled = 0
     while True:
         events = await claim(ctx, WebhookEvent,

@@ -3,7 +3,6 @@
 None of them needs a secret and none of them shows one: they say what is wrong in words
 an operator can act on (which part is down), never a connection string."""
 import asyncio
-import functools
 import logging
 import os
 

@@ -50,6 +50,13 @@ def test_production_refuses_an_unset_or_placeholder_orders_key_when_the_api_is_u
                            "ORDERS_API_KEY": value})
 
 
+@pytest.mark.parametrize("value", ["change-me", "short-key"])
+def test_production_refuses_a_weak_orders_key_even_with_the_api_left_out_of_senders(value):
+    """Set, the key opens the orders API whatever SENDERS says (found by a review)."""
+    with pytest.raises(ConfigurationError, match="ORDERS_API_KEY of 32 random characters"):
+        Settings.from_env({**PRODUCTION, "ORDERS_API_KEY": value})
+
+
 def test_production_refuses_a_short_orders_key():
     with pytest.raises(ConfigurationError, match="ORDERS_API_KEY of 32 random characters"):
         Settings.from_env({**PRODUCTION, "SENDERS": "orders,workflow,card,crypto",
