@@ -10,7 +10,6 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-import uuid
 
 import psycopg2
 import pytest
@@ -257,45 +256,52 @@ def _serves_through_the_outage(service, port):
         service.kill()
 
 
-@pytest.fixture
-def role_not_let_in(database_url):
-    """A role PostgreSQL knows and does not let log in (NOLOGIN)."""
-    admin = psycopg2.connect(database_url)
-    admin.autocommit = True
-    name = f"receiver_nologin_{uuid.uuid4().hex[:8]}"
-    admin.cursor().execute(f'CREATE ROLE "{name}" NOLOGIN')
-    yield name
-    admin.cursor().execute(f'DROP ROLE "{name}"')
-    admin.close()
+# A role every PostgreSQL has and lets no one log in as (NOLOGIN): no role of our own to
+# create, which the suite's own role may not do.
+NOT_LET_IN = "pg_monitor"
+
+
+def server_refusal(url):
+    """What the server says when refusing `url`: its own words, as libpq gives them."""
+    with pytest.raises(psycopg2.OperationalError) as refused:
+        psycopg2.connect(url, connect_timeout=10).close()
+    return str(refused.value).split("FATAL:", 1)[-1].strip().splitlines()[0]
 
 
 @postgres_only
 @pytest.mark.parametrize("wrong,reason", [
     ("database", 'database "receiver_no_such_database" does not exist'),
     ("role", 'role "receiver_no_such_role" does not exist'),
-    ("login", 'role "{role}" is not permitted to log in'),
+    ("login", f'role "{NOT_LET_IN}" is not permitted to log in'),
 ])
 def test_serve_and_the_commands_on_a_database_refusing_our_settings_exit_1_with_one_line(
-        tmp_path, database_url, role_not_let_in, wrong, reason):
+        tmp_path, database_url, wrong, reason):
     """A database that does not exist, or a role it refuses, is a setting to fix, not an
     outage: `serve` does not listen and spool, it says why on one line (the server's
-    reason, never the password) and exits 1; so do `migrate` and the operator's commands."""
+    reason, never the password) and exits 1; so do `migrate` and the operator's commands.
+    A server that asks for passwords says of a role it refuses only that the password
+    failed (it does not tell which roles exist): the same refusal, in its words."""
     parts = urllib.parse.urlsplit(database_url)
     user, name = {"database": (parts.username, "receiver_no_such_database"),
                   "role": ("receiver_no_such_role", parts.path.lstrip("/")),
-                  "login": (role_not_let_in, parts.path.lstrip("/"))}[wrong]
+                  "login": (NOT_LET_IN, parts.path.lstrip("/"))}[wrong]
+    # The suite's own password where the role is ours, so the server gets to the database.
+    password = parts.password if wrong == "database" else "pg-password-zz"
+    login = f"{user}:{password}" if password else user
     url = urllib.parse.urlunsplit(parts._replace(
-        netloc=f"{user}:pg-password-zz@{parts.hostname}:{parts.port or 5432}", path=f"/{name}"))
+        netloc=f"{login}@{parts.hostname}:{parts.port or 5432}", path=f"/{name}"))
+    said = server_refusal(url)
+    assert said in (reason, f'password authentication failed for user "{user}"'), said
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
-    expected = (f"receiver: the database refuses our settings: "
-                f"{reason.format(role=role_not_let_in)}; check DATABASE_URL (the database's "
-                "name, the user and its password)\n")
+    expected = (f"receiver: the database refuses our settings: {said}; check DATABASE_URL "
+                "(the database's name, the user and its password)\n")
     for command in ("serve", "migrate", "events"):
         result = run(command, *(("list",) if command == "events" else ()),
                      env=serve_env(tmp_path, RECEIVER_PORT=str(port), DATABASE_URL=url))
         assert (result.returncode, result.stderr) == (1, expected), command
+        assert not password or password not in result.stderr
     assert not os.path.exists(tmp_path / "spool")
 
 
