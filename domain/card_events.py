@@ -99,7 +99,7 @@ async def accept(ctx, event, raw):
         ctx, SOURCE, event["type"], dedup_key(event), raw, external_id=event["id"],
         order_number=metadata_of(object_of(event)).get("order_id"),
         in_background=in_background,
-        ahead=() if in_background else ctx.plugins[SOURCE].ahead_of(event["type"], event))
+        orders=() if in_background else ctx.plugins[SOURCE].orders_of(event["type"], event))
 
 
 async def reject(ctx, raw, reason):

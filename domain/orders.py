@@ -2,16 +2,15 @@
 
 Each runs inside the caller's transaction and asks for its effects through `effects`, so
 an event's changes and the mail, jobs and alerts they cause happen together, once."""
-import functools
 import logging
 
 import peewee
 
 from models import ORDER_MODELS, SubscriptionCycle
-from engine import commits
-from engine.commits import Ahead, AheadStatement, raise_if_conflict, savepoint
+from engine.commits import raise_if_conflict, savepoint
 from engine.db import locked
-from engine.prepared import ArraySlot, Prepared, save_changes, slot
+from engine.prepared import save_changes
+from engine.store.orders import OrderStore
 from domain import payment_state
 from domain.money import Money
 
@@ -58,180 +57,27 @@ def payment_method_of(processor_type):
     return PAYMENT_METHODS.get(processor_type or "")
 
 
-def _order_by_number(model, for_update):
-    def build():
-        query = model.select().where(model.order_number == slot(model.order_number))
-        return locked(query) if for_update else query
-    return Prepared(build, on_server=True)
-
-
-ORDER_BY_NUMBER = {(order_type, for_update): _order_by_number(model, for_update)
-                   for order_type, model in ORDER_MODELS.items() for for_update in (False, True)}
+# Until each caller is given its transaction: the order store, read in the caller's.
+_STORE = OrderStore()
 
 
 def find_order(order_type, order_number, for_update=False):
-    """The order of that kind and number, or None; `for_update`: locked for the
-    transaction, and taken from the turn's orders read ahead (`OrderAhead`) when kept."""
+    """The order of that kind and number, or None; `for_update`: locked."""
     if for_update:
-        kept = commits.take_row(ORDER_MODELS[order_type], order_number)
-        if kept is not commits.NOT_KEPT:
-            return kept
-    return ORDER_BY_NUMBER[order_type, for_update].first(order_number=order_number)
-
-
-def _orders_by_numbers(model):
-    """`_order_by_number` locked, for several numbers at once, in their order: two
-    processes lock the same orders in the same order."""
-    return Prepared(lambda: locked(model.select().where(
-        model.order_number == peewee.fn.ANY(peewee.Cast(
-            ArraySlot("numbers", model.order_number), "text[]"))).order_by(model.order_number)))
-
-
-# Not prepared on the server, as NAMES_OF_ANY_KIND (below).
-ORDERS_BY_NUMBERS = {order_type: _orders_by_numbers(model)
-                     for order_type, model in ORDER_MODELS.items()}
-
-
-class OrderAhead(Ahead):
-    """The order a plugin locks and reads (`find_order(..., for_update=True)`), read
-    ahead with the turn's others of its kind (engine.commits.Ahead: a part of the
-    statement that inserts the turn's events), locked as the plugin's own read would
-    lock it, and kept for the turn (`commits.keep_rows`): the plugin's read takes it,
-    unless a write to its table in the turn came first and dropped it; a second read
-    goes to the database. Asked for where the call's unit will read it (a plugin's
-    `ahead`, plugins.registry): an order read ahead and not taken (the call was a copy)
-    stays locked until the turn's COMMIT all the same. Locked before the unit's own
-    writes (a crypto payment's treasury job), where the unit alone would lock it after
-    them: a deadlock with a process locking in the other order is a conflict, and its
-    unit is run again (engine.commits)."""
-
-    def __init__(self, order_type: str, order_number: str) -> None:
-        self.order_type, self.order_number = order_type, order_number
-
-    @classmethod
-    def statements(cls, items: list[Ahead]) -> list[AheadStatement]:
-        """The turn's orders locked in one order, whichever kind of item asked: kind
-        after kind (by name), each kind's by number. Two turns that lock the same orders
-        then lock them in the same order, and neither waits on the other while holding
-        what the other waits for (a deadlock). The names read ahead
-        (`OrderNameAhead`, made here) lock every order asked for; the orders read in
-        full after them are then the turn's already."""
-        by_kind: dict[str, list[OrderAhead]] = {}
-        named = []
-        for item in items:
-            if isinstance(item, OrderNameAhead):
-                named.append(item)
-            elif isinstance(item, OrderAhead):
-                by_kind.setdefault(item.order_type, []).append(item)
-        read_in_full = [item.order_number for of_a_kind in by_kind.values()
-                        for item in of_a_kind]
-        locking = [OrderNameAhead.locking(named, read_in_full)] if named else []
-        return locking + [cls._locking(order_type, by_kind[order_type])
-                          for order_type in sorted(by_kind)]
-
-    @staticmethod
-    def _locking(order_type: str, items: list["OrderAhead"]) -> AheadStatement:
-        """The statement that locks and reads the orders of one kind."""
-        numbers = sorted({item.order_number for item in items})
-        statement = ORDERS_BY_NUMBERS[order_type]
-
-        def take(names, rows):
-            found = dict.fromkeys(numbers)
-            for order in statement.instances(names, rows):
-                found[order.order_number] = order
-            commits.keep_rows(ORDER_MODELS[order_type], found)
-            for item in items:
-                item.done = True
-        return statement.ahead(take, numbers=numbers)
+        return _STORE.lock_order(order_type, order_number)
+    return _STORE.order(order_type, order_number)
 
 
 def find_any_kind(order_number):
     """The order with that number, whatever its kind, or None. The kind its prefix
     names is looked in first."""
-    first = order_type_of(order_number)
-    for order_type in (first, *(kind for kind in ORDER_MODELS if kind != first)):
-        order = find_order(order_type, order_number)
-        if order is not None:
-            return order
-    return None
-
-
-def _every_order_table(select):
-    """One statement for every order table: the rows `select(model, kind)` gives for each,
-    `kind` the column that names the table's kind; the tables in the order of their
-    kinds' names (the order a turn locks orders in, OrderAhead)."""
-    selects = [select(model, peewee.Value(kind).alias("kind"))
-               for kind, model in sorted(ORDER_MODELS.items())]
-    return functools.reduce(lambda union, select: union.union_all(select), selects)
-
-
-def _name_of_any_kind():
-    """(kind, order_name) of each order with that number (at most one a kind)."""
-    return _every_order_table(lambda model, kind: model.select(kind, model.order_name)
-                              .where(model.order_number == slot(model.order_number)))
-
-
-NAME_OF_ANY_KIND = Prepared(_name_of_any_kind, on_server=True)
-
-
-def _names_of_any_kind():
-    """`_name_of_any_kind` for several numbers at once, each order locked, the kinds in
-    turn and each kind's by number (OrderAhead): (kind, order_number, order_name)."""
-    def locked_names(model, kind):
-        rows = locked(model.select(model.order_number, model.order_name).where(
-            model.order_number == peewee.fn.ANY(
-                peewee.Cast(ArraySlot("numbers", model.order_number), "text[]")))
-            .order_by(model.order_number)).alias("locked")
-        return peewee.Select([rows], [kind, rows.c.order_number, rows.c.order_name]).bind(
-            model._meta.database)
-    return _every_order_table(locked_names)
-
-
-# Not prepared on the server: a plan made without the array would not know how few it
-# holds, and would scan each table.
-NAMES_OF_ANY_KIND = Prepared(_names_of_any_kind)
-
-
-class OrderNameAhead(Ahead):
-    """The order name a workflow call's plugin reads (`remember_order_name`), read ahead
-    with the turn's others (engine.commits.Ahead) and kept for the turn: used by the
-    first read of that order's name in the turn, which comes before the only write of a
-    name (RENAME) that could make it stale; a second read goes to the database. The
-    orders of that number, of every kind, are locked as they are read, in the turn's
-    one order with the orders the payments lock (`OrderAhead`, which makes the
-    statement): the call may rename one, or move its fulfilment status."""
-
-    together_with = OrderAhead
-
-    def __init__(self, order_number: str) -> None:
-        self.order_number = order_number
-
-    @staticmethod
-    def locking(items: list["OrderNameAhead"], also: list[str]) -> AheadStatement:
-        """The statement that locks and reads the names of the orders of `items`' numbers
-        and `also`'s, of every kind."""
-        asked = {item.order_number for item in items}
-
-        def take(names, rows):
-            found: dict[str, dict[str, str | None]] = {number: {} for number in asked}
-            for kind, number, name in rows:
-                if number in asked:
-                    found[number][kind] = name
-            commits.for_this_turn(OrderNameAhead, dict).update(found)
-            for item in items:
-                item.done = True
-        return NAMES_OF_ANY_KIND.ahead(take, numbers=sorted(asked.union(also)))
+    return _STORE.order_of_any_kind(order_number, order_type_of(order_number))
 
 
 def order_name_of_any_kind(order_number):
-    """(kind, order_name) of the order with that number, whatever its kind, in one
-    round trip (none when read ahead, `OrderNameAhead`); the kind its prefix names wins
-    (as in find_any_kind). None when no order has that number."""
-    found = None
-    if commits.together():
-        found = commits.for_this_turn(OrderNameAhead, dict).pop(order_number, None)
-    if found is None:
-        found = dict(NAME_OF_ANY_KIND.execute(order_number=order_number).fetchall())
+    """(kind, order_name) of the order with that number, whatever its kind; the kind its
+    prefix names wins (as in find_any_kind). None when no order has that number."""
+    found = _STORE.names_of(order_number)
     if not found:
         return None
     first = order_type_of(order_number)
@@ -243,12 +89,6 @@ def document_name(order):
     """The name of the order's document in the workflow system: the order_name its
     webhooks gave, or, while none has come, the order number."""
     return order.order_name or order.order_number
-
-
-RENAME = {order_type: Prepared(lambda model=model: model.update(
-    order_name=slot(model.order_name), updated_at=slot(model.updated_at)).where(
-    model.order_number == slot(model.order_number)), on_server=True)
-    for order_type, model in ORDER_MODELS.items()}
 
 
 def remember_order_name(ctx, order_number, order_name):
@@ -263,8 +103,7 @@ def remember_order_name(ctx, order_number, order_name):
             found = order_name_of_any_kind(order_number)
             if found is None or found[1] == order_name:
                 return False
-            RENAME[found[0]].execute_later(order_name=order_name, updated_at=ctx.clock(),
-                                           order_number=order_number)
+            _STORE.rename_order(found[0], order_number, order_name, ctx.clock())
             return True
     except peewee.PeeweeException as failure:
         raise_if_conflict(failure)

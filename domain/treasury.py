@@ -27,9 +27,10 @@ from models import LedgerEntry, TreasuryJob, is_postgres
 from engine.payload import exact_json
 from engine.commits import raise_if_conflict, savepoint
 from domain.money import Money, minor_units
-from domain.orders import (CRYPTO_REFERENCE, CRYPTO_SOURCE, OrderAhead, OrderNotFound,
+from domain.orders import (CRYPTO_REFERENCE, CRYPTO_SOURCE, OrderNotFound,
                            complete_payment, email_admin, order_type_of)
 from engine.prepared import InsertOnce, InsertOrUpdate, Prepared, save_changes, slot
+from engine.transaction import OrderRef
 
 log = logging.getLogger("receiver.crypto")
 
@@ -397,13 +398,12 @@ def tell_mispaid(ctx, effects, callback, order):
                 coins=f"{callback.amount_coin} {callback.coin}", by_total=by_total)
 
 
-def read_ahead(payload):
-    """The order `receive_payment` completes (locked and read), read ahead with the
-    turn's others (domain.orders.OrderAhead); none when the callback is only logged."""
+def orders_of(payload):
+    """The order `receive_payment` completes; none when the callback is only logged."""
     callback = Callback.parse(payload)
     if not callback.to_be_processed:
         return ()
-    return (OrderAhead(callback.order_type, callback.external_id),)
+    return (OrderRef(callback.order_type, callback.external_id),)
 
 
 def tell_not_in_usd(ctx, effects, callback):

@@ -42,6 +42,8 @@ from engine.contracts import Accepted, EngineContext, Stored
 from engine.spool import Entry
 from engine.db import UNAVAILABLE, due_by, locked, why_unavailable
 from engine.prepared import InsertMany, InsertOnce, Prepared, slot
+from engine.store.orders import OrderRef, ahead_of as orders_ahead
+from engine.transaction import Transaction
 
 log = logging.getLogger("receiver.events")
 # During an outage every call is spooled: one line per minute and reason, with a count.
@@ -194,7 +196,7 @@ async def accept(ctx: EngineContext, source: str, event_type: str, dedup_key: st
                  payload: str | bytes, in_background: bool = False,
                  send_within: float | None = None,
                  handled_by: Callable[[], WebhookEvent | None] | None = None,
-                 ahead: Sequence[Ahead] = (),
+                 orders: Sequence[OrderRef] = (),
                  **fields: Unpack[CallFields]) -> Accepted:
     """The request path's way in: store the call as `record` does and, when it is new,
     handle it (after the answer, when `in_background`). Returns (event, created,
@@ -213,9 +215,8 @@ async def accept(ctx: EngineContext, source: str, event_type: str, dedup_key: st
     late workflow webhook, domain.reconcile.same_stay); the call is then that event's
     duplicate. A call spooled meanwhile is stored by the drain without it.
 
-    `ahead`: what the unit that stores and handles the call asks to have done before the
-    turn's units run (engine.commits.Ahead: a read its plugin will make), beside its
-    event's insert."""
+    `orders`: the orders its plugin's handling reads (a plugin's `orders_of`), read for
+    the turn's units together, beside its event's insert (engine.store.orders)."""
     call = _call(ctx, source, event_type, dedup_key, payload, **fields)
     where = _behind_the_spool(ctx, call)
     if where is JOINED:
@@ -229,6 +230,7 @@ async def accept(ctx: EngineContext, source: str, event_type: str, dedup_key: st
         return Accepted(event, created, None)
     new_event = (_NewEvent(ctx, call, handle_now=not in_background)
                  if handled_by is None and not call["also_known_as"] else None)
+    ahead: tuple[Ahead, ...] = orders_ahead(orders)
     if new_event is not None:
         ahead = (new_event, *ahead)
     checked = True
@@ -904,13 +906,13 @@ async def _handle(ctx, event, checked):
             if not checked and await ctx.commits.run(functools.partial(
                     _held_by, ctx, event)) is not None:
                 return HELD
-            effects = outbox.Effects(ctx, event)
+            effects = Transaction(ctx, event)
             await plugin(ctx, payload, effects)
             outcome = await ctx.commits.run(functools.partial(_conclude, ctx, event, effects))
         else:
             outcome, effects = await ctx.commits.run(
                 functools.partial(_handle_in_transaction, ctx, event, plugin, payload),
-                registry.ahead_of(event.event_type, payload))
+                orders_ahead(registry.orders_of(event.event_type, payload)))
             if effects is None:
                 return outcome
     except Exception as exc:
@@ -959,7 +961,7 @@ def _held_by(ctx, event):
 
 def _run_plain(ctx, event, plugin, payload, first_handling=False):
     """`first_handling`: the event was stored in this same unit, as processed."""
-    effects = outbox.Effects(ctx, event, first_handling)
+    effects = Transaction(ctx, event, first_handling)
     plugin(ctx, payload, effects)
     return _conclude(ctx, event, effects, stored_processed=first_handling), effects
 

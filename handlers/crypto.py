@@ -12,8 +12,9 @@ import re
 import lograte
 from handlers.base import ApiHandler, same_secret
 from domain import treasury
-from engine import inbox, outbox
+from engine import inbox
 from engine.db import UNAVAILABLE
+from engine.transaction import Transaction
 
 log = logging.getLogger("receiver.crypto")
 REPEATS = lograte.Repeats(log)
@@ -112,7 +113,7 @@ class CryptoProcessorWebhookHandler(ApiHandler):
         _, _, outcome = await inbox.accept(
             self.ctx, SOURCE, status, callback.dedup_key(), raw,
             external_id=callback.external_id, order_number=callback.external_id,
-            ahead=self.ctx.plugins[SOURCE].ahead_of(status, body))
+            orders=self.ctx.plugins[SOURCE].orders_of(status, body))
         return outcome, []
 
     async def ignore(self, raw, body):
@@ -137,7 +138,7 @@ class CryptoProcessorWebhookHandler(ApiHandler):
 
         def keep_and_tell():
             event, created = inbox.store(*call, **kept_as)
-            effects = outbox.Effects(self.ctx, event, first_handling=created)
+            effects = Transaction(self.ctx, event, first_handling=created)
             if created and treasury.claims_paid(body):
                 self.tell_admin(effects, event, external_id, reason, raw)
             # The list itself: on PostgreSQL it is filled at the turn's end (Effects).

@@ -128,5 +128,5 @@ class WorkflowWebhookHandler(ApiHandler):
             self.ctx, "workflow", path, dedup_key, self.raw_body,
             order_number=body["order_number"], **earlier,
             handled_by=handled_by, send_within=self.ctx.settings.workflow_answer_budget_seconds,
-            ahead=self.ctx.plugins["workflow"].ahead_of(path, body))
+            orders=self.ctx.plugins["workflow"].orders_of(path, body))
         return event, outcome

@@ -25,18 +25,18 @@ class Registry:
     def get(self, key):
         return self._plugins.get(key)
 
-    def ahead_of(self, key, payload):
-        """What the plugin for `key` will read of the database when it handles `payload`
-        in the unit that stores it, to be read ahead with the turn's other units'
-        (engine.commits.Ahead): its `ahead(payload)`, if it has one. Nothing for a
-        payload it cannot read: its unit then reads what it can, and records why not."""
-        ahead = getattr(self.get(key), "ahead", None)
-        if ahead is None:
+    def orders_of(self, key, payload):
+        """The orders the plugin for `key` reads when it handles `payload`
+        (engine.transaction.OrderRef): its `orders_of(payload)`, if it has one. Nothing
+        for a payload it cannot read: its handling then reads what it can, and records
+        why not."""
+        orders_of = getattr(self.get(key), "orders_of", None)
+        if orders_of is None:
             return ()
         try:
-            return tuple(ahead(payload))
+            return tuple(orders_of(payload))
         except Exception as unreadable:
-            log.warning("%s %s: nothing asked ahead, its unit reads for itself (%s: %.200s)",
+            log.warning("%s %s: its orders not named, its handling reads them (%s: %.200s)",
                         self.what, key, type(unreadable).__name__, unreadable)
             return ()
 
@@ -62,10 +62,10 @@ def crypto_status(status):
     return crypto_statuses.register(status)
 
 
-def reads_ahead(ahead):
-    """Give a plugin function its `ahead(payload)` (`Registry.ahead_of`)."""
+def with_orders(orders_of):
+    """Give a plugin function its `orders_of(payload)` (`Registry.orders_of`)."""
     def decorator(plugin):
-        plugin.ahead = ahead
+        plugin.orders_of = orders_of
         return plugin
     return decorator
 

@@ -174,19 +174,19 @@ async def test_a_session_whose_mode_cannot_be_read_is_kept_as_failed(post, clock
     assert answer[:2] == RECEIVED
     [event] = WebhookEvent.select()
     assert event.status == "failed" and "TypeError" in event.last_error
-    assert "checkout.session.completed: nothing asked ahead" in caplog.text
+    assert "checkout.session.completed: its orders not named" in caplog.text
     assert ComplianceOrder.get().payment_status == "pending_payment" and not telegram.requests
 
 
-def test_a_session_asks_its_order_read_ahead_only_when_its_unit_locks_it():
-    """What the plain handling will lock and read (domain.orders.OrderAhead): the order
+def test_a_session_names_its_order_only_when_its_unit_locks_it():
+    """What the plain handling will lock and read (its `orders_of`): the order
     a paid or free session completes; none for a session paid through several allowed
     methods on a CRTC order (Stripe is asked first, and the order read after), one not
     paid yet, or one naming no order of ours."""
     registry = plugins.registries()["card"]
 
     def asked(session):
-        return [(item.order_type, item.order_number) for item in registry.ahead_of(
+        return [(ref.kind, ref.number) for ref in registry.orders_of(
             "checkout.session.completed", se.event("checkout.session.completed", session))]
     assert asked(se.checkout_session("FO-1", "formation")) == [("formation", "FO-1")]
     assert asked(se.checkout_session_needing_no_payment("BU-1", "bundle")) == [

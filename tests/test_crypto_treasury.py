@@ -295,15 +295,14 @@ async def test_a_failed_ledger_write_takes_the_job_with_it(post, db, telegram, c
     assert CrtcOrder.get().payment_status == "paid"
 
 
-def test_a_callback_asks_its_order_read_ahead_only_when_it_completes_it():
-    """What PAID and OVERPAID lock and read (domain.orders.OrderAhead): the order a paid
+def test_a_callback_names_its_order_only_when_it_completes_it():
+    """What PAID and OVERPAID lock and read (their `orders_of`): the order a paid
     callback completes, its kind from its number; none for a notice or a callback not
     paid."""
     registry = plugins.registries()["crypto"]
 
     def asked(body):
-        return [(item.order_type, item.order_number)
-                for item in registry.ahead_of(body["status"], body)]
+        return [(ref.kind, ref.number) for ref in registry.orders_of(body["status"], body)]
     assert asked(shkeeper.paid("CO-7")) == [("compliance", "CO-7")]
     assert asked({**shkeeper.paid("X-7"), "status": "OVERPAID"}) == [("canada_crtc", "X-7")]
     assert asked({**shkeeper.paid("CO-8"), "paid": False}) == []

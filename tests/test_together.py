@@ -19,6 +19,7 @@ from domain import orders
 from engine import inbox, outbox, spool
 from engine.db import Circuit
 from engine.prepared import Prepared, save_changes, slot, write_later
+from engine.transaction import OrderRef
 from handlers.workflow import hourly_keys
 from models import (BoundedWaits, ComplianceOrder, CrtcOrder, FormationOrder, Outbox,
                     WebhookEvent, database, open_database)
@@ -169,7 +170,7 @@ async def test_an_order_renamed_by_a_call_of_the_turn_is_read_anew_by_the_next(
     def ready(name, number="FO-1"):
         body = frappe_body({"order_name": name, "order_number": number})
         return inbox.accept(ctx, "workflow", "formation/ready", f"{name}:{number}", body,
-                            order_number=number, ahead=(orders.OrderNameAhead(number),))
+                            order_number=number, orders=(OrderRef(None, number),))
     calls = await one_turn(ready("FORM-NEW"), ready("FORM-OLD"), ready("FORM-2", "FO-2"),
                            ready("FORM-3", "FO-3"))
     assert [call.outcome for call in calls] == ["processed"] * 4
@@ -224,7 +225,7 @@ def paying(card_plugin):  # noqa: F811
 
 def pays(ctx, key, order):
     """A call of the `paying` plugin, its order read ahead as a payment plugin asks."""
-    return accept(ctx, key, order, "test.pays", ahead=(orders.OrderAhead("formation", order),))
+    return accept(ctx, key, order, "test.pays", orders=(OrderRef("formation", order),))
 
 
 def paid_by_peewee(ctx, payload, effects):
@@ -316,7 +317,7 @@ async def test_orders_of_two_kinds_read_ahead_with_the_events_are_the_rows_as_re
 
     def reading(key, order):
         return accept(ctx, key, order, "test.reads",
-                      ahead=(orders.OrderAhead(orders.order_type_of(order), order),))
+                      orders=(OrderRef(orders.order_type_of(order), order),))
     calls = await one_turn(reading("a", "FO-1"), reading("b", "CA-1"), reading("c", "FO-9"),
                            reading("a", "FO-1"))
     assert [call.created for call in calls] == [True, True, True, False]
@@ -347,7 +348,7 @@ async def test_a_turn_inserts_all_its_events_before_it_locks_an_order(
         "SELECT 1 FROM formation_orders WHERE order_number = 'FO-1' FOR UPDATE")
     earlier = {"also_known_as": ["cs_earlier"]} if first != "a payment" else {}
     turn = asyncio.ensure_future(one_turn(
-        accept(ctx, "cs_a", "FO-1", "test.pays", ahead=(orders.OrderAhead("formation", "FO-1"),),
+        accept(ctx, "cs_a", "FO-1", "test.pays", orders=(OrderRef("formation", "FO-1"),),
                **earlier),
         pays(ctx, "cs_b", "FO-2"), pays(ctx, "cs_c", "FO-3")))
     sql, params = WebhookEvent.insert(
@@ -463,7 +464,7 @@ def renaming(ctx, name, number):
     order's name read ahead as the workflow handler asks."""
     body = frappe_body({"order_name": name, "order_number": number})
     return inbox.accept(ctx, "workflow", "formation/ready", f"{name}:{number}", body,
-                        order_number=number, ahead=(orders.OrderNameAhead(number),))
+                        order_number=number, orders=(OrderRef(None, number),))
 
 
 def locking(connection, table, number):

@@ -22,7 +22,8 @@ from engine.prepared import save_changes
 from domain.card_events import (metadata_of, method_of_payment, object_of, order_of_metadata,
                                 payment_method_used)
 from domain.money import Money
-from domain.orders import FREE, OrderAhead, OrderNotFound, complete_payment, find_order
+from domain.orders import FREE, OrderNotFound, complete_payment, find_order
+from engine.transaction import OrderRef
 
 log = logging.getLogger("receiver.card")
 
@@ -57,10 +58,9 @@ class CheckoutSessionCompleted:
             return None
         return functools.partial(record, method=method)
 
-    def ahead(self, event):
-        """The order the plain handling completes (locked and read by `record`), read
-        ahead with the turn's others (domain.orders.OrderAhead); none when the session
-        is handled once stored, or completes nothing yet."""
+    def orders_of(self, event):
+        """The order the plain handling completes (locked and read by `record`); none
+        when the session is handled once stored, or completes nothing yet."""
         session = object_of(event)
         order = metadata_of(session)
         order_id, order_type = order.get("order_id"), order.get("order_type")
@@ -68,7 +68,7 @@ class CheckoutSessionCompleted:
                 or not (_paid(session) or _free_because(session))
                 or self.plainly(event) is None):
             return ()
-        return (OrderAhead(order_type, order_id),)
+        return (OrderRef(order_type, order_id),)
 
 
 card_event("checkout.session.completed")(CheckoutSessionCompleted())

@@ -3,7 +3,8 @@ fields it requires, the workflow action it applies, the job it dispatches and th
 it answers with; `WorkflowWebhook` does the rest."""
 from plugins.registry import workflow_webhook
 from domain import reconcile
-from domain.orders import OrderNameAhead, remember_order_name
+from domain.orders import remember_order_name
+from engine.transaction import OrderRef
 from engine.inbox import MAX_KEY_LENGTH
 from engine.outbox import stable_key, tell_admin
 
@@ -52,10 +53,9 @@ class WorkflowWebhook:
                 return f"field too long: {name} (at most {MAX_KEY_LENGTH} characters)"
         return None
 
-    def ahead(self, body):
-        """The order it names, of whichever kind, locked and its name read with the
-        turn's others (domain.orders.OrderNameAhead)."""
-        return (OrderNameAhead(body["order_number"]),)
+    def orders_of(self, body):
+        """The order it names, of whichever kind: its name is read (and may be kept)."""
+        return (OrderRef(None, body["order_number"]),)
 
     def job_payload(self, ctx, body):
         return {**{name: body[name] for name in self.fields}, **self.job_constants}

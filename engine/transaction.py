@@ -1,0 +1,64 @@
+"""The one object a plugin and a domain rule are given: `Transaction`.
+
+It is the handling of one thing (a call, a scheduled job, a customer's click): what it
+reads and writes in the database, as named, typed methods (engine.store), and what it
+asks of other systems (engine.outbox.Effects: jobs, workflow actions, e-mails, alerts),
+which are written in the same transaction as the changes that cause them and sent once
+it is committed.
+
+Its contract, for whoever writes a plugin or a domain rule:
+
+- Its database methods run inside a unit of work (`ctx.db(unit)`, or
+  `await tx.transaction(step)` for an async plugin's step, or the plugin's own call by
+  the engine): plain synchronous code in the database thread, never on the IOLoop.
+- A unit may be run again from its start (a conflict with another process, or a part of
+  the turn that failed): it must only read and write through this object and build
+  values, so running it twice does what running it once does. Effects are named
+  (`purpose` or `key`), so asking again adds nothing.
+- A write may reach the database with the next statement or the COMMIT; its failure then
+  undoes the unit, which is run again alone. Nothing needs to know when.
+- `apart(what)`: a part that may fail without spoiling the rest (a lookup whose failure
+  is logged); a conflict is never swallowed there."""
+import contextlib
+import logging
+from typing import Iterator
+
+from peewee import PeeweeException
+
+from engine.commits import raise_if_conflict
+from engine.outbox import Effects
+from engine.store.filings import FilingStore
+from engine.store.orders import OrderRef, OrderStore
+from engine.store.payments import PaymentStore
+from engine.store.reconcile import ReconcileStore
+from engine.store.treasury import TreasuryStore
+
+__all__ = ["OrderRef", "Part", "Transaction"]
+
+log = logging.getLogger("receiver.transaction")
+
+
+class Part:
+    """What `Transaction.apart` tells of its part: `failed` once it failed and was
+    undone."""
+    failed = False
+
+
+class Transaction(Effects, OrderStore, PaymentStore, TreasuryStore, ReconcileStore,
+                  FilingStore):
+    """One handling's reads, writes and effects (above)."""
+
+    @contextlib.contextmanager
+    def apart(self, what: str) -> Iterator[Part]:
+        """Run the block as a part that may fail alone: should the database refuse one of
+        its statements, its changes and the effects it asked for are undone, the failure
+        is logged with `what`, `part.failed` is set and the handling goes on after the
+        block. A conflict (the unit must run again) and any other exception propagate."""
+        part = Part()
+        try:
+            with self.savepoint():
+                yield part
+        except PeeweeException as failure:
+            raise_if_conflict(failure)
+            log.exception("%s", what)
+            part.failed = True
