@@ -28,6 +28,7 @@ from peewee import PeeweeException
 from engine.commits import raise_if_conflict
 from engine.outbox import Effects
 from engine.store.filings import FilingStore
+from engine.store.intake import IntakeStore
 from engine.store.orders import OrderRef, OrderStore
 from engine.store.payments import PaymentStore
 from engine.store.reconcile import ReconcileStore
@@ -45,7 +46,7 @@ class Part:
 
 
 class Transaction(Effects, OrderStore, PaymentStore, TreasuryStore, ReconcileStore,
-                  FilingStore):
+                  FilingStore, IntakeStore):
     """One handling's reads, writes and effects (above)."""
 
     @contextlib.contextmanager

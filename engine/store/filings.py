@@ -1,5 +1,5 @@
-"""Filings and what a customer tells us: intake, self-filings, reminders sent, links."""
+"""Filings: what a customer filed themselves, fulfilment, the commission holdback."""
 
 
 class FilingStore:
-    """Filings and what a customer tells us, in the caller's transaction."""
+    """Filings, in the caller's transaction."""
