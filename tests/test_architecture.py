@@ -107,3 +107,72 @@ def test_the_rule_sees_sql_text(tmp_path):
     wrong = tmp_path / "wrong.py"
     wrong.write_text("database.execute_sql('UPDATE formation_orders SET notes = 1')\n")
     assert sends_sql_text(wrong)
+
+
+# What the domain and the plugins are given instead: engine.transaction.Transaction, whose
+# methods say what the business asks; how the engine does it stays behind them.
+MACHINERY = {"peewee", "psycopg2", "playhouse", "engine.commits", "engine.prepared", "engine.db",
+             "engine.store"}
+# Query building and running, by the method's name: on anything (these names are the
+# query builder's alone in our code), or on a model class (update: a dict has one too).
+QUERY_CALLS = {"select", "insert", "insert_many", "insert_from", "delete", "execute",
+               "execute_sql", "get_or_none", "get_or_create", "get_by_id", "create",
+               "save", "for_update", "save_changes", "savepoint"}
+ON_A_MODEL = {"update", "get", "replace"}
+
+
+def machinery_in(path):
+    """What of the engine's machinery `path` names: modules it imports, queries it builds."""
+    tree = ast.parse(path.read_text(), str(path))
+    found = set()
+    models = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            if node.module == "models":
+                models |= {alias.asname or alias.name for alias in node.names}
+        else:
+            continue
+        found |= {f"imports {name}" for name in names
+                  if any(name == banned or name.startswith(banned + ".") for banned in MACHINERY)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            method, receiver = node.func.attr, node.func.value
+            on_a_model = isinstance(receiver, ast.Name) and (
+                receiver.id in models or receiver.id == "model")
+            if method in QUERY_CALLS or (method in ON_A_MODEL and on_a_model):
+                found.add(f"calls .{method}() (line {node.lineno})")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                node.func.id in {"save_changes", "savepoint", "locked", "write_later"}:
+            found.add(f"calls {node.func.id}() (line {node.lineno})")
+    return found
+
+
+def test_the_domain_and_the_plugins_speak_only_to_the_transaction():
+    """domain/ and plugins/ read and write through engine.transaction.Transaction alone:
+    no peewee, no engine.commits/prepared/db/store, no query of their own. A rule or a
+    plugin then reads as what the business asks, and the engine may change how it is
+    done (rows read ahead for the turn, held writes, statements joined into one round
+    trip) without a change to them."""
+    wrong = sorted(f"{module} {what}" for module, path in modules()
+                   if module.split(".")[0] in ("domain", "plugins")
+                   for what in machinery_in(path))
+    assert wrong == []
+
+
+def test_the_rule_sees_a_query_in_the_domain(tmp_path):
+    wrong = tmp_path / "wrong.py"
+    wrong.write_text(
+        "import peewee\n"
+        "from models import ComplianceOrder, ORDER_MODELS\n"
+        "from engine.commits import savepoint\n"
+        "def slug(number, found):\n"
+        "    found.update(number=number)\n"
+        "    ComplianceOrder.update(notes='x').execute()\n"
+        "    for model in ORDER_MODELS.values():\n"
+        "        model.select().where(model.order_number == number).first()\n")
+    assert machinery_in(wrong) == {
+        "imports peewee", "imports engine.commits", "imports engine.commits.savepoint",
+        "calls .update() (line 6)", "calls .execute() (line 6)", "calls .select() (line 8)"}
