@@ -133,7 +133,7 @@ def stable_key(*parts: object) -> str:
     return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:40]
 
 
-# Until effects were named (docs/ARCHITECTURE.md, "Effects are named"), an effect without
+# Until effects were named (docs/DECISIONS.md, "Effects are named"), an effect without
 # a key was keyed by its position among the effects its event's handling asked for. Rows
 # stored so are still recognised, kind by kind, when their event is handled again (a
 # retry, a replay): this many positions are looked at, more than any handling asks for.

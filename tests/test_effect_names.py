@@ -1,7 +1,7 @@
 """An effect is named by its cause and its purpose, not by its position among the effects
 its handling asks for: a handling that asks in another order (a plugin's lines moved, an
 effect asked only on a retry) sends nothing twice and loses nothing, and rows stored
-under the positional keys of before are still recognised (docs/ARCHITECTURE.md, Effects)."""
+under the positional keys of before are still recognised (docs/DECISIONS.md, "Effects are named")."""
 import hashlib
 
 import pytest

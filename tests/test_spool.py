@@ -1,5 +1,5 @@
 """The spool: calls accepted while the database is down are kept in an fsynced file and
-stored and handled once when it is back (docs/ARCHITECTURE.md, "One inbound call")."""
+stored and handled once when it is back (docs/ARCHITECTURE.md, "Durability")."""
 import base64
 import contextlib
 import dataclasses
