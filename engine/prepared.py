@@ -296,14 +296,27 @@ class InsertMany(Prepared):
     builds the condition a row must meet to be inserted, `batch(name)` naming a value of
     the row (a column's or an extra one).
 
-    `in_order_of`: columns (a unique key's) the rows are inserted in the order of, the
-    arrays' order after them, where the arrays' order alone is the default. An insert
-    waits on a key another transaction has inserted and not committed; two processes
-    inserting the same keys in opposite orders would each hold one the other waits for.
-    In the key's order, the second waits for the first and finds its keys taken. The
-    ids are still given in the arrays' order (each row's is drawn from the id's sequence
-    before the rows are put in the key's order), so the newest id is the last row
-    asked for, as it is without."""
+    The ids are in the arrays' order: the newest id is the last row asked for (the
+    inbox's arrival order and the outbox's sending order break ties by id). That rests
+    only on what PostgreSQL documents, not on the order in which it evaluates a select
+    list or inserts the rows of a select: one id is drawn from the id's sequence for
+    each row (`nextval`, "Sequence Manipulation Functions": distinct values, each
+    greater than those this session drew before) in a WITH query that calls a volatile
+    function, which PostgreSQL evaluates once per execution of the statement and never
+    folds into it (MATERIALIZED, "WITH Queries (Common Table Expressions)"); the drawn
+    ids, sorted (an aggregate's ORDER BY, "Aggregate Expressions"), go to the rows by
+    their position in the arrays (WITH ORDINALITY, "Table Functions").
+
+    `in_order_of`: the columns of a unique key. Of two rows under one such key only the
+    first in the arrays' order is inserted (DISTINCT ON, SELECT's "DISTINCT Clause");
+    of two rows under another unique key, which one is kept is not promised. The rows
+    are inserted in the key's order (an ORDER BY on the select that feeds the insert),
+    the arrays' order after it. Two processes inserting the same keys in opposite
+    orders may each hold a key the other waits for; in the key's order the second
+    usually waits for the first and finds its keys taken. PostgreSQL does not document
+    that an INSERT takes its rows in the order of its select, so this only makes
+    deadlocks rarer: a deadlock, or a lock waited for past lock_timeout, is a conflict,
+    and its turn is run again (engine.commits)."""
 
     def __init__(self, model, returning, extra=None, unless=None, in_order_of=()):
         self.fields = _written_fields(model)
@@ -318,31 +331,32 @@ class InsertMany(Prepared):
             arrays = [peewee.Cast(ArraySlot(name, field),
                                   f"{SERVER_TYPES[field.field_type]}[]")
                       for name, field in named.items()]
-            # Then in the arrays' order: of two rows under one unique key, the first is
-            # kept.
-            rows: peewee.Node = peewee.NodeList((
+            given = peewee.NodeList((
                 peewee.fn.unnest(*arrays), peewee.SQL("WITH ORDINALITY AS"),
-                peewee.Entity("batch"), peewee.EnclosedNodeList(
+                peewee.Entity("given"), peewee.EnclosedNodeList(
                     [peewee.Entity(name) for name in (*named, "position")])))
-            fields = self.fields
+            rows = peewee.Select(from_list=[given], columns=[peewee.SQL("*")]).cte("batch")
+            primary_key = model._meta.primary_key
+            sequence = peewee.SQL(f"pg_get_serial_sequence('{model._meta.table_name}', "
+                                  f"'{primary_key.column_name}')")
+            draws = peewee.Select(from_list=[peewee.Entity("batch")], columns=[
+                peewee.fn.nextval(sequence).alias("draw")]).alias("draws")
+            draw = peewee.Entity("draws", "draw")
+            drawn = peewee.Select(from_list=[draws], columns=[peewee.fn.array_agg(
+                peewee.NodeList((draw, peewee.SQL("ORDER BY"), draw))).alias("ids")]).cte(
+                    "drawn", materialized=True)
+            row_id = peewee.NodeList((peewee.Entity("drawn", "ids"), peewee.SQL("["),
+                                      batch("position"), peewee.SQL("]")), glue="")
+            select = peewee.Select(
+                from_list=[peewee.Entity("batch"), peewee.Entity("drawn")],
+                columns=[row_id, *(batch(field.column_name) for field in self.fields)],
+            ).order_by(*(batch(name) for name in in_order_of), batch("position"))
             if in_order_of:
-                primary_key = model._meta.primary_key
-                fields = [primary_key, *fields]
-                # Drawn in the arrays' order (PostgreSQL draws a select's nextval after
-                # its ORDER BY), before the rows are put in the key's order below.
-                sequence = peewee.SQL(f"pg_get_serial_sequence('{model._meta.table_name}', "
-                                      f"'{primary_key.column_name}')")
-                rows = peewee.Select(from_list=[rows], columns=[
-                    peewee.fn.nextval(sequence).alias(primary_key.column_name),
-                    *(batch(name) for name in (*named, "position"))]).order_by(
-                        batch("position")).alias("batch")
-            select = peewee.Select(from_list=[rows], columns=[
-                batch(field.column_name) for field in fields]).order_by(
-                    *(batch(name) for name in in_order_of), batch("position"))
+                select = select.distinct(*(batch(name) for name in in_order_of))
             if unless is not None:
                 select = select.where(unless(batch))
-            return (model.insert_from(select, fields).on_conflict("nothing")
-                    .returning(*returning()))
+            return (model.insert_from(select.with_cte(rows, drawn), [primary_key, *self.fields])
+                    .on_conflict("nothing").returning(*returning()))
         super().__init__(build)
 
     def written(self, row_id: int, values: dict) -> Any:
