@@ -45,7 +45,7 @@ _server_names = itertools.count(1)
 
 
 class ServerSide:
-    """A compiled statement as PostgreSQL prepares it (models.ClassifiedErrors
+    """A compiled statement as PostgreSQL prepares it (engine.connection.ServiceDatabase
     .execute_prepared): its PREPARE, with its constants written in and its slots as
     typed parameters, and its EXECUTE, given the slots' values alone."""
 
