@@ -10,11 +10,11 @@ kept, on SQLite too).
 """
 import datetime
 import decimal
-from typing import Any
+from typing import overload
 
 from peewee import (
-    AutoField, BigIntegerField, BooleanField, DatabaseProxy, DateTimeField, Field,
-    ForeignKeyField, IntegerField, Model, PostgresqlDatabase, SQL, TextField,
+    AutoField, BigIntegerField, BooleanField, Database, DatabaseProxy, DateTimeField, Field,
+    ForeignKeyField, IntegerField, Model, Node, PostgresqlDatabase, SQL, TextField,
 )
 
 database = DatabaseProxy()
@@ -27,7 +27,7 @@ POSTGRES_FIELD_TYPES = {"UTCDATETIME": "TIMESTAMPTZ", "EXACTDECIMAL": "NUMERIC"}
 SQLITE_FIELD_TYPES = {"UTCDATETIME": "DATETIME", "EXACTDECIMAL": "TEXT"}
 
 
-def utcnow():
+def utcnow() -> datetime.datetime:
     return datetime.datetime.now(UTC)
 
 
@@ -36,7 +36,7 @@ class UTCDateTimeField(DateTimeField):
 
     field_type = "UTCDATETIME"
 
-    def db_value(self, value):
+    def db_value(self, value: datetime.datetime | str | None) -> str | None:
         if value is None:
             return None
         if isinstance(value, str):
@@ -45,11 +45,23 @@ class UTCDateTimeField(DateTimeField):
             raise ValueError(f"{self.name}: refusing a naive datetime {value!r}")
         return value.astimezone(UTC).isoformat(sep=" ", timespec="microseconds")
 
-    def python_value(self, value):
+    @overload
+    def python_value(self, value: None) -> None: ...
+
+    @overload
+    def python_value(self, value: datetime.datetime | str) -> datetime.datetime: ...
+
+    @overload
+    def python_value(self, value: object) -> datetime.datetime | None: ...
+
+    def python_value(self, value: object) -> datetime.datetime | None:
+        """The time a column holds as the driver gives it: a datetime (PostgreSQL's), its
+        text (SQLite's), or None."""
         if value is None:
             return None
         if isinstance(value, str):
             value = datetime.datetime.fromisoformat(value)
+        assert isinstance(value, datetime.datetime), value
         if value.tzinfo is None:
             return value.replace(tzinfo=UTC)
         return value.astimezone(UTC)
@@ -60,18 +72,21 @@ class ExactDecimalField(Field):
 
     field_type = "EXACTDECIMAL"
 
-    def db_value(self, value):
+    def db_value(self, value: decimal.Decimal | int | str | None) -> str | None:
         if value is None:
             return None
         return format(decimal.Decimal(value), "f")
 
-    def python_value(self, value):
+    def python_value(self, value: object) -> decimal.Decimal | None:
         if value is None:
             return None
         return decimal.Decimal(str(value))
 
 
-def is_postgres(db=None):
+def is_postgres(db: Database | None = None) -> bool:
+    """Whether the models' database (or `db`) is PostgreSQL: the schema's column types,
+    and some statements, are spelled per database (the migrations ask it too, so it
+    lives with the schema)."""
     target = db or database.obj
     return isinstance(target, PostgresqlDatabase)
 
@@ -87,7 +102,7 @@ class BaseModel(Model):
         legacy_table_names = False
 
 
-def database_default(sql):
+def database_default(sql: str) -> list[Node]:
     """A DEFAULT clause in the table itself: a peewee `default` is applied by peewee alone,
     and other systems insert orders with plain SQL naming only some columns."""
     return [SQL(f"DEFAULT {sql}")]
@@ -136,9 +151,10 @@ class OrderBase(BaseModel):
     refund_complete = BooleanField(null=True)
     refunded_as_of = UTCDateTimeField(null=True)
 
-    kind = None
+    # The order's kind, as ORDER_MODELS names it: each order table's own.
+    kind: str | None = None
 
-    def append_note(self, line):
+    def append_note(self, line: str) -> None:
         self.notes = f"{self.notes}\n{line}" if self.notes else line
 
     class Meta:

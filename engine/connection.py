@@ -36,6 +36,9 @@ from engine.errors import Classified, DatabaseDown
 if TYPE_CHECKING:
     from engine.db import Circuit
 
+# peewee's own: what turns a driver's error into peewee's class of it (its stubs leave it
+# out).
+EXCEPTION_WRAPPER: Any = peewee.__exception_wrapper__  # type: ignore[attr-defined]
 # Held before the PREPAREs of a session whose prepared statements are unknown, and
 # counted among them (`PreparedOnConnection`).
 DEALLOCATE = b"DEALLOCATE ALL"
@@ -150,6 +153,12 @@ class ServiceDatabase(peewee.Database):
     # update, insert, delete; None for a table of no model), when set: engine.commits
     # drops the rows kept for the turn that the write may change.
     on_write: Callable[[Any], None] | None = None
+    if TYPE_CHECKING:  # peewee's own, which its stubs leave out
+        _state: Any
+
+        def _log_query(self, sql: Any, params: Any) -> None: ...
+
+        def _connect(self) -> Any: ...
 
     def execute(self, query: Any, **context_options: Any) -> Any:
         if self.on_write is not None and isinstance(query, peewee._WriteQuery):
@@ -267,7 +276,7 @@ class ServiceDatabase(peewee.Database):
             self.before_statement(sql)
 
     def _text_of(self, sql: Any, params: Any) -> bytes:
-        with peewee.__exception_wrapper__:
+        with EXCEPTION_WRAPPER:
             text: bytes = self.cursor().mogrify(sql, params or ())
             return text
 
@@ -276,7 +285,7 @@ class ServiceDatabase(peewee.Database):
         book: PreparedOnConnection | None = getattr(self._state, "on_server", None)
         preparing = book.sending() if book is not None else []
         try:
-            with peewee.__exception_wrapper__:
+            with EXCEPTION_WRAPPER:
                 cursor = self.cursor()
                 cursor.execute(b"; ".join(statements))
         except BaseException:
@@ -433,6 +442,10 @@ class ReconnectingPostgresqlDatabase(ServiceDatabase, ReconnectMixin, Postgresql
                 self.execute_sql("RESET statement_timeout; RESET lock_timeout")
 
 
+# What `open_database` makes.
+OpenDatabase = ClassifiedSqliteDatabase | ReconnectingPostgresqlDatabase
+
+
 def sqlite_file(url: str) -> str | None:
     """The file a sqlite:/// URL names; None for PostgreSQL or an in-memory database."""
     if url.split(":", 1)[0] != "sqlite":
@@ -441,7 +454,7 @@ def sqlite_file(url: str) -> str | None:
     return None if path == ":memory:" else path
 
 
-def open_database(url: str, timeout_ms: int | None = None) -> ServiceDatabase:
+def open_database(url: str, timeout_ms: int | None = None) -> OpenDatabase:
     """Create the Database for `url` (sqlite:///path or postgresql://...) and bind the
     models to it (models.database).
 
@@ -454,7 +467,7 @@ def open_database(url: str, timeout_ms: int | None = None) -> ServiceDatabase:
     Parameters in the URL's query string win."""
     parsed = parse(url)
     scheme = url.split(":", 1)[0]
-    db: ServiceDatabase
+    db: OpenDatabase
     if scheme == "sqlite":
         path = parsed.pop("database")
         if path != ":memory:":

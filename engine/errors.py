@@ -9,7 +9,7 @@ that waits out an outage catches OperationalError and InterfaceError
 import contextlib
 import threading
 from types import TracebackType
-from typing import Iterator, Protocol
+from typing import Iterator, Literal, Protocol
 
 from peewee import DatabaseError, InterfaceError, OperationalError, PeeweeException
 
@@ -103,7 +103,7 @@ class Classified:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 traceback: TracebackType | None) -> bool:
+                 traceback: TracebackType | None) -> Literal[False]:
         if exc is None or not isinstance(exc, PeeweeException) or isinstance(
                 exc, StatementRefused) or getattr(exc, "orig", None) is None:
             return False
