@@ -334,3 +334,21 @@ def test_statements_of_their_own_results_go_as_one_round_trip_each_with_its_rows
     assert (empty, none) == (["never", "seen"], [])
     assert priced == ["amount", "at"] and amount == decimal.Decimal("1.10")
     assert at.tzinfo is not None
+
+
+def test_the_parts_of_one_statement_see_one_snapshot_not_each_others_writes(postgres_only):
+    """What engine.joined rests on, as PostgreSQL documents it: a part that reads the
+    table another part writes does not see that write, whichever part comes first; so
+    engine.commits.Ahead asks for no such pair."""
+    insert = ("INSERT INTO webhook_events (source, event_type, dedup_key, payload, status, "
+              "attempts, received_at, created_at, updated_at) VALUES ('test', 't', %s, '{}', "
+              "'received', 0, now(), now(), now()) RETURNING id")
+    count = "SELECT count(*) AS stored FROM webhook_events"
+    with database.atomic():
+        (_, [(first,)]), (_, [(seen_after,)]) = joined.rows_of_each(
+            database, [(insert, ["a"]), (count, [])])
+        (_, [(seen_before,)]), (_, [(second,)]) = joined.rows_of_each(
+            database, [(count, []), (insert, ["b"])])
+    assert (seen_after, seen_before) == (0, 1)
+    assert sorted(event.id for event in WebhookEvent.select()) == sorted((first, second))
+
