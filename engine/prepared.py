@@ -307,16 +307,18 @@ class InsertMany(Prepared):
     builds the condition a row must meet to be inserted, `batch(name)` naming a value of
     the row (a column's or an extra one).
 
-    The ids are in the arrays' order: the newest id is the last row asked for (the
-    inbox's arrival order and the outbox's sending order break ties by id). That rests
-    only on what PostgreSQL documents, not on the order in which it evaluates a select
-    list or inserts the rows of a select: one id is drawn from the id's sequence for
-    each row (`nextval`, "Sequence Manipulation Functions": distinct values, each
-    greater than those this session drew before) in a WITH query that calls a volatile
-    function, which PostgreSQL evaluates once per execution of the statement and never
-    folds into it (MATERIALIZED, "WITH Queries (Common Table Expressions)"); the drawn
-    ids, sorted (an aggregate's ORDER BY, "Aggregate Expressions"), go to the rows by
-    their position in the arrays (WITH ORDINALITY, "Table Functions").
+    The ids are in the arrays' order: the newest id is the last row asked for. The
+    outbox sends an order's rows in the order of their ids, and the inbox's arrival
+    order, (received_at, id), falls to the id when two calls of an order were stamped
+    with one time (the clock counts microseconds, and may be set back). That rests only
+    on what PostgreSQL documents, not on the order in which it evaluates a select list
+    or inserts the rows of a select: one id is drawn from the id's sequence for each row
+    (`nextval`, "Sequence Manipulation Functions": distinct values, each greater than
+    those this session drew before) in a WITH query that calls a volatile function,
+    which PostgreSQL evaluates once per execution of the statement and never folds into
+    it (MATERIALIZED, PostgreSQL 12 on: "WITH Queries (Common Table Expressions)"); the
+    drawn ids, sorted (an aggregate's ORDER BY, "Aggregate Expressions"), go to the rows
+    by their position in the arrays (WITH ORDINALITY, "Table Functions").
 
     `in_order_of`: the columns of a unique key. Of two rows under one such key only the
     first in the arrays' order is inserted (DISTINCT ON, SELECT's "DISTINCT Clause");
