@@ -27,7 +27,8 @@ from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 
 import lograte
-from models import UTC, DatabaseDown, database, is_postgres
+from models import UTC, database, is_postgres
+from engine.errors import DatabaseDown
 from domain import holdback, reconcile, reminders
 from engine import inbox, outbox, retention, spool
 from engine.commits import budget

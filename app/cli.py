@@ -25,7 +25,7 @@ from domain import backfill, filings, holdback, intake, links, reconcile, remind
 from engine import inbox, spool
 from engine.db import UNAVAILABLE, refused_settings
 from engine.payload import read_json
-from models import open_database, sqlite_file
+from engine.connection import open_database, sqlite_file
 from ops import console, operator, passwords, sessions
 from settings import ConfigurationError, Settings
 

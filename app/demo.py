@@ -19,7 +19,8 @@ from app.logs import configure_logging
 from app.server import CannotStart, bind, serve
 from app.standins import StandIns
 from domain.links import signed_link
-from models import ComplianceOrder, CrtcOrder, FormationOrder, BundleOrder, database, open_database
+from models import ComplianceOrder, CrtcOrder, FormationOrder, BundleOrder, database
+from engine.connection import open_database
 from ops.passwords import hash_password
 from settings import Settings
 

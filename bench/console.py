@@ -20,7 +20,8 @@ import time
 
 import requests
 
-from models import Attempt, Outbox, WebhookEvent, database, is_postgres, open_database, utcnow
+from models import Attempt, Outbox, WebhookEvent, database, is_postgres, utcnow
+from engine.connection import open_database
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PASSWORD = "bench console password"

@@ -174,7 +174,8 @@ def scrape_flood(port, seconds, counted):
 SCRAPE_COST = """
 import asyncio, sys, time, datetime
 import migrations
-from models import open_database, WebhookEvent, Outbox, database
+from models import WebhookEvent, Outbox, database
+from engine.connection import open_database
 from app.context import Context
 from settings import Settings
 db = open_database(f"sqlite:///{sys.argv[1]}/cost.sqlite3")

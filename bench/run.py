@@ -197,7 +197,8 @@ def last_outbox_id(database_url):
 
 
 def database_rows(database_url, query):
-    from models import database, open_database
+    from models import database
+    from engine.connection import open_database
     open_database(database_url)
     try:
         return query()

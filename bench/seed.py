@@ -3,7 +3,8 @@ numbers them) and, for the scale run, ledger entries."""
 import decimal
 
 import migrations
-from models import ORDER_MODELS, LedgerEntry, database, open_database, utcnow
+from models import ORDER_MODELS, LedgerEntry, database, utcnow
+from engine.connection import open_database
 
 BATCH = 2000
 

@@ -6,7 +6,7 @@ PostgreSQL), and every statement before it waits for the database. None of that 
 happens on the IOLoop: a turn (the units of work asked for while the previous turn ran)
 is handed to one thread of its own, `DATABASE_THREAD`, and the loop goes on serving:
 parsing the next requests, answering /healthz, sending effects. A database that stops
-answering holds that thread (up to DATABASE_TIMEOUT_MS, models.BoundedWaits), never the
+answering holds that thread (up to DATABASE_TIMEOUT_MS, engine.connection.BoundedWaits), never the
 loop. Units asked for meanwhile wait and run together in the next turn, so the busier
 the service, the more units share a commit. One that raises is undone alone (below),
 the others are committed. Each caller resumes only after that commit: nothing is
@@ -27,15 +27,15 @@ Failing is rare on the request path, and running again from the start is needed 
 On PostgreSQL two processes' turns can deadlock (each inserted a key the other is now
 inserting), or wait long on a lock the other holds: the server rolls one statement back
 (a deadlock it found, or a lock waited for past lock_timeout, which is below the
-statement timeout: models.lock_timeout_ms), a conflict, and its unit is run again at the
+statement timeout: engine.connection.lock_timeout_ms), a conflict, and its unit is run again at the
 next turn, after this turn's commit has released what the other process waits for. A
 conflict opens no circuit: the database answers. A unit must therefore be safe to run
 again from its start, and code inside one that catches database errors lets a conflict
 through (`raise_if_conflict`).
 
-A turn run without savepoints holds its writes on PostgreSQL (models.ClassifiedErrors):
-the BEGIN goes to the server with the first statement, and a write whose result nobody
-reads (`engine.prepared.Prepared.execute_later`: an order's UPDATE, an event's status, a
+A turn run without savepoints holds its writes on PostgreSQL
+(engine.connection.HeldWrites): the BEGIN goes to the server with the first statement,
+and a write whose result nobody reads (`engine.prepared.Prepared.execute_later`: an order's UPDATE, an event's status, a
 send's outcome) goes with the next statement or the COMMIT. A turn of such writes alone
 is one round trip. Should a held write fail, the statement it went with raises, the
 turn is undone, and the run with savepoints, which holds nothing, finds its unit.
@@ -60,8 +60,10 @@ from typing import Callable, Iterator, NamedTuple, Self, Sequence, TypeVar
 
 from peewee import DatabaseError
 
-from models import ClassifiedErrors, DatabaseDown, database
-from engine.db import is_conflict
+from models import database
+from engine import joined
+from engine.connection import ServiceDatabase
+from engine.errors import DatabaseDown, is_conflict
 
 T = TypeVar("T")
 Kept = TypeVar("Kept")
@@ -106,14 +108,17 @@ class Ahead:
     see). What a unit finds may be the item's (`done` and what it set) or kept for the
     turn (`for_this_turn`).
 
-    A kind that `writes` has its statements run before the others' (the reads, some of
-    which lock rows), whatever the order its units were asked for in: every turn of every
-    process then inserts its events before it locks its orders, as a unit alone does,
-    and two turns' statements ahead never take the same rows in opposite orders. When it
-    gives no statement (its items cannot go together), the other kinds are left to the
-    units too, so no lock is taken ahead of the writes. All the statements read one
-    snapshot, and the rows a kind keeps for the turn are kept after every write ahead is
-    told to the turn (`wrote`), so no kind may write a table whose rows another keeps.
+    The turn's statements of every kind are the parts of one statement (engine.joined),
+    which PostgreSQL runs in an order it does not promise, all with one snapshot. So no
+    kind may read a table another kind's statement writes (it would not see the write),
+    and the kinds' locks may be taken in any order: where another process's turn takes
+    them the other way round, the deadlock, or the lock waited for past lock_timeout, is
+    a conflict, and the units are run again (above). The rows a kind keeps for the turn
+    are kept after every write ahead is told to the turn (`wrote`), so no kind may write
+    a table whose rows another keeps either. A kind that `writes` is put first, so that
+    in practice a turn inserts its events before it locks its orders, as a unit alone
+    does, which makes such deadlocks rarer; when it gives no statement (its items cannot
+    go together), the other kinds are left to the units too, for the same reason.
 
     A kind `together_with` another has its items given to that one's `statements`, with
     that kind's own: what must be done in one statement, such as rows locked in one
@@ -282,7 +287,7 @@ def take_row(model: type, key: object) -> object:
 
 def wrote(model: type | None, row_id: object = None) -> None:
     """Told of every write to a table, before it is sent (engine.prepared, and
-    models.ClassifiedErrors for what peewee builds): the rows of that model kept for
+    engine.connection.ServiceDatabase for what peewee builds): the rows of that model kept for
     the turn that it may change are dropped, so a later read goes to the database.
     `row_id`: the write changes that row alone (by its primary key). `model` None: a
     write to a table of no model, which drops every row kept."""
@@ -303,8 +308,8 @@ def wrote(model: type | None, row_id: object = None) -> None:
         del rows[key]
 
 
-# What peewee builds and runs is told to the turn too (models.ClassifiedErrors.on_write).
-ClassifiedErrors.on_write = staticmethod(wrote)
+# What peewee builds and runs is told to the turn too (ServiceDatabase.on_write).
+ServiceDatabase.on_write = staticmethod(wrote)
 
 
 def _made(store: dict, key: object, make: Callable[[], Kept]) -> Kept:
@@ -495,7 +500,7 @@ def _run_turn(units: list[tuple[Unit, Sequence[Ahead]]],
 
 
 def _run_plain(units: list[tuple[Unit, Sequence[Ahead]]]) -> list[Outcome]:
-    """The turn without savepoints, its writes held (models.ClassifiedErrors): on
+    """The turn without savepoints, its writes held (engine.connection.HeldWrites): on
     PostgreSQL the BEGIN goes with the first statement, and the writes nobody reads the
     result of go with the next statement or the COMMIT; its units' like statements go
     together (`Ahead`, `at_turn_end`). A held write fails in whatever statement it was
@@ -531,13 +536,13 @@ def _run_ahead(items: list[Ahead]) -> None:
         asked = kind.statements(by_kind[kind])
         if kind.writes and not asked:
             # Its writes are left to the units: so are the reads, which would otherwise
-            # take their locks before the writes.
+            # take their locks before the writes (`Ahead`: fewer deadlocks).
             return
         statements += asked
     if not statements:
         return
-    returned = database.rows_of_each([(statement.sql, statement.params)
-                                      for statement in statements])
+    returned = joined.rows_of_each(database, [(statement.sql, statement.params)
+                                              for statement in statements])
     for statement, (names, rows) in zip(statements, returned):
         statement.take(names, rows)
 

@@ -10,13 +10,15 @@ from typing import Callable, Optional, Protocol, TypeVar
 
 import peewee
 
-from models import is_conflict, is_postgres
+from models import is_postgres
+from engine.errors import is_conflict
 
 log = logging.getLogger("receiver.db")
 
 # Errors that mean "the database cannot be reached or written", not "this data is wrong".
-# The database classes of models.py raise every error as DatabaseDown (one of these) or
-# StatementRefused (not one of these) by its SQLSTATE or SQLite result code: models.is_down.
+# The database classes (engine.connection) raise every error as DatabaseDown (one of
+# these) or StatementRefused (not one of these) by its SQLSTATE or SQLite result code:
+# engine.errors.is_down.
 UNAVAILABLE = (peewee.OperationalError, peewee.InterfaceError)
 
 # How often a database found down is probed again.
@@ -81,8 +83,9 @@ def due_by(column: peewee.Field, moment: object) -> peewee.Expression:
 
 
 class ProbedDatabase(Protocol):
-    """The database a Circuit watches (models.ClassifiedErrors): it consults `circuit`
-    before each statement, and `probe()` raises unless it answers and takes a write."""
+    """The database a Circuit watches (engine.connection.ServiceDatabase): it consults
+    `circuit` before each statement, and `probe()` raises unless it answers and takes a
+    write."""
     circuit: Optional["Circuit"]
 
     def probe(self) -> None: ...

@@ -9,7 +9,7 @@ prepared on the server (`ServerSide`), which then neither parses nor plans them 
 """
 import itertools
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import peewee
 
@@ -17,22 +17,28 @@ from models import POSTGRES_FIELD_TYPES, database, is_postgres
 from engine import commits
 
 
+# A value a statement takes, as the caller gives it (a Slot's) or as it goes (bound).
+Values = Mapping[str, Any]
+# What builds a condition on the row being inserted, of a name of its values (InsertMany).
+Batch = Callable[[str], peewee.Entity]
+
+
 class Slot(peewee.Node):
     """Where a value goes; `field` converts it the way peewee would (a datetime to UTC
     text, say)."""
 
-    def __init__(self, name, field=None):
+    def __init__(self, name: str, field: peewee.Field | None = None) -> None:
         self.name = name
         self.convert = field.db_value if field is not None else None
         # Its type in a PREPARE: its column's, or left to the server to infer.
         self.server_type = (SERVER_TYPES.get(field.field_type, "unknown")
                             if field is not None else "unknown")
 
-    def bind(self, values):
+    def bind(self, values: Values) -> Any:
         value = values[self.name]
         return self.convert(value) if self.convert else value
 
-    def __sql__(self, ctx):
+    def __sql__(self, ctx: Any) -> Any:
         ctx._values.append(self)
         return ctx.literal(ctx.state.param or "?")
 
@@ -45,7 +51,7 @@ _server_names = itertools.count(1)
 
 
 class ServerSide:
-    """A compiled statement as PostgreSQL prepares it (models.ClassifiedErrors
+    """A compiled statement as PostgreSQL prepares it (engine.connection.ServiceDatabase
     .execute_prepared): its PREPARE, with its constants written in and its slots as
     typed parameters, and its EXECUTE, given the slots' values alone."""
 
@@ -79,8 +85,9 @@ class ServerSide:
         return f"PREPARE {self.name}{typed} AS {''.join(text)}".encode()
 
 
-def slot(field, name=None):
-    """A value for `field`, named after it unless `name` says otherwise."""
+def slot(field: peewee.Field, name: str | None = None) -> Any:
+    """A value for `field`, named after it unless `name` says otherwise: a Slot, which
+    stands wherever peewee takes a column or a value (hence Any, as peewee's are)."""
     return Slot(name or field.name, field)
 
 
@@ -104,7 +111,7 @@ class Prepared:
         if on_server:
             self.on_server_statements.append(self)
 
-    def _statement(self):
+    def _statement(self) -> tuple[Any, str, list, Any, ServerSide | None, bool]:
         db = database.obj
         if self._compiled is None or self._compiled[0] is not db:
             query = self._build()
@@ -120,7 +127,7 @@ class Prepared:
                               isinstance(query, peewee._WriteQuery))
         return self._compiled
 
-    def execute(self, **values):
+    def execute(self, **values: Any) -> Any:
         db, sql, params, model, server, writes = self._statement()
         if writes:
             self._tell_turn(model, values)
@@ -146,21 +153,21 @@ class Prepared:
             self._tell_turn(model, values)
         return commits.AheadStatement(sql, self._bound(params, values), take)
 
-    def _tell_turn(self, model, values):
+    def _tell_turn(self, model: Any, values: Values) -> None:
         """A write: the rows of its table kept for the turn are dropped (commits.wrote)."""
         commits.wrote(model)
 
     @staticmethod
-    def _bound(params, values):
+    def _bound(params: list, values: Values) -> list:
         return [param.bind(values) if isinstance(param, Slot) else param for param in params]
 
-    def first(self, **values):
+    def first(self, **values: Any) -> Any:
         """Run a select; its first row as a model instance, or None."""
         cursor = self.execute(**values)
         row = cursor.fetchone()
         return None if row is None else self.instances(_names(cursor), [row])[0]
 
-    def all(self, **values):
+    def all(self, **values: Any) -> list[Any]:
         """Run a select; its rows as model instances."""
         cursor = self.execute(**values)
         return self.instances(_names(cursor), cursor.fetchall())
@@ -185,7 +192,9 @@ class InsertOnce(Prepared):
     nothing, so an enclosing transaction goes on). Every column but the id is written; a
     value left out is the field's default, computed at each run."""
 
-    def __init__(self, model, also_returning=(), unless=None):
+    def __init__(self, model: type[peewee.Model],
+                 also_returning: Iterable[tuple[str, Callable[[], Any]]] = (),
+                 unless: Callable[[], peewee.Select] | None = None) -> None:
         """`also_returning`: (name, build) pairs, expressions (build() gives one) the insert
         returns beside the new row's id, set on the row `row()` gives under `name`: what
         would otherwise be a read of its own after the insert, in the same round trip.
@@ -198,7 +207,7 @@ class InsertOnce(Prepared):
         # An insert that reads nothing but its unique keys' indexes (ON CONFLICT).
         reads_nothing = unless is None and not self.also_returning
 
-        def build():
+        def build() -> peewee.Query:
             values = {field: slot(field) for field in self.fields}
             if unless is None:
                 query = model.insert(values)
@@ -214,12 +223,12 @@ class InsertOnce(Prepared):
             return query
         super().__init__(build, on_server=reads_nothing)
 
-    def run(self, **values):
+    def run(self, **values: Any) -> Any:
         """The new row's id (True for a table without one), or None when it was there."""
         returned = self._insert(values)
         return None if returned is None else returned[0]
 
-    def row(self, **values):
+    def row(self, **values: Any) -> Any:
         """The new row as a model instance, or None when it was there. Every column was
         written from `values`, so the row is not read back."""
         returned = self._insert(values)
@@ -230,13 +239,13 @@ class InsertOnce(Prepared):
             setattr(instance, name, value)
         return instance
 
-    def run_later(self, **values):
+    def run_later(self, **values: Any) -> None:
         """`run` for an insert whose outcome nobody reads (a row the unique key may
         already hold, and none the worse for it): sent as `execute_later` sends, with the
         next statement in a turn on PostgreSQL."""
         self.execute_later(**self._with_defaults(values))
 
-    def _insert(self, values):
+    def _insert(self, values: dict[str, Any]) -> tuple | None:
         """The RETURNING row (the new id first), or None when the row was there."""
         cursor = self.execute(**self._with_defaults(values))
         if cursor.description:  # RETURNING: PostgreSQL's always, SQLite's when asked
@@ -244,10 +253,10 @@ class InsertOnce(Prepared):
             return tuple(row) if row else None
         return ((cursor.lastrowid or True),) if cursor.rowcount == 1 else None
 
-    def _with_defaults(self, values):
+    def _with_defaults(self, values: dict[str, Any]) -> dict[str, Any]:
         return _with_defaults(self.fields, values)
 
-    def _on_conflict(self, query):
+    def _on_conflict(self, query: Any) -> Any:
         return query.on_conflict("nothing")
 
 
@@ -259,11 +268,13 @@ class InsertOrUpdate(InsertOnce):
     (`run_later`), as nobody reads what it did. `unless`: as InsertOnce's (nothing is
     inserted nor updated when it finds a row)."""
 
-    def __init__(self, model, key, updating, only_if, unless=None):
+    def __init__(self, model: type[peewee.Model], key: peewee.Field,
+                 updating: Sequence[peewee.Field], only_if: Callable[[], peewee.Node],
+                 unless: Callable[[], peewee.Select] | None = None) -> None:
         self._key, self._updating, self._only_if = key, updating, only_if
         super().__init__(model, unless=unless)
 
-    def _on_conflict(self, query):
+    def _on_conflict(self, query: Any) -> Any:
         return query.on_conflict(
             conflict_target=[self._key], where=self._only_if(),
             update={field: getattr(peewee.EXCLUDED, field.column_name)
@@ -273,12 +284,12 @@ class InsertOrUpdate(InsertOnce):
 class ArraySlot(Slot):
     """Where a list of values goes, each converted as `field` converts one."""
 
-    def __init__(self, name, field=None):
+    def __init__(self, name: str, field: peewee.Field | None = None) -> None:
         super().__init__(name, field)
         if self.server_type != "unknown":
             self.server_type += "[]"
 
-    def bind(self, values):
+    def bind(self, values: Values) -> list:
         convert = self.convert
         return [convert(value) if convert else value for value in values[self.name]]
 
@@ -296,53 +307,73 @@ class InsertMany(Prepared):
     builds the condition a row must meet to be inserted, `batch(name)` naming a value of
     the row (a column's or an extra one).
 
-    `in_order_of`: columns (a unique key's) the rows are inserted in the order of, the
-    arrays' order after them, where the arrays' order alone is the default. An insert
-    waits on a key another transaction has inserted and not committed; two processes
-    inserting the same keys in opposite orders would each hold one the other waits for.
-    In the key's order, the second waits for the first and finds its keys taken. The
-    ids are still given in the arrays' order (each row's is drawn from the id's sequence
-    before the rows are put in the key's order), so the newest id is the last row
-    asked for, as it is without."""
+    The ids are in the arrays' order: the newest id is the last row asked for. The
+    outbox sends an order's rows in the order of their ids, and the inbox's arrival
+    order, (received_at, id), falls to the id when two calls of an order were stamped
+    with one time (the clock counts microseconds, and may be set back). That rests only
+    on what PostgreSQL documents, not on the order in which it evaluates a select list
+    or inserts the rows of a select: one id is drawn from the id's sequence for each row
+    (`nextval`, "Sequence Manipulation Functions": distinct values, each greater than
+    those this session drew before) in a WITH query that calls a volatile function,
+    which PostgreSQL evaluates once per execution of the statement and never folds into
+    it (MATERIALIZED, PostgreSQL 12 on: "WITH Queries (Common Table Expressions)"); the
+    drawn ids, sorted (an aggregate's ORDER BY, "Aggregate Expressions"), go to the rows
+    by their position in the arrays (WITH ORDINALITY, "Table Functions").
 
-    def __init__(self, model, returning, extra=None, unless=None, in_order_of=()):
+    `in_order_of`: the columns of a unique key. Of two rows under one such key only the
+    first in the arrays' order is inserted (DISTINCT ON, SELECT's "DISTINCT Clause");
+    of two rows under another unique key, which one is kept is not promised. The rows
+    are inserted in the key's order (an ORDER BY on the select that feeds the insert),
+    the arrays' order after it. Two processes inserting the same keys in opposite
+    orders may each hold a key the other waits for; in the key's order the second
+    usually waits for the first and finds its keys taken. PostgreSQL does not document
+    that an INSERT takes its rows in the order of its select, so this only makes
+    deadlocks rarer: a deadlock, or a lock waited for past lock_timeout, is a conflict,
+    and its turn is run again (engine.commits)."""
+
+    def __init__(self, model: type[peewee.Model],
+                 returning: Callable[[], Sequence[peewee.Node]],
+                 extra: dict[str, peewee.Field] | None = None,
+                 unless: Callable[[Batch], peewee.Node] | None = None,
+                 in_order_of: Sequence[str] = ()) -> None:
         self.fields = _written_fields(model)
         self.extra = extra = extra or {}
 
-        def batch(name):
+        def batch(name: str) -> peewee.Entity:
             return peewee.Entity("batch", name)
 
-        def build():
+        def build() -> peewee.Query:
             named = {field.column_name: field for field in self.fields}
             named.update(extra)
             arrays = [peewee.Cast(ArraySlot(name, field),
                                   f"{SERVER_TYPES[field.field_type]}[]")
                       for name, field in named.items()]
-            # Then in the arrays' order: of two rows under one unique key, the first is
-            # kept.
-            rows: peewee.Node = peewee.NodeList((
+            given = peewee.NodeList((
                 peewee.fn.unnest(*arrays), peewee.SQL("WITH ORDINALITY AS"),
-                peewee.Entity("batch"), peewee.EnclosedNodeList(
+                peewee.Entity("given"), peewee.EnclosedNodeList(
                     [peewee.Entity(name) for name in (*named, "position")])))
-            fields = self.fields
+            rows = peewee.Select(from_list=[given], columns=[peewee.SQL("*")]).cte("batch")
+            primary_key = _primary_key(model)
+            sequence = peewee.SQL(f"pg_get_serial_sequence('{model._meta.table_name}', "
+                                  f"'{primary_key.column_name}')")
+            draws = peewee.Select(from_list=[peewee.Entity("batch")], columns=[
+                peewee.fn.nextval(sequence).alias("draw")]).alias("draws")
+            draw = peewee.Entity("draws", "draw")
+            drawn = peewee.Select(from_list=[draws], columns=[peewee.fn.array_agg(
+                peewee.NodeList((draw, peewee.SQL("ORDER BY"), draw))).alias("ids")]).cte(
+                    "drawn", materialized=True)
+            row_id = peewee.NodeList((peewee.Entity("drawn", "ids"), peewee.SQL("["),
+                                      batch("position"), peewee.SQL("]")), glue="")
+            select = peewee.Select(
+                from_list=[peewee.Entity("batch"), peewee.Entity("drawn")],
+                columns=[row_id, *(batch(field.column_name) for field in self.fields)],
+            ).order_by(*(batch(name) for name in in_order_of), batch("position"))
             if in_order_of:
-                primary_key = model._meta.primary_key
-                fields = [primary_key, *fields]
-                # Drawn in the arrays' order (PostgreSQL draws a select's nextval after
-                # its ORDER BY), before the rows are put in the key's order below.
-                sequence = peewee.SQL(f"pg_get_serial_sequence('{model._meta.table_name}', "
-                                      f"'{primary_key.column_name}')")
-                rows = peewee.Select(from_list=[rows], columns=[
-                    peewee.fn.nextval(sequence).alias(primary_key.column_name),
-                    *(batch(name) for name in (*named, "position"))]).order_by(
-                        batch("position")).alias("batch")
-            select = peewee.Select(from_list=[rows], columns=[
-                batch(field.column_name) for field in fields]).order_by(
-                    *(batch(name) for name in in_order_of), batch("position"))
+                select = select.distinct(*(batch(name) for name in in_order_of))
             if unless is not None:
                 select = select.where(unless(batch))
-            return (model.insert_from(select, fields).on_conflict("nothing")
-                    .returning(*returning()))
+            return (model.insert_from(select.with_cte(rows, drawn), [primary_key, *self.fields])
+                    .on_conflict("nothing").returning(*returning()))
         super().__init__(build)
 
     def written(self, row_id: int, values: dict) -> Any:
@@ -360,7 +391,7 @@ class InsertMany(Prepared):
         """`rows` as `Prepared.ahead` asks for a statement: `take` gets RETURNING's."""
         return self.ahead(take, **self._by_column(rows))
 
-    def _by_column(self, rows):
+    def _by_column(self, rows: list[dict]) -> dict[str, list]:
         for row in rows:
             _with_defaults(self.fields, row)
         by_column = {field.column_name: [row[field.name] for row in rows]
@@ -369,17 +400,17 @@ class InsertMany(Prepared):
         return by_column
 
 
-def _names(cursor):
+def _names(cursor: Any) -> list[str]:
     return [column[0] for column in cursor.description]
 
 
-def _written_fields(model):
+def _written_fields(model: type[peewee.Model]) -> list[peewee.Field]:
     """The columns an insert writes: every one but the id."""
     return [field for field in model._meta.sorted_fields
             if not isinstance(field, peewee.AutoField)]
 
 
-def _with_defaults(fields, values):
+def _with_defaults(fields: Sequence[peewee.Field], values: dict[str, Any]) -> dict[str, Any]:
     """`values`, each field left out given its default, computed now."""
     for field in fields:
         if field.name not in values:
@@ -388,14 +419,22 @@ def _with_defaults(fields, values):
     return values
 
 
-def _written(model, fields, row_id, values):
-    instance = model(__no_default__=1, **{model._meta.primary_key.name: row_id},
+def _written(model: type[peewee.Model], fields: Sequence[peewee.Field], row_id: object,
+             values: Values) -> Any:
+    instance: Any = model(__no_default__=1, **{_primary_key(model).name: row_id},
                      **{field.name: values[field.name] for field in fields})
     instance._dirty.clear()  # as peewee leaves a row it wrote: nothing to save yet
     return instance
 
 
-def _as_column(field, value):
+def _primary_key(model: type[peewee.Model]) -> peewee.Field:
+    """`model`'s primary key (every model of ours has one)."""
+    primary_key = model._meta.primary_key
+    assert primary_key, model
+    return primary_key
+
+
+def _as_column(field: peewee.Field, value: peewee.Node) -> peewee.Node:
     """`value` typed as `field`'s column, in a select that feeds an insert: PostgreSQL
     takes an untyped parameter there for text (a NULL too), which a timestamp or integer
     column refuses. SQLite needs no cast, and would turn a time's text into a number."""
@@ -407,7 +446,7 @@ def _as_column(field, value):
 _SAVES: dict[tuple, Prepared] = {}
 
 
-def save_changes(instance):
+def save_changes(instance: Any) -> None:
     """`instance.save()` for a model with only_save_dirty: the changed columns are
     written, with the update's SQL built once per set of changed columns, and sent with
     the next statement (`Prepared.execute_later`)."""
@@ -431,7 +470,7 @@ class _SaveOfOneRow(Prepared):
     """`save_changes`' UPDATE of one row by its primary key: of the rows of its table
     kept for the turn, only that one is dropped."""
 
-    def _tell_turn(self, model, values):
+    def _tell_turn(self, model: Any, values: Values) -> None:
         commits.wrote(model, values[model._meta.primary_key.name])
 
 

@@ -16,8 +16,8 @@ import datetime
 import functools
 import logging
 
-from models import (Attempt, ConsoleAction, ConsoleSession, MaintenanceCutShort, Outbox,
-                    WebhookEvent, database, maintenance)
+from models import Attempt, ConsoleAction, ConsoleSession, Outbox, WebhookEvent, database
+from engine.errors import MaintenanceCutShort, maintenance
 from engine.contracts import EngineContext
 
 log = logging.getLogger("receiver.retention")

@@ -17,7 +17,8 @@ from tornado.httpclient import AsyncHTTPClient
 
 import lograte
 import migrations
-from models import UTC, open_database
+from models import UTC
+from engine.connection import open_database
 from app.server import make_app
 from app.context import Context
 from settings import Settings

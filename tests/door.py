@@ -26,14 +26,15 @@ import sys
 import threading
 import traceback
 
-import models
+from engine.connection import ServiceDatabase
 from engine.commits import DATABASE_THREAD, _run_batch, in_a_turn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 THREADS_ALLOWED = ("job-locks", "db-probe")
 CALLERS_ALLOWED = (os.path.join(ROOT, "tests") + os.sep, os.path.join(ROOT, "migrations") + os.sep)
 # The database's own layers, between the code that asked and the statement.
-PASSED_THROUGH = (os.path.join(ROOT, "models.py"), os.sep + "peewee.py",
+PASSED_THROUGH = (os.path.join(ROOT, "models.py"), os.path.join(ROOT, "engine", "connection.py"),
+                  os.path.join(ROOT, "engine", "joined.py"), os.sep + "peewee.py",
                   os.sep + "playhouse" + os.sep, os.sep + "contextlib.py", __file__)
 
 
@@ -62,10 +63,10 @@ class ThreadCheck:
         raise OutsideTheDoor(f"a statement outside the door (engine.commits): {sql[:80]!r}")
 
     def install(self):
-        models.ClassifiedErrors.before_statement = staticmethod(self)
+        ServiceDatabase.before_statement = staticmethod(self)
 
     def remove(self):
-        models.ClassifiedErrors.before_statement = None
+        ServiceDatabase.before_statement = None
 
 
 def _named(frame):

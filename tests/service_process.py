@@ -21,7 +21,8 @@ import pytest
 import tornado.netutil
 import tornado.testing
 
-from models import ClassifiedSqliteDatabase, database, is_postgres, open_database
+from models import database, is_postgres
+from engine.connection import ClassifiedSqliteDatabase, open_database
 from tests.conftest import WEBHOOK_SECRET
 from tests.checked_service import SERVE, refusals_to
 from tests.peers import HttpPeer

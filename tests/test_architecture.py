@@ -82,9 +82,9 @@ def test_the_rule_sees_a_wrong_import(tmp_path):
 
 
 # The modules that may send SQL text of their own, which no query builder sees: the door
-# itself (models, engine.prepared); the scheduler's advisory lock, which writes nothing;
-# the migrations, which run before the service serves.
-SENDS_SQL_TEXT = {"models", "engine.prepared", "scheduler"}
+# itself (engine.connection, engine.joined, engine.prepared); the scheduler's advisory
+# lock, which writes nothing; the migrations, which run before the service serves.
+SENDS_SQL_TEXT = {"engine.connection", "engine.joined", "engine.prepared", "scheduler"}
 SQL_TEXT_CALLS = {"execute_sql", "execute_prepared", "raw"}
 
 

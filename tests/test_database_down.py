@@ -8,8 +8,9 @@ import time
 
 import pytest
 
-from models import ClassifiedSqliteDatabase, DatabaseDown, ReconnectingPostgresqlDatabase, \
-    WebhookEvent, database
+from models import WebhookEvent, database
+from engine.connection import ClassifiedSqliteDatabase, ReconnectingPostgresqlDatabase
+from engine.errors import DatabaseDown
 from engine.db import UNAVAILABLE, Circuit
 from tests.service_process import TcpProxy, postgres_only
 

@@ -1,4 +1,4 @@
-"""Held writes (models.ClassifiedErrors, engine.commits): in a turn of the group commit
+"""Held writes (engine.connection.HeldWrites, engine.commits): in a turn of the group commit
 on PostgreSQL, the BEGIN and the writes whose result nobody reads go to the server with
 the next statement, or with the COMMIT. The round trips are counted here apart from the
 database's own count: psycopg2 waits on the server once per round trip, through its
@@ -11,7 +11,9 @@ import peewee
 import psycopg2.extensions
 import pytest
 
-from models import BoundedWaits, FormationOrder, WebhookEvent, database
+from models import FormationOrder, WebhookEvent, database
+from engine.connection import BoundedWaits
+from engine import joined
 from engine.commits import GroupCommit
 from engine.prepared import InsertOnce, Prepared, save_changes
 
@@ -311,7 +313,7 @@ async def test_statements_prepared_on_the_server_read_by_unique_keys_alone(
 
 def test_statements_of_their_own_results_go_as_one_round_trip_each_with_its_rows(
         server_waits):
-    """models.ClassifiedErrors.rows_of_each: three statements, one with no rows between
+    """engine.joined.rows_of_each: three statements, one with no rows between
     two with some, in the round trips one statement takes; each gets its own columns'
     names and its own rows, typed as its own columns (an exact amount, an aware time)."""
     parts = [("SELECT n FROM generate_series(1, %s) AS n", [2]),
@@ -325,10 +327,28 @@ def test_statements_of_their_own_results_go_as_one_round_trip_each_with_its_rows
         database.rollback()
         return waited, returned
     alone, _ = waits(lambda: database.execute_sql("SELECT 1").fetchall())
-    together, returned = waits(lambda: database.rows_of_each(parts))
+    together, returned = waits(lambda: joined.rows_of_each(database, parts))
     assert together == alone
     (counted, numbers), (empty, none), (priced, [(amount, at)]) = returned
     assert (counted, numbers) == (["n"], [(1,), (2,)])
     assert (empty, none) == (["never", "seen"], [])
     assert priced == ["amount", "at"] and amount == decimal.Decimal("1.10")
     assert at.tzinfo is not None
+
+
+def test_the_parts_of_one_statement_see_one_snapshot_not_each_others_writes(postgres_only):
+    """What engine.joined rests on, as PostgreSQL documents it: a part that reads the
+    table another part writes does not see that write, whichever part comes first; so
+    engine.commits.Ahead asks for no such pair."""
+    insert = ("INSERT INTO webhook_events (source, event_type, dedup_key, payload, status, "
+              "attempts, received_at, created_at, updated_at) VALUES ('test', 't', %s, '{}', "
+              "'received', 0, now(), now(), now()) RETURNING id")
+    count = "SELECT count(*) AS stored FROM webhook_events"
+    with database.atomic():
+        (_, [(first,)]), (_, [(seen_after,)]) = joined.rows_of_each(
+            database, [(insert, ["a"]), (count, [])])
+        (_, [(seen_before,)]), (_, [(second,)]) = joined.rows_of_each(
+            database, [(count, []), (insert, ["b"])])
+    assert (seen_after, seen_before) == (0, 1)
+    assert sorted(event.id for event in WebhookEvent.select()) == sorted((first, second))
+

@@ -9,7 +9,9 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.statements import StatementCount
-from models import DatabaseDown, Outbox, ReconnectingPostgresqlDatabase, WebhookEvent, database
+from models import Outbox, WebhookEvent, database
+from engine.connection import ReconnectingPostgresqlDatabase
+from engine.errors import DatabaseDown
 from app.server import prepare_spool
 from engine import inbox
 from engine.db import Circuit

@@ -11,7 +11,8 @@ import sys
 import peewee
 import pytest
 
-from models import DatabaseDown, StatementRefused, WebhookEvent, is_postgres
+from models import WebhookEvent, is_postgres
+from engine.errors import DatabaseDown, StatementRefused
 from engine import inbox, spool
 from engine.db import UNAVAILABLE
 from tests.conftest import WEBHOOK_SECRET

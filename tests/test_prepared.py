@@ -11,7 +11,7 @@ import pytest
 from models import FormationOrder, LedgerEntry, Outbox, TreasuryJob, WebhookEvent, database
 from domain import treasury
 from engine.commits import GroupCommit, savepoint
-from engine.prepared import InsertOnce, Prepared, save_changes, slot
+from engine.prepared import InsertMany, InsertOnce, Prepared, save_changes, slot
 from tests import shkeeper
 from tests.door import through_the_door
 
@@ -90,6 +90,28 @@ def test_a_prepared_select_converts_values_both_ways():
     assert found.received_at == when and found.received_at.tzinfo is not None
     assert through_the_door(by_time.first,
                             received_at=when + datetime.timedelta(seconds=1)) is None
+
+
+EVENTS_BY_KEY = InsertMany(
+    WebhookEvent, returning=lambda: (WebhookEvent.id, WebhookEvent.dedup_key),
+    in_order_of=("source", "dedup_key"))
+
+
+def test_insert_many_gives_ids_in_the_rows_order_whatever_order_it_inserts_them_in(
+        database_url):
+    """What InsertMany's ids rest on is what PostgreSQL documents (engine.prepared): the
+    rows are inserted in their keys' order, and the ids still follow the order asked."""
+    if not database_url.startswith("postgres"):
+        pytest.skip("InsertMany is PostgreSQL's (one statement for several rows)")
+    keys = ["c", "a", "d", "b", "a"]
+    rows = [{"source": "test", "event_type": "t", "dedup_key": key, "payload": f"copy {n}"}
+            for n, key in enumerate(keys)]
+    returned = through_the_door(EVENTS_BY_KEY.rows, rows)
+    ids = {key: row_id for row_id, key in returned}
+    assert sorted(ids) == ["a", "b", "c", "d"]
+    assert ids["c"] < ids["a"] < ids["d"] < ids["b"]
+    # Of two rows under the key, the first asked for is the one inserted.
+    assert WebhookEvent.get(WebhookEvent.dedup_key == "a").payload == "copy 1"
 
 
 def test_save_changes_writes_only_the_changed_columns(second_connection):

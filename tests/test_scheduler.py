@@ -9,7 +9,8 @@ import pytest
 
 import migrations
 from clients.http import Result
-from models import ComplianceOrder, CrtcOrder, DatabaseDown, Outbox, WebhookEvent, database
+from models import ComplianceOrder, CrtcOrder, Outbox, WebhookEvent, database
+from engine.errors import DatabaseDown
 from scheduler import JOBS_BY_NAME, AdvisoryLock, Job, Scheduler
 from engine import inbox, outbox, retention
 from engine.db import Circuit

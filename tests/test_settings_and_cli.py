@@ -352,5 +352,5 @@ def test_a_refusal_of_our_settings_is_told_from_an_outage(said, refused):
     """The refusals a server gives while the connection is made, which psycopg2 passes on
     as text alone; the outages stay outages."""
     from engine.db import refused_settings
-    from models import DatabaseDown
+    from engine.errors import DatabaseDown
     assert refused_settings(DatabaseDown(said)) == refused

@@ -15,7 +15,8 @@ import urllib.parse
 
 import pytest
 
-from models import BoundedWaits, ReferralCode, WebhookEvent, database, is_postgres, open_database
+from models import ReferralCode, WebhookEvent, database, is_postgres
+from engine.connection import BoundedWaits, open_database
 from engine import inbox, outbox
 from engine.db import Circuit
 from tests.conftest import WEBHOOK_SECRET

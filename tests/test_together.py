@@ -21,8 +21,8 @@ from engine.db import Circuit
 from engine.prepared import Prepared, save_changes, slot, write_later
 from engine.transaction import OrderRef
 from handlers.workflow import hourly_keys
-from models import (BoundedWaits, ComplianceOrder, CrtcOrder, FormationOrder, Outbox,
-                    WebhookEvent, database, open_database)
+from models import ComplianceOrder, CrtcOrder, FormationOrder, Outbox, WebhookEvent, database
+from engine.connection import BoundedWaits, open_database
 from tests.door import through_the_door
 from tests.service_process import ON_POSTGRES, database_down
 from tests.test_inbox import card_plugin  # noqa: F401 (a fixture)
