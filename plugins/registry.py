@@ -3,14 +3,11 @@
 A plugin is `handle(ctx, payload, tx)` (or an object called so, a `WorkflowWebhook`),
 plain or async: it handles one stored event's payload in the transaction `tx`."""
 import logging
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, TypeVar
+from typing import Any, Awaitable, Callable, Iterable, Protocol, TypeVar
 
 from engine.contracts import EngineContext
 from engine.payload import exact_json, read_json
 from engine.transaction import OrderRef, Transaction
-
-if TYPE_CHECKING:
-    from plugins.workflow import WorkflowWebhook
 
 log = logging.getLogger("receiver.plugins")
 
@@ -18,7 +15,16 @@ Payload = dict[str, Any]
 Plugin = Callable[[EngineContext, Payload, Transaction], Awaitable[None] | None]
 OrdersOf = Callable[[Payload], Iterable[OrderRef]]
 P = TypeVar("P", bound=Plugin)
-W = TypeVar("W", bound="type[WorkflowWebhook]")
+
+
+class PathPlugin(Protocol):
+    """A plugin registered under its path (plugins.workflow.WorkflowWebhook)."""
+    path: str
+
+    def __call__(self, ctx: EngineContext, body: Payload, tx: Transaction) -> None: ...
+
+
+W = TypeVar("W", bound=type[PathPlugin])
 
 
 class Registry:
