@@ -26,6 +26,7 @@ from engine import inbox, spool
 from engine.db import UNAVAILABLE, refused_settings
 from engine.payload import read_json
 from engine.connection import open_database, sqlite_file
+from engine.transaction import Transaction
 from ops import console, operator, passwords, sessions
 from settings import ConfigurationError, Settings
 
@@ -493,7 +494,7 @@ async def holdback_list(ctx, args):
     rows = [(order.order_number, operator.format_time(order.delivered_at),
              operator.format_time(order.holdback_ends_at),
              "due" if order.holdback_ends_at <= now else "holding")
-            for order in await ctx.db(lambda: list(holdback.holding()))]
+            for order in await ctx.db(functools.partial(holdback.holding, Transaction(ctx)))]
     print(operator.table(HOLDBACK_COLUMNS, rows))
     return 0
 
@@ -526,8 +527,8 @@ async def reminders_run(ctx, args):
 
 
 async def sign_link(ctx, args):
-    await ctx.db(functools.partial(filings.check_link, ctx.settings, args.kind, args.order,
-                                   args.cycle))
+    await ctx.db(functools.partial(filings.check_link, Transaction(ctx), ctx.settings,
+                                   args.kind, args.order, args.cycle))
     ctx.settings.warn_about_link_secret()
     print(links.signed_link(ctx.settings, args.kind, args.order, args.cycle))
     return 0

@@ -6,13 +6,15 @@ Stripe keeps events for 30 days and lists them newest first; we handle them in t
 order they happened."""
 import asyncio
 import dataclasses
+import datetime
 import functools
 import json
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from clients.stripe_api import stripe_client
 from domain import card_events
 from engine import inbox
+from engine.contracts import EngineContext
 
 PAGE_SIZE = 100
 # progress(done, total): told as the work goes (total None while it is not known).
@@ -27,7 +29,8 @@ class Counts:
     unreadable: int = 0
 
 
-def undelivered_events(client, since, listing: Progress = None):
+def undelivered_events(client: Any, since: datetime.datetime,
+                       listing: Progress = None) -> list[dict[str, Any]]:
     """Every event created at or after `since` not yet delivered to all our endpoints,
     as plain dicts, following Stripe's pagination to the end; `listing(count, None)`
     after each."""
@@ -42,8 +45,8 @@ def undelivered_events(client, since, listing: Progress = None):
     return events
 
 
-async def backfill(ctx, since, client=None, listing: Progress = None,
-                   handling: Progress = None):
+async def backfill(ctx: EngineContext, since: datetime.datetime, client: Any = None,
+                   listing: Progress = None, handling: Progress = None) -> Counts:
     """`listing(count, None)` as Stripe's pages come, `handling(done, total)` as the
     events are stored: the command line's progress."""
     client = client or stripe_client(ctx.settings)

@@ -23,10 +23,11 @@ import calendar
 import dataclasses
 import datetime
 import re
-
-from peewee import fn
+from typing import Collection, Iterator
 
 from models import ComplianceOrder
+from engine.transaction import Transaction
+from settings import Settings
 from domain import links
 
 IFTA, UCR = links.KINDS
@@ -53,7 +54,7 @@ class Cycle:
     period: str       # the period in words
 
     @property
-    def title(self):
+    def title(self) -> str:
         return f"{self.kind.upper()} {'return' if self.kind == IFTA else 'registration'}"
 
 
@@ -66,11 +67,12 @@ class Due:
     days_before: int
 
     @property
-    def key(self):
+    def key(self) -> str:
         return f"{self.cycle.kind}|{self.order.order_number}|{self.cycle.label}|{self.days_before}"
 
 
-def ifta_cycle(year, quarter):
+def ifta_cycle(year: int, quarter: int) -> Cycle:
+    """The IFTA return of that quarter."""
     month = 3 * quarter + 1
     due_year = year + month // 13
     month = (month - 1) % 12 + 1
@@ -78,11 +80,12 @@ def ifta_cycle(year, quarter):
     return Cycle(IFTA, f"{year}-Q{quarter}", due, f"Q{quarter} {year} ({MONTH_NAMES[quarter]})")
 
 
-def ucr_cycle(year):
+def ucr_cycle(year: int) -> Cycle:
+    """The UCR registration of that year."""
     return Cycle(UCR, str(year), datetime.date(year - 1, 12, 31), f"registration year {year}")
 
 
-def parse_cycle(kind, label):
+def parse_cycle(kind: str, label: str) -> Cycle:
     """The cycle `label` names for `kind`; InvalidLinkPart when it is not written as that
     kind's cycles are (`2026Q3`, `2026-Q5`, or a quarter for UCR)."""
     form, example = CYCLE_FORMS[kind]
@@ -92,7 +95,7 @@ def parse_cycle(kind, label):
     return ifta_cycle(*map(int, match.groups())) if kind == IFTA else ucr_cycle(int(label))
 
 
-def kind_of(settings, order):
+def kind_of(settings: Settings, order: ComplianceOrder) -> str | None:
     """ifta, ucr or None: which filing reminders `order`'s service gets."""
     slug = (order.service_slug or "").lower()
     for kind, slugs in ((IFTA, settings.ifta_service_slugs), (UCR, settings.ucr_service_slugs)):
@@ -101,18 +104,20 @@ def kind_of(settings, order):
     return None
 
 
-def check_link_parts(kind, order_number, label):
+def check_link_parts(kind: str, order_number: str, label: str) -> None:
     """InvalidLinkPart unless the link could be signed and its cycle is one of `kind`'s."""
     links.check_parts(kind, order_number, label)
     parse_cycle(kind, label)
 
 
-def check_link(settings, kind, order_number, label):
+def check_link(tx: Transaction, settings: Settings, kind: str, order_number: str,
+               label: str) -> ComplianceOrder:
     """The compliance order a link for (`kind`, `order_number`, `label`) is about, if a
     reminder could be: InvalidLinkPart for a malformed part, LinkRefused for an unknown
     order or one of another kind (IFTA_SERVICE_SLUGS, UCR_SERVICE_SLUGS)."""
     check_link_parts(kind, order_number, label)
-    order = links.find_order(order_number)
+    # IFTA and UCR are compliance services: their orders are compliance orders.
+    order = tx.filing_order(order_number)
     if order is None:
         raise UnknownOrder(f"no compliance order {order_number}")
     if kind_of(settings, order) != kind:
@@ -122,7 +127,7 @@ def check_link(settings, kind, order_number, label):
     return order
 
 
-def cycles_near(day):
+def cycles_near(day: datetime.date) -> Iterator[Cycle]:
     """Every cycle whose due date could be within a year of `day`, either way."""
     for year in (day.year - 1, day.year, day.year + 1):
         for quarter in (1, 2, 3, 4):
@@ -130,7 +135,8 @@ def cycles_near(day):
         yield ucr_cycle(year + 1)
 
 
-def reminder_due(cycle, day, reminder_days):
+def reminder_due(cycle: Cycle, day: datetime.date,
+                 reminder_days: Collection[int]) -> int | None:
     """Which reminder of `cycle` is due on `day`: the latest of its reminder days that has
     come (a number of days before the due date), or None outside the reminder window."""
     days_left = (cycle.due - day).days
@@ -140,18 +146,17 @@ def reminder_due(cycle, day, reminder_days):
     return min(come) if come else None
 
 
-def due_on(settings, day):
+def due_on(tx: Transaction, settings: Settings, day: datetime.date) -> dict[str, list[Due]]:
     """The filing reminders due on `day` for every order that gets them (the click and
     the sent ones are the caller's to check), by customer address."""
-    cycles = [(cycle, reminder_due(cycle, day, settings.filing_reminder_days))
-              for cycle in cycles_near(day)]
-    cycles = [(cycle, before) for cycle, before in cycles if before is not None]
+    cycles = [(cycle, before) for cycle in cycles_near(day)
+              if (before := reminder_due(cycle, day, settings.filing_reminder_days)) is not None]
     if not cycles:
         return {}
-    slugs = {IFTA: _lowered(settings.ifta_service_slugs), UCR: _lowered(settings.ucr_service_slugs)}
-    by_customer = {}
-    for order in _reminded_orders(slugs):
-        address = order.customer_email.strip().lower()
+    slugs = _lowered(settings.ifta_service_slugs) | _lowered(settings.ucr_service_slugs)
+    by_customer: dict[str, list[Due]] = {}
+    for order in tx.orders_reminded_of_filings(slugs):
+        address = (order.customer_email or "").strip().lower()
         kind = kind_of(settings, order)
         for cycle, before in cycles:
             if address and cycle.kind == kind:
@@ -159,16 +164,6 @@ def due_on(settings, day):
     return by_customer
 
 
-def _lowered(slugs):
+def _lowered(slugs: Collection[str]) -> set[str]:
     return {slug.lower() for slug in slugs}
 
-
-def _reminded_orders(slugs):
-    return (ComplianceOrder.select()
-            .where(fn.LOWER(ComplianceOrder.service_slug).in_(sorted(slugs[IFTA] | slugs[UCR])),
-                   ComplianceOrder.payment_status == "paid",
-                   ComplianceOrder.customer_email.is_null(False),
-                   ComplianceOrder.cancelled_at.is_null(),
-                   ComplianceOrder.subscription_status.is_null()
-                   | (ComplianceOrder.subscription_status != "cancelled"))
-            .order_by(ComplianceOrder.created_at, ComplianceOrder.id))

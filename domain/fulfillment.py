@@ -11,8 +11,10 @@ and changes nothing (the worker may report twice).
 """
 import logging
 
-from domain.orders import OrderNotFound, find_any_kind, find_order
-from engine.prepared import save_changes
+from models import ComplianceOrder
+from engine.contracts import EngineContext
+from engine.transaction import Transaction
+from domain.orders import OrderNotFound, order_type_of
 
 log = logging.getLogger("receiver.fulfillment")
 
@@ -46,14 +48,15 @@ class InvalidTransition(ValueError):
     """The order cannot move to that status from the one it has."""
 
 
-def move(ctx, order_number, status):
+def move(ctx: EngineContext, tx: Transaction, order_number: str,
+         status: str) -> ComplianceOrder | None:
     """Move a compliance order to `status`; returns the order, or None when it already had
     that status. Raises InvalidTransition (also for an order of another kind: it has no
     fulfilment status, and never will), or OrderNotFound (the event is retried: the
     order may not be written yet)."""
-    order = find_order("compliance", order_number, for_update=True)
+    order = tx.lock_order("compliance", order_number)
     if order is None:
-        other = find_any_kind(order_number)
+        other = tx.order_of_any_kind(order_number, order_type_of(order_number))
         if other is not None:
             raise InvalidTransition(f"order {order_number} is a {other.kind} order, not a "
                                     "compliance order: it has no fulfilment status")
@@ -68,6 +71,6 @@ def move(ctx, order_number, status):
     now = ctx.clock()
     order.fulfillment_status = status
     order.updated_at = now
-    save_changes(order)
+    tx.save(order)
     log.info("order %s: fulfillment %s -> %s", order_number, current or "none", status)
     return order

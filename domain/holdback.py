@@ -17,25 +17,26 @@ import dataclasses
 import datetime
 import functools
 import logging
+from typing import Final
 
 from models import CrtcOrder
 from domain.orders import document_name
 from domain.payment_state import DISPUTE_LOST, DISPUTED, REFUNDED
 from engine import outbox
-from engine.db import locked
-from engine.outbox import Effects
-from engine.prepared import save_changes
+from engine.contracts import EngineContext
+from engine.transaction import Transaction
 
 log = logging.getLogger("receiver.holdback")
 
 RELEASE_JOB = "release_commission"
-ORDER_TYPE = "canada_crtc"
+ORDER_TYPE: Final = "canada_crtc"
 # What a dispute e-mail says about the commission of the disputed order.
 WITHHELD = "withheld"
 ALREADY_RELEASED = "already released"
 
 
-def start(ctx, order, delivered_at):
+def start(ctx: EngineContext, tx: Transaction, order: CrtcOrder,
+          delivered_at: datetime.datetime) -> bool:
     """Record the delivery and the end of the holdback, unless a delivery was recorded
     already; returns whether this call started it."""
     if order.delivered_at is not None:
@@ -46,13 +47,13 @@ def start(ctx, order, delivered_at):
     order.holdback_ends_at = delivered_at + datetime.timedelta(
         days=ctx.settings.commission_holdback_days)
     order.updated_at = ctx.clock()
-    save_changes(order)
+    tx.save(order)
     log.info("CRTC order %s delivered; commission holdback until %s", order.order_number,
              order.holdback_ends_at.isoformat())
     return True
 
 
-def forfeit(ctx, order, reason):
+def forfeit(ctx: EngineContext, tx: Transaction, order: CrtcOrder, reason: str) -> str:
     """A dispute on a CRTC order (its row locked by the caller): the commission is
     withheld unless it was released already. Returns what the dispute e-mail says:
     WITHHELD or ALREADY_RELEASED."""
@@ -65,7 +66,7 @@ def forfeit(ctx, order, reason):
         order.commission_forfeited_at = now
         order.commission_forfeit_reason = reason
         order.updated_at = now
-        save_changes(order)
+        tx.save(order)
         log.warning("CRTC order %s: commission forfeited (%s)", order.order_number, reason)
     return WITHHELD
 
@@ -75,15 +76,10 @@ def forfeit(ctx, order, reason):
 NEVER_RELEASED = (DISPUTED, DISPUTE_LOST, REFUNDED)
 
 
-def holding():
+def holding(tx: Transaction) -> list[CrtcOrder]:
     """Orders whose holdback runs or has ended but whose commission is neither released
     nor forfeited, earliest release first."""
-    return (CrtcOrder.select()
-            .where(CrtcOrder.holdback_ends_at.is_null(False),
-                   CrtcOrder.commission_released_at.is_null(),
-                   CrtcOrder.commission_forfeited_at.is_null(),
-                   CrtcOrder.payment_status.not_in(NEVER_RELEASED))
-            .order_by(CrtcOrder.holdback_ends_at, CrtcOrder.id))
+    return tx.orders_in_holdback(NEVER_RELEASED)
 
 
 @dataclasses.dataclass
@@ -92,32 +88,34 @@ class Released:
     not_due: int = 0
 
 
-async def release_due(ctx):
+async def release_due(ctx: EngineContext) -> Released:
     """Queue `release_commission` for every order whose holdback has ended, and send the
     jobs. Returns the counts."""
     now = ctx.clock()
     counts = Released()
-    effects = Effects(ctx)
-    for order in await ctx.db(lambda: list(holding())):
+    tx = Transaction(ctx)
+    for order in await ctx.db(functools.partial(holding, tx)):
         if order.holdback_ends_at > now:
             counts.not_due += 1
             continue
-        counts.released += await effects.transaction(
-            functools.partial(_release, ctx, effects, order.id, now))
-    await outbox.deliver(ctx, effects.rows)
+        counts.released += await tx.transaction(
+            functools.partial(_release, tx, order.id, now))
+    await outbox.deliver(ctx, tx.rows)
     return counts
 
 
-def _release(ctx, effects, order_id, now):
-    order = locked(holding().where(CrtcOrder.id == order_id)).first()
+def _release(tx: Transaction, order_id: int, now: datetime.datetime) -> int:
+    """Release the commission of the order of that id, if still in holdback (its row
+    locked); returns how many were released (1 or 0)."""
+    order = tx.lock_order_in_holdback(order_id, NEVER_RELEASED)
     if order is None:  # released, or disputed, since it was listed
         return 0
-    effects.job(RELEASE_JOB, {"order_name": document_name(order),
+    tx.job(RELEASE_JOB, {"order_name": document_name(order),
                               "order_number": order.order_number, "order_type": ORDER_TYPE},
                 key=f"job-release-commission-{order.order_number}")
     order.commission_released_at = now
     order.updated_at = now
-    save_changes(order)
+    tx.save(order)
     log.info("CRTC order %s: holdback ended %s; commission released", order.order_number,
              order.holdback_ends_at.isoformat())
     return 1

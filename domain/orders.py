@@ -1,16 +1,18 @@
 """Order operations shared by the card and crypto plugins, written once.
 
-Each runs inside the caller's transaction and asks for its effects through `effects`, so
-an event's changes and the mail, jobs and alerts they cause happen together, once."""
+Each runs inside the caller's transaction, `tx`: it reads and writes the orders through
+it and asks for its effects through it, so an event's changes and the mail, jobs and
+alerts they cause happen together, once. Orders are read with `tx.order(kind, number)`,
+locked with `tx.lock_order(kind, number)`, of whatever kind with
+`tx.order_of_any_kind(number, order_type_of(number))`, by the payment intent that paid
+them with `tx.order_paid_by(payment_intent_id)`, and saved with `tx.save(order)`."""
+import datetime
 import logging
+from typing import Any
 
-import peewee
-
-from models import ORDER_MODELS, SubscriptionCycle
-from engine.commits import raise_if_conflict, savepoint
-from engine.db import locked
-from engine.prepared import save_changes
-from engine.store.orders import OrderStore
+from models import ORDER_MODELS, CrtcOrder, OrderBase
+from engine.contracts import EngineContext
+from engine.transaction import Transaction
 from domain import payment_state
 from domain.money import Money
 
@@ -46,38 +48,25 @@ class OrderNotFound(LookupError):
     because the system that creates orders may not have written it yet."""
 
 
-def order_type_of(order_number):
+def order_type_of(order_number: str) -> str:
+    """The kind of order its number's prefix names (DEFAULT_ORDER_TYPE for any other)."""
     for prefix, order_type in ORDER_TYPE_PREFIXES:
         if order_number.startswith(prefix):
             return order_type
     return DEFAULT_ORDER_TYPE
 
 
-def payment_method_of(processor_type):
+def payment_method_of(processor_type: str | None) -> str | None:
+    """Our CRTC orders' word for the card processor's payment method type, or None."""
     return PAYMENT_METHODS.get(processor_type or "")
 
 
-# Until each caller is given its transaction: the order store, read in the caller's.
-_STORE = OrderStore()
-
-
-def find_order(order_type, order_number, for_update=False):
-    """The order of that kind and number, or None; `for_update`: locked."""
-    if for_update:
-        return _STORE.lock_order(order_type, order_number)
-    return _STORE.order(order_type, order_number)
-
-
-def find_any_kind(order_number):
-    """The order with that number, whatever its kind, or None. The kind its prefix
-    names is looked in first."""
-    return _STORE.order_of_any_kind(order_number, order_type_of(order_number))
-
-
-def order_name_of_any_kind(order_number):
+def order_name_of_any_kind(tx: Transaction,
+                           order_number: str) -> tuple[str, str | None] | None:
     """(kind, order_name) of the order with that number, whatever its kind; the kind its
-    prefix names wins (as in find_any_kind). None when no order has that number."""
-    found = _STORE.names_of(order_number)
+    prefix names wins (as in `tx.order_of_any_kind(number, order_type_of(number))`).
+    None when no order has that number."""
+    found = tx.names_of(order_number)
     if not found:
         return None
     first = order_type_of(order_number)
@@ -85,36 +74,35 @@ def order_name_of_any_kind(order_number):
     return kind, found[kind]
 
 
-def document_name(order):
+def document_name(order: OrderBase) -> str:
     """The name of the order's document in the workflow system: the order_name its
     webhooks gave, or, while none has come, the order number."""
     return order.order_name or order.order_number
 
 
-def remember_order_name(ctx, order_number, order_name):
+def remember_order_name(ctx: EngineContext, tx: Transaction, order_number: str,
+                        order_name: str) -> bool:
     """Keep the workflow system's document name on the order with that number (of any
     kind), for every later call and job about it; True when it changed. An order not
     stored yet gets it from its next webhook.
 
     A failure here is logged and does not spoil the webhook's own job and action (the
     order keeps the name it had, or its number stands in)."""
-    try:
-        with savepoint():
-            found = order_name_of_any_kind(order_number)
-            if found is None or found[1] == order_name:
-                return False
-            _STORE.rename_order(found[0], order_number, order_name, ctx.clock())
-            return True
-    except peewee.PeeweeException as failure:
-        raise_if_conflict(failure)
-        log.exception("order %s: its workflow document name %r not kept", order_number,
-                      order_name)
-        return False
+    renamed = False
+    with tx.apart(f"order {order_number}: its workflow document name "
+                  f"{order_name!r} not kept") as part:
+        found = order_name_of_any_kind(tx, order_number)
+        if found is not None and found[1] != order_name:
+            tx.rename_order(found[0], order_number, order_name, ctx.clock())
+            renamed = True
+    return renamed and not part.failed
 
 
-def complete_payment(ctx, effects, order_id, order_type, reference, *, source,
-                     payment_intent_id=None, payment_method=None, free_because=None,
-                     amount=None, coins=None):
+def complete_payment(ctx: EngineContext, tx: Transaction, order_id: str, order_type: str,
+                     reference: str, *, source: str, payment_intent_id: str | None = None,
+                     payment_method: str | None = None, free_because: str | None = None,
+                     amount: Money | None = None,
+                     coins: str | None = None) -> tuple[OrderBase, bool]:
     """Mark an order's payment received, once (BEHAVIOUR.md 4.2, "Completing a payment").
 
     A first completion keeps the fact (domain.payment_state), and with it paid_at, the
@@ -130,55 +118,57 @@ def complete_payment(ctx, effects, order_id, order_type, reference, *, source,
     Returns (order, newly_paid)."""
     if order_type not in ORDER_MODELS:
         raise ValueError(f"unknown order type {order_type!r}")
-    order = find_order(order_type, order_id, for_update=True)
+    order = tx.lock_order(order_type, order_id)
     if order is None:
         raise OrderNotFound(f"no {order_type} order {order_id}")
     now = ctx.clock()
     if payment_state.received(order):
         if not _same_payment(order, reference, payment_intent_id, source):
-            _another_payment(ctx, effects, order, reference, source, amount)
+            _another_payment(ctx, tx, order, reference, source, amount)
             return order, False
         if _fill_in_missing(order, payment_intent_id, payment_method, amount):
             order.updated_at = now
-            save_changes(order)
+            tx.save(order)
         log.info("%s order %s is already paid; nothing more to do", order_type, order_id)
         if order.parent_order_number:
             # Once per parent and child (the job's key): a retry finds the parent now.
-            _redispatch_parent(effects, order)
-        _check_payment_method(ctx, effects, order)
+            _redispatch_parent(tx, order, order.parent_order_number)
+        _check_payment_method(ctx, tx, order)
         return order, False
 
     payment_state.merge_received(order, amount)
     order.paid_at = now
     order.stripe_session_id = reference
     order.stripe_payment_intent_id = payment_intent_id or order.stripe_payment_intent_id
-    if order_type == "canada_crtc" and payment_method:
+    if isinstance(order, CrtcOrder) and payment_method:
         order.payment_method = payment_method
     if free_because:
         order.append_note(f"No payment required: {free_because} "
                           f"({now.isoformat(timespec='seconds')})")
-    settle_status(ctx, order)
+    settle_status(ctx, tx, order)
 
     if order.parent_order_number:
-        _redispatch_parent(effects, order)
-    effects.alert(order_alert_text(order, source, free_because, amount, coins),
+        _redispatch_parent(tx, order, order.parent_order_number)
+    tx.alert(order_alert_text(order, source, free_because, amount, coins),
                   key=f"alert-paid-{order_type}-{order_id}", order_number=order_id)
     log.info("%s order %s paid via %s (%s)", order_type, order_id, source, reference)
-    _check_payment_method(ctx, effects, order)
+    _check_payment_method(ctx, tx, order)
     return order, True
 
 
-def settle_status(ctx, order):
+def settle_status(ctx: EngineContext, tx: Transaction,
+                  order: OrderBase) -> tuple[str, str]:
     """Save the order with the payment status its facts give (domain.payment_state);
     returns (the status it had, the one it has)."""
     before = order.payment_status
     order.payment_status = payment_state.status_of(order)
     order.updated_at = ctx.clock()
-    save_changes(order)
+    tx.save(order)
     return before, order.payment_status
 
 
-def _same_payment(order, reference, payment_intent_id, source):
+def _same_payment(order: OrderBase, reference: str, payment_intent_id: str | None,
+                  source: str) -> bool:
     """Whether a completion for an order whose payment was received is about the payment
     recorded. A checkout session and its payment intent are one payment under two ids,
     and either event may come first, so a match on either id counts. Every crypto
@@ -191,13 +181,14 @@ def _same_payment(order, reference, payment_intent_id, source):
     return reference in recorded or (payment_intent_id or None) in recorded
 
 
-def _another_payment(ctx, effects, order, reference, source, amount):
+def _another_payment(ctx: EngineContext, tx: Transaction, order: OrderBase, reference: str,
+                    source: str, amount: Money | None) -> None:
     """The order was paid, and now a different payment arrived for it (a second checkout,
     or crypto after card): the customer may be owed a refund, so a person must look."""
     log.warning("%s order %s is already paid (%s) and received another %s payment %s; "
                 "a refund may be due", order.kind, order.order_number,
                 order.stripe_session_id, source, reference)
-    email_admin(ctx, effects, f"Second payment for order {order.order_number}",
+    email_admin(ctx, tx, f"Second payment for order {order.order_number}",
                 "second_payment", order.order_number,
                 key=f"email-second-payment-{order.kind}-{order.order_number}-{reference}",
                 kind=order.kind, source=source, reference=reference,
@@ -206,29 +197,30 @@ def _another_payment(ctx, effects, order, reference, source, amount):
                 customer_name=order.customer_name, customer_email=order.customer_email)
 
 
-def paid_amount(order):
+def paid_amount(order: OrderBase) -> str | None:
     """What the order's payment received, as text (`$499.00`), or None when unknown."""
     if order.payment_amount is None or not order.payment_currency:
         return None
     return str(Money.of(order.payment_amount, order.payment_currency))
 
 
-def _check_payment_method(ctx, effects, order):
+def _check_payment_method(ctx: EngineContext, tx: Transaction, order: OrderBase) -> None:
     """Settlement selects CRTC orders by payment method; a paid one without a method would
     never settle, silently. Stripe does not expand the charge in webhook events, so a
     session that allowed several methods cannot tell us which was used."""
-    if order.kind != "canada_crtc" or order.payment_method:
+    if not isinstance(order, CrtcOrder) or order.payment_method:
         return
     log.warning("CRTC order %s is paid but its payment method is unknown; it will not "
                 "settle until payment_method is set", order.order_number)
-    email_admin(ctx, effects, f"Payment method unknown for CRTC order {order.order_number}",
+    email_admin(ctx, tx, f"Payment method unknown for CRTC order {order.order_number}",
                 "payment_method_unknown", order.order_number,
                 key=f"email-payment-method-unknown-{order.order_number}",
                 reference=order.stripe_session_id,
                 payment_intent=order.stripe_payment_intent_id, amount=paid_amount(order))
 
 
-def _fill_in_missing(order, payment_intent_id, payment_method, amount):
+def _fill_in_missing(order: OrderBase, payment_intent_id: str | None,
+                     payment_method: str | None, amount: Money | None) -> bool:
     """A later event of the same payment may know what the first did not: the payment
     intent, the amount, or (on CRTC orders, where settlement depends on it) the payment
     method."""
@@ -239,35 +231,36 @@ def _fill_in_missing(order, payment_intent_id, payment_method, amount):
     if payment_intent_id and not order.stripe_payment_intent_id:
         order.stripe_payment_intent_id = payment_intent_id
         changed = True
-    if order.kind == "canada_crtc" and payment_method and not order.payment_method:
+    if isinstance(order, CrtcOrder) and payment_method and not order.payment_method:
         order.payment_method = payment_method
         changed = True
     return changed
 
 
-def email_admin(ctx, effects, subject, template, order, key=None, **variables):
+def email_admin(ctx: EngineContext, tx: Transaction, subject: str, template: str,
+                order: str, key: str | None = None, **variables: Any) -> None:
     """An e-mail to ADMIN_EMAIL about order number `order` (templates see it as `order`);
     logged instead when no administrator is configured. Named by `key`, or else by its
     template among its event's effects."""
     if not ctx.settings.admin_email:
         log.warning("ADMIN_EMAIL unset; not e-mailed: %s", subject)
         return
-    effects.email([ctx.settings.admin_email], subject, f"email/{template}", purpose=template,
+    tx.email([ctx.settings.admin_email], subject, f"email/{template}", purpose=template,
                   key=key, order_number=order, title=subject, order=order, **variables)
 
 
-def _redispatch_parent(effects, child):
+def _redispatch_parent(tx: Transaction, child: OrderBase, parent_number: str) -> None:
     """The child collected the parent's government fee: the parent's service runs again,
     now with the fee paid. A parent not known yet (the system that writes orders may be
     behind) is looked for again when the event is retried; the child stays paid."""
-    parent = find_any_kind(child.parent_order_number)
+    parent = tx.order_of_any_kind(parent_number, order_type_of(parent_number))
     if parent is None:
         log.warning("order %s names parent %s, which is not known yet; re-dispatch retried",
-                    child.order_number, child.parent_order_number)
-        effects.retry_later(f"parent order {child.parent_order_number} of "
+                    child.order_number, parent_number)
+        tx.retry_later(f"parent order {parent_number} of "
                             f"{child.order_number} not found")
         return
-    effects.job("process_compliance_service", {
+    tx.job("process_compliance_service", {
         "order_name": document_name(parent),
         "order_number": parent.order_number,
         "service_slug": getattr(parent, "service_slug", None) or "",
@@ -275,7 +268,9 @@ def _redispatch_parent(effects, child):
     }, key=f"job-gov-fee-paid-{parent.order_number}-{child.order_number}")
 
 
-def order_alert_text(order, source, free_because=None, amount=None, coins=None):
+def order_alert_text(order: OrderBase, source: str, free_because: str | None = None,
+                     amount: Money | None = None, coins: str | None = None) -> str:
+    """The alert of a completed order: what, how much, from where."""
     if free_because:
         lines = [f"New order {order.order_number} ({order.kind}): no payment required",
                  f"Why: {free_because}", f"Source: {source}"]
@@ -290,60 +285,38 @@ def order_alert_text(order, source, free_because=None, amount=None, coins=None):
     return "\n".join(lines)
 
 
-def mark_payment_failed(ctx, order_number, reason, failed_at):
+def mark_payment_failed(ctx: EngineContext, tx: Transaction, order_number: str, reason: str,
+                        failed_at: datetime.datetime) -> tuple[list[OrderBase], list[OrderBase]]:
     """BEHAVIOUR.md 4.2 payment_intent.payment_failed: the failure is kept on every order
     of any kind with that number (domain.payment_state.merge_failure), and those whose
     payment was not received become `failed`, with a note line; one whose payment was
     received keeps its status (the failure was of an earlier or another attempt).
     Returns (the orders marked failed, the orders left as they were)."""
     now = ctx.clock()
-    marked, left = [], []
-    for model in ORDER_MODELS.values():
-        for order in locked(model.select().where(model.order_number == order_number)):
-            newer = payment_state.merge_failure(order, failed_at) is payment_state.Change.NEWER
-            if payment_state.received(order):
-                if newer:
-                    order.updated_at = now
-                    save_changes(order)
-                left.append(order)
-                continue
-            order.append_note(f"Payment failed: {reason} ({now.isoformat(timespec='seconds')})")
-            settle_status(ctx, order)
-            marked.append(order)
+    marked: list[OrderBase] = []
+    left: list[OrderBase] = []
+    for order in tx.lock_orders_numbered(order_number):
+        newer = payment_state.merge_failure(order, failed_at) is payment_state.Change.NEWER
+        if payment_state.received(order):
+            if newer:
+                order.updated_at = now
+                tx.save(order)
+            left.append(order)
+            continue
+        order.append_note(f"Payment failed: {reason} ({now.isoformat(timespec='seconds')})")
+        settle_status(ctx, tx, order)
+        marked.append(order)
     return marked, left
 
 
-def find_by_payment_intent(payment_intent_id):
-    """The order a payment intent paid: exact match on stripe_payment_intent_id first, then
-    (BEHAVIOUR.md) a substring match on the reference, across the four kinds; or None.
-    Not locked: the caller locks the order it keeps a fact on (domain.payment_events)."""
-    if not payment_intent_id:
-        return None
-    for model in ORDER_MODELS.values():
-        order = model.select().where(
-            model.stripe_payment_intent_id == payment_intent_id).first()
-        if order:
-            return order
-    for model in ORDER_MODELS.values():
-        # ILIKE narrows it down; the case-sensitive test makes it exact (ids are).
-        for order in model.select().where(
-                model.stripe_session_id.contains(payment_intent_id)):
-            if payment_intent_id in order.stripe_session_id:
-                return order
-    return None
-
-
-def record_cycle(ctx, order, subscription_id, invoice_id):
+def record_cycle(ctx: EngineContext, tx: Transaction, order: OrderBase, subscription_id: str,
+                 invoice_id: str) -> int:
     """The renewal number of a paid invoice: 1 + the renewals recorded before it. The same
     invoice keeps its number; two invoices racing for one number cannot both have it (a
     unique index), so the loser fails and is retried with the next number."""
-    known = SubscriptionCycle.get_or_none(SubscriptionCycle.invoice_id == invoice_id)
-    if known:
-        return known.cycle
-    cycle = 1 + (SubscriptionCycle.select()
-                 .where(SubscriptionCycle.subscription_id == subscription_id).count())
-    now = ctx.clock()
-    SubscriptionCycle.create(subscription_id=subscription_id, invoice_id=invoice_id,
-                             order_number=order.order_number, cycle=cycle,
-                             created_at=now, updated_at=now)
+    known = tx.cycle_of_invoice(invoice_id)
+    if known is not None:
+        return known
+    cycle = 1 + tx.cycles_recorded(subscription_id)
+    tx.record_cycle(subscription_id, invoice_id, order.order_number, cycle, ctx.clock())
     return cycle

@@ -31,8 +31,8 @@ import logging
 from domain import holdback, payment_state
 from domain.card_events import (ask_stripe, metadata_of, object_of, order_with_subscription,
                                 subscription_of_invoice)
-from domain.orders import (OrderNotFound, email_admin, find_by_payment_intent, find_order,
-                           settle_status)
+from domain.orders import OrderNotFound, email_admin, settle_status
+from engine.transaction import Transaction
 from domain.payment_state import Change, DisputeFact, RefundFact
 from models import ORDER_MODELS, SubscriptionCycle
 
@@ -52,9 +52,9 @@ OUTCOMES = {"won": "won", "lost": "lost", "warning_closed": "closed (inquiry)",
 
 # --- which order ------------------------------------------------------------------------
 
-def _stored_order_of(payment_intent, invoice_id):
+def _stored_order_of(tx, payment_intent, invoice_id):
     """(kind, number) of the order the stored references name, or None (a unit)."""
-    order = find_by_payment_intent(payment_intent)
+    order = tx.order_paid_by(payment_intent) if payment_intent else None
     if order is not None:
         return order.kind, order.order_number
     if invoice_id:
@@ -86,7 +86,8 @@ async def order_of_charge(ctx, obj):
         obj.get("payment_intent"), str) else None
     # A charge rendered before 2025-03-31.basil names its invoice.
     invoice_id = obj.get("invoice") if isinstance(obj.get("invoice"), str) else None
-    found = (await ctx.db(functools.partial(_stored_order_of, payment_intent, invoice_id))
+    found = (await ctx.db(functools.partial(_stored_order_of, Transaction(ctx), payment_intent,
+                                              invoice_id))
              or _named_by(obj))
     if found is None and payment_intent:
         intent = await ask_stripe(ctx, f"payment intent {payment_intent}",
@@ -116,9 +117,9 @@ async def _order_of_invoice(ctx, invoice):
     return await ctx.db(functools.partial(_order_of_subscription, subscription))
 
 
-def _locked(found):
+def _locked(tx, found):
     kind, number = found
-    order = find_order(kind, number, for_update=True)
+    order = tx.lock_order(kind, number)
     if order is None:
         # The system that writes orders may be behind: the event is handled again later.
         raise OrderNotFound(f"no {kind} order {number}")
@@ -168,7 +169,7 @@ def record_dispute(ctx, effects, found, note, fact, asked=False, by_rule=False):
     """In a transaction: the dispute fact kept on its order (when newer), a note line, the
     order's status settled, the CRTC commission forfeited, the administrator told.
     Returns the Change; on a CONFLICT nothing is written."""
-    order = _locked(found)
+    order = _locked(effects, found)
     change = payment_state.merge_dispute(order, fact, asked=asked, by_rule=by_rule)
     if change is Change.CONFLICT:
         return change
@@ -179,10 +180,10 @@ def record_dispute(ctx, effects, found, note, fact, asked=False, by_rule=False):
         note = "Dispute as Stripe has it"
     shown = note if fact.status in payment_state.OPEN_DISPUTE else f"{note} ({fact.status})"
     order.append_note(f"{shown}: {fact.reason}, amount {fact.amount} ({_stamp(ctx)})")
-    settle_status(ctx, order)
+    settle_status(ctx, effects, order)
     commission = None
     if order.kind == holdback.ORDER_TYPE:
-        commission = holdback.forfeit(ctx, order, f"dispute {fact.dispute_id}: {fact.reason}")
+        commission = holdback.forfeit(ctx, effects, order, f"dispute {fact.dispute_id}: {fact.reason}")
     _tell_dispute_opened(ctx, effects, order, fact, commission)
     if fact.closed:
         _tell_dispute_closed(ctx, effects, order, fact, commission)
@@ -238,17 +239,17 @@ def record_refund(ctx, effects, found, fact, asked=False, by_rule=False):
     """In a transaction: the refund fact kept on its order (when newer), a note line, the
     order's status settled, a CRTC commission forfeited by a refund in full, the
     administrator told. Returns the Change; on a CONFLICT nothing is written."""
-    order = _locked(found)
+    order = _locked(effects, found)
     change = payment_state.merge_refund(order, fact, asked=asked, by_rule=by_rule)
     if change is Change.CONFLICT:
         return change
     how = "in full" if fact.complete else "in part"
     order.append_note(f"Refunded {how}: {fact.refunded} of {fact.charged}, charge "
                       f"{fact.charge_id} ({_stamp(ctx)})")
-    settle_status(ctx, order)
+    settle_status(ctx, effects, order)
     commission = None
     if fact.complete and order.kind == holdback.ORDER_TYPE:
-        commission = holdback.forfeit(ctx, order, f"charge {fact.charge_id} refunded in full")
+        commission = holdback.forfeit(ctx, effects, order, f"charge {fact.charge_id} refunded in full")
     email_admin(ctx, effects, f"Refund {how} on order {order.order_number}: {fact.refunded}",
                 "refunded", order.order_number,
                 key=f"email-refund-{fact.charge_id}-{fact.refunded.minor}",

@@ -23,6 +23,7 @@ from domain import filings, links
 from engine import outbox
 from engine.outbox import Effects, stable_key
 from engine.prepared import InsertOnce
+from engine.transaction import Transaction
 
 log = logging.getLogger("receiver.reminders")
 
@@ -53,10 +54,11 @@ def today(ctx):
 def plan(ctx, day):
     """Every customer with a reminder due on `day`, by address. A unit of work (ctx.db)."""
     intake = _waiting_by_customer()
-    due = filings.due_on(ctx.settings, day)
+    tx = Transaction(ctx)
+    due = filings.due_on(tx, ctx.settings, day)
     planned = []
     for email in sorted(set(intake) | set(due)):
-        entry = ToRemind(email, intake.get(email, []), _unsent(due.get(email, [])))
+        entry = ToRemind(email, intake.get(email, []), _unsent(tx, due.get(email, [])))
         if entry.intake or entry.filings:
             entry.mailed_today = _mailed_on(ctx, entry, day)
             planned.append(entry)
@@ -88,9 +90,9 @@ def _waiting_by_customer():
     return by_customer
 
 
-def _unsent(dues):
+def _unsent(tx, dues):
     dues = [due for due in dues
-            if not links.already_filed(due.cycle.kind, due.order.order_number, due.cycle.label)]
+            if not links.already_filed(tx, due.cycle.kind, due.order.order_number, due.cycle.label)]
     if not dues:
         return []
     sent = {key for (key,) in SentReminder.select(SentReminder.key)

@@ -34,6 +34,7 @@ from handlers.html import HtmlHandler
 from handlers.addresses import client_key
 from handlers.ratelimit import LoginThrottle
 from engine.claims import CLAIM_BATCH
+from engine.transaction import Transaction
 from ops import console, operator, sessions
 from ops.passwords import verify_password
 
@@ -651,7 +652,8 @@ class LinksHandler(ConsoleHandler):
     async def post(self):
         form = {name: self.get_body_argument(name, "").strip() for name in self.FIELDS}
         try:
-            await self.ctx.db(functools.partial(filings.check_link, self.ctx.settings,
+            await self.ctx.db(functools.partial(filings.check_link, Transaction(self.ctx),
+                                                self.ctx.settings,
                                                 form["kind"], form["order"], form["cycle"]))
             link = links.signed_link(self.ctx.settings, form["kind"], form["order"],
                                      form["cycle"])

@@ -14,6 +14,7 @@ import functools
 import tornado.web
 
 from domain import filings, links
+from engine.transaction import Transaction
 from handlers.html import HtmlHandler
 from handlers.ratelimit import RateLimited
 
@@ -68,7 +69,7 @@ class FiledLinkHandler(RateLimited, PageHandler):
         """The question and its button; once recorded, the page with the first time."""
         order, cycle, token = await self.checked_link()
         filed_at = await self.ctx.db(functools.partial(
-            links.self_filed_at, self.kind, order.order_number, cycle))
+            links.self_filed_at, Transaction(self.ctx), self.kind, order.order_number, cycle))
         if filed_at is not None:
             self.show_filed(order, cycle, filed_at, first_time=False)
             return
@@ -80,7 +81,8 @@ class FiledLinkHandler(RateLimited, PageHandler):
         """The button: records the filing (once) and stops that cycle's reminders."""
         order, cycle, _ = await self.checked_link()
         filed_at, first_time = await self.ctx.db(functools.partial(
-            links.record_self_filed, self.kind, order.order_number, cycle, self.ctx.clock()))
+            links.record_self_filed, Transaction(self.ctx), self.kind, order.order_number, cycle,
+            self.ctx.clock()))
         self.show_filed(order, cycle, filed_at, first_time)
 
     def show_filed(self, order, cycle, filed_at, first_time):
@@ -105,7 +107,8 @@ class FiledLinkHandler(RateLimited, PageHandler):
             self.stop_with(403, "invalid_link", title=self.title)
         try:
             order = await self.ctx.db(functools.partial(
-                filings.check_link, self.ctx.settings, self.kind, order_number, cycle))
+                filings.check_link, Transaction(self.ctx), self.ctx.settings, self.kind,
+                order_number, cycle))
             return order, cycle, token
         except filings.UnknownOrder:
             self.stop_with(404, "unknown_order", title=self.title)

@@ -15,6 +15,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 from app.server import make_app
 from domain.links import already_filed, record_self_filed
+from engine.transaction import Transaction
 from tests.browser_helpers import WAIT_SECONDS, Browser, needs_selenium_chromium
 from tests.door import through_the_door
 from tests.public_helpers import compliance_order, served, signed_path
@@ -91,7 +92,7 @@ def site(ctx, clock):
     """The service behind its own HTTPServer."""
     compliance_order("CO-20001", "Dana Trucking LLC")
     clock.set(2026, 10, 5, 8, 30)
-    through_the_door(record_self_filed, "ifta", "CO-20001", "2026-Q2", clock())
+    through_the_door(record_self_filed, Transaction(ctx), "ifta", "CO-20001", "2026-Q2", clock())
     clock.set(2026, 11, 20, 9, 15)
     return make_app(ctx)
 
@@ -183,13 +184,13 @@ async def test_the_customer_presses_the_button_and_the_filing_is_recorded(
     with served(site, ctx.settings) as base:
         question_width = await driven.do(open_question, base + path)
         assert await driven.text("h1") == "Did you file 2026-Q3 yourself, Dana Trucking LLC?"
-        assert not through_the_door(already_filed, "ifta", "CO-20001", "2026-Q3")
+        assert not through_the_door(already_filed, Transaction(ctx), "ifta", "CO-20001", "2026-Q3")
         label, heading, body, confirmation_width = await driven.do(press)
     assert label == "Yes, I filed 2026-Q3 myself"
     assert heading == "Thank you, Dana Trucking LLC: we have recorded that you filed"
     assert "20 November 2026 at 09:15 UTC" in body
     assert (question_width, confirmation_width) == (size[0], size[0])
-    assert through_the_door(already_filed, "ifta", "CO-20001", "2026-Q3")
+    assert through_the_door(already_filed, Transaction(ctx), "ifta", "CO-20001", "2026-Q3")
 
 
 class MailPage(tornado.web.RequestHandler):

@@ -14,6 +14,7 @@ from tests import stripe_events as se
 from tests.service_process import postgres_only
 from tests.stripe_events import RECEIVED, deliver, send, settings  # noqa: F401 (fixtures)
 from tests.door import through_the_door
+from engine.transaction import Transaction
 
 # How long the other process holds its uncommitted change while our handler runs.
 OTHER_COMMITS_AFTER = 0.5
@@ -101,9 +102,10 @@ async def test_the_same_invoice_twice_is_one_cycle_and_one_job(
 
 
 def test_an_invoice_keeps_its_cycle_number(ctx, subscribed):
-    first = through_the_door(orders.record_cycle, ctx, subscribed, "sub_test_42", "in_test_x")
-    again = through_the_door(orders.record_cycle, ctx, subscribed, "sub_test_42", "in_test_x")
-    other = through_the_door(orders.record_cycle, ctx, subscribed, "sub_test_other",
+    tx = Transaction(ctx)
+    first = through_the_door(orders.record_cycle, ctx, tx, subscribed, "sub_test_42", "in_test_x")
+    again = through_the_door(orders.record_cycle, ctx, tx, subscribed, "sub_test_42", "in_test_x")
+    other = through_the_door(orders.record_cycle, ctx, tx, subscribed, "sub_test_other",
                              "in_test_y")
     assert (first, again, other) == (1, 1, 1)
 

@@ -12,6 +12,7 @@ import pytest
 from models import SelfFiling
 from tests.checked_service import CHECKED, refusals_file, refusals_to
 from tests.door import through_the_door
+from engine.transaction import Transaction
 from app.server import make_app
 from app.context import Context
 from domain.links import (
@@ -101,22 +102,24 @@ def test_signed_link_uses_the_public_base_url(settings):
 
 # --- recording once -----------------------------------------------------------------------
 
-def test_already_filed_answers_per_kind_order_and_cycle(clock):
+def test_already_filed_answers_per_kind_order_and_cycle(ctx, clock):
     clock.set(2026, 10, 5, 8, 30)
-    assert not through_the_door(already_filed, "ifta", "CO-1", "2026-Q3")
-    through_the_door(record_self_filed, "ifta", "CO-1", "2026-Q3", clock())
-    assert through_the_door(already_filed, "ifta", "CO-1", "2026-Q3")
-    assert not through_the_door(already_filed, "ifta", "CO-1", "2026-Q4")
-    assert not through_the_door(already_filed, "ucr", "CO-1", "2026-Q3")
-    assert not through_the_door(already_filed, "ifta", "CO-2", "2026-Q3")
+    assert not through_the_door(already_filed, Transaction(ctx), "ifta", "CO-1", "2026-Q3")
+    through_the_door(record_self_filed, Transaction(ctx), "ifta", "CO-1", "2026-Q3", clock())
+    assert through_the_door(already_filed, Transaction(ctx), "ifta", "CO-1", "2026-Q3")
+    assert not through_the_door(already_filed, Transaction(ctx), "ifta", "CO-1", "2026-Q4")
+    assert not through_the_door(already_filed, Transaction(ctx), "ucr", "CO-1", "2026-Q3")
+    assert not through_the_door(already_filed, Transaction(ctx), "ifta", "CO-2", "2026-Q3")
 
 
-def test_recording_twice_keeps_the_first_time(clock):
+def test_recording_twice_keeps_the_first_time(ctx, clock):
     clock.set(2026, 10, 5, 8, 30)
     first = clock()
-    assert through_the_door(record_self_filed, "ucr", "CO-1", "2027", first) == (first, True)
+    tx = Transaction(ctx)
+    assert through_the_door(record_self_filed, tx, "ucr", "CO-1", "2027", first) == (first, True)
     clock.advance(days=3)
-    assert through_the_door(record_self_filed, "ucr", "CO-1", "2027", clock()) == (first, False)
+    assert through_the_door(record_self_filed, tx, "ucr", "CO-1", "2027", clock()) == (
+        first, False)
     assert SelfFiling.select().count() == 1
 
 
@@ -177,7 +180,7 @@ async def test_a_link_asks_first_and_its_button_records_and_confirms(
     assert label == f"Yes, I filed {cycle} myself"
     assert action == f"/api/v1/{kind}/filed"
     assert fields == dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(path).query))
-    assert not through_the_door(already_filed, kind, "CO-20001", cycle)
+    assert not through_the_door(already_filed, Transaction(ctx), kind, "CO-20001", cycle)
 
     recorded = await press(question)
     assert recorded.code == 200 and recorded.headers["Cache-Control"] == "no-store"
@@ -185,7 +188,7 @@ async def test_a_link_asks_first_and_its_button_records_and_confirms(
     assert "Thank you, Dana: we have recorded that you filed" in page
     assert title in page and "5 October 2026 at 08:30 UTC" in page
     assert "<script" not in page and "<form" not in page
-    assert through_the_door(already_filed, kind, "CO-20001", cycle)
+    assert through_the_door(already_filed, Transaction(ctx), kind, "CO-20001", cycle)
 
 
 @pytest.mark.gen_test
@@ -227,7 +230,7 @@ async def test_a_link_checker_s_head_request_records_nothing(get, ctx):
     assert await head(signed_path(ctx, "ifta", "CO-20001", "2026-Q3")) == 200
     assert await head(signed_path(ctx, "ifta", "CO-404", "2026-Q3")) == 404
     assert await head(link_path("ifta", "CO-20001", "2026-Q3", "x")) == 403
-    assert not through_the_door(already_filed, "ifta", "CO-20001", "2026-Q3")
+    assert not through_the_door(already_filed, Transaction(ctx), "ifta", "CO-20001", "2026-Q3")
 
 
 @pytest.mark.gen_test

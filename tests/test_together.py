@@ -234,7 +234,7 @@ def paid_by_peewee(ctx, payload, effects):
 
 
 def paid_by_saving_a_row_read_otherwise(ctx, payload, effects):
-    order = orders.find_order("formation", payload["order"])
+    order = effects.order("formation", payload["order"])
     order.payment_status, order.stripe_session_id = "paid", payload["key"]
     save_changes(order)
 
@@ -310,8 +310,7 @@ async def test_orders_of_two_kinds_read_ahead_with_the_events_are_the_rows_as_re
     found = {}
 
     def reads(ctx, payload, effects):
-        order = orders.find_order(orders.order_type_of(payload["order"]), payload["order"],
-                                  for_update=True)
+        order = effects.lock_order(orders.order_type_of(payload["order"]), payload["order"])
         found[payload["key"]] = None if order is None else dict(order.__data__)
     card_plugin("test.reads", reads)
 

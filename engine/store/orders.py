@@ -8,11 +8,12 @@ unit asks (kind by name, each kind's by number), so two turns never wait on each
 holding what the other waits for."""
 import datetime
 import functools
-from typing import Any, Callable, Iterable, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, Iterator, Literal, NamedTuple, Sequence, overload
 
 import peewee
 
-from models import ORDER_MODELS, BaseModel, OrderBase, SubscriptionCycle
+from models import (ORDER_MODELS, BaseModel, BundleOrder, ComplianceOrder, CrtcOrder,
+                    FormationOrder, OrderBase, SubscriptionCycle)
 from engine import commits
 from engine.commits import Ahead, AheadStatement
 from engine.db import locked
@@ -186,9 +187,32 @@ def ahead_of(refs: Iterable[OrderRef]) -> tuple[Ahead, ...]:
 class OrderStore:
     """Orders, in the caller's transaction."""
 
+    @overload
+    def order(self, kind: Literal["canada_crtc"], number: str) -> CrtcOrder | None: ...
+    @overload
+    def order(self, kind: Literal["compliance"], number: str) -> ComplianceOrder | None: ...
+    @overload
+    def order(self, kind: Literal["formation"], number: str) -> FormationOrder | None: ...
+    @overload
+    def order(self, kind: Literal["bundle"], number: str) -> BundleOrder | None: ...
+    @overload
+    def order(self, kind: str, number: str) -> OrderBase | None: ...
+
     def order(self, kind: str, number: str) -> OrderBase | None:
         """The order of that kind and number, or None; not locked."""
         return ORDER_BY_NUMBER[kind, False].first(order_number=number)
+
+    @overload
+    def lock_order(self, kind: Literal["canada_crtc"], number: str) -> CrtcOrder | None: ...
+    @overload
+    def lock_order(self, kind: Literal["compliance"],
+                   number: str) -> ComplianceOrder | None: ...
+    @overload
+    def lock_order(self, kind: Literal["formation"], number: str) -> FormationOrder | None: ...
+    @overload
+    def lock_order(self, kind: Literal["bundle"], number: str) -> BundleOrder | None: ...
+    @overload
+    def lock_order(self, kind: str, number: str) -> OrderBase | None: ...
 
     def lock_order(self, kind: str, number: str) -> OrderBase | None:
         """The order of that kind and number, locked until the transaction ends, or
@@ -207,10 +231,19 @@ class OrderStore:
                 return order
         return None
 
-    def lock_orders_numbered(self, number: str) -> list[OrderBase]:
-        """Every order with that number, of every kind, locked."""
-        return [order for model in ORDER_MODELS.values()
-                for order in locked(model.select().where(model.order_number == number))]
+    def lock_orders_numbered(self, number: str) -> Iterator[OrderBase]:
+        """Every order with that number, of every kind, each locked as it is read: one
+        kind's read after the caller has done with the one before (its writes go with
+        the next kind's read)."""
+        for model in ORDER_MODELS.values():
+            yield from locked(model.select().where(model.order_number == number))
+
+    def service_slug_of(self, number: str) -> str | None:
+        """The service slug of the compliance order with that number, or None (no such
+        order, or it has none). Not locked; only the slug is read."""
+        order = (ComplianceOrder.select(ComplianceOrder.service_slug)
+                 .where(ComplianceOrder.order_number == number).first())
+        return order.service_slug if order else None
 
     def names_of(self, number: str) -> dict[str, str | None]:
         """{kind: order_name} of the orders with that number (at most one a kind), in one

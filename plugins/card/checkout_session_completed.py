@@ -18,11 +18,10 @@ import logging
 
 from models import ORDER_MODELS
 from plugins.registry import card_event
-from engine.prepared import save_changes
 from domain.card_events import (metadata_of, method_of_payment, object_of, order_of_metadata,
                                 payment_method_used)
 from domain.money import Money
-from domain.orders import FREE, OrderNotFound, complete_payment, find_order
+from domain.orders import FREE, OrderNotFound, complete_payment
 from engine.transaction import OrderRef
 
 log = logging.getLogger("receiver.card")
@@ -107,17 +106,17 @@ def record(ctx, event, effects, method):
         log.info("session %s for %s is %s; waiting for the payment to clear",
                  session["id"], order_id, session.get("payment_status"))
     if session.get("mode") == "subscription" and session.get("subscription"):
-        link_subscription(ctx, order_id, order_type, session["subscription"])
+        link_subscription(ctx, effects, order_id, order_type, session["subscription"])
 
 
-def link_subscription(ctx, order_id, order_type, subscription_id):
+def link_subscription(ctx, tx, order_id, order_type, subscription_id):
     if order_type != "compliance":
         log.error("subscription %s belongs to %s order %s, not a compliance order; not kept",
                   subscription_id, order_type, order_id)
         return
-    order = find_order("compliance", order_id, for_update=True)
+    order = tx.lock_order("compliance", order_id)
     if order is None:
         raise OrderNotFound(f"no compliance order {order_id}")
     order.stripe_subscription_id = subscription_id
     order.updated_at = ctx.clock()
-    save_changes(order)
+    tx.save(order)

@@ -29,7 +29,7 @@ def handle(ctx, event, effects):
         complete_payment(ctx, effects, order.order_number, "compliance", invoice["id"],
                          source="card", amount=Money.of_stripe(invoice.get("amount_paid"),
                                                                invoice.get("currency")))
-    cycle = record_cycle(ctx, order, subscription, invoice["id"])
+    cycle = record_cycle(ctx, effects, order, subscription, invoice["id"])
     effects.job("process_compliance_service", {
         "order_name": document_name(order),
         "order_number": order.order_number,

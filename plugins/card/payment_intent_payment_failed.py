@@ -21,7 +21,7 @@ def handle(ctx, event, effects):
     if not order_number:
         return
     reason = (intent.get("last_payment_error") or {}).get("message") or "unknown error"
-    marked, left = mark_payment_failed(ctx, order_number, reason,
+    marked, left = mark_payment_failed(ctx, effects, order_number, reason,
                                        as_of(event.get("created"), ctx.clock()))
     if left and not marked:
         log.info("payment intent %s for %s failed (%s); the order's payment was received, "

@@ -1,10 +1,13 @@
 """One module per workflow-system webhook path (BEHAVIOUR.md 4.1). Each declares the path, the
 fields it requires, the workflow action it applies, the job it dispatches and the action
 it answers with; `WorkflowWebhook` does the rest."""
+from typing import Any
+
 from plugins.registry import workflow_webhook
 from domain import reconcile
 from domain.orders import remember_order_name
-from engine.transaction import OrderRef
+from engine.contracts import EngineContext
+from engine.transaction import OrderRef, Transaction
 from engine.inbox import MAX_KEY_LENGTH
 from engine.outbox import stable_key, tell_admin
 
@@ -19,25 +22,30 @@ ORDER_FIELDS = ("order_name", "order_number")
 
 
 class WorkflowWebhook:
-    path = None
-    fields = ORDER_FIELDS          # required, non-empty strings; also the job's payload
-    workflow_action = None         # applied to the order in the workflow system, if any
-    job = None                     # the worker job dispatched, if any
-    job_constants = {}             # fixed payload fields added to the job
-    answer = None                  # the `action` of the acknowledgement
-    when_left = None               # HANDLED or TOLD; None: TOLD with an action, else HANDLED
+    path: str = ""
+    # Required, non-empty strings; also the job's payload.
+    fields: tuple[str, ...] = ORDER_FIELDS
+    # Applied to the order in the workflow system, if any.
+    workflow_action: str | None = None
+    # The worker job dispatched, if any, and the fixed payload fields added to it.
+    job: str | None = None
+    job_constants: dict[str, Any] = {}
+    # The `action` of the acknowledgement.
+    answer: str | None = None
+    # HANDLED or TOLD; None: TOLD with an action, else HANDLED.
+    when_left: str | None = None
 
     @property
-    def left_rule(self):
+    def left_rule(self) -> str:
         return self.when_left or (TOLD if self.workflow_action else HANDLED)
 
-    def effects_named(self):
+    def effects_named(self) -> str:
         """What the path sends, in words, for a notice that it was not sent."""
         named = [f"the action {self.workflow_action!r}"] if self.workflow_action else []
         return " and ".join(named + ([f"the job {self.job!r}"] if self.job else [])) or \
             "nothing"
 
-    def field_error(self, body):
+    def field_error(self, body: dict[str, Any]) -> str | None:
         """What is wrong with the first unusable required field, or None. Control
         characters (a NUL, say) are no part of an order's name or number."""
         for name in self.fields:
@@ -53,40 +61,47 @@ class WorkflowWebhook:
                 return f"field too long: {name} (at most {MAX_KEY_LENGTH} characters)"
         return None
 
-    def orders_of(self, body):
+    def orders_of(self, body: dict[str, Any]) -> tuple[OrderRef, ...]:
         """The order it names, of whichever kind: its name is read (and may be kept)."""
         return (OrderRef(None, body["order_number"]),)
 
-    def job_payload(self, ctx, body):
+    def job_payload(self, ctx: EngineContext, tx: Transaction,
+                    body: dict[str, Any]) -> dict[str, Any]:
+        """The job's payload: the required fields and the fixed ones."""
         return {**{name: body[name] for name in self.fields}, **self.job_constants}
 
-    def __call__(self, ctx, body, effects):
+    def __call__(self, ctx: EngineContext, body: dict[str, Any], tx: Transaction) -> None:
+        """Handle the call: record it only when it is older than what was handled or its
+        document has left the state (by `left_rule`); else keep the order's name, ask
+        for the workflow action and the job."""
         if reconcile.may_be_superseded(ctx, body):
             newer = reconcile.newer_change(reconcile.group_paths(ctx, self.path), body)
             if newer is not None:
-                self.record_only(ctx, body, effects, f"older than the state change handled "
+                self.record_only(ctx, body, tx, f"older than the state change handled "
                                  f"as event #{newer.id} ({newer.event_type})")
                 return
         if body.get("left_for") and self.left_rule == TOLD:
-            self.record_only(ctx, body, effects,
+            self.record_only(ctx, body, tx,
                              f"the document had left for {body['left_for']!r} when it was found")
             return
-        remember_order_name(ctx, body["order_number"], body["order_name"])
+        remember_order_name(ctx, tx, body["order_number"], body["order_name"])
         if self.workflow_action:
-            effects.workflow_action("workflow_doctype", body["order_name"],
+            tx.workflow_action("workflow_doctype", body["order_name"],
                                     self.workflow_action, purpose=self.workflow_action,
                                     order_number=body["order_number"])
         if self.job:
-            effects.job(self.job, self.job_payload(ctx, body), purpose=self.job)
+            tx.job(self.job, self.job_payload(ctx, tx, body), purpose=self.job)
 
-    def record_only(self, ctx, body, effects, why):
+    def record_only(self, ctx: EngineContext, body: dict[str, Any], tx: Transaction,
+                    why: str) -> None:
         """Kept, not acted on: handling a change the document is past would send what no
         longer applies, or re-order what went out. The administrator hears of a path
         that sends something, once per change."""
         reason = f"{why}: recorded, {self.effects_named()} not sent"
-        effects.record_only(reason)
+        tx.record_only(reason)
         if self.workflow_action or self.job:
-            event = effects.event
+            event = tx.event
+            assert event is not None, "a workflow webhook is handled as a stored event"
             tell_admin(ctx, f"workflow-not-handled-{stable_key(event.source, event.dedup_key)}",
                        f"{self.path} of {body['order_name']} not handled",
                        "workflow_not_handled", path=self.path, body=body, reason=reason)

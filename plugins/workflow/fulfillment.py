@@ -6,35 +6,40 @@ move causes. `ready_to_file` tells the administrator that the filing waits for a
 `awaiting_intake` starts the intake reminders (the reminder job lists orders in that
 status). A move the order cannot make is rejected (409), and so kept in the inbox.
 """
+from typing import Any
+
+from models import ComplianceOrder
 from domain import fulfillment
 from domain.orders import email_admin
+from engine.contracts import EngineContext
+from engine.transaction import Transaction
 from plugins.registry import workflow_webhook
 from plugins.workflow import WorkflowWebhook
 
 
 class FulfillmentReport(WorkflowWebhook):
-    status = None
+    status = ""
     fields = ("order_number",)
     answer = "fulfillment_status_recorded"
 
-    def __call__(self, ctx, body, effects):
+    def __call__(self, ctx: EngineContext, body: dict[str, Any], tx: Transaction) -> None:
         try:
-            order = fulfillment.move(ctx, body["order_number"], self.status)
+            order = fulfillment.move(ctx, tx, body["order_number"], self.status)
         except fulfillment.InvalidTransition as refused:
-            effects.reject(str(refused))
+            tx.reject(str(refused))
             return
         if order is not None:
-            self.moved(ctx, order, effects)
+            self.moved(ctx, order, tx)
 
-    def moved(self, ctx, order, effects):
+    def moved(self, ctx: EngineContext, order: ComplianceOrder, tx: Transaction) -> None:
         """What the move causes, besides the new status."""
 
 
 class ReadyToFile(FulfillmentReport):
     answer = "approval_requested"
 
-    def moved(self, ctx, order, effects):
-        email_admin(ctx, effects, f"Filing for order {order.order_number} waits for your "
+    def moved(self, ctx: EngineContext, order: ComplianceOrder, tx: Transaction) -> None:
+        email_admin(ctx, tx, f"Filing for order {order.order_number} waits for your "
                     "approval", "fulfillment_ready_to_file", order.order_number,
                     service_name=order.service_name, customer_name=order.customer_name,
                     customer_email=order.customer_email)

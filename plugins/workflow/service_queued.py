@@ -2,26 +2,20 @@
 
 When the call names no service_slug, the compliance order's own slug is used; if the
 order is not found or the lookup fails, the job still goes out with an empty slug."""
-import logging
+from typing import Any
 
-import peewee
-
-from models import ComplianceOrder
+from engine.contracts import EngineContext
+from engine.transaction import Transaction
 from plugins.workflow import WorkflowWebhook, workflow_webhook
-from engine.commits import savepoint
-
-log = logging.getLogger("receiver.plugins")
 
 
-def service_slug_of(order_number):
-    try:
-        with savepoint():  # a failed lookup must not spoil the event
-            order = (ComplianceOrder.select(ComplianceOrder.service_slug)
-                     .where(ComplianceOrder.order_number == order_number).first())
-    except peewee.PeeweeException:
-        log.exception("service_slug lookup failed for order %s", order_number)
-        return ""
-    return (order.service_slug or "") if order else ""
+def service_slug_of(tx: Transaction, order_number: str) -> str:
+    """The compliance order's service slug; "" when it has none, there is no such order,
+    or the lookup failed (a failed lookup must not spoil the event)."""
+    slug = None
+    with tx.apart(f"service_slug lookup failed for order {order_number}"):
+        slug = tx.service_slug_of(order_number)
+    return slug or ""
 
 
 @workflow_webhook
@@ -30,8 +24,9 @@ class ServiceQueued(WorkflowWebhook):
     job = "process_compliance_service"
     answer = "service_processing_dispatched"
 
-    def job_payload(self, ctx, body):
+    def job_payload(self, ctx: EngineContext, tx: Transaction,
+                    body: dict[str, Any]) -> dict[str, Any]:
         slug = body.get("service_slug")
         if not isinstance(slug, str) or not slug:
-            slug = service_slug_of(body["order_number"])
-        return {**super().job_payload(ctx, body), "service_slug": slug}
+            slug = service_slug_of(tx, body["order_number"])
+        return {**super().job_payload(ctx, tx, body), "service_slug": slug}
