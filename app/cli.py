@@ -25,6 +25,7 @@ from domain import backfill, filings, holdback, intake, links, reconcile, remind
 from engine import inbox, spool
 from engine.db import UNAVAILABLE, refused_settings
 from engine.payload import read_json
+from engine.transaction import Transaction
 from models import open_database, sqlite_file
 from ops import console, operator, passwords, sessions
 from settings import ConfigurationError, Settings
@@ -480,7 +481,7 @@ async def spool_quarantined(ctx, args):
 
 
 async def settle(ctx, args):
-    counts = await settlement.settle_crtc_orders(ctx)
+    counts = await settlement.settle_crtc_orders(ctx, Transaction(ctx))
     print(", ".join(f"{name.replace('_', ' ')}: {count}" for name, count in counts.items()))
     return 1 if counts["failed"] else 0
 
