@@ -27,7 +27,7 @@ event telling the same fact, adds none.
 """
 import functools
 import logging
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable
 
 from domain import holdback, payment_state
 from domain.card_events import ask_stripe, metadata_of, object_of, subscription_of_invoice
@@ -53,7 +53,6 @@ OUTCOMES = {"won": "won", "lost": "lost", "warning_closed": "closed (inquiry)",
 
 # (kind, number) of an order.
 Found = tuple[str, str]
-Fact = TypeVar("Fact", DisputeFact, RefundFact)
 
 
 # --- which order ------------------------------------------------------------------------
@@ -157,7 +156,7 @@ async def dispute_event(ctx: EngineContext, event: dict[str, Any], tx: Transacti
 
 
 async def _keep(ctx: EngineContext, tx: Transaction, record: Callable[..., Change],
-                fact: Fact, what: str, retrieve: Callable[[Any], Any],
+                fact: DisputeFact | RefundFact, what: str, retrieve: Callable[[Any], Any],
                 object_id: str) -> None:
     """`record(fact)` in a transaction; on a conflict, `record` again with Stripe's object
     as it is now (`retrieve` of `object_id`), or, without an answer, with the fact as the
