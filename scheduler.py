@@ -45,7 +45,8 @@ STOP_GRACE_SECONDS = 5
 
 async def settle(ctx):
     from domain.settlement import settle_crtc_orders
-    return await settle_crtc_orders(ctx)
+    from engine.transaction import Transaction
+    return await settle_crtc_orders(ctx, Transaction(ctx))
 
 
 async def prune(ctx):

@@ -481,7 +481,7 @@ async def spool_quarantined(ctx, args):
 
 
 async def settle(ctx, args):
-    counts = await settlement.settle_crtc_orders(ctx)
+    counts = await settlement.settle_crtc_orders(ctx, Transaction(ctx))
     print(", ".join(f"{name.replace('_', ' ')}: {count}" for name, count in counts.items()))
     return 1 if counts["failed"] else 0
 

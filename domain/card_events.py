@@ -7,13 +7,14 @@ import asyncio
 import functools
 import hashlib
 import logging
+from typing import Any, Callable
 
 import stripe
 
 from clients.stripe_api import API_VERSION, stripe_client
-from models import ORDER_MODELS, ComplianceOrder
+from models import ORDER_MODELS
 from engine import inbox
-from engine.db import locked
+from engine.contracts import EngineContext
 # The plugins' vocabulary includes the admin e-mail, which the shared order steps use too.
 from domain.orders import email_admin, payment_method_of  # noqa: F401
 
@@ -29,7 +30,7 @@ BACKGROUND_TYPES = frozenset({
     "charge.dispute.funds_reinstated", "charge.refunded"})
 
 
-def dedup_key(event):
+def dedup_key(event: dict[str, Any]) -> str:
     """One key per thing that happened, not per delivery: Stripe may redeliver an event id,
     and may send a second Event object for the same (object, type).
 
@@ -47,7 +48,7 @@ def dedup_key(event):
     return key
 
 
-def problem_with(event):
+def problem_with(event: Any) -> str | None:
     """Why a verified body is not a Stripe event we can store, or None."""
     if not isinstance(event, dict):
         return "not a JSON object"
@@ -73,10 +74,10 @@ class VersionWatch:
     an endpoint (or `stripe listen`, which uses the account's default version) set to
     another version renders objects in shapes that may have moved."""
 
-    def __init__(self):
-        self.seen = set()
+    def __init__(self) -> None:
+        self.seen: set[Any] = set()
 
-    def __call__(self, event):
+    def __call__(self, event: dict[str, Any]) -> None:
         version = event.get("api_version")
         if version == API_VERSION or version in self.seen:
             return
@@ -89,7 +90,7 @@ class VersionWatch:
 check_version = VersionWatch()
 
 
-async def accept(ctx, event, raw):
+async def accept(ctx: EngineContext, event: dict[str, Any], raw: bytes) -> None:
     """Store a verified event in the inbox and handle it: in the background for the types
     BEHAVIOUR.md handles so, before returning for the others. A handling error is logged and
     left on the inbox row for retry; it never raises."""
@@ -102,7 +103,7 @@ async def accept(ctx, event, raw):
         orders=() if in_background else ctx.plugins[SOURCE].orders_of(event["type"], event))
 
 
-async def reject(ctx, raw, reason):
+async def reject(ctx: EngineContext, raw: bytes, reason: str) -> None:
     """Keep a signed body that is not a Stripe event, with the reason, for an operator."""
     log.error("card webhook: signed body is not a Stripe event (%s); kept as rejected",
               reason)
@@ -112,16 +113,16 @@ async def reject(ctx, raw, reason):
 
 # --- what the plugins share ---------------------------------------------------------------
 
-def object_of(event):
+def object_of(event: dict[str, Any]) -> dict[str, Any]:
     return event["data"]["object"]
 
 
-def metadata_of(obj):
+def metadata_of(obj: dict[str, Any]) -> dict[str, Any]:
     metadata = obj.get("metadata")
     return metadata if isinstance(metadata, dict) else {}
 
 
-def order_of_metadata(obj):
+def order_of_metadata(obj: dict[str, Any]) -> tuple[str, str] | None:
     """(order_id, order_type) from the object's metadata, or None (logged) when either is
     missing or the type is not one of ours: no retry would change that."""
     metadata = metadata_of(obj)
@@ -137,7 +138,7 @@ def order_of_metadata(obj):
     return order_id, order_type
 
 
-def payment_method_used(obj):
+def payment_method_used(obj: dict[str, Any]) -> str | None:
     """Our word for how a session or payment intent was paid, when the object tells it:
     the only allowed method type. Webhook events never expand latest_charge (it is a
     "ch_..." id), so with several allowed types the method is unknown (None)."""
@@ -145,7 +146,8 @@ def payment_method_used(obj):
     return payment_method_of(types[0]) if len(types) == 1 else None
 
 
-async def method_of_payment(ctx, obj, order_type, intent_id):
+async def method_of_payment(ctx: EngineContext, obj: dict[str, Any], order_type: str,
+                            intent_id: str | None) -> str | None:
     """The payment method of a session or intent. A CRTC order's settlement depends on it,
     so when the event leaves it open (several methods allowed) Stripe is asked."""
     method = payment_method_used(obj)
@@ -154,7 +156,7 @@ async def method_of_payment(ctx, obj, order_type, intent_id):
     return method
 
 
-async def charged_method(ctx, intent_id):
+async def charged_method(ctx: EngineContext, intent_id: str | None) -> str | None:
     """The method of the intent's charge, asked of Stripe with the charge expanded (an
     event only names it, "ch_..."). None when Stripe cannot be asked or does not say: the
     order is then paid without a method, and the administrator told."""
@@ -174,7 +176,8 @@ async def charged_method(ctx, intent_id):
     return payment_method_of((details or {}).get("type"))
 
 
-async def ask_stripe(ctx, what, call, *args, **params):
+async def ask_stripe(ctx: EngineContext, what: str, call: Callable[[Any], Any], *args: Any,
+                     **params: Any) -> dict[str, Any] | None:
     """Stripe's object as it is now (`call(*args, params=params)` of the stripe client's
     v1 services, `what` naming it for the log), as a plain dict; None when STRIPE_SECRET_KEY
     is unset or Stripe does not know the object. Any other failure (Stripe unreachable,
@@ -193,20 +196,9 @@ async def ask_stripe(ctx, what, call, *args, **params):
     return answer.to_dict()
 
 
-def subscription_of_invoice(invoice):
+def subscription_of_invoice(invoice: dict[str, Any]) -> str | None:
     """The invoice's subscription id. From API 2025-03-31.basil on (ours is
     2026-03-25.dahlia) it is under the invoice's parent; an invoice rendered in an older
     version (an endpoint or `stripe listen` on an older version) has it at the top."""
     details = (invoice.get("parent") or {}).get("subscription_details") or {}
     return details.get("subscription") or invoice.get("subscription")
-
-
-def order_with_subscription(subscription_id, for_update=False):
-    """The compliance order with that subscription, or None. `for_update` when the caller
-    saves it: another process (a dispute) may be changing the same row meanwhile."""
-    if not subscription_id:
-        return None
-    query = (ComplianceOrder.select()
-             .where(ComplianceOrder.stripe_subscription_id == subscription_id))
-    return (locked(query) if for_update else query).first()
-

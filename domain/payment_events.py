@@ -27,14 +27,15 @@ event telling the same fact, adds none.
 """
 import functools
 import logging
+from typing import Any, Callable
 
 from domain import holdback, payment_state
-from domain.card_events import (ask_stripe, metadata_of, object_of, order_with_subscription,
-                                subscription_of_invoice)
+from domain.card_events import ask_stripe, metadata_of, object_of, subscription_of_invoice
 from domain.orders import OrderNotFound, email_admin, settle_status
-from engine.transaction import Transaction
 from domain.payment_state import Change, DisputeFact, RefundFact
-from models import ORDER_MODELS, SubscriptionCycle
+from engine.contracts import EngineContext
+from engine.transaction import Transaction
+from models import ORDER_MODELS, ComplianceOrder, OrderBase
 
 log = logging.getLogger("receiver.card")
 
@@ -50,21 +51,26 @@ OUTCOMES = {"won": "won", "lost": "lost", "warning_closed": "closed (inquiry)",
             "prevented": "prevented"}
 
 
+# (kind, number) of an order.
+Found = tuple[str, str]
+
+
 # --- which order ------------------------------------------------------------------------
 
-def _stored_order_of(tx, payment_intent, invoice_id):
+def _stored_order_of(tx: Transaction, payment_intent: str | None,
+                     invoice_id: str | None) -> Found | None:
     """(kind, number) of the order the stored references name, or None (a unit)."""
     order = tx.order_paid_by(payment_intent) if payment_intent else None
-    if order is not None:
+    if order is not None and order.kind is not None:  # every stored order has a kind
         return order.kind, order.order_number
     if invoice_id:
-        cycle = SubscriptionCycle.get_or_none(SubscriptionCycle.invoice_id == invoice_id)
-        if cycle is not None:
-            return "compliance", cycle.order_number
+        number = tx.order_number_of_invoice(invoice_id)
+        if number is not None:
+            return "compliance", number
     return None
 
 
-def _named_by(obj):
+def _named_by(obj: dict[str, Any] | None) -> Found | None:
     """(kind, number) of the order an object's metadata names, or None (charges and
     disputes seldom carry any)."""
     metadata = metadata_of(obj or {})
@@ -74,20 +80,20 @@ def _named_by(obj):
     return None
 
 
-def _order_of_subscription(subscription_id):
-    order = order_with_subscription(subscription_id)
+def _order_of_subscription(tx: Transaction, subscription_id: str) -> Found | None:
+    order = tx.order_with_subscription(subscription_id)
     return None if order is None else ("compliance", order.order_number)
 
 
-async def order_of_charge(ctx, obj):
+async def order_of_charge(ctx: EngineContext, tx: Transaction,
+                          obj: dict[str, Any]) -> Found | None:
     """(kind, number) of the order a charge or a dispute (`obj`) is about, or None when
     neither what is stored nor Stripe tells (module docstring)."""
     payment_intent = obj.get("payment_intent") if isinstance(
         obj.get("payment_intent"), str) else None
     # A charge rendered before 2025-03-31.basil names its invoice.
     invoice_id = obj.get("invoice") if isinstance(obj.get("invoice"), str) else None
-    found = (await ctx.db(functools.partial(_stored_order_of, Transaction(ctx), payment_intent,
-                                              invoice_id))
+    found = (await ctx.db(functools.partial(_stored_order_of, tx, payment_intent, invoice_id))
              or _named_by(obj))
     if found is None and payment_intent:
         intent = await ask_stripe(ctx, f"payment intent {payment_intent}",
@@ -100,24 +106,25 @@ async def order_of_charge(ctx, obj):
                 payment={"type": "payment_intent", "payment_intent": payment_intent},
                 expand=["data.invoice"])
             invoices = [item.get("invoice") for item in (paid or {}).get("data") or ()]
-            found = await _order_of_invoice(ctx, invoices[0] if invoices else None)
+            found = await _order_of_invoice(ctx, tx, invoices[0] if invoices else None)
     if found is None and invoice_id:
         invoice = await ask_stripe(ctx, f"invoice {invoice_id}",
                                    lambda v1: v1.invoices.retrieve, invoice_id)
-        found = await _order_of_invoice(ctx, invoice)
+        found = await _order_of_invoice(ctx, tx, invoice)
     return found
 
 
-async def _order_of_invoice(ctx, invoice):
+async def _order_of_invoice(ctx: EngineContext, tx: Transaction,
+                            invoice: Any) -> Found | None:
     if not isinstance(invoice, dict):
         return None
     subscription = subscription_of_invoice(invoice)
     if not subscription:
         return None
-    return await ctx.db(functools.partial(_order_of_subscription, subscription))
+    return await ctx.db(functools.partial(_order_of_subscription, tx, subscription))
 
 
-def _locked(tx, found):
+def _lock_order(tx: Transaction, found: Found) -> OrderBase:
     kind, number = found
     order = tx.lock_order(kind, number)
     if order is None:
@@ -126,50 +133,53 @@ def _locked(tx, found):
     return order
 
 
-def _stamp(ctx):
+def _stamp(ctx: EngineContext) -> str:
     return ctx.clock().isoformat(timespec="seconds")
 
 
 # --- disputes ---------------------------------------------------------------------------
 
-async def dispute_event(ctx, event, effects):
+async def dispute_event(ctx: EngineContext, event: dict[str, Any], tx: Transaction) -> None:
     """A charge.dispute.* event: its dispute, as of the event's `created`, is a fact about
     the order's payment."""
     dispute = object_of(event)
     fact = DisputeFact.of(dispute, payment_state.as_of(event.get("created"), ctx.clock()))
-    found = await order_of_charge(ctx, dispute)
+    found = await order_of_charge(ctx, tx, dispute)
     if found is None:
         log.error("dispute %s: no order paid by %r", fact.dispute_id, fact.payment_intent)
-        await effects.transaction(functools.partial(
-            _tell_dispute_opened, ctx, effects, None, fact, None))
+        await tx.transaction(functools.partial(
+            _tell_dispute_opened, ctx, tx, None, fact, None))
         return
-    record = functools.partial(record_dispute, ctx, effects, found, DISPUTE_NOTES[event["type"]])
-    await _keep(ctx, effects, record, fact, f"dispute {fact.dispute_id}",
+    record = functools.partial(record_dispute, ctx, tx, found, DISPUTE_NOTES[event["type"]])
+    await _keep(ctx, tx, record, fact, f"dispute {fact.dispute_id}",
                 lambda v1: v1.disputes.retrieve, fact.dispute_id)
 
 
-async def _keep(ctx, effects, record, fact, what, retrieve, object_id):
+async def _keep(ctx: EngineContext, tx: Transaction, record: Callable[..., Change],
+                fact: DisputeFact | RefundFact, what: str, retrieve: Callable[[Any], Any],
+                object_id: str) -> None:
     """`record(fact)` in a transaction; on a conflict, `record` again with Stripe's object
     as it is now (`retrieve` of `object_id`), or, without an answer, with the fact as the
     rule settles it."""
-    if await effects.transaction(functools.partial(record, fact)) is not Change.CONFLICT:
+    if await tx.transaction(functools.partial(record, fact)) is not Change.CONFLICT:
         return
     current = await ask_stripe(ctx, what, retrieve, object_id)
     if current is None:
         log.warning("%s: %s conflicts with what its order knew and Stripe gave no answer; "
                     "the rule decides", what, fact)
-        await effects.transaction(functools.partial(record, fact, by_rule=True))
+        await tx.transaction(functools.partial(record, fact, by_rule=True))
         return
     answer = type(fact).of(current, ctx.clock())
     log.warning("%s: %s conflicts with what its order knew; Stripe has %s", what, fact, answer)
-    await effects.transaction(functools.partial(record, answer, asked=True))
+    await tx.transaction(functools.partial(record, answer, asked=True))
 
 
-def record_dispute(ctx, effects, found, note, fact, asked=False, by_rule=False):
+def record_dispute(ctx: EngineContext, tx: Transaction, found: Found, note: str,
+                   fact: DisputeFact, asked: bool = False, by_rule: bool = False) -> Change:
     """In a transaction: the dispute fact kept on its order (when newer), a note line, the
     order's status settled, the CRTC commission forfeited, the administrator told.
     Returns the Change; on a CONFLICT nothing is written."""
-    order = _locked(effects, found)
+    order = _lock_order(tx, found)
     change = payment_state.merge_dispute(order, fact, asked=asked, by_rule=by_rule)
     if change is Change.CONFLICT:
         return change
@@ -180,19 +190,21 @@ def record_dispute(ctx, effects, found, note, fact, asked=False, by_rule=False):
         note = "Dispute as Stripe has it"
     shown = note if fact.status in payment_state.OPEN_DISPUTE else f"{note} ({fact.status})"
     order.append_note(f"{shown}: {fact.reason}, amount {fact.amount} ({_stamp(ctx)})")
-    settle_status(ctx, effects, order)
+    settle_status(ctx, tx, order)
     commission = None
     if order.kind == holdback.ORDER_TYPE:
-        commission = holdback.forfeit(ctx, effects, order, f"dispute {fact.dispute_id}: {fact.reason}")
-    _tell_dispute_opened(ctx, effects, order, fact, commission)
+        commission = holdback.forfeit(ctx, tx, order,
+                                      f"dispute {fact.dispute_id}: {fact.reason}")
+    _tell_dispute_opened(ctx, tx, order, fact, commission)
     if fact.closed:
-        _tell_dispute_closed(ctx, effects, order, fact, commission)
+        _tell_dispute_closed(ctx, tx, order, fact, commission)
     return change
 
 
-def _tell_dispute_opened(ctx, effects, order, fact, commission):
+def _tell_dispute_opened(ctx: EngineContext, tx: Transaction, order: OrderBase | None,
+                         fact: DisputeFact, commission: str | None) -> None:
     number = order.order_number if order else "unknown"
-    email_admin(ctx, effects, f"Dispute opened on order {number}", "dispute_created", number,
+    email_admin(ctx, tx, f"Dispute opened on order {number}", "dispute_created", number,
                 key=f"email-dispute-opened-{fact.dispute_id}", reason=fact.reason,
                 amount=str(fact.amount), status=fact.status, payment_intent=fact.payment_intent,
                 dispute=fact.dispute_id, customer_name=order and order.customer_name,
@@ -200,9 +212,10 @@ def _tell_dispute_opened(ctx, effects, order, fact, commission):
                 service_name=order and order.service_name, commission=commission)
 
 
-def _tell_dispute_closed(ctx, effects, order, fact, commission):
+def _tell_dispute_closed(ctx: EngineContext, tx: Transaction, order: OrderBase,
+                         fact: DisputeFact, commission: str | None) -> None:
     outcome = OUTCOMES.get(fact.status, fact.status)
-    email_admin(ctx, effects, f"Dispute {outcome} on order {order.order_number}",
+    email_admin(ctx, tx, f"Dispute {outcome} on order {order.order_number}",
                 "dispute_closed", order.order_number,
                 key=f"email-dispute-{fact.dispute_id}-{fact.status}", outcome=outcome,
                 lost=fact.lost, amount=str(fact.amount), dispute=fact.dispute_id,
@@ -211,46 +224,48 @@ def _tell_dispute_closed(ctx, effects, order, fact, commission):
                 subscription=_renewing_subscription(order) if fact.lost else None)
 
 
-def _renewing_subscription(order):
+def _renewing_subscription(order: OrderBase) -> str | None:
     """The subscription of a compliance order that still renews, or None."""
-    subscription = getattr(order, "stripe_subscription_id", None)
-    if subscription and order.subscription_status != "cancelled":
-        return subscription
+    if (isinstance(order, ComplianceOrder) and order.stripe_subscription_id
+            and order.subscription_status != "cancelled"):
+        return order.stripe_subscription_id
     return None
 
 
 # --- refunds ----------------------------------------------------------------------------
 
-async def refund_event(ctx, event, effects):
+async def refund_event(ctx: EngineContext, event: dict[str, Any], tx: Transaction) -> None:
     """charge.refunded: the charge's amount refunded so far, as of the event's `created`,
     is a fact about the order's payment."""
     charge = object_of(event)
     fact = RefundFact.of(charge, payment_state.as_of(event.get("created"), ctx.clock()))
-    found = await order_of_charge(ctx, charge)
+    found = await order_of_charge(ctx, tx, charge)
     if found is None:
         log.warning("charge %s refunded %s of %s; no order of ours was paid by it",
                     charge["id"], fact.refunded, fact.charged)
         return
-    await _keep(ctx, effects, functools.partial(record_refund, ctx, effects, found), fact,
+    await _keep(ctx, tx, functools.partial(record_refund, ctx, tx, found), fact,
                 f"charge {fact.charge_id}", lambda v1: v1.charges.retrieve, fact.charge_id)
 
 
-def record_refund(ctx, effects, found, fact, asked=False, by_rule=False):
+def record_refund(ctx: EngineContext, tx: Transaction, found: Found, fact: RefundFact,
+                  asked: bool = False, by_rule: bool = False) -> Change:
     """In a transaction: the refund fact kept on its order (when newer), a note line, the
     order's status settled, a CRTC commission forfeited by a refund in full, the
     administrator told. Returns the Change; on a CONFLICT nothing is written."""
-    order = _locked(effects, found)
+    order = _lock_order(tx, found)
     change = payment_state.merge_refund(order, fact, asked=asked, by_rule=by_rule)
     if change is Change.CONFLICT:
         return change
     how = "in full" if fact.complete else "in part"
     order.append_note(f"Refunded {how}: {fact.refunded} of {fact.charged}, charge "
                       f"{fact.charge_id} ({_stamp(ctx)})")
-    settle_status(ctx, effects, order)
+    settle_status(ctx, tx, order)
     commission = None
     if fact.complete and order.kind == holdback.ORDER_TYPE:
-        commission = holdback.forfeit(ctx, effects, order, f"charge {fact.charge_id} refunded in full")
-    email_admin(ctx, effects, f"Refund {how} on order {order.order_number}: {fact.refunded}",
+        commission = holdback.forfeit(ctx, tx, order,
+                                      f"charge {fact.charge_id} refunded in full")
+    email_admin(ctx, tx, f"Refund {how} on order {order.order_number}: {fact.refunded}",
                 "refunded", order.order_number,
                 key=f"email-refund-{fact.charge_id}-{fact.refunded.minor}",
                 refunded=str(fact.refunded), charged=str(fact.charged), complete=fact.complete,

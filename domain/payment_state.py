@@ -28,7 +28,7 @@ import datetime
 import enum
 from typing import Any
 
-from models import UTC
+from models import UTC, OrderBase
 from domain.money import Money
 
 PENDING = "pending_payment"
@@ -94,7 +94,7 @@ class DisputeFact:
     def lost(self) -> bool:
         return self.status == LOST
 
-    def rank(self) -> tuple:
+    def rank(self) -> tuple[bool, datetime.datetime, bool]:
         """Of two facts about the order's disputes, the one with the higher rank is kept:
         a lost dispute whatever came after (the money is gone), else the newer fact, a
         closed one before an open one told in the same second."""
@@ -120,11 +120,11 @@ class RefundFact:
                    Money.of_stripe(charge.get("amount"), currency),
                    charge.get("refunded") is True, when)
 
-    def rank(self) -> tuple:
+    def rank(self) -> tuple[datetime.datetime, int]:
         return (self.as_of, self.refunded.minor)
 
 
-def known(order: Any) -> None:
+def known(order: OrderBase) -> None:
     """Turn what the stored status alone says into facts, once (before the first fact is
     kept): an order paid, disputed or refunded before facts were kept, or so written by
     another system, was received; one stored failed had an attempt fail."""
@@ -143,7 +143,7 @@ def known(order: Any) -> None:
         order.refunded_as_of = order.updated_at or order.created_at
 
 
-def received(order: Any) -> bool:
+def received(order: OrderBase) -> bool:
     """Whether the order's payment was received: a fact, or its stored status before
     facts were kept."""
     if order.payment_received is None:
@@ -151,7 +151,7 @@ def received(order: Any) -> bool:
     return bool(order.payment_received)
 
 
-def status_of(order: Any) -> str:
+def status_of(order: OrderBase) -> str:
     """The payment status the order's facts give (BEHAVIOUR.md 3.3's table)."""
     if order.payment_received is None:
         return order.payment_status  # no fact kept yet: the stored status is all we know
@@ -169,7 +169,7 @@ def status_of(order: Any) -> str:
     return PENDING
 
 
-def merge_received(order: Any, amount: Money | None) -> Change:
+def merge_received(order: OrderBase, amount: Money | None) -> Change:
     """The payment was received. SAME when it was known already."""
     known(order)
     if order.payment_received:
@@ -180,7 +180,7 @@ def merge_received(order: Any, amount: Money | None) -> Change:
     return Change.NEWER
 
 
-def merge_failure(order: Any, failed_at: datetime.datetime) -> Change:
+def merge_failure(order: OrderBase, failed_at: datetime.datetime) -> Change:
     """An attempt failed at `failed_at`; the latest failure is kept."""
     known(order)
     if order.payment_failed_at is not None and order.payment_failed_at >= failed_at:
@@ -189,7 +189,7 @@ def merge_failure(order: Any, failed_at: datetime.datetime) -> Change:
     return Change.NEWER
 
 
-def _kept_dispute(order: Any) -> DisputeFact | None:
+def _kept_dispute(order: OrderBase) -> DisputeFact | None:
     if order.dispute_status is None:
         return None
     return DisputeFact(order.dispute_id or "", order.dispute_status,
@@ -197,7 +197,7 @@ def _kept_dispute(order: Any) -> DisputeFact | None:
                        order.dispute_as_of or datetime.datetime.min.replace(tzinfo=UTC))
 
 
-def merge_dispute(order: Any, fact: DisputeFact, asked: bool = False,
+def merge_dispute(order: OrderBase, fact: DisputeFact, asked: bool = False,
                   by_rule: bool = False) -> Change:
     """A fact about a dispute of the order's payment. Of one dispute a closed status is
     final: an open one is older than it, whatever its time; two different closed
@@ -221,14 +221,14 @@ def merge_dispute(order: Any, fact: DisputeFact, asked: bool = False,
     return _keep_dispute(order, fact)
 
 
-def _keep_dispute(order, fact):
+def _keep_dispute(order: OrderBase, fact: DisputeFact) -> Change:
     order.dispute_id, order.dispute_status = fact.dispute_id, fact.status
     order.dispute_amount, order.dispute_as_of = fact.amount.minor, fact.as_of
     _currency_of(order, fact.amount)
     return Change.NEWER
 
 
-def merge_refund(order: Any, fact: RefundFact, asked: bool = False,
+def merge_refund(order: OrderBase, fact: RefundFact, asked: bool = False,
                  by_rule: bool = False) -> Change:
     """A fact about the refunds of a charge of the order's payment. Of one charge the
     amount refunded only grows: of two facts the one refunding more is kept, and one
@@ -255,14 +255,14 @@ def merge_refund(order: Any, fact: RefundFact, asked: bool = False,
     return _keep_refund(order, fact)
 
 
-def _keep_refund(order, fact):
+def _keep_refund(order: OrderBase, fact: RefundFact) -> Change:
     order.refunded_charge, order.refunded_amount = fact.charge_id, fact.refunded.minor
     order.refund_complete, order.refunded_as_of = fact.complete, fact.as_of
     _currency_of(order, fact.refunded)
     return Change.NEWER
 
 
-def _currency_of(order, amount):
+def _currency_of(order: OrderBase, amount: Money) -> None:
     """The payment's currency, when no completed payment has said it yet."""
     if amount.currency and not order.payment_currency:
         order.payment_currency = amount.currency

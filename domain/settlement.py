@@ -15,11 +15,12 @@ import datetime
 import functools
 import logging
 
+from clients.http import Result
 from models import CrtcOrder
 from engine import retry
-from engine.db import locked
+from engine.contracts import EngineContext
 from engine.outbox import tell_admin
-from engine.prepared import save_changes
+from engine.transaction import Transaction
 from domain.orders import FREE, document_name, paid_amount
 
 log = logging.getLogger("receiver.settlement")
@@ -33,7 +34,7 @@ CREDENTIALS_REFUSED = (401, 403)
 BUSINESS_DAYS_TO_SETTLE = {"card": 2, "bnpl": 2, "ach": 4, FREE: 0}
 
 
-def business_days_after(start, end):
+def business_days_after(start: datetime.date, end: datetime.date) -> int:
     """Weekdays d with start < d <= end (dates)."""
     days = 0
     day = start + datetime.timedelta(days=1)
@@ -43,51 +44,47 @@ def business_days_after(start, end):
     return days
 
 
-def waiting_orders():
-    return (CrtcOrder.select()
-            .where(CrtcOrder.payment_status == "paid",
-                   CrtcOrder.funds_available == False,  # noqa: E712 (SQL, not Python)
-                   CrtcOrder.payment_method.in_(list(BUSINESS_DAYS_TO_SETTLE)),
-                   CrtcOrder.paid_at.is_null(False))
-            # Orders never refused first, oldest paid first; then the refused ones, the
-            # one refused longest ago first: twenty orders Frappe refuses for good do
-            # not hold every newer order out of the batch.
-            .order_by(CrtcOrder.funds_refused_at.asc(nulls="first"), CrtcOrder.paid_at,
-                      CrtcOrder.id))
+def waiting_orders(tx: Transaction, limit: int | None = None) -> list[CrtcOrder]:
+    """The CRTC orders paid and awaiting their funds, with a payment method that settles,
+    in the order settlement tries them: orders never refused first, oldest paid first;
+    then the refused ones, the one refused longest ago first (twenty orders Frappe
+    refuses for good do not hold every newer order out of the batch). At most `limit`."""
+    return tx.orders_awaiting_funds(BUSINESS_DAYS_TO_SETTLE, limit)
 
 
-def is_due(ctx, order, today):
+def count_waiting(tx: Transaction) -> int:
+    """How many orders `waiting_orders` gives."""
+    return tx.count_orders_awaiting_funds(BUSINESS_DAYS_TO_SETTLE)
+
+
+def is_due(ctx: EngineContext, order: CrtcOrder, today: datetime.date) -> bool:
     paid_on = order.paid_at.astimezone(ctx.business_tz).date()
-    return business_days_after(paid_on, today) >= BUSINESS_DAYS_TO_SETTLE[order.payment_method]
+    return business_days_after(paid_on, today) >= BUSINESS_DAYS_TO_SETTLE[order.payment_method or ""]
 
 
-def still_waiting(order_id):
-    return waiting_orders().where(CrtcOrder.id == order_id).exists()
+def still_waiting(tx: Transaction, order_id: int) -> bool:
+    return tx.awaits_funds(order_id, BUSINESS_DAYS_TO_SETTLE)
 
 
-def mark_funds_available(ctx, order_id):
+def mark_funds_available(ctx: EngineContext, tx: Transaction, order_id: int) -> bool:
     """Set funds_available once; False when another run got there first. A unit of
     work (ctx.db)."""
-    now = ctx.clock()
-    current = locked(CrtcOrder.select(CrtcOrder.funds_available)
-                     .where(CrtcOrder.id == order_id)).get()
-    if current.funds_available:
+    if tx.lock_funds_available(order_id):
         return False
-    (CrtcOrder.update(funds_available=True, funds_available_at=now, updated_at=now)
-     .where(CrtcOrder.id == order_id).execute())
+    tx.set_funds_available(order_id, ctx.clock())
     return True
 
 
-def record_refusal(ctx, order_id, error):
+def record_refusal(ctx: EngineContext, tx: Transaction, order_id: int, error: str) -> int:
     """Count one refusal of the funds action for the order (which moves it to the back of
     the batch), and tell the administrator once, when the count reaches
-    SETTLEMENT_REFUSALS_BEFORE_ALERT. Returns the count."""
-    order = locked(CrtcOrder.select().where(CrtcOrder.id == order_id)).get()
+    SETTLEMENT_REFUSALS_BEFORE_ALERT. Returns the count. A unit of work (ctx.db)."""
+    order = tx.lock_crtc_order_by_id(order_id)
     now = ctx.clock()
     order.funds_refusals += 1
     order.funds_refused_at = now
     order.updated_at = now
-    save_changes(order)
+    tx.save(order)
     if retry.settlement(ctx.settings).tells_admin_at(order.funds_refusals):
         subject = f"CRTC order {order.order_number}: Frappe refused settlement " \
                   f"{order.funds_refusals} times"
@@ -97,7 +94,7 @@ def record_refusal(ctx, order_id, error):
     return order.funds_refusals
 
 
-async def advance(ctx, order):
+async def advance(ctx: EngineContext, tx: Transaction, order: CrtcOrder) -> bool:
     """Apply the funds action in Frappe; only when it succeeds is the order marked settled,
     so a refused or failed order is tried again on the next run."""
     settings = ctx.settings
@@ -107,13 +104,13 @@ async def advance(ctx, order):
     result = await ctx.workflow.apply_action(
         settings.crtc_doctype, document_name(order), settings.crtc_funds_action)
     if result.ok:
-        return await ctx.db(functools.partial(mark_funds_available, ctx, order.id))
+        return await ctx.db(functools.partial(mark_funds_available, ctx, tx, order.id))
     if refuses_the_order(result):
-        await ctx.db(functools.partial(record_refusal, ctx, order.id, result.error))
+        await ctx.db(functools.partial(record_refusal, ctx, tx, order.id, result.error))
     raise RuntimeError(f"{settings.crtc_funds_action!r} not applied: {result.error}")
 
 
-def refuses_the_order(result):
+def refuses_the_order(result: Result) -> bool:
     """Frappe answered, and refused this order's action for good (417 for a state the
     action does not apply from, 404 for a document it does not have): not a network
     error or a 5xx, which every order meets alike, nor a refusal of our credentials or
@@ -123,20 +120,21 @@ def refuses_the_order(result):
             and result.status not in CREDENTIALS_REFUSED and not result.misconfigured)
 
 
-async def settle_crtc_orders(ctx):
+async def settle_crtc_orders(ctx: EngineContext, tx: Transaction) -> dict[str, int]:
     """Advance up to BATCH_SIZE settled CRTC orders, oldest payment first (orders Frappe
-    refused last, see `waiting_orders`). Returns counts:
+    refused last, see `waiting_orders`); each read and write is a unit of work of its own
+    (ctx.db), through `tx`. Returns counts:
     examined, settled, not_due, failed (logged; the loop goes on)."""
     today = ctx.clock().astimezone(ctx.business_tz).date()
     counts = {"examined": 0, "settled": 0, "not_due": 0, "failed": 0}
-    for order in await ctx.db(lambda: list(waiting_orders().limit(BATCH_SIZE))):
+    for order in await ctx.db(functools.partial(waiting_orders, tx, BATCH_SIZE)):
         counts["examined"] += 1
         if not is_due(ctx, order, today):
             counts["not_due"] += 1
             continue
         try:
-            if (await ctx.db(functools.partial(still_waiting, order.id))
-                    and await advance(ctx, order)):
+            if (await ctx.db(functools.partial(still_waiting, tx, order.id))
+                    and await advance(ctx, tx, order)):
                 counts["settled"] += 1
                 log.info("CRTC order %s: funds settled (%s), advanced",
                          order.order_number, order.payment_method)

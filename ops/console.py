@@ -21,6 +21,7 @@ from domain.money import money
 from engine import outbox
 from engine.claims import claim, lease
 from engine.destinations import ORDERED_KINDS
+from engine.transaction import Transaction
 from models import (
     ORDER_MODELS, Attempt, ConsoleAction, CrtcOrder, LedgerEntry, Outbox, SelfFiling,
     SurveyResponse, TreasuryJob, WebhookEvent,
@@ -128,7 +129,7 @@ def overview(ctx, counts):
                         if failures[status]},
         given_up_events=failures["given up"],
         spool_files=files, spool_bytes=size, jobs=ctx.metrics.job_status(),
-        settlement_queue=settlement.waiting_orders().count(),
+        settlement_queue=settlement.count_waiting(Transaction(ctx)),
         destinations=list(ctx.destinations),
         in_holdback=holdback_orders().where(CrtcOrder.commission_released_at.is_null(),
                                             CrtcOrder.commission_forfeited_at.is_null())
@@ -727,7 +728,7 @@ def settlement_queue(ctx):
     becomes due (the settlement runs advance it on or after that day)."""
     today = ctx.clock().astimezone(ctx.business_tz).date()
     queue = []
-    for order in settlement.waiting_orders():
+    for order in settlement.waiting_orders(Transaction(ctx)):
         paid_on = order.paid_at.astimezone(ctx.business_tz).date()
         needed = settlement.BUSINESS_DAYS_TO_SETTLE[order.payment_method]
         queue.append(Awaiting(order, settlement.business_days_after(paid_on, today), needed,

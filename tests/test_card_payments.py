@@ -13,6 +13,7 @@ from models import (ORDER_MODELS, BundleOrder, ComplianceOrder, CrtcOrder, Forma
                     WebhookEvent)
 from domain import settlement
 from engine.db import Circuit
+from engine.transaction import Transaction
 from tests import stripe_events as se
 from tests.stripe_api import stripe_api  # noqa: F401 (fixture)
 from tests.stripe_events import (  # noqa: F401 (fixtures)
@@ -143,7 +144,7 @@ async def test_a_free_crtc_checkout_has_nothing_to_settle(send, ctx, clock, frap
     assert (order.payment_status, order.payment_method) == ("paid", "free")
     assert not Outbox.select().where(Outbox.kind == "email").exists(), \
         "no 'payment method unknown' mail for an order that needed no payment"
-    counts = await settlement.settle_crtc_orders(ctx)
+    counts = await settlement.settle_crtc_orders(ctx, Transaction(ctx))
     assert counts["settled"] == 1 and CrtcOrder.get().funds_available is True
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from models import UTC, CrtcOrder, Outbox, WebhookEvent
 from domain.settlement import business_days_after, settle_crtc_orders
+from engine.transaction import Transaction
 from tests import stripe_events as se
 from tests.stripe_events import RECEIVED, deliver, settings  # noqa: F401 (fixture)
 
@@ -76,7 +77,7 @@ async def test_paid_friday_card_settles_tuesday_and_ach_thursday(
     paid_crtc("CA-BNPL", "bnpl", paid_at=FRIDAY + datetime.timedelta(minutes=5))
     paid_crtc("CA-ACH", "ach", paid_at=FRIDAY + datetime.timedelta(minutes=10))
     clock.set(*day, 9, 0)
-    counts = await settle_crtc_orders(ctx)
+    counts = await settle_crtc_orders(ctx, Transaction(ctx))
     assert advanced(frappe) == settled
     assert counts == {"examined": 3, "settled": len(settled), "not_due": 3 - len(settled),
                       "failed": 0}
@@ -93,7 +94,7 @@ async def test_the_frappe_call_applies_the_configured_action_to_the_crtc_doctype
                                        crtc_funds_action="Funds Cleared")
     paid_crtc("CA-1")
     clock.set(2026, 11, 24, 9, 0)
-    await settle_crtc_orders(ctx)
+    await settle_crtc_orders(ctx, Transaction(ctx))
     [request] = frappe.requests
     assert request.path == "/api/method/frappe.model.workflow.apply_workflow"
     assert request.json == {"cmd": "frappe.model.workflow.apply_workflow",
@@ -107,9 +108,9 @@ async def test_business_days_are_dated_in_the_business_time_zone(ctx, clock, fra
     # Saturday 02:00 UTC is still Friday evening in Toronto.
     paid_crtc("CA-1", paid_at=datetime.datetime(2026, 11, 21, 2, 0, tzinfo=UTC))
     clock.set(2026, 11, 24, 4, 59)           # Monday 23:59 in Toronto
-    assert (await settle_crtc_orders(ctx))["settled"] == 0
+    assert (await settle_crtc_orders(ctx, Transaction(ctx)))["settled"] == 0
     clock.set(2026, 11, 24, 5, 0)            # Tuesday 00:00 in Toronto
-    assert (await settle_crtc_orders(ctx))["settled"] == 1
+    assert (await settle_crtc_orders(ctx, Transaction(ctx)))["settled"] == 1
 
 
 @pytest.mark.gen_test
@@ -124,7 +125,7 @@ async def test_only_paid_unsettled_card_ach_bnpl_orders_with_a_payment_time_are_
     CrtcOrder.create(order_number="CA-DISPUTED", payment_status="disputed",
                      payment_method="card", paid_at=FRIDAY)
     clock.set(2026, 12, 7, 9, 0)
-    counts = await settle_crtc_orders(ctx)
+    counts = await settle_crtc_orders(ctx, Transaction(ctx))
     assert advanced(frappe) == ["CA-OK"] and counts["examined"] == 1
 
 
@@ -133,10 +134,10 @@ async def test_at_most_twenty_oldest_paid_first(ctx, clock, frappe):
     for n in range(25):
         paid_crtc(f"CA-{n:02d}", paid_at=FRIDAY - datetime.timedelta(hours=25 - n))
     clock.set(2026, 12, 7, 9, 0)
-    counts = await settle_crtc_orders(ctx)
+    counts = await settle_crtc_orders(ctx, Transaction(ctx))
     assert advanced(frappe) == [f"CA-{n:02d}" for n in range(20)]
     assert counts["examined"] == 20
-    await settle_crtc_orders(ctx)
+    await settle_crtc_orders(ctx, Transaction(ctx))
     assert advanced(frappe)[20:] == [f"CA-{n:02d}" for n in range(20, 25)]
 
 
@@ -149,13 +150,13 @@ async def test_a_refused_order_stays_unsettled_and_the_loop_goes_on(ctx, clock, 
     paid_crtc("CA-2", paid_at=FRIDAY + datetime.timedelta(hours=1))
     frappe.responses.append(failure)
     clock.set(2026, 11, 30, 9, 0)
-    counts = await settle_crtc_orders(ctx)
+    counts = await settle_crtc_orders(ctx, Transaction(ctx))
     assert advanced(frappe) == ["CA-1", "CA-2"]
     assert (counts["settled"], counts["failed"]) == (1, 1)
     states = {o.order_number: o.funds_available for o in CrtcOrder.select()}
     assert states == {"CA-1": False, "CA-2": True}
 
-    await settle_crtc_orders(ctx)
+    await settle_crtc_orders(ctx, Transaction(ctx))
     assert CrtcOrder.get(CrtcOrder.order_number == "CA-1").funds_available is True
 
 
@@ -165,7 +166,7 @@ async def test_frappe_unreachable_is_a_failure_per_order_not_a_crash(ctx, clock,
     paid_crtc("CA-1")
     paid_crtc("CA-2", paid_at=FRIDAY + datetime.timedelta(hours=1))
     clock.set(2026, 11, 30, 9, 0)
-    counts = await settle_crtc_orders(ctx)
+    counts = await settle_crtc_orders(ctx, Transaction(ctx))
     assert counts == {"examined": 2, "settled": 0, "not_due": 0, "failed": 2}
     assert not CrtcOrder.select().where(CrtcOrder.funds_available).exists()
 
@@ -177,7 +178,7 @@ async def test_two_runs_at_once_settle_an_order_once(ctx, clock, frappe):
     frappe.delay = 0.2
     frappe.responses = [(200, {"message": {"name": "CA-1"}}), REFUSED,
                         *read_back("CA-1", "Client Selection")]
-    first, second = await asyncio.gather(settle_crtc_orders(ctx), settle_crtc_orders(ctx))
+    first, second = await asyncio.gather(settle_crtc_orders(ctx, Transaction(ctx)), settle_crtc_orders(ctx, Transaction(ctx)))
     assert len(advanced(frappe)) == 2, "both runs asked before either had an answer"
     assert first["settled"] + second["settled"] == 1
     assert first["failed"] + second["failed"] == 0
@@ -189,8 +190,8 @@ async def test_two_runs_at_once_settle_an_order_once(ctx, clock, frappe):
 async def test_a_run_after_a_settled_one_asks_frappe_nothing(ctx, clock, frappe):
     paid_crtc("CA-1")
     clock.set(2026, 11, 30, 9, 0)
-    await settle_crtc_orders(ctx)
-    assert await settle_crtc_orders(ctx) == {"examined": 0, "settled": 0, "not_due": 0,
+    await settle_crtc_orders(ctx, Transaction(ctx))
+    assert await settle_crtc_orders(ctx, Transaction(ctx)) == {"examined": 0, "settled": 0, "not_due": 0,
                                              "failed": 0}
     assert len(frappe.requests) == 1
 
@@ -216,7 +217,7 @@ async def test_an_action_applied_but_not_recorded_is_marked_settled_on_the_next_
     paid_crtc("CA-1")
     clock.set(2026, 11, 30, 9, 0)
     frappe.responses = [REFUSED, *read_back("CA-1", state)]
-    counts = await settle_crtc_orders(ctx)
+    counts = await settle_crtc_orders(ctx, Transaction(ctx))
     assert (counts["settled"], counts["failed"]) == (1, 0)
     order = CrtcOrder.get()
     assert order.funds_available is True and order.funds_available_at == clock()
@@ -241,7 +242,7 @@ async def test_a_refused_order_not_shown_past_the_action_stays_unsettled(ctx, cl
     clock.set(2026, 11, 30, 9, 0)
     frappe.responses = [REFUSED, *replies]
     frappe.fail_with(404, {})
-    counts = await settle_crtc_orders(ctx)
+    counts = await settle_crtc_orders(ctx, Transaction(ctx))
     assert (counts["settled"], counts["failed"]) == (0, 1)
     order = CrtcOrder.get()
     assert order.funds_available is False
@@ -258,7 +259,7 @@ async def test_a_refusal_the_workflow_could_not_be_read_for_is_not_counted(ctx, 
     frappe.responses = [REFUSED, document("CA-1", "Client Selection"), (403, {
         "exception": "frappe.exceptions.PermissionError", "exc_type": "PermissionError"})]
     frappe.fail_with(404, {})
-    counts = await settle_crtc_orders(ctx)
+    counts = await settle_crtc_orders(ctx, Transaction(ctx))
     assert (counts["settled"], counts["failed"]) == (0, 1)
     order = CrtcOrder.get()
     assert order.funds_available is False
@@ -278,14 +279,14 @@ async def test_orders_frappe_refuses_for_good_do_not_starve_newer_ones(ctx, cloc
     paid_crtc("CA-NEW", paid_at=FRIDAY)
     frappe.fail_with(*REFUSED)
     clock.set(2026, 12, 7, 9, 0)
-    first = await settle_crtc_orders(ctx)
+    first = await settle_crtc_orders(ctx, Transaction(ctx))
     assert advanced(frappe) == refused_numbers(20)
     assert (first["examined"], first["failed"]) == (20, 20)
 
     frappe.requests.clear()
     frappe.responses = [(200, {"message": {"name": "CA-NEW"}})]
     clock.advance(hours=1)
-    second = await settle_crtc_orders(ctx)
+    second = await settle_crtc_orders(ctx, Transaction(ctx))
     assert advanced(frappe) == ["CA-NEW", *refused_numbers(19)]
     assert (second["examined"], second["settled"]) == (20, 1)
     assert CrtcOrder.get(CrtcOrder.order_number == "CA-NEW").funds_available is True
@@ -293,7 +294,7 @@ async def test_orders_frappe_refuses_for_good_do_not_starve_newer_ones(ctx, cloc
     # The one left out last time comes first now: every refused order keeps its turn.
     frappe.requests.clear()
     clock.advance(hours=1)
-    await settle_crtc_orders(ctx)
+    await settle_crtc_orders(ctx, Transaction(ctx))
     assert advanced(frappe) == ["CA-19", *refused_numbers(19)]
 
 
@@ -308,11 +309,11 @@ async def test_the_administrator_is_told_once_about_an_order_refused_n_times(
     def notices():
         return list(Outbox.select().where(Outbox.kind == "email"))
     for _ in range(2):
-        await settle_crtc_orders(ctx)
+        await settle_crtc_orders(ctx, Transaction(ctx))
         clock.advance(hours=1)
     assert notices() == []
     for _ in range(3):
-        await settle_crtc_orders(ctx)
+        await settle_crtc_orders(ctx, Transaction(ctx))
         clock.advance(hours=1)
     [notice] = notices()
     mail = json.loads(notice.payload)
@@ -332,6 +333,6 @@ async def test_a_failure_that_is_not_about_the_order_is_not_counted_as_its_refus
     paid_crtc("CA-1")
     frappe.fail_with(*failure)
     clock.set(2026, 11, 30, 9, 0)
-    assert (await settle_crtc_orders(ctx))["failed"] == 1
+    assert (await settle_crtc_orders(ctx, Transaction(ctx)))["failed"] == 1
     order = CrtcOrder.get()
     assert (order.funds_refusals, order.funds_refused_at) == (0, None)

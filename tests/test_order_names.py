@@ -9,6 +9,7 @@ import pytest
 from models import UTC, BundleOrder, ComplianceOrder, CrtcOrder, FormationOrder, WebhookEvent
 from domain.settlement import settle_crtc_orders
 from engine import inbox
+from engine.transaction import Transaction
 from tests import stripe_events as se
 from tests.conftest import WEBHOOK_SECRET, table_away
 from tests.stripe_events import send, settings  # noqa: F401 (fixtures)
@@ -57,7 +58,7 @@ async def test_settlement_confirms_funds_on_the_named_document(webhook, ctx, clo
     await webhook("crtc/awaiting-funds", "CRTC-2026-0007", "CA-7")
     frappe.requests.clear()
     clock.set(2026, 11, 24, 9, 0)
-    await settle_crtc_orders(ctx)
+    await settle_crtc_orders(ctx, Transaction(ctx))
     named = [json.loads(r.json["doc"])["name"] for r in frappe.requests]
     # CA-8 never had a webhook: its document is named by its order number.
     assert named == ["CRTC-2026-0007", "CA-8"]

@@ -14,6 +14,7 @@ from models import UTC, ComplianceOrder, CrtcOrder, FormationOrder, Subscription
 from domain import card_events, holdback
 from domain.settlement import settle_crtc_orders
 from engine import inbox
+from engine.transaction import Transaction
 from tests import stripe_events as se
 from tests.stripe_api import stripe_api  # noqa: F401 (fixture)
 from tests.stripe_events import RECEIVED, deliver, send, settings  # noqa: F401 (fixtures)
@@ -50,7 +51,7 @@ async def pay_by_checkout(send, number, kind="canada_crtc", intent="pi_test_1",
 
 async def settle(ctx, clock):
     clock.fixed = SETTLING_DAY
-    return await settle_crtc_orders(ctx)
+    return await settle_crtc_orders(ctx, Transaction(ctx))
 
 
 # --- 1. a declined first card told after the payment ---------------------------------------

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings as hypothesis_settings, stra
 from models import UTC, CrtcOrder
 from domain.settlement import settle_crtc_orders
 from engine import inbox
+from engine.transaction import Transaction
 from tests import stripe_events as se
 from tests.stripe_api import stripe_api  # noqa: F401 (fixture)
 from tests.stripe_events import send, settings  # noqa: F401 (fixtures)
@@ -83,7 +84,7 @@ def test_every_ordering_sent_to_the_webhook_gives_the_same_order_and_settlement(
         clock.fixed = HANDLED_AT + datetime.timedelta(hours=1)
         assert await inbox.retry_due(ctx) == 0, "nothing left failed"
         clock.fixed = SETTLING_DAY
-        await settle_crtc_orders(ctx)
+        await settle_crtc_orders(ctx, Transaction(ctx))
         order = CrtcOrder.get(CrtcOrder.order_number == number)
         settled = number in [json.loads(r.json["doc"])["name"] for r in frappe.requests
                              if r.method == "POST"]

@@ -2,10 +2,14 @@
 prevented: the order is `paid` again (if nothing else holds it); lost: `dispute_lost`,
 never settled, its subscription (if it renews) named to the administrator. Told once per
 outcome, with the amount (domain.payment_events)."""
+from typing import Any
+
+from engine.contracts import EngineContext
+from engine.transaction import Transaction
 from plugins.registry import card_event
 from domain.payment_events import dispute_event
 
 
 @card_event("charge.dispute.closed")
-async def handle(ctx, event, effects):
-    await dispute_event(ctx, event, effects)
+async def handle(ctx: EngineContext, event: dict[str, Any], tx: Transaction) -> None:
+    await dispute_event(ctx, event, tx)

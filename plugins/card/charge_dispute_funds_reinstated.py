@@ -2,10 +2,14 @@
 won, or closed in our favour). Its dispute, as the event shows it, is a fact about the
 order's payment (domain.payment_events): closed as won, the order is `paid` again even
 when the closed event has not come (yet)."""
+from typing import Any
+
+from engine.contracts import EngineContext
+from engine.transaction import Transaction
 from plugins.registry import card_event
 from domain.payment_events import dispute_event
 
 
 @card_event("charge.dispute.funds_reinstated")
-async def handle(ctx, event, effects):
-    await dispute_event(ctx, event, effects)
+async def handle(ctx: EngineContext, event: dict[str, Any], tx: Transaction) -> None:
+    await dispute_event(ctx, event, tx)

@@ -2,10 +2,14 @@
 dispute, as the event shows it, is a fact about the order's payment, as of any dispute
 event (domain.payment_events): it tells of the dispute even when its created event has
 not come (yet)."""
+from typing import Any
+
+from engine.contracts import EngineContext
+from engine.transaction import Transaction
 from plugins.registry import card_event
 from domain.payment_events import dispute_event
 
 
 @card_event("charge.dispute.funds_withdrawn")
-async def handle(ctx, event, effects):
-    await dispute_event(ctx, event, effects)
+async def handle(ctx: EngineContext, event: dict[str, Any], tx: Transaction) -> None:
+    await dispute_event(ctx, event, tx)

@@ -15,14 +15,16 @@ idempotent, so running this again is safe.
 """
 import functools
 import logging
+from typing import Any, Callable
 
-from models import ORDER_MODELS
+from models import ORDER_MODELS, ComplianceOrder
 from plugins.registry import card_event
 from domain.card_events import (metadata_of, method_of_payment, object_of, order_of_metadata,
                                 payment_method_used)
 from domain.money import Money
 from domain.orders import FREE, OrderNotFound, complete_payment
-from engine.transaction import OrderRef
+from engine.contracts import EngineContext
+from engine.transaction import OrderRef, Transaction
 
 log = logging.getLogger("receiver.card")
 
@@ -35,7 +37,8 @@ NOTHING_TO_PAY = {
 
 
 class CheckoutSessionCompleted:
-    async def __call__(self, ctx, event, effects):
+    async def __call__(self, ctx: EngineContext, event: dict[str, Any],
+                       tx: Transaction) -> None:
         session = object_of(event)
         order = order_of_metadata(session)
         if order is None:
@@ -44,9 +47,10 @@ class CheckoutSessionCompleted:
         if _paid(session):
             method = await method_of_payment(ctx, session, order[1],
                                              session.get("payment_intent"))
-        await effects.transaction(functools.partial(record, ctx, event, effects, method))
+        await tx.transaction(functools.partial(record, ctx, event, tx, method))
 
-    def plainly(self, event):
+    def plainly(self, event: dict[str, Any]
+                ) -> Callable[[EngineContext, dict[str, Any], Transaction], None] | None:
         """The plain handling of a session whose method needs no asking (its only
         allowed method says it, it is not paid yet, or its order is not a CRTC one), or
         None."""
@@ -57,7 +61,7 @@ class CheckoutSessionCompleted:
             return None
         return functools.partial(record, method=method)
 
-    def orders_of(self, event):
+    def orders_of(self, event: dict[str, Any]) -> tuple[OrderRef, ...]:
         """The order the plain handling completes (locked and read by `record`); none
         when the session is handled once stored, or completes nothing yet."""
         session = object_of(event)
@@ -73,18 +77,19 @@ class CheckoutSessionCompleted:
 card_event("checkout.session.completed")(CheckoutSessionCompleted())
 
 
-def _paid(session):
+def _paid(session: dict[str, Any]) -> bool:
     return session.get("payment_status") == "paid"
 
 
-def _free_because(session):
+def _free_because(session: dict[str, Any]) -> str | None:
     """Why the session needed no payment, or None when it did."""
     if session.get("payment_status") != "no_payment_required":
         return None
-    return NOTHING_TO_PAY.get(session.get("mode"))
+    return NOTHING_TO_PAY.get(session.get("mode") or "")
 
 
-def record(ctx, event, effects, method):
+def record(ctx: EngineContext, event: dict[str, Any], tx: Transaction,
+           method: str | None) -> None:
     """In a transaction: the order paid (with `method`), completed as free, or left to
     wait for its payment to clear; a subscription linked to its order."""
     session = object_of(event)
@@ -95,27 +100,28 @@ def record(ctx, event, effects, method):
     free_because = _free_because(session)
     amount = Money.of_stripe(session.get("amount_total"), session.get("currency"))
     if _paid(session):
-        complete_payment(ctx, effects, order_id, order_type, session["id"],
+        complete_payment(ctx, tx, order_id, order_type, session["id"],
                          source="card", payment_intent_id=session.get("payment_intent"),
                          payment_method=method, amount=amount)
     elif free_because:
-        complete_payment(ctx, effects, order_id, order_type, session["id"],
+        complete_payment(ctx, tx, order_id, order_type, session["id"],
                          source="card", payment_method=FREE, free_because=free_because,
                          amount=amount)
     else:
         log.info("session %s for %s is %s; waiting for the payment to clear",
                  session["id"], order_id, session.get("payment_status"))
     if session.get("mode") == "subscription" and session.get("subscription"):
-        link_subscription(ctx, effects, order_id, order_type, session["subscription"])
+        link_subscription(ctx, tx, order_id, order_type, session["subscription"])
 
 
-def link_subscription(ctx, tx, order_id, order_type, subscription_id):
+def link_subscription(ctx: EngineContext, tx: Transaction, order_id: str, order_type: str,
+                      subscription_id: str) -> None:
     if order_type != "compliance":
         log.error("subscription %s belongs to %s order %s, not a compliance order; not kept",
                   subscription_id, order_type, order_id)
         return
     order = tx.lock_order("compliance", order_id)
-    if order is None:
+    if not isinstance(order, ComplianceOrder):  # None: not stored (yet)
         raise OrderNotFound(f"no compliance order {order_id}")
     order.stripe_subscription_id = subscription_id
     order.updated_at = ctx.clock()

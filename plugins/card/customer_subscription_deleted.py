@@ -2,19 +2,22 @@
 cancelled (once: a later copy changes nothing)."""
 import datetime
 import logging
+from typing import Any
 
 from models import UTC
 from plugins.registry import card_event
-from domain.card_events import object_of, order_with_subscription
+from domain.card_events import object_of
+from engine.contracts import EngineContext
+from engine.transaction import Transaction
 
 log = logging.getLogger("receiver.card")
 
 
 @card_event("customer.subscription.deleted")
-def handle(ctx, event, effects):
+def handle(ctx: EngineContext, event: dict[str, Any], tx: Transaction) -> None:
     subscription = object_of(event)
     # Locked: a dispute committed meanwhile by another process must not be written over.
-    order = order_with_subscription(subscription["id"], for_update=True)
+    order = tx.lock_order_with_subscription(subscription["id"])
     if order is None:
         log.warning("subscription %s ended; no compliance order has it", subscription["id"])
         return
@@ -25,4 +28,4 @@ def handle(ctx, event, effects):
     order.cancelled_at = (datetime.datetime.fromtimestamp(ended, UTC) if ended
                           else ctx.clock())
     order.updated_at = ctx.clock()
-    order.save()
+    tx.save(order)

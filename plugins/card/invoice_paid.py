@@ -5,32 +5,35 @@ handled before checkouts without payment completed the order, or that event was 
 completes the order too: it is the first money received for it (its status then is what
 its facts give: domain.payment_state)."""
 import logging
+from typing import Any
 
 from plugins.registry import card_event
-from domain.card_events import object_of, order_with_subscription, subscription_of_invoice
+from domain.card_events import object_of, subscription_of_invoice
 from domain.money import Money
 from domain.orders import OrderNotFound, complete_payment, document_name, record_cycle
 from domain.payment_state import received
+from engine.contracts import EngineContext
+from engine.transaction import Transaction
 
 log = logging.getLogger("receiver.card")
 
 
 @card_event("invoice.paid")
-def handle(ctx, event, effects):
+def handle(ctx: EngineContext, event: dict[str, Any], tx: Transaction) -> None:
     invoice = object_of(event)
     if invoice.get("billing_reason") != "subscription_cycle":
         return
     subscription = subscription_of_invoice(invoice)
-    order = order_with_subscription(subscription)
+    order = tx.order_with_subscription(subscription)
     if order is None:
         # Its checkout.session.completed may not have linked the subscription yet.
         raise OrderNotFound(f"no compliance order with subscription {subscription!r}")
     if not received(order):
-        complete_payment(ctx, effects, order.order_number, "compliance", invoice["id"],
+        complete_payment(ctx, tx, order.order_number, "compliance", invoice["id"],
                          source="card", amount=Money.of_stripe(invoice.get("amount_paid"),
                                                                invoice.get("currency")))
-    cycle = record_cycle(ctx, effects, order, subscription, invoice["id"])
-    effects.job("process_compliance_service", {
+    cycle = record_cycle(ctx, tx, order, subscription, invoice["id"])
+    tx.job("process_compliance_service", {
         "order_name": document_name(order),
         "order_number": order.order_number,
         "service_slug": order.service_slug or "",

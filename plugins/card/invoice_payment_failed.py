@@ -1,19 +1,22 @@
 """invoice.payment_failed: a subscription payment failed. The administrator is told each
 time; on the first attempt the customer, when we have their address, also gets a nudge to
 update the card. The administrator's e-mail says which of the two happened, and why not."""
+from typing import Any
+
 from plugins.registry import card_event
-from domain.card_events import (
-    email_admin, object_of, order_with_subscription, subscription_of_invoice)
+from domain.card_events import email_admin, object_of, subscription_of_invoice
 from domain.money import stripe_money
+from engine.contracts import EngineContext
+from engine.transaction import Transaction
 
 FIRST_ATTEMPT = 1
 NUDGE_SUBJECT = "Your payment did not go through"
 
 
 @card_event("invoice.payment_failed")
-def handle(ctx, event, effects):
+def handle(ctx: EngineContext, event: dict[str, Any], tx: Transaction) -> None:
     invoice = object_of(event)
-    order = order_with_subscription(subscription_of_invoice(invoice))
+    order = tx.order_with_subscription(subscription_of_invoice(invoice))
     order_number = order.order_number if order else "unknown"
     details = {
         "invoice": invoice["id"],
@@ -25,11 +28,11 @@ def handle(ctx, event, effects):
         "pay_url": invoice.get("hosted_invoice_url"),
     }
     nudged = invoice.get("attempt_count") == FIRST_ATTEMPT and bool(details["customer_email"])
-    email_admin(ctx, effects, f"Subscription payment failed for order {order_number}",
+    email_admin(ctx, tx, f"Subscription payment failed for order {order_number}",
                 "invoice_payment_failed_admin", order_number, customer_nudged=nudged,
                 **details)
     if nudged:
-        effects.email([details["customer_email"]], NUDGE_SUBJECT,
+        tx.email([details["customer_email"]], NUDGE_SUBJECT,
                       "email/invoice_payment_failed_customer", purpose="customer_nudge",
                       order_number=order_number,
                       title=NUDGE_SUBJECT, **details)

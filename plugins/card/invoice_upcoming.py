@@ -4,22 +4,24 @@ would charge the customer who disputed it again: the administrator is told befor
 renewal, once per renewal, with the amount, so it can be cancelled in time."""
 import datetime
 import logging
+from typing import Any
 
 from models import UTC
 from plugins.registry import card_event
-from domain.card_events import (
-    email_admin, object_of, order_with_subscription, subscription_of_invoice)
+from domain.card_events import email_admin, object_of, subscription_of_invoice
 from domain.money import stripe_money
 from domain.payment_state import DISPUTE_LOST
+from engine.contracts import EngineContext
+from engine.transaction import Transaction
 
 log = logging.getLogger("receiver.card")
 
 
 @card_event("invoice.upcoming")
-def handle(ctx, event, effects):
+def handle(ctx: EngineContext, event: dict[str, Any], tx: Transaction) -> None:
     invoice = object_of(event)
     subscription = subscription_of_invoice(invoice)
-    order = order_with_subscription(subscription)
+    order = tx.order_with_subscription(subscription)
     if order is None or order.payment_status != DISPUTE_LOST:
         return
     if order.subscription_status == "cancelled":
@@ -29,7 +31,7 @@ def handle(ctx, event, effects):
               if isinstance(charged_at, int) else "soon")
     log.warning("subscription %s of order %s renews %s after its payment was lost in a "
                 "dispute", subscription, order.order_number, renews)
-    email_admin(ctx, effects, f"Subscription of order {order.order_number} renews after a "
+    email_admin(ctx, tx, f"Subscription of order {order.order_number} renews after a "
                 f"lost dispute", "renewal_after_lost_dispute", order.order_number,
                 key=f"email-renewal-after-lost-dispute-{subscription}-{charged_at}",
                 subscription=subscription, renews=renews,
