@@ -62,7 +62,7 @@ class WorkflowWebhook:
 
     def __call__(self, ctx, body, effects):
         if reconcile.may_be_superseded(ctx, body):
-            newer = reconcile.newer_change(reconcile.group_paths(ctx, self.path), body)
+            newer = reconcile.newer_change(effects, reconcile.group_paths(ctx, self.path), body)
             if newer is not None:
                 self.record_only(ctx, body, effects, f"older than the state change handled "
                                  f"as event #{newer.id} ({newer.event_type})")
