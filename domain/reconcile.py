@@ -551,12 +551,7 @@ async def _reconcile_document(ctx: EngineContext, tx: Transaction, doctype: str,
     for found in _entries(document, cast(list[dict[str, Any]], history.body), window):
         path = found.pop("path")
         webhook = ctx.plugins[SOURCE].get(path)
-        body = {"order_name": name,
-                **{field: document.get(field) for field in webhook.fields
-                   if field != "order_name"},
-                "workflow_entry": found.pop("entry"), **found}
-        if found["left_for"] is None:
-            del body["left_for"]
+        body = _body_of(webhook.fields, name, document, found)
         problem = webhook.field_error(body)
         if problem:
             counts.unusable += 1
@@ -568,21 +563,42 @@ async def _reconcile_document(ctx: EngineContext, tx: Transaction, doctype: str,
             json.dumps(body).encode(), order_number=body["order_number"], reconciled=True,
             handled_by=functools.partial(same_stay, tx, path, name, body["order_number"],
                                          body))
-        if not created and event is not None:
-            counts.already += 1
-            continue
-        if outcome == "ignored":
-            counts.recorded += 1
-            continue
-        if outcome == inbox.HELD:
-            # Stored, and handled in its order's turn (BEHAVIOUR.md 6.1).
-            counts.held += 1
+        if _counted_as_done(counts, event, created, outcome):
             continue
         counts.handled += 1
         log.warning("reconciliation: %s of %s (%s), entered at %s, had no webhook; handled "
                     "as event #%s: %s", path, name, body["order_number"], found["entered_at"],
                     event.id if event else "(spooled)", outcome or "stored")
     return None
+
+
+def _body_of(fields: Iterable[str], name: Any, document: dict[str, Any],
+             found: dict[str, Any]) -> dict[str, Any]:
+    """The body of a state change found in the log (`found`, from `_entries`): the
+    webhook's `fields` as the document has them now, the log entry, and the span in
+    which the state was entered (and what it was left for, if it was)."""
+    body = {"order_name": name,
+            **{field: document.get(field) for field in fields if field != "order_name"},
+            "workflow_entry": found.pop("entry"), **found}
+    if found["left_for"] is None:
+        del body["left_for"]
+    return body
+
+
+def _counted_as_done(counts: Counts, event: WebhookEvent | None, created: bool,
+                     outcome: str | None) -> bool:
+    """Whether the inbox found the change stored already, recorded it only, or holds it
+    behind an earlier call of its order (counted so); else it was handled now."""
+    if not created and event is not None:
+        counts.already += 1
+    elif outcome == "ignored":
+        counts.recorded += 1
+    elif outcome == inbox.HELD:
+        # Stored, and handled in its order's turn (BEHAVIOUR.md 6.1).
+        counts.held += 1
+    else:
+        return False
+    return True
 
 
 async def _record_failure(ctx: EngineContext, tx: Transaction, doctype: str,
