@@ -27,10 +27,10 @@ service reads from Frappe (`site_zone`); a list that finds nothing while Frappe'
 `modified` moved on says so (the window and Frappe's times do not meet).
 
 A run waits on the database for WORKFLOW_RECONCILE_DATABASE_SECONDS in all at most
-(engine.commits.allowance): a slow database stops it between two units, each entry
+(`Transaction.database_allowance`): a slow database stops it between two units, each entry
 stored and handled whole or not at all, and the doctype's cursor left where the last
 finished run put it, so the next run looks at that span again (what was done is found
-stored). It is not taken for the database being down: see `allowance`.
+stored). It is not taken for the database being down.
 """
 import dataclasses
 import datetime
@@ -39,13 +39,16 @@ import hashlib
 import json
 import logging
 import zoneinfo
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional, cast
 
+from clients.http import Result
 from clients.workflow import FRAPPE_DEFAULT_TIME_ZONE
 from models import UTC, ReconcileRun, WebhookEvent
+from settings import Settings
 from engine import inbox
-from engine.commits import AllowanceSpent, allowance
-from engine.prepared import Prepared, slot
+from engine.contracts import EngineContext
+from engine.store.reconcile import DatabaseTimeSpent
+from engine.transaction import Transaction
 
 log = logging.getLogger("receiver.reconcile")
 
@@ -84,11 +87,11 @@ class Counts:
     # State changes stored and waiting behind an earlier call of their order that is not
     # finished: handled in that order's turn (engine.inbox).
     held: int = 0
-    failed: list = dataclasses.field(default_factory=list)  # doctypes Frappe did not list
+    failed: list[str] = dataclasses.field(default_factory=list)  # doctypes Frappe did not list
     # The run spent WORKFLOW_RECONCILE_DATABASE_SECONDS and stopped before its end.
     stopped: bool = False
     # Doctypes whose documents changed in Frappe while the run's window found none.
-    quiet: list = dataclasses.field(default_factory=list)
+    quiet: list[str] = dataclasses.field(default_factory=list)
 
 
 # Whether this process's last run stopped at its allowance: said when runs start
@@ -127,7 +130,7 @@ def entered_key(path: str, name: str, entry: str) -> str:
     return f"{path}:entered:{digest}"
 
 
-def _stay(body: dict) -> tuple[str, str] | None:
+def _stay(body: dict[str, Any]) -> tuple[str, str] | None:
     """(after, at]: the span of Frappe's local times in which the save that entered the
     body's state was made: a webhook's `modified` exactly ((modified, modified] read as
     the point), a log entry's from the entry before it to its own. None when the body
@@ -162,20 +165,8 @@ def _later(ours: tuple[str, str], theirs: tuple[str, str]) -> bool:
     return their_after >= our_at
 
 
-# An order's newest workflow events, of any path (the order_number index).
-EVENTS_OF_ORDER = Prepared(lambda: WebhookEvent.select().where(
-    WebhookEvent.order_number == slot(WebhookEvent.order_number),
-    WebhookEvent.source == SOURCE)
-    .order_by(WebhookEvent.id.desc()).limit(STAYS_LOOKED_AT))
-# An order's newest events of one workflow path (the order_number index).
-EVENTS_OF_PATH = Prepared(lambda: WebhookEvent.select().where(
-    WebhookEvent.order_number == slot(WebhookEvent.order_number),
-    WebhookEvent.source == SOURCE,
-    WebhookEvent.event_type == slot(WebhookEvent.event_type))
-    .order_by(WebhookEvent.id.desc()).limit(STAYS_LOOKED_AT))
-
-
-def _stays_of(events, order_name: str):
+def _stays_of(events: Iterable[WebhookEvent],
+              order_name: str) -> Iterator[tuple[WebhookEvent, tuple[str, str]]]:
     for event in events:
         try:
             stored = json.loads(event.payload)
@@ -187,20 +178,21 @@ def _stays_of(events, order_name: str):
                 yield event, span
 
 
-def same_stay(path: str, order_name: str, order_number: str,
-              body: dict) -> WebhookEvent | None:
+def same_stay(tx: Transaction, path: str, order_name: str, order_number: str,
+              body: dict[str, Any]) -> WebhookEvent | None:
     """The stored event that found this same state change (the same save entering the
     state) under another key: a webhook's against a log entry's, or the other way. Run
     in the storing's transaction (`inbox.accept`'s `handled_by`): indexed reads."""
     ours = _stay(body)
     if ours is None:
         return None
-    events = EVENTS_OF_PATH.all(order_number=order_number, event_type=path)
+    events = tx.newest_events_of_type(SOURCE, order_number, path, STAYS_LOOKED_AT)
     return next((event for event, span in _stays_of(events, order_name)
                  if _same(ours, span)), None)
 
 
-def newer_change(paths: list[str], body: dict) -> WebhookEvent | None:
+def newer_change(tx: Transaction, paths: list[str],
+                 body: dict[str, Any]) -> WebhookEvent | None:
     """A change of the same document handled (or being handled) that was made after this
     one, on any of `paths` (its doctype's): this one is then older than what was acted
     on, and is recorded, not handled. Read by the plugin in the event's transaction: one
@@ -208,13 +200,14 @@ def newer_change(paths: list[str], body: dict) -> WebhookEvent | None:
     ours = _stay(body)
     if ours is None:
         return None
-    events = [event for event in EVENTS_OF_ORDER.all(order_number=body["order_number"])
-              if event.event_type in paths and event.status in HANDLED]
+    events = [event for event in tx.newest_events_of_order(
+        SOURCE, body["order_number"], STAYS_LOOKED_AT)
+        if event.event_type in paths and event.status in HANDLED]
     return next((event for event, span in _stays_of(events, body["order_name"])
                  if _later(ours, span)), None)
 
 
-def may_be_superseded(ctx: Any, body: dict) -> bool:
+def may_be_superseded(ctx: EngineContext, body: dict[str, Any]) -> bool:
     """Whether a change may be older than one already handled, so `newer_change` is worth
     its read: a log entry's (found late by definition), or a webhook older than the settle
     time (only then can a run, or a later webhook, have come first). Pure: no read."""
@@ -224,7 +217,7 @@ def may_be_superseded(ctx: Any, body: dict) -> bool:
         ctx, body["modified"], ctx.clock())
 
 
-def site_zone(ctx: Any) -> zoneinfo.ZoneInfo:
+def site_zone(ctx: EngineContext) -> zoneinfo.ZoneInfo:
     """The time zone Frappe writes its times in: its System Settings' as Frappe last said
     it (clients.workflow.WorkflowClient.read_time_zone), else WORKFLOW_TIME_ZONE, else
     what v15 uses when System Settings name none."""
@@ -232,7 +225,7 @@ def site_zone(ctx: Any) -> zoneinfo.ZoneInfo:
                              or FRAPPE_DEFAULT_TIME_ZONE)
 
 
-def came_late(ctx: Any, modified: str, now: datetime.datetime) -> bool:
+def came_late(ctx: EngineContext, modified: str, now: datetime.datetime) -> bool:
     """Whether a webhook's change (its `modified`, a change key's) is older than the
     settle time: only then can a run have listed the document and handled the change
     first."""
@@ -243,9 +236,9 @@ def came_late(ctx: Any, modified: str, now: datetime.datetime) -> bool:
         seconds=ctx.settings.workflow_reconcile_settle_seconds)
 
 
-def doctype_states(settings) -> dict:
+def doctype_states(settings: Settings) -> dict[str, dict[str, str]]:
     """{doctype: {Frappe state: path}} of the configured states."""
-    found = {}
+    found: dict[str, dict[str, str]] = {}
     for path, state in settings.workflow_reconcile_states:
         for prefix, attribute in GROUPS.items():
             if path.startswith(prefix):
@@ -253,22 +246,24 @@ def doctype_states(settings) -> dict:
     return found
 
 
-def group_paths(ctx: Any, path: str) -> list[str]:
+def group_paths(ctx: EngineContext, path: str) -> list[str]:
     """Every webhook path of the doctype `path` belongs to."""
     prefix = path.split("/")[0] + "/"
     return [other for other in ctx.plugins[SOURCE].keys() if other.startswith(prefix)]
 
 
 def frappe_time(moment: datetime.datetime, zone: zoneinfo.ZoneInfo) -> str:
+    """`moment` as Frappe writes its times: naive text in its time zone."""
     return moment.astimezone(zone).strftime(FRAPPE_TIME)
 
 
 def from_frappe_time(text: str, zone: zoneinfo.ZoneInfo) -> datetime.datetime:
+    """A time Frappe wrote (naive, in `zone`) as an aware UTC one."""
     return datetime.datetime.fromisoformat(text).replace(tzinfo=zone).astimezone(UTC)
 
 
 async def reconcile_workflow(
-        ctx, since: datetime.datetime | None = None,
+        ctx: EngineContext, since: datetime.datetime | None = None,
         progress: Optional[Callable[[int, Optional[int]], None]] = None) -> Counts:
     """One run over every configured doctype; `since` (aware) instead of where the last
     run got to. Frappe not answering, or refusing, is logged once (when it starts) and
@@ -278,23 +273,24 @@ async def reconcile_workflow(
     counts = Counts()
     if not ctx.settings.workflow_url:
         return counts
+    tx = Transaction(ctx)
     if ctx.workflow.time_zone is None:
         # Frappe's times are read in its own time zone: without it a run would look at
         # the wrong hours and find nothing, saying nothing.
         zone = await ctx.workflow.read_time_zone()
         if not zone.ok:
             for doctype in doctype_states(ctx.settings):
-                run = await ctx.db(functools.partial(_run_of, doctype))
-                await _record_failure(ctx, doctype, run,
+                run = await ctx.db(functools.partial(tx.reconcile_run, doctype))
+                await _record_failure(ctx, tx, doctype, run,
                                       f"Frappe's time zone could not be read: {zone.error}")
                 counts.failed.append(doctype)
             return counts
     seconds = ctx.settings.workflow_reconcile_database_seconds
     try:
-        with allowance(seconds):
+        with tx.database_allowance(seconds):
             for doctype, states in doctype_states(ctx.settings).items():
-                await _reconcile_doctype(ctx, doctype, states, since, counts, progress)
-    except AllowanceSpent:
+                await _reconcile_doctype(ctx, tx, doctype, states, since, counts, progress)
+    except DatabaseTimeSpent:
         counts.stopped = True
         if not _stopping:
             log.warning("reconciliation stopped after %d document(s): it waited on the "
@@ -312,33 +308,87 @@ async def reconcile_workflow(
 @dataclasses.dataclass
 class _Window:
     """What one run of one doctype looks at: log entries made after `lower` and up to
-    `upper` (Frappe's local times, canonical text), younger ones left to their webhook."""
+    `upper` (Frappe's local times, canonical text), younger ones left to their webhook;
+    documents listed from `start` (`lower` as asked of Frappe)."""
     lower: str
     upper: str
-    states: dict
+    states: dict[str, str]
+    start: str
 
 
-async def _reconcile_doctype(ctx, doctype, states, since, counts, progress):
-    settings = ctx.settings
+@dataclasses.dataclass
+class _Seen:
+    """What one run of one doctype looked at: how many documents, the last one's name
+    and `modified` (as Frappe wrote it); `unread`, why it stopped short when Frappe did
+    not list the documents or show one's log."""
+    looked_at: int = 0
+    last_modified: object = None
+    last_name: object = None
+    unread: str | None = None
+
+
+async def _reconcile_doctype(ctx: EngineContext, tx: Transaction, doctype: str,
+                             states: dict[str, str], since: datetime.datetime | None,
+                             counts: Counts,
+                             progress: Optional[Callable[[int, Optional[int]], None]]
+                             ) -> None:
+    """Handle the doctype's state changes made since its last run (or `since`), and
+    record where the next run starts, or why this one failed."""
     zone = site_zone(ctx)
     now = ctx.clock()
-    run = await ctx.db(functools.partial(_run_of, doctype))
+    run = await ctx.db(functools.partial(tx.reconcile_run, doctype))
+    window = _window_of(ctx, run, states, since, zone, now)
+    seen = await _look_at_documents(ctx, tx, doctype, window, counts, progress)
+    if seen.unread is not None:
+        await _record_failure(ctx, tx, doctype, run, seen.unread)
+        counts.failed.append(doctype)
+        return
+    cursor = _next_cursor(run, window, seen, since, zone)
+    quiet = await _window_problem(ctx, doctype, run, window, seen, zone, now)
+    if quiet:
+        counts.quiet.append(doctype)
+    newest = seen.last_modified if seen.looked_at else (run.newest_seen if run else None)
+    await ctx.db(lambda: tx.record_reconcile_success(
+        doctype, cursor, quiet, canonical_modified(newest), ctx.clock()))
+    if run is not None and run.last_error and not quiet:
+        log.info("reconciliation: Frappe lists %s again", doctype)
+
+
+def _window_of(ctx: EngineContext, run: ReconcileRun | None, states: dict[str, str],
+               since: datetime.datetime | None, zone: zoneinfo.ZoneInfo,
+               now: datetime.datetime) -> _Window:
+    """From `since`, else where the last run got to, else FIRST_LOOKBACK ago; up to the
+    settle time ago (younger changes are left to their webhook)."""
     if since is not None:
         lower = frappe_time(since, zone)
     elif run is not None and run.cursor:
         lower = run.cursor
     else:
         lower = frappe_time(now - FIRST_LOOKBACK, zone)
-    upper = frappe_time(
-        now - datetime.timedelta(seconds=settings.workflow_reconcile_settle_seconds), zone)
-    window = _Window(canonical_modified(lower) or lower, canonical_modified(upper) or upper,
-                     states)
+    upper = frappe_time(now - datetime.timedelta(
+        seconds=ctx.settings.workflow_reconcile_settle_seconds), zone)
+    return _Window(canonical_modified(lower) or lower, canonical_modified(upper) or upper,
+                   states, lower)
+
+
+def _fields_listed(ctx: EngineContext, states: dict[str, str]) -> list[str]:
+    """The document fields a list asks for: those the paths' webhooks send."""
     registry = ctx.plugins[SOURCE]
-    fields = sorted({"name", "modified", "workflow_state"} | {
+    return sorted({"name", "modified", "workflow_state"} | {
         field for path in states.values() for field in registry.get(path).fields
         if field != "order_name"})
-    start, looked_at, last_modified, last_name, page_from = 0, 0, None, None, lower
-    while looked_at < MAX_DOCUMENTS_PER_RUN:
+
+
+async def _look_at_documents(ctx: EngineContext, tx: Transaction, doctype: str,
+                             window: _Window, counts: Counts,
+                             progress: Optional[Callable[[int, Optional[int]], None]]
+                             ) -> _Seen:
+    """Handle the state changes of the documents saved since the window's start, page
+    after page, MAX_DOCUMENTS_PER_RUN at most."""
+    seen = _Seen()
+    fields = _fields_listed(ctx, window.states)
+    start, page_from = 0, window.start
+    while seen.looked_at < MAX_DOCUMENTS_PER_RUN:
         # Every document saved since: a state with a path may have been entered and
         # left for one without (the log says so), and a document saved again since its
         # change is listed by its latest save.
@@ -346,55 +396,76 @@ async def _reconcile_doctype(ctx, doctype, states, since, counts, progress):
             doctype, fields, [["modified", ">=", page_from]], "modified asc, name asc",
             start, PAGE_SIZE)
         if not page.ok:
-            await _record_failure(ctx, doctype, run, page.error)
-            counts.failed.append(doctype)
-            return
+            seen.unread = page.error
+            return seen
         # Frappe answers: if its actions wait for a probe to find it back, they need not.
         ctx.destinations.of("workflow_action").answered()
-        for document in page.body[:MAX_DOCUMENTS_PER_RUN - looked_at]:
-            unread = await _reconcile_document(ctx, doctype, document, window, counts)
-            if unread:
-                await _record_failure(ctx, doctype, run, unread)
-                counts.failed.append(doctype)
-                return
-            looked_at += 1
-            counts.listed += 1
-            last_modified, last_name = document.get("modified"), document.get("name")
-            if progress:
-                progress(counts.listed, None)
-        if len(page.body) < PAGE_SIZE:
-            break
-        start, page_from = _next_page(page.body, start, page_from)
-    if looked_at >= MAX_DOCUMENTS_PER_RUN and canonical_modified(last_modified):
+        documents = _documents(page)
+        await _look_at_page(ctx, tx, doctype, documents, window, counts, progress, seen)
+        if seen.unread is not None or len(documents) < PAGE_SIZE:
+            return seen
+        start, page_from = _next_page(documents, start, page_from)
+    return seen
+
+
+def _documents(listed: Result) -> list[dict[str, Any]]:
+    """The documents a list of Frappe's answered."""
+    return cast(list[dict[str, Any]], listed.body)
+
+
+async def _look_at_page(ctx: EngineContext, tx: Transaction, doctype: str,
+                        documents: list[dict[str, Any]], window: _Window, counts: Counts,
+                        progress: Optional[Callable[[int, Optional[int]], None]],
+                        seen: _Seen) -> None:
+    """Handle the state changes of a page's documents, up to the run's cap; stop at the
+    first whose log Frappe does not show (`seen.unread`)."""
+    for document in documents[:MAX_DOCUMENTS_PER_RUN - seen.looked_at]:
+        seen.unread = await _reconcile_document(ctx, tx, doctype, document, window, counts)
+        if seen.unread:
+            return
+        seen.looked_at += 1
+        counts.listed += 1
+        seen.last_modified, seen.last_name = document.get("modified"), document.get("name")
+        if progress:
+            progress(counts.listed, None)
+
+
+def _next_cursor(run: ReconcileRun | None, window: _Window, seen: _Seen,
+                 since: datetime.datetime | None, zone: zoneinfo.ZoneInfo) -> str:
+    """Where the doctype's next run starts."""
+    last = canonical_modified(seen.last_modified)
+    if seen.looked_at >= MAX_DOCUMENTS_PER_RUN and last:
         # More to do: the next run goes on from the last document looked at (at it: the
         # documents of that same time are looked at again, and found stored).
-        cursor = canonical_modified(last_modified)
+        cursor = last
     else:
-        cursor = frappe_time(from_frappe_time(upper, zone) - OVERLAP, zone)
+        cursor = frappe_time(from_frappe_time(window.upper, zone) - OVERLAP, zone)
     if (since is not None and run is not None and run.cursor
-            and canonical_modified(lower) > canonical_modified(run.cursor)):
+            and window.lower > (canonical_modified(run.cursor) or run.cursor)):
         # A run from later than where the last one got to (`--since`) did not look at
         # what lies between: the next run still starts there.
         cursor = run.cursor
-    quiet = None
-    if not looked_at:
-        quiet = await _changed_unseen(ctx, doctype, run, window, zone)
-    elif canonical_modified(last_modified) and from_frappe_time(
-            canonical_modified(last_modified), zone) > now + AHEAD_TOLERANCE:
+    return cursor
+
+
+async def _window_problem(ctx: EngineContext, doctype: str, run: ReconcileRun | None,
+                          window: _Window, seen: _Seen, zone: zoneinfo.ZoneInfo,
+                          now: datetime.datetime) -> str | None:
+    """Why the run's window and Frappe's times do not meet, or None: it listed nothing
+    while documents changed, or a document it listed was modified ahead of our clock."""
+    if not seen.looked_at:
+        return await _changed_unseen(ctx, doctype, run, window, zone)
+    last = canonical_modified(seen.last_modified)
+    if last and from_frappe_time(last, zone) > now + AHEAD_TOLERANCE:
         # Times read in a zone east of the site's: every change looks younger than the
         # settle time, and is left to a webhook that never comes.
-        quiet = _unmet(run, f"{doctype} {last_name} was modified at {last_modified}",
-                       f"ahead of this service's clock in {zone.key}")
-    if quiet:
-        counts.quiet.append(doctype)
-    newest = last_modified if looked_at else (run.newest_seen if run else None)
-    await ctx.db(functools.partial(_record_success, ctx, doctype, cursor, quiet,
-                                   canonical_modified(newest)))
-    if run is not None and run.last_error and not quiet:
-        log.info("reconciliation: Frappe lists %s again", doctype)
+        return _unmet(run, f"{doctype} {seen.last_name} was modified at "
+                      f"{seen.last_modified}", f"ahead of this service's clock in {zone.key}")
+    return None
 
 
-async def _changed_unseen(ctx, doctype, run, window, zone) -> str | None:
+async def _changed_unseen(ctx: EngineContext, doctype: str, run: ReconcileRun | None,
+                          window: _Window, zone: zoneinfo.ZoneInfo) -> str | None:
     """A run that listed nothing: did a document change in Frappe since the last run
     that saw one? Then the run's window and Frappe's times do not meet (a time zone that
     is not the site's, a clock off), and the reason is returned (and logged once)."""
@@ -402,18 +473,19 @@ async def _changed_unseen(ctx, doctype, run, window, zone) -> str | None:
                                                "modified desc, name desc", 0, 1)
     if not newest.ok or not newest.body:
         return None
-    modified = canonical_modified(newest.body[0].get("modified"))
+    document = _documents(newest)[0]
+    modified = canonical_modified(document.get("modified"))
     seen = run.newest_seen if run is not None else None
     if modified is None or modified == seen or (seen is None and modified < window.lower):
         return None
     if modified >= window.lower:
         return None  # listed by the next run
-    return _unmet(run, f"{doctype} {newest.body[0].get('name')} was modified at {modified}",
+    return _unmet(run, f"{doctype} {document.get('name')} was modified at {modified}",
                   f"after the last document a run saw, yet before this run's window from "
                   f"{window.lower} in {zone.key}")
 
 
-def _unmet(run, what: str, where: str) -> str:
+def _unmet(run: ReconcileRun | None, what: str, where: str) -> str:
     """The problem of a window that does not meet Frappe's times, logged once."""
     problem = (f"{what} (Frappe's time), {where}: Frappe's times and ours do not meet (the "
                f"site's time zone, or a clock); changes go unseen")
@@ -422,7 +494,8 @@ def _unmet(run, what: str, where: str) -> str:
     return problem
 
 
-def _next_page(documents: list, start: int, page_from: str) -> tuple[int, str]:
+def _next_page(documents: list[dict[str, Any]], start: int,
+               page_from: str) -> tuple[int, str]:
     """(start, page_from) of the page after `documents`: it begins at the last `modified`
     they reach, not at an offset (a document saved again while the pages are read leaves
     the window, and every later offset would skip one document that no later run looks
@@ -436,17 +509,19 @@ def _next_page(documents: list, start: int, page_from: str) -> tuple[int, str]:
     return read_at_newest, newest
 
 
-def _entries(document: dict, log_entries: list, window: _Window) -> list[dict]:
+def _entries(document: dict[str, Any], log_entries: list[dict[str, Any]],
+             window: _Window) -> list[dict[str, Any]]:
     """The document's state changes with a path in the window, oldest first, each as
     {path, entry, entered_after, entered_at, left_for}: every log entry (a workflow
     action) for a state with a path, and the document's current state when no entry
     led to it (entered by other means: its span is from the last entry to its
     `modified`)."""
-    found = []
+    found: list[dict[str, Any]] = []
     times = [canonical_modified(entry["creation"]) for entry in log_entries]
     current = document.get("workflow_state")
     for index, entry in enumerate(log_entries):
-        path = window.states.get(entry.get("content"))
+        content = entry.get("content")
+        path = window.states.get(content) if isinstance(content, str) else None
         at = times[index]
         if path is None or at is None or not window.lower <= at <= window.upper:
             continue
@@ -464,22 +539,19 @@ def _entries(document: dict, log_entries: list, window: _Window) -> list[dict]:
     return found
 
 
-async def _reconcile_document(ctx, doctype, document, window, counts) -> str | None:
+async def _reconcile_document(ctx: EngineContext, tx: Transaction, doctype: str,
+                             document: dict[str, Any], window: _Window,
+                             counts: Counts) -> str | None:
     """Handle the document's state changes in the window, oldest first; what went wrong
     when Frappe did not show its log (the run stops there, its cursor unmoved)."""
-    name = document.get("name")
+    name: Any = document.get("name")  # as Frappe sent it
     history = await ctx.workflow.workflow_log(doctype, str(name))
     if not history.ok:
         return f"{doctype} {name}: {history.error}"
-    for found in _entries(document, history.body, window):
+    for found in _entries(document, cast(list[dict[str, Any]], history.body), window):
         path = found.pop("path")
         webhook = ctx.plugins[SOURCE].get(path)
-        body = {"order_name": name,
-                **{field: document.get(field) for field in webhook.fields
-                   if field != "order_name"},
-                "workflow_entry": found.pop("entry"), **found}
-        if found["left_for"] is None:
-            del body["left_for"]
+        body = _body_of(webhook.fields, name, document, found)
         problem = webhook.field_error(body)
         if problem:
             counts.unusable += 1
@@ -489,16 +561,9 @@ async def _reconcile_document(ctx, doctype, document, window, counts) -> str | N
         event, created, outcome = await inbox.accept(
             ctx, SOURCE, path, entered_key(path, name, body["workflow_entry"]),
             json.dumps(body).encode(), order_number=body["order_number"], reconciled=True,
-            handled_by=functools.partial(same_stay, path, name, body["order_number"], body))
-        if not created and event is not None:
-            counts.already += 1
-            continue
-        if outcome == "ignored":
-            counts.recorded += 1
-            continue
-        if outcome == inbox.HELD:
-            # Stored, and handled in its order's turn (BEHAVIOUR.md 6.1).
-            counts.held += 1
+            handled_by=functools.partial(same_stay, tx, path, name, body["order_number"],
+                                         body))
+        if _counted_as_done(counts, event, created, outcome):
             continue
         counts.handled += 1
         log.warning("reconciliation: %s of %s (%s), entered at %s, had no webhook; handled "
@@ -507,50 +572,61 @@ async def _reconcile_document(ctx, doctype, document, window, counts) -> str | N
     return None
 
 
-def _run_of(doctype):
-    return ReconcileRun.get_or_none(ReconcileRun.doctype == doctype)
+def _body_of(fields: Iterable[str], name: Any, document: dict[str, Any],
+             found: dict[str, Any]) -> dict[str, Any]:
+    """The body of a state change found in the log (`found`, from `_entries`): the
+    webhook's `fields` as the document has them now, the log entry, and the span in
+    which the state was entered (and what it was left for, if it was)."""
+    body = {"order_name": name,
+            **{field: document.get(field) for field in fields if field != "order_name"},
+            "workflow_entry": found.pop("entry"), **found}
+    if found["left_for"] is None:
+        del body["left_for"]
+    return body
 
 
-def _record_success(ctx, doctype, cursor, problem=None, newest=None):
-    """The run finished: its cursor, and `problem` (a window that found nothing while
-    documents changed) kept as the doctype's error, shown like a failure's."""
-    now = ctx.clock()
-    (ReconcileRun.insert(doctype=doctype, cursor=cursor, succeeded_at=now, last_error=problem,
-                         newest_seen=newest, created_at=now, updated_at=now)
-     .on_conflict(conflict_target=[ReconcileRun.doctype],
-                  update={ReconcileRun.cursor: cursor, ReconcileRun.succeeded_at: now,
-                          ReconcileRun.last_error: problem,
-                          ReconcileRun.newest_seen: newest, ReconcileRun.updated_at: now})
-     .execute())
+def _counted_as_done(counts: Counts, event: WebhookEvent | None, created: bool,
+                     outcome: str | None) -> bool:
+    """Whether the inbox found the change stored already, recorded it only, or holds it
+    behind an earlier call of its order (counted so); else it was handled now."""
+    if not created and event is not None:
+        counts.already += 1
+    elif outcome == "ignored":
+        counts.recorded += 1
+    elif outcome == inbox.HELD:
+        # Stored, and handled in its order's turn (BEHAVIOUR.md 6.1).
+        counts.held += 1
+    else:
+        return False
+    return True
 
 
-async def _record_failure(ctx, doctype, run, error):
+async def _record_failure(ctx: EngineContext, tx: Transaction, doctype: str,
+                          run: ReconcileRun | None, error: str) -> None:
+    """The doctype's run failed for `error`: recorded (the next run starts where the
+    last finished one did), and logged when it starts or its reason changes."""
     if run is None or run.last_error != error:
         # Once, when it starts (or its reason changes), not at every run.
         log.warning("reconciliation: Frappe does not list %s (%s); tried again at the "
                     "next run", doctype, error)
     now = ctx.clock()
-    await ctx.db(lambda: (
-        ReconcileRun.insert(doctype=doctype, last_error=error, created_at=now, updated_at=now)
-        .on_conflict(conflict_target=[ReconcileRun.doctype],
-                     update={ReconcileRun.last_error: error, ReconcileRun.updated_at: now})
-        .execute()))
+    await ctx.db(lambda: tx.record_reconcile_failure(doctype, error, now))
 
 
-def last_successes(settings) -> dict:
+def last_successes(tx: Transaction, settings: Settings) -> dict[str, datetime.datetime | None]:
     """{doctype: when its reconciliation last succeeded (None: never)}, for every
     configured doctype; none when no Frappe is configured."""
     if not settings.workflow_url:
         return {}
-    stored = {run.doctype: run.succeeded_at for run in ReconcileRun.select()}
+    stored = {run.doctype: run.succeeded_at for run in tx.reconcile_runs()}
     return {doctype: stored.get(doctype) for doctype in sorted(doctype_states(settings))}
 
 
-def problems(settings) -> dict:
+def problems(tx: Transaction, settings: Settings) -> dict[str, str]:
     """{doctype: why its last run failed, or what it found wrong} for the doctypes that
     have one; shown by /readyz and /metrics."""
     if not settings.workflow_url:
         return {}
     configured = doctype_states(settings)
-    return {run.doctype: run.last_error for run in ReconcileRun.select()
+    return {run.doctype: run.last_error for run in tx.reconcile_runs()
             if run.doctype in configured and run.last_error}

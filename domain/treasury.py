@@ -20,64 +20,21 @@ import datetime
 import decimal
 import hashlib
 import logging
+from typing import Any
 
-import peewee
-
-from models import LedgerEntry, TreasuryJob, is_postgres
+from models import OrderBase
+from engine.contracts import EngineContext
 from engine.payload import exact_json
-from engine.commits import raise_if_conflict, savepoint
+from engine.store.treasury import LedgerFields, Refused
+from engine.transaction import OrderRef, Transaction
 from domain.money import Money, minor_units
 from domain.orders import (CRYPTO_REFERENCE, CRYPTO_SOURCE, OrderNotFound,
                            complete_payment, email_admin, order_type_of)
-from engine.prepared import InsertOnce, InsertOrUpdate, Prepared, save_changes, slot
-from engine.transaction import OrderRef
 
 log = logging.getLogger("receiver.crypto")
 
 PROVIDER = "crypto-processor"
 
-
-def _not_less(column):
-    """The stored row's `column` is at most the new row's, as numbers: exact on
-    PostgreSQL (NUMERIC); on SQLite, which keeps exact decimals as text, compared as
-    reals (SHKeeper's amounts have at most 10 decimals: their order is kept)."""
-    new = getattr(peewee.EXCLUDED, column.column_name)
-    if is_postgres():
-        return column <= new
-    return peewee.Cast(column, "REAL") <= peewee.Cast(new, "REAL")
-
-
-def _not_older(model):
-    """A callback's amounts are not older than the row's: it lists transactions and the
-    row's came from one that did not, or both alike and its balance is not smaller."""
-    new_fallback = peewee.EXCLUDED.fallback
-    return ((model.fallback > new_fallback)
-            | ((model.fallback == new_fallback) & _not_less(model.amount_coin)))
-
-
-# The job of an order still `received` (the state a new job is written in: the `state`
-# slot) follows the newest state of the invoice its callbacks showed (`_not_older`); one
-# taken further is left as it is.
-SAVE_TREASURY_JOB = InsertOrUpdate(
-    TreasuryJob, TreasuryJob.order_id,
-    (TreasuryJob.coin, TreasuryJob.amount_coin, TreasuryJob.fiat_currency,
-     TreasuryJob.amount_fiat_cents, TreasuryJob.amount_usd_cents,
-     TreasuryJob.idempotency_key, TreasuryJob.fallback, TreasuryJob.updated_at),
-    lambda: (TreasuryJob.state == slot(TreasuryJob.state)) & _not_older(TreasuryJob))
-NEW_LEDGER_ENTRY = InsertOnce(LedgerEntry)
-# The order's one fallback entry: its balance as the newest callback listing no
-# transaction showed it, unless an entry of a listed transaction is stored.
-SAVE_FALLBACK_ENTRY = InsertOrUpdate(
-    LedgerEntry, LedgerEntry.idempotency_key,
-    (LedgerEntry.coin, LedgerEntry.amount_coin, LedgerEntry.fiat_currency,
-     LedgerEntry.amount_fiat_cents, LedgerEntry.amount_usd_cents, LedgerEntry.provider_ref,
-     LedgerEntry.provider_status, LedgerEntry.acquired_at, LedgerEntry.notes,
-     LedgerEntry.updated_at),
-    lambda: _not_less(LedgerEntry.amount_coin),
-    unless=lambda: LedgerEntry.select(LedgerEntry.id).where(
-        LedgerEntry.order_id == slot(LedgerEntry.order_id), ~LedgerEntry.fallback))
-DROP_FALLBACK_ENTRY = Prepared(lambda: LedgerEntry.delete().where(
-    LedgerEntry.idempotency_key == slot(LedgerEntry.idempotency_key)), on_server=True)
 PAID_STATUSES = ("PAID", "OVERPAID")
 # An invoice naming no fiat currency is in SHKeeper's default.
 DEFAULT_FIAT = "USD"
@@ -98,7 +55,7 @@ class MalformedCallback(ValueError):
     """The callback cannot be read as an invoice callback; the message says why."""
 
 
-def read(raw):
+def read(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object whose numbers are Decimal, or MalformedCallback."""
     try:
         body = exact_json(raw)
@@ -109,7 +66,7 @@ def read(raw):
     return body
 
 
-def external_id_of(body):
+def external_id_of(body: dict[str, Any]) -> str | None:
     """The order number, or None when the callback names none (BEHAVIOUR.md 4.3 rule 2)."""
     value = body.get("external_id")
     if value is None or value == "":
@@ -122,13 +79,13 @@ def external_id_of(body):
     return value or None
 
 
-def claims_paid(body):
+def claims_paid(body: object) -> bool:
     """Whether a (possibly malformed) callback says the invoice is paid."""
     return isinstance(body, dict) and (
         body.get("paid") is True or body.get("status") in PAID_STATUSES)
 
 
-def amount(body, field):
+def amount(body: dict[str, Any], field: str) -> decimal.Decimal:
     """A non-negative finite Decimal from a string or JSON number; absent is 0."""
     value = body.get(field)
     if value is None:
@@ -141,12 +98,13 @@ def amount(body, field):
         raise MalformedCallback(f"{field} is not a number: {_shown(value)}") from None
     if not number.is_finite() or number < 0:
         raise MalformedCallback(f"{field} is not an amount: {_shown(value)}")
-    if number >= MAX_AMOUNT or -number.as_tuple().exponent > MAX_DECIMAL_PLACES:
+    places = -int(number.as_tuple().exponent)  # finite: the exponent is a number
+    if number >= MAX_AMOUNT or places > MAX_DECIMAL_PLACES:
         raise MalformedCallback(f"{field} is out of range: {_shown(value)}")
     return number
 
 
-def _told(body, field):
+def _told(body: dict[str, Any], field: str) -> decimal.Decimal:
     """An amount that only informs a notice (SHKeeper's fee, its overpaid measure): one
     that cannot be read is taken for 0, and the payment is not refused for it."""
     try:
@@ -157,7 +115,7 @@ def _told(body, field):
         return decimal.Decimal(0)
 
 
-def _text(body, field):
+def _text(body: dict[str, Any], field: str) -> str:
     value = body.get(field)
     if value is None:
         return ""
@@ -170,7 +128,7 @@ def _text(body, field):
 
 
 @dataclasses.dataclass(frozen=True)
-class Transaction:
+class InvoiceTransaction:
     """One transaction of the invoice, as SHKeeper lists it in every callback: its own
     coin and fiat amounts, the fiat split into what we keep and SHKeeper's fee."""
 
@@ -181,7 +139,7 @@ class Transaction:
     fee_fiat: decimal.Decimal
 
     @classmethod
-    def parse(cls, item, invoice_coin):
+    def parse(cls, item: dict[str, Any], invoice_coin: str) -> "InvoiceTransaction":
         txid = _text(item, "txid")
         if len(txid) > MAX_TXID_LENGTH:
             raise MalformedCallback("a transaction's txid is too long")
@@ -191,16 +149,17 @@ class Transaction:
                    fee_fiat=amount(item, "fee_fiat"))
 
 
-def _transactions(body, invoice_coin):
+def _transactions(body: dict[str, Any],
+                  invoice_coin: str) -> tuple[InvoiceTransaction, ...]:
     transactions = body.get("transactions")
     if transactions is None:
         return ()
     if not isinstance(transactions, list) or not all(isinstance(t, dict) for t in transactions):
         raise MalformedCallback("transactions is not a list of objects")
-    return tuple(Transaction.parse(item, invoice_coin) for item in transactions)
+    return tuple(InvoiceTransaction.parse(item, invoice_coin) for item in transactions)
 
 
-def _shown(value):
+def _shown(value: object) -> str:
     """A bad value as it goes into a log line, last_error and the admin's e-mail."""
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -217,7 +176,7 @@ class Callback:
     fiat: str
     amount_coin: decimal.Decimal
     amount_fiat: decimal.Decimal
-    transactions: tuple
+    transactions: tuple[InvoiceTransaction, ...]
     notice_txid: str
     # SHKeeper's fee (percent of the invoice, on top of it) and what it counts as paid
     # beyond its upper limit; 0 when not sent.
@@ -225,7 +184,7 @@ class Callback:
     overpaid_fiat: decimal.Decimal = decimal.Decimal(0)
 
     @classmethod
-    def parse(cls, body):
+    def parse(cls, body: dict[str, Any]) -> "Callback":
         external_id = external_id_of(body)
         if external_id is None:
             raise MalformedCallback("no external_id")
@@ -250,37 +209,37 @@ class Callback:
             overpaid_fiat=_told(body, "overpaid_fiat"))
 
     @property
-    def txids(self):
+    def txids(self) -> tuple[str, ...]:
         return tuple(transaction.txid for transaction in self.transactions)
 
     @property
-    def to_be_processed(self):
+    def to_be_processed(self) -> bool:
         return self.paid and self.status in PAID_STATUSES
 
     @property
-    def order_type(self):
+    def order_type(self) -> str:
         return order_type_of(self.external_id)
 
     @property
-    def fiat_currency(self):
+    def fiat_currency(self) -> str:
         return self.fiat or DEFAULT_FIAT
 
-    def fiat_minor(self, amount_fiat):
+    def fiat_minor(self, amount_fiat: decimal.Decimal) -> int:
         """`amount_fiat` in the minor unit of the invoice's currency (ISO 4217)."""
         return minor_units(amount_fiat, self.fiat_currency)
 
-    def usd_cents(self, amount_fiat):
+    def usd_cents(self, amount_fiat: decimal.Decimal) -> int | None:
         """`amount_fiat` in USD cents when the invoice is in USD; None when it is not
         (no amount in another currency is recorded as USD)."""
         return self.fiat_minor(amount_fiat) if self.fiat_currency == "USD" else None
 
     @property
-    def balance(self):
+    def balance(self) -> Money:
         """The invoice's fiat balance as Money."""
         return Money.of_decimal(self.amount_fiat, self.fiat_currency)
 
     @property
-    def net_fiat(self):
+    def net_fiat(self) -> decimal.Decimal:
         """What the invoice received less SHKeeper's fee: the transactions' own amounts
         without their fees when they give their fees, else the balance less the fee
         percentage it was charged on top."""
@@ -290,19 +249,19 @@ class Callback:
         return self.amount_fiat / (1 + self.fee_percent / 100)
 
     @property
-    def listed(self):
+    def listed(self) -> bool:
         """Whether the callback lists the invoice's transactions (else the fallback txid
         stands for them)."""
         return any(self.txids)
 
-    def txid(self, arrived_at):
+    def txid(self, arrived_at: datetime.datetime) -> str:
         """transactions[0].txid, or `crypto-<coin>-<epoch ms>` of the callback's arrival."""
         if self.txids and self.txids[0]:
             return self.txids[0]
         epoch_ms = (arrived_at - EPOCH) // datetime.timedelta(milliseconds=1)
         return f"{FALLBACK_TXID}{self.coin}-{epoch_ms}"
 
-    def dedup_key(self):
+    def dedup_key(self) -> str:
         """One key per state of the invoice: SHKeeper's re-sends (every 60 s until it
         gets 202) carry the same state and are one event; a PAID after a PARTIAL, or an
         OVERPAID after a PAID, differs in status or transactions and is a new one."""
@@ -310,19 +269,19 @@ class Callback:
         digest = hashlib.sha256(state.encode("utf-8")).hexdigest()[:32]
         return f"{self.external_id}:{self.status or '-'}:{digest}"
 
-    def received(self, arrived_at):
+    def received(self, arrived_at: datetime.datetime) -> tuple[InvoiceTransaction, ...]:
         """The transactions the ledger records: every one listed with a txid (SHKeeper
         lists the invoice's whole history, oldest first). A callback that lists none is
         recorded as one receipt of the invoice's balance under the fallback txid."""
         listed = tuple(transaction for transaction in self.transactions if transaction.txid)
         if listed:
             return listed
-        return (Transaction(txid=self.txid(arrived_at), coin=self.coin,
+        return (InvoiceTransaction(txid=self.txid(arrived_at), coin=self.coin,
                             amount_coin=self.amount_coin, amount_fiat=self.amount_fiat,
                             fee_fiat=decimal.Decimal(0)),)
 
 
-def receive_payment(ctx, payload, effects):
+def receive_payment(ctx: EngineContext, payload: dict[str, Any], tx: Transaction) -> None:
     """PAID and OVERPAID: record the treasury job and ledger entries, then complete the
     payment (with the invoice's fiat balance and coins), and tell the administrator of an
     invoice paid more or less than expected. Anything else, or paid not true, is only
@@ -333,32 +292,35 @@ def receive_payment(ctx, payload, effects):
                  callback.status, callback.external_id, callback.paid)
         return
     if callback.fiat_currency != "USD":
-        tell_not_in_usd(ctx, effects, callback)
-    arrival = arrived_at(ctx, effects)
+        tell_not_in_usd(ctx, tx, callback)
+    arrival = arrived_at(ctx, tx)
     reference = CRYPTO_REFERENCE + callback.txid(arrival)
-    record_receipt(ctx, callback, arrival)
+    record_receipt(ctx, tx, callback, arrival)
     try:
-        with effects.savepoint():
+        with tx.undone_on_failure():
             order, _ = complete_payment(
-                ctx, effects, callback.external_id, callback.order_type, reference,
+                ctx, tx, callback.external_id, callback.order_type, reference,
                 source=CRYPTO_SOURCE, payment_method="crypto", amount=callback.balance,
                 coins=f"{callback.amount_coin} {callback.coin}")
-    except (OrderNotFound, peewee.DatabaseError) as failure:
-        raise_if_conflict(failure)
+    except OrderNotFound as missing:
         # The coins arrived: their treasury job and ledger entry stay recorded, and only
         # the completion is tried again.
-        effects.retry_later(f"payment not completed: {type(failure).__name__}: {failure}")
+        tx.retry_later(f"payment not completed: {type(missing).__name__}: {missing}")
+        return
+    except Refused as refused:
+        tx.retry_later(f"payment not completed: {refused}")
         return
     if callback.listed and order.stripe_session_id.startswith(CRYPTO_REFERENCE + FALLBACK_TXID):
         # Completed first by a callback that listed no transaction: the invoice's first
         # transaction names the payment from now on, as it would have from the start.
         order.stripe_session_id = reference
         order.updated_at = ctx.clock()
-        save_changes(order)
-    tell_mispaid(ctx, effects, callback, order)
+        tx.save(order)
+    tell_mispaid(ctx, tx, callback, order)
 
 
-def tell_mispaid(ctx, effects, callback, order):
+def tell_mispaid(ctx: EngineContext, tx: Transaction, callback: Callback,
+                 order: OrderBase) -> None:
     """An invoice paid past CRYPTO_PAYMENT_TOLERANCE_PERCENT more or less than expected is
     told to the administrator, once per order and way. Expected: the order's total
     (total_cents, in the minor unit of the order's currency), against what the invoice
@@ -387,7 +349,7 @@ def tell_mispaid(ctx, effects, callback, order):
     shown = abs(share).quantize(decimal.Decimal("0.1"))
     currency = callback.fiat_currency
     log.warning("crypto invoice %s %s by %s %%", callback.external_id, way, shown)
-    email_admin(ctx, effects, f"Crypto invoice for order {callback.external_id} {way} by "
+    email_admin(ctx, tx, f"Crypto invoice for order {callback.external_id} {way} by "
                 f"{shown} %", "crypto_mispaid", callback.external_id,
                 key=f"email-crypto-{way}-{callback.external_id}", way=way, share=shown,
                 tolerance=tolerance, status=callback.status,
@@ -398,7 +360,7 @@ def tell_mispaid(ctx, effects, callback, order):
                 coins=f"{callback.amount_coin} {callback.coin}", by_total=by_total)
 
 
-def orders_of(payload):
+def orders_of(payload: dict[str, Any]) -> tuple[OrderRef, ...]:
     """The order `receive_payment` completes; none when the callback is only logged."""
     callback = Callback.parse(payload)
     if not callback.to_be_processed:
@@ -406,12 +368,12 @@ def orders_of(payload):
     return (OrderRef(callback.order_type, callback.external_id),)
 
 
-def tell_not_in_usd(ctx, effects, callback):
+def tell_not_in_usd(ctx: EngineContext, tx: Transaction, callback: Callback) -> None:
     """The treasury job sizes its off-ramp in USD: one in another currency needs a person.
     Once per order (the mail's key)."""
     log.warning("crypto invoice %s is in %s, not USD: its treasury job has no USD amount",
                 callback.external_id, callback.fiat_currency)
-    email_admin(ctx, effects, f"Treasury job for order {callback.external_id} is in "
+    email_admin(ctx, tx, f"Treasury job for order {callback.external_id} is in "
                 f"{callback.fiat_currency}, not USD", "treasury_not_usd", callback.external_id,
                 key=f"email-treasury-not-usd-{callback.external_id}",
                 currency=callback.fiat_currency,
@@ -419,7 +381,7 @@ def tell_not_in_usd(ctx, effects, callback):
                 amount_coin=f"{callback.amount_coin} {callback.coin}")
 
 
-def log_notice(ctx, payload, effects):
+def log_notice(ctx: EngineContext, payload: dict[str, Any], tx: Transaction) -> None:
     """PARTIAL invoices and `unconfirmed` notices: kept in the inbox, logged, no more."""
     callback = Callback.parse(payload)
     log.info("crypto %s notice for %s: %s %s (%s %s), transactions %s; nothing to do yet",
@@ -428,83 +390,81 @@ def log_notice(ctx, payload, effects):
              ", ".join(filter(None, (*callback.txids, callback.notice_txid))) or "none")
 
 
-def arrived_at(ctx, effects):
+def arrived_at(ctx: EngineContext, tx: Transaction) -> datetime.datetime:
     """When the callback was first stored: the fallback txid built from it is then the
     same on every retry of the event, so a retry cannot add a second ledger entry."""
-    return effects.event.received_at if effects.event else ctx.clock()
+    return tx.event.received_at if tx.event else ctx.clock()
 
 
-def record_receipt(ctx, callback, arrival):
-    """Write the treasury job and a ledger entry per received transaction together, in a
-    savepoint: the transactions listed replace the order's fallback entry; a callback
-    listing none writes (or updates) that entry. A failure is logged and the enclosing
-    transaction goes on (BEHAVIOUR.md 4.3 rule 6); a deadlock with another process is no
-    failure of ours: the whole unit is run again."""
+def record_receipt(ctx: EngineContext, tx: Transaction, callback: Callback,
+                   arrival: datetime.datetime) -> bool:
+    """Write the treasury job and a ledger entry per received transaction together, as a
+    part that may fail alone: the transactions listed replace the order's fallback entry;
+    a callback listing none writes (or updates) that entry. A failure is logged, the
+    enclosing transaction goes on (BEHAVIOUR.md 4.3 rule 6) and False is returned; a
+    deadlock with another process is no failure of ours: the whole unit is run again."""
     txid = callback.txid(arrival)
-    try:
-        with savepoint():
-            _save_treasury_job(ctx, callback, txid)
-            if callback.listed:
-                DROP_FALLBACK_ENTRY.execute_later(
-                    idempotency_key=fallback_key(callback.external_id))
-                for transaction in callback.received(arrival):
-                    _add_ledger_entry(ctx, callback, transaction)
-            else:
-                _save_fallback_entry(ctx, callback, callback.received(arrival)[0])
-        return True
-    except peewee.DatabaseError as failure:
-        raise_if_conflict(failure)
-        log.exception("crypto payment %s for %s: treasury job / ledger entry not written",
-                      txid, callback.external_id)
-        return False
+    with tx.apart(f"crypto payment {txid} for {callback.external_id}: treasury job / "
+                  "ledger entry not written") as part:
+        _save_treasury_job(ctx, tx, callback, txid)
+        if callback.listed:
+            tx.drop_ledger_entry(fallback_key(callback.external_id))
+            for transaction in callback.received(arrival):
+                _add_ledger_entry(ctx, tx, callback, transaction)
+        else:
+            _save_fallback_entry(ctx, tx, callback, callback.received(arrival)[0])
+    return not part.failed
 
 
-def _save_treasury_job(ctx, callback, txid):
+def _save_treasury_job(ctx: EngineContext, tx: Transaction, callback: Callback,
+                       txid: str) -> None:
     """One job per order. While it is still `received` its amounts (and key) follow the
     newest state of the invoice its callbacks showed, whatever order they came in
     (`_not_older`); once the settlement worker has taken it further it is left as it is."""
-    now = ctx.clock()
-    SAVE_TREASURY_JOB.run_later(
-        order_id=callback.external_id, order_type=callback.order_type, state="received",
+    tx.save_treasury_job(
+        order_id=callback.external_id, order_type=callback.order_type,
         coin=callback.coin, amount_coin=callback.amount_coin,
         fiat_currency=callback.fiat_currency,
         amount_fiat_cents=callback.fiat_minor(callback.amount_fiat),
         amount_usd_cents=callback.usd_cents(callback.amount_fiat),
         idempotency_key=f"crypto-settle:{callback.external_id}:{txid}",
-        fallback=not callback.listed, received_at=now, created_at=now, updated_at=now)
+        fallback=not callback.listed, at=ctx.clock())
 
 
-def ledger_key(order_id, txid):
+def ledger_key(order_id: str, txid: str) -> str:
     """One entry per order and transaction: a later callback of the same invoice lists the
     transaction again and adds nothing, while one transaction paying several invoices (an
     exchange's batch payout: SHKeeper lists the same txid in each) is an entry for each."""
     return f"{PROVIDER}:{order_id}:{txid}"
 
 
-def fallback_key(order_id):
+def fallback_key(order_id: str) -> str:
     """The key of the order's one fallback entry (a callback listing no transaction):
     a later such callback updates it, one listing transactions replaces it."""
     return f"{PROVIDER}:{order_id}:fallback"
 
 
-def _add_ledger_entry(ctx, callback, transaction):
+def _add_ledger_entry(ctx: EngineContext, tx: Transaction, callback: Callback,
+                      transaction: InvoiceTransaction) -> None:
     """One entry per transaction of the order (`ledger_key`): the entries of an order sum
-    to the invoice. An entry already recorded (the callback sent again) is left as it is;
-    as nothing is read of the insert, it goes with the next statement on PostgreSQL."""
-    NEW_LEDGER_ENTRY.run_later(**_entry(ctx, callback, transaction, ledger_key(
+    to the invoice. An entry already recorded (the callback sent again) is left as it
+    is."""
+    tx.add_ledger_entry(_entry(ctx, callback, transaction, ledger_key(
         callback.external_id, transaction.txid), fallback=False))
 
 
-def _save_fallback_entry(ctx, callback, transaction):
+def _save_fallback_entry(ctx: EngineContext, tx: Transaction, callback: Callback,
+                         transaction: InvoiceTransaction) -> None:
     """The order's fallback entry: the invoice's balance under the fallback txid, written
     unless an entry of a listed transaction is stored, updated to a larger balance."""
-    SAVE_FALLBACK_ENTRY.run_later(**_entry(ctx, callback, transaction,
-                                           fallback_key(callback.external_id), fallback=True))
+    tx.save_fallback_entry(_entry(ctx, callback, transaction,
+                                  fallback_key(callback.external_id), fallback=True))
 
 
-def _entry(ctx, callback, transaction, key, fallback):
+def _entry(ctx: EngineContext, callback: Callback, transaction: InvoiceTransaction,
+           key: str, fallback: bool) -> LedgerFields:
     now = ctx.clock()
-    return dict(
+    return LedgerFields(
         order_id=callback.external_id, order_type=callback.order_type, coin=transaction.coin,
         movement_type="receive", amount_coin=transaction.amount_coin,
         fiat_currency=callback.fiat_currency,

@@ -16,6 +16,7 @@ from models import database
 from engine import spool
 from engine.commits import set_budget
 from engine.db import why_unavailable
+from engine.transaction import Transaction
 from ops.metrics import spool_waits
 
 log = logging.getLogger("receiver.ops")
@@ -82,8 +83,9 @@ class ReadyHandler(ApiHandler):
             # (its window met none of Frappe's changes): runs that say nothing are not
             # enough. One unit, one turn.
             settings = self.ctx.settings
-            last, found = await self.ctx.db(lambda: (reconcile.last_successes(settings),
-                                                     reconcile.problems(settings)))
+            tx = Transaction(self.ctx)
+            last, found = await self.ctx.db(lambda: (reconcile.last_successes(tx, settings),
+                                                     reconcile.problems(tx, settings)))
             body["reconciled"] = {doctype: at.isoformat() if at else None
                                   for doctype, at in last.items()}
             if found:

@@ -12,6 +12,7 @@ from handlers.base import ApiHandler, same_secret
 from domain import reconcile
 from domain.reconcile import change_key
 from engine import inbox
+from engine.transaction import Transaction
 
 log = logging.getLogger("receiver.workflow")
 
@@ -116,8 +117,8 @@ class WorkflowWebhookHandler(ApiHandler):
                     # under that entry's key (BEHAVIOUR.md 4.1.1): one lookup more, for a
                     # late webhook only.
                     handled_by = functools.partial(
-                        reconcile.same_stay, path, body["order_name"], body["order_number"],
-                        body)
+                        reconcile.same_stay, Transaction(self.ctx), path, body["order_name"],
+                        body["order_number"], body)
             earlier = hourly_keys(f"{path}:{digest}", first, last)
         # The earlier hours are looked up by the inbox, or by the spool drain when the
         # database is down now.

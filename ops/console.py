@@ -106,10 +106,10 @@ class Overview:
         return {source: sum(days) for source, days in self.events_by_day.items()}
 
 
-def last_reconciliation(settings):
+def last_reconciliation(tx, settings):
     """When each doctype's reconciliation with Frappe last finished (UTC), on one line;
     None when no Frappe is configured."""
-    last = reconcile.last_successes(settings)
+    last = reconcile.last_successes(tx, settings)
     if not last:
         return None
     return "; ".join(f"{doctype} {operator.format_time(at) if at else 'never'}"
@@ -133,7 +133,7 @@ def overview(ctx, counts):
         destinations=list(ctx.destinations),
         in_holdback=holdback_orders().where(CrtcOrder.commission_released_at.is_null(),
                                             CrtcOrder.commission_forfeited_at.is_null())
-        .count(), last_reconciliation=last_reconciliation(ctx.settings))
+        .count(), last_reconciliation=last_reconciliation(Transaction(ctx), ctx.settings))
 
 
 class EventCounts:

@@ -25,6 +25,7 @@ from engine import commits, inbox, spool
 from engine.commits import on_commit
 from engine.db import UNAVAILABLE
 from engine.destinations import DESTINATION_OF
+from engine.transaction import Transaction
 from ops import operator
 
 # What Frappe's configuration check may find that leaves it in use (clients.workflow).
@@ -261,15 +262,15 @@ def database_families(ctx):
         "receiver_reconcile_last_success_timestamp_seconds", "Unix time the "
         "reconciliation with Frappe last finished for a doctype, in any process (0: "
         "never).", labels=["doctype"])
-    for doctype, at in reconcile.last_successes(ctx.settings).items():
+    for doctype, at in reconcile.last_successes(Transaction(ctx), ctx.settings).items():
         reconciled.add_metric([doctype], at.timestamp() if at else 0)
     yield reconciled
     failing = GaugeMetricFamily(
         "receiver_reconcile_problem", "1 while a doctype's last reconciliation run failed "
         "or found its window meeting none of Frappe's changes (/readyz says why).",
         labels=["doctype"])
-    found = reconcile.problems(ctx.settings)
-    for doctype in reconcile.last_successes(ctx.settings):
+    found = reconcile.problems(Transaction(ctx), ctx.settings)
+    for doctype in reconcile.last_successes(Transaction(ctx), ctx.settings):
         failing.add_metric([doctype], 1 if doctype in found else 0)
     yield failing
 

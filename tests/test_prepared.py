@@ -12,6 +12,7 @@ from models import FormationOrder, LedgerEntry, Outbox, TreasuryJob, WebhookEven
 from domain import treasury
 from engine.commits import GroupCommit, savepoint
 from engine.prepared import InsertMany, InsertOnce, Prepared, save_changes, slot
+from engine.transaction import Transaction
 from tests import shkeeper
 from tests.door import through_the_door
 
@@ -281,7 +282,8 @@ async def test_a_deadlock_while_recording_a_crypto_receipt_is_not_swallowed(
     # inside record_receipt, whose handler must let the deadlock through.
     first = [commits.run(_undo_the_plain_run)] if run == "with savepoints" else []
     *_, recording = await asyncio.gather(*first, commits.run(lambda: recorded.append(
-        treasury.record_receipt(ctx, callback, ctx.clock()))), return_exceptions=True)
+        treasury.record_receipt(ctx, Transaction(ctx), callback, ctx.clock()))),
+        return_exceptions=True)
     other.join()
     assert not isinstance(recording, BaseException), recording
     # The try that lost the deadlock was undone and run again; caught as an ordinary

@@ -1,8 +1,12 @@
 """PARTIAL: part of the invoice arrived; kept and logged, the order waits for the rest."""
+from typing import Any
+
+from engine.contracts import EngineContext
+from engine.transaction import Transaction
 from plugins.registry import crypto_status
 from domain import treasury
 
 
 @crypto_status("PARTIAL")
-def handle(ctx, callback, effects):
-    treasury.log_notice(ctx, callback, effects)
+def handle(ctx: EngineContext, callback: dict[str, Any], tx: Transaction) -> None:
+    treasury.log_notice(ctx, callback, tx)

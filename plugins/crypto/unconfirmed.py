@@ -1,8 +1,12 @@
 """`unconfirmed`: SHKeeper saw a transaction that is not confirmed yet; kept and logged."""
+from typing import Any
+
+from engine.contracts import EngineContext
+from engine.transaction import Transaction
 from plugins.registry import crypto_status
 from domain import treasury
 
 
 @crypto_status("unconfirmed")
-def handle(ctx, callback, effects):
-    treasury.log_notice(ctx, callback, effects)
+def handle(ctx: EngineContext, callback: dict[str, Any], tx: Transaction) -> None:
+    treasury.log_notice(ctx, callback, tx)
