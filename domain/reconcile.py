@@ -47,8 +47,7 @@ from models import UTC, ReconcileRun, WebhookEvent
 from settings import Settings
 from engine import inbox
 from engine.contracts import EngineContext
-from engine.store.reconcile import DatabaseTimeSpent
-from engine.transaction import Transaction
+from engine.transaction import DatabaseTimeSpent, Transaction
 
 log = logging.getLogger("receiver.reconcile")
 

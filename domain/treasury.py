@@ -25,8 +25,7 @@ from typing import Any
 from models import OrderBase
 from engine.contracts import EngineContext
 from engine.payload import exact_json
-from engine.store.treasury import LedgerFields, Refused
-from engine.transaction import OrderRef, Transaction
+from engine.transaction import LedgerFields, OrderRef, Refused, Transaction
 from domain.money import Money, minor_units
 from domain.orders import (CRYPTO_REFERENCE, CRYPTO_SOURCE, OrderNotFound,
                            complete_payment, email_admin, order_type_of)

@@ -31,12 +31,18 @@ from engine.store.filings import FilingStore
 from engine.store.intake import IntakeStore
 from engine.store.orders import OrderRef, OrderStore
 from engine.store.payments import PaymentStore
-from engine.store.reconcile import ReconcileStore
-from engine.store.treasury import TreasuryStore
+from engine.store.reconcile import DatabaseTimeSpent, ReconcileStore
+from engine.store.treasury import LedgerFields, TreasuryStore
 
-__all__ = ["OrderRef", "Part", "Transaction"]
+__all__ = ["DatabaseTimeSpent", "LedgerFields", "OrderRef", "Part", "Refused", "Transaction"]
 
 log = logging.getLogger("receiver.transaction")
+
+
+class Refused(Exception):
+    """The database refused a statement of a block run under `Transaction.undone_on_failure`
+    (a conflict is not a refusal: its unit is run again); the message is the refusal's
+    kind and the database's words."""
 
 
 class Part:
@@ -63,3 +69,16 @@ class Transaction(Effects, OrderStore, PaymentStore, TreasuryStore, ReconcileSto
             raise_if_conflict(failure)
             log.exception("%s", what)
             part.failed = True
+
+    @contextlib.contextmanager
+    def undone_on_failure(self) -> Iterator[None]:
+        """Run the block as a part whose failure the caller handles: should it raise, its
+        changes and the effects it asked for are undone and the exception propagates, a
+        statement the database refused raised as `Refused`. A conflict propagates as it
+        is: the unit is run again."""
+        try:
+            with self.savepoint():
+                yield
+        except PeeweeException as failure:
+            raise_if_conflict(failure)
+            raise Refused(f"{type(failure).__name__}: {failure}") from failure

@@ -2,22 +2,14 @@
 
 Every write here is left for the transaction's next statement (nothing is read of it):
 a crypto payment's job and entries go to the server with what the handling does next."""
-import contextlib
 import datetime
 import decimal
-from typing import TYPE_CHECKING, ContextManager, Iterator, TypedDict
+from typing import TypedDict
 
 import peewee
 
 from models import LedgerEntry, TreasuryJob, is_postgres
-from engine.commits import raise_if_conflict
 from engine.prepared import InsertOnce, InsertOrUpdate, Prepared, slot
-
-
-class Refused(Exception):
-    """The database refused a statement of a block run under
-    `TreasuryStore.undone_on_failure` (a conflict is not a refusal: its unit is run again);
-    the message is the refusal's kind and the database's words."""
 
 
 class LedgerFields(TypedDict):
@@ -118,20 +110,3 @@ class TreasuryStore:
     def drop_ledger_entry(self, idempotency_key: str) -> None:
         """Delete the entry with that key, if any."""
         DROP_FALLBACK_ENTRY.execute_later(idempotency_key=idempotency_key)
-
-    if TYPE_CHECKING:
-        # Effects' (engine.outbox), which `Transaction` puts before this mixin.
-        def savepoint(self) -> ContextManager[None]: ...
-
-    @contextlib.contextmanager
-    def undone_on_failure(self) -> Iterator[None]:
-        """Run the block as a part whose failure the caller handles: should it raise, its
-        changes and the effects it asked for are undone and the exception propagates,
-        a statement the database refused raised as `Refused`. A conflict propagates as
-        it is: the unit is run again."""
-        try:
-            with self.savepoint():
-                yield
-        except peewee.DatabaseError as failure:
-            raise_if_conflict(failure)
-            raise Refused(f"{type(failure).__name__}: {failure}") from failure

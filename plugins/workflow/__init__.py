@@ -75,7 +75,7 @@ class WorkflowWebhook:
         document has left the state (by `left_rule`); else keep the order's name, ask
         for the workflow action and the job."""
         if reconcile.may_be_superseded(ctx, body):
-            newer = reconcile.newer_change(effects, reconcile.group_paths(ctx, self.path), body)
+            newer = reconcile.newer_change(tx, reconcile.group_paths(ctx, self.path), body)
             if newer is not None:
                 self.record_only(ctx, body, tx, f"older than the state change handled "
                                  f"as event #{newer.id} ({newer.event_type})")
