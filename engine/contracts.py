@@ -3,7 +3,7 @@
 one come to, what a send comes to. A unit of work is engine.commits.Unit."""
 import asyncio
 import datetime
-from typing import Any, Coroutine, NamedTuple, Protocol, TypeAlias, TypeVar
+from typing import Any, Coroutine, NamedTuple, Protocol, Sequence, TypeAlias, TypeVar
 
 import jinja2
 
@@ -14,7 +14,7 @@ from clients.worker import WorkerClient
 from clients.workflow import WorkflowClient
 from models import WebhookEvent
 from settings import Settings
-from engine.commits import GroupCommit, Unit
+from engine.commits import Ahead, GroupCommit, Unit
 from engine.destinations import Destinations
 
 T = TypeVar("T")
@@ -30,6 +30,19 @@ class Metrics(Protocol):
     def effect_sent(self, kind: str, result: str) -> None: ...
 
 
+class Registry(Protocol):
+    """What the engine asks of a source's plugins (plugins.registry.Registry): the plugin
+    for an event type (a function, plain or async, called with the context, the decoded
+    payload and the event's effects), the payload decoded as the plugins receive it
+    (arbitrary JSON), and what a plugin reads ahead of its unit (engine.commits.Ahead)."""
+
+    def get(self, key: str) -> Any: ...
+
+    def decode(self, payload: str) -> Any: ...
+
+    def ahead_of(self, key: str, payload: Any) -> Sequence[Ahead]: ...
+
+
 class EngineContext(Protocol):
     """What the engine asks of the context it is given (app.context.Context)."""
     settings: Settings
@@ -42,7 +55,7 @@ class EngineContext(Protocol):
     mailer: Mailer
     telegram: TelegramClient
     # Which plugin handles a stored event: {source: its registry}.
-    plugins: dict[str, Any]
+    plugins: dict[str, Registry]
 
     def clock(self) -> datetime.datetime: ...
 
