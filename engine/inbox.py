@@ -94,7 +94,7 @@ def first_unfinished_before(row: Any = WebhookEvent) -> peewee.Select:
         .order_by(_EARLIER.received_at, _EARLIER.id).limit(peewee.SQL("1")))
 
 
-def overtaken() -> peewee.Node:
+def overtaken() -> peewee.ColumnBase:
     """Whether an event of the row's order that came after it is finished: handling the
     row now would hand it over out of its sequence (a dead event the retries or an
     operator gave up, which let the later ones go). Nothing for a row of no order."""
