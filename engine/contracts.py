@@ -48,7 +48,6 @@ class EngineContext(Protocol):
     settings: Settings
     commits: GroupCommit
     destinations: Destinations
-    metrics: Metrics
     templates: jinja2.Environment
     worker: WorkerClient
     workflow: WorkflowClient
@@ -56,6 +55,10 @@ class EngineContext(Protocol):
     telegram: TelegramClient
     # Which plugin handles a stored event: {source: its registry}.
     plugins: dict[str, Registry]
+
+    # Read only here: a context may keep a Metrics that counts more (ops.metrics).
+    @property
+    def metrics(self) -> Metrics: ...
 
     def clock(self) -> datetime.datetime: ...
 
