@@ -789,12 +789,12 @@ class _EarlierKeys:
         return statement
 
 
-def _first_stored_under(count: int, ranged: bool) -> peewee.ModelSelect[WebhookEvent]:
+def _first_stored_under(count: int, ranged: bool) -> "peewee.ModelSelect[WebhookEvent]":
     return _stored_under(count, ranged).order_by(WebhookEvent.id).limit(1)
 
 
 def _stored_under(count: int, ranged: bool,
-                  *columns: peewee.Node) -> peewee.ModelSelect[WebhookEvent]:
+                  *columns: peewee.Node) -> "peewee.ModelSelect[WebhookEvent]":
     """The events of the source in the slot stored under one of `count` keys (slots key0
     and on) or, when `ranged`, under a key from the slot `first` to the slot `last`."""
     key = WebhookEvent.dedup_key

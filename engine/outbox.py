@@ -60,9 +60,9 @@ NEW_EFFECT = InsertOnce(Outbox)
 UNSENT = ("pending", "waiting")
 
 
-def _earlier_unsent_of(earlier: type[Outbox] | ModelAlias[Outbox], than: ColumnBase,
+def _earlier_unsent_of(earlier: "type[Outbox] | ModelAlias[Outbox]", than: ColumnBase,
                        of_other_events: bool,
-                       row: type[Outbox] | None = None) -> ModelSelect[Outbox]:
+                       row: type[Outbox] | None = None) -> "ModelSelect[Outbox]":
     """A select, from `earlier` (Outbox or an alias of it), of an unsent row of the order
     and kind in the slots, written before the row whose id is `than`: of another event,
     or without one, when `of_other_events`. `row`: the table whose columns give the

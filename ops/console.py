@@ -230,8 +230,8 @@ class EventFilter:
             found.append(WebhookEvent.received_at < self.until)
         return found
 
-    def apply(self, query: peewee.ModelSelect[WebhookEvent]
-              ) -> peewee.ModelSelect[WebhookEvent]:
+    def apply(self, query: "peewee.ModelSelect[WebhookEvent]"
+              ) -> "peewee.ModelSelect[WebhookEvent]":
         return query.where(*self.conditions()) if self.conditions() else query
 
 
@@ -766,6 +766,6 @@ def business_day_after(start: datetime.date, days: int) -> datetime.date:
     return day
 
 
-def holdback_orders() -> peewee.ModelSelect[CrtcOrder]:
+def holdback_orders() -> "peewee.ModelSelect[CrtcOrder]":
     return (CrtcOrder.select().where(CrtcOrder.delivered_at.is_null(False))
             .order_by(CrtcOrder.holdback_ends_at, CrtcOrder.id))
