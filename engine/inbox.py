@@ -231,50 +231,79 @@ async def accept(ctx: EngineContext, source: str, event_type: str, dedup_key: st
     if where is JOINED:
         return Accepted(None, False, None)
     if where is PARKED:
-        try:
-            event, created = await _store_now(ctx, call, parked=True)
-        except UNAVAILABLE as unavailable:
-            _spool(ctx, call, unavailable)
-            return Accepted(None, False, None)
-        return Accepted(event, created, None)
+        return await _accept_parked(ctx, call)
     new_event = (_NewEvent(ctx, call, handle_now=not in_background)
                  if handled_by is None and not call["also_known_as"] else None)
-    if new_event is not None:
-        ahead = (new_event, *ahead)
-    checked = True
     try:
-        try:
-            event, created, handled = await ctx.commits.run(functools.partial(
-                _store_and_handle, ctx, call, not in_background, handled_by, new_event),
-                ahead)
-        except UNAVAILABLE:
-            raise
-        except Exception:
-            # The handling went wrong beyond recording its own failure, and took the
-            # storing with it: the call is stored alone, and handled as a stored event.
-            log.exception("%s %s: storing and handling it together failed; storing it alone",
-                          call["source"], call["event_type"])
-            alone = new_event and _NewEvent(ctx, call, handle_now=False)
-            event, created = await ctx.commits.run(functools.partial(
-                _store, ctx, call, handled_by=handled_by, ahead=alone),
-                () if alone is None else (alone,))
-            handled = None
-            checked = False
+        event, created, handled, checked = await _store_and_handle_together(
+            ctx, call, not in_background, handled_by, new_event, ahead)
     except AllowanceSpent:
         raise  # a background run's own limit, not an outage: the run finds the call again
     except UNAVAILABLE as unavailable:
         _spool(ctx, call, unavailable)
         return Accepted(None, False, None)
     if handled is not None:
-        outcome, effects, started = handled
-        if effects is not None:
-            await _deliver(ctx, effects.rows, send_within)
-        _report(ctx, event, outcome, started)
-        return Accepted(event, created, outcome)
+        return await _handled_here(ctx, event, created, handled, send_within)
+    return await _handle_stored(ctx, event, created, checked, in_background)
+
+
+async def _accept_parked(ctx: EngineContext, call: Entry) -> Accepted:
+    """`accept` for a call the spool could not take while calls wait there: stored, and
+    handled once the spool is drained (`_store_now`)."""
+    try:
+        event, created = await _store_now(ctx, call, parked=True)
+    except UNAVAILABLE as unavailable:
+        _spool(ctx, call, unavailable)
+        return Accepted(None, False, None)
+    return Accepted(event, created, None)
+
+
+async def _store_and_handle_together(
+        ctx: EngineContext, call: Entry, handle_now: bool,
+        handled_by: Callable[[], WebhookEvent | None] | None, new_event: "_NewEvent | None",
+        ahead: Sequence[Ahead]) -> tuple[WebhookEvent, bool, Handled | None, bool]:
+    """(event, created, how its handling here went or None, checked): the call stored and
+    handled in one unit (`_store_and_handle`). Should the handling go wrong beyond
+    recording its own failure, taking the storing with it, the call is stored alone, not
+    handled, and `checked` is False: whether it waits behind an earlier event of its
+    order is to be looked at again. The database's errors propagate."""
+    if new_event is not None:
+        ahead = (new_event, *ahead)
+    try:
+        event, created, handled = await ctx.commits.run(functools.partial(
+            _store_and_handle, ctx, call, handle_now, handled_by, new_event), ahead)
+    except UNAVAILABLE:
+        raise
+    except Exception:
+        log.exception("%s %s: storing and handling it together failed; storing it alone",
+                      call["source"], call["event_type"])
+        alone = new_event and _NewEvent(ctx, call, handle_now=False)
+        event, created = await ctx.commits.run(functools.partial(
+            _store, ctx, call, handled_by=handled_by, ahead=alone),
+            () if alone is None else (alone,))
+        return event, created, None, False
+    return event, created, handled, True
+
+
+async def _handled_here(ctx: EngineContext, event: WebhookEvent, created: bool,
+                        handled: Handled, send_within: float | None) -> Accepted:
+    """`accept` for a call handled in the unit that stored it: its effects sent (waited
+    on for `send_within` seconds at most), its outcome reported."""
+    outcome, effects, started = handled
+    if effects is not None:
+        await _deliver(ctx, effects.rows, send_within)
+    _report(ctx, event, outcome, started)
+    return Accepted(event, created, outcome)
+
+
+async def _handle_stored(ctx: EngineContext, event: WebhookEvent, created: bool,
+                         checked: bool, in_background: bool) -> Accepted:
+    """`accept` for a call stored and not handled in its unit: a new one awaiting its
+    handling is handled now (after the answer, when `in_background`)."""
     if not created or event.status not in AWAITING_HANDLING:
         return Accepted(event, created, None)
     # Its insert looked for an earlier unfinished event of its order, and found none:
-    # unless it was stored alone after a failed handling (above), which looks again.
+    # unless it was stored alone after a failed handling, which looks again.
     handle = _process_checked if checked else process
     if in_background:
         ctx.background(handle(ctx, event))
