@@ -652,6 +652,8 @@ ORDER_TIMES = {
 
 
 def _order_detail(ctx: ConsoleContext, order: Any, column: str) -> str:
+    """What goes beside `column`'s time: `order` is of the kind ORDER_TIMES names the
+    column for (a CRTC or a compliance order), whose own columns are read."""
     if column == "commission_forfeited_at":
         return order.commission_forfeit_reason or ""
     if column == "intake_reminded_at":
