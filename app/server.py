@@ -94,7 +94,7 @@ class ReceiverApplication(tornado.web.Application):
         return len(self.requests)
 
     @property
-    def trusted_proxies(self) -> Any:
+    def trusted_proxies(self) -> tuple:
         return self.ctx.settings.trusted_proxies
 
     # Tornado types the return as its own delegate; what serves a request is any
