@@ -6,11 +6,13 @@ refused, failed, database unavailable), 2 bad usage or settings.
 Longer than most because the commands are many, one small function each."""
 import argparse
 import asyncio
+import datetime
 import functools
 import getpass
 import json
 import os
 import sys
+from typing import Any, Awaitable, Callable, Coroutine, Iterable, Sequence, TextIO, TypeAlias
 
 import stripe
 
@@ -19,7 +21,7 @@ import scheduler
 from app.context import Context
 from app.logs import configure_logging
 from app.progress import TerminalProgress
-from app.server import CannotStart, refused_database_settings, serve
+from app.server import CannotStart, Database, refused_database_settings, serve
 from clients.stripe_api import NotConfigured
 from domain import backfill, filings, holdback, intake, links, reconcile, reminders, settlement
 from engine import inbox, spool
@@ -27,11 +29,17 @@ from engine.db import UNAVAILABLE, refused_settings
 from engine.payload import read_json
 from engine.connection import open_database, sqlite_file
 from engine.transaction import Transaction
+from models import Outbox, WebhookEvent
 from ops import console, operator, passwords, sessions
 from settings import ConfigurationError, Settings
 
+# What argparse's add_subparsers gives: where commands (or a command's actions) are added.
+Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+# An operator's command: run with the context and its parsed arguments; its exit status.
+Command: TypeAlias = Callable[[Context, argparse.Namespace], Awaitable[int]]
 
-def main(argv=None):
+
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="receiver.py",
         description="Order-fulfilment webhook receiver. Settings come from the environment.")
@@ -94,7 +102,7 @@ def main(argv=None):
     return run_until_stopped(serve(settings))
 
 
-def run_until_stopped(serving):
+def run_until_stopped(serving: Coroutine[Any, Any, None]) -> int:
     """Run `serve` (or the demo) to its end; a start that fails is one line, not a
     traceback, and exit 1 or 2."""
     try:
@@ -107,7 +115,7 @@ def run_until_stopped(serving):
     return 0
 
 
-def hash_password_command(stdin, out, err):
+def hash_password_command(stdin: TextIO, out: TextIO, err: TextIO) -> int:
     """Ask twice without echo at a terminal; read two lines when piped, so it can be
     scripted (`printf '%s\\n%s\\n' "$pw" "$pw" | receiver.py console hash-password`)."""
     if stdin.isatty():
@@ -131,10 +139,24 @@ def hash_password_command(stdin, out, err):
     return 0
 
 
-def add_operator_commands(commands):
+def add_operator_commands(commands: Commands) -> None:
+    _add_event_commands(commands)
+    _add_outbox_commands(commands)
+    _add_spool_commands(commands)
+    _add_money_and_reminder_commands(commands)
+    _add_order_intake_commands(commands)
+
+
+def _add_event_commands(commands: Commands) -> None:
     events = commands.add_parser(
         "events", help="list, show and replay stored webhook events").add_subparsers(
             dest="action", metavar="ACTION", required=True)
+    _add_event_listing(events)
+    _add_event_replay(events)
+    _add_event_give_up(events)
+
+
+def _add_event_listing(events: Commands) -> None:
     listing = events.add_parser("list", help="the newest events first, filtered")
     listing.add_argument("--source", choices=operator.EVENT_SOURCES)
     listing.add_argument("--status", choices=operator.EVENT_STATUSES)
@@ -146,6 +168,9 @@ def add_operator_commands(commands):
     show = events.add_parser("show", help="one event: its payload and its outbox rows")
     show.add_argument("id", type=int)
     show.set_defaults(run=events_show)
+
+
+def _add_event_replay(events: Commands) -> None:
     replay = events.add_parser(
         "replay", help="handle an event again (see docs/COMMANDS.md: what replay can redo)")
     which = replay.add_mutually_exclusive_group(required=True)
@@ -156,6 +181,9 @@ def add_operator_commands(commands):
                         help="also an event already processed (its effects are not "
                              "sent twice)")
     replay.set_defaults(run=events_replay)
+
+
+def _add_event_give_up(events: Commands) -> None:
     give_up = events.add_parser(
         "give-up", help="give up events whose handling failed: dead and final, with your "
                         "reason (kept with each, and who and when)")
@@ -172,6 +200,8 @@ def add_operator_commands(commands):
     give_up.add_argument("--until", type=time_argument, help="received before (ISO 8601)")
     give_up.set_defaults(run=events_give_up)
 
+
+def _add_outbox_commands(commands: Commands) -> None:
     outbox = commands.add_parser(
         "outbox", help="list effects on other systems; put dead, waiting or pending ones "
                        "back in line, due now"
@@ -195,6 +225,8 @@ def add_operator_commands(commands):
                        help="with --dead, --waiting or --pending: only the rows going there")
     retry.set_defaults(run=outbox_retry)
 
+
+def _add_spool_commands(commands: Commands) -> None:
     spooled = commands.add_parser(
         "spool", help="calls kept in SPOOL_DIR while the database was down"
     ).add_subparsers(dest="action", metavar="ACTION", required=True)
@@ -202,6 +234,8 @@ def add_operator_commands(commands):
         "quarantined", help="spooled calls the database refused to store, with the reason"
     ).set_defaults(run=spool_quarantined)
 
+
+def _add_money_and_reminder_commands(commands: Commands) -> None:
     commands.add_parser(
         "settle", help="run the CRTC settlement (balance.available routine) once now"
     ).set_defaults(run=settle)
@@ -217,6 +251,11 @@ def add_operator_commands(commands):
                            reminders_list),
                           ("run", "send today's reminder e-mails now (as the scheduler does "
                                   "hourly); nothing is sent twice", reminders_run)))
+
+
+def _add_order_intake_commands(commands: Commands) -> None:
+    """The ways orders and their calls come in besides the webhooks: a file, Stripe's
+    Events API, the reconciliation with Frappe."""
     orders = commands.add_parser(
         "orders", help="orders in from a file (docs/ORDERS.md)").add_subparsers(
             dest="action", metavar="ACTION", required=True)
@@ -244,7 +283,8 @@ def add_operator_commands(commands):
     workflow.set_defaults(run=reconcile_workflow)
 
 
-def add_command_group(commands, name, about, actions):
+def add_command_group(commands: Commands, name: str, about: str,
+                      actions: Iterable[tuple[str, str, Command]]) -> None:
     """A command whose actions take no arguments: (action, help, run) each."""
     group = commands.add_parser(name, help=about).add_subparsers(
         dest="action", metavar="ACTION", required=True)
@@ -252,14 +292,14 @@ def add_command_group(commands, name, about, actions):
         group.add_parser(action, help=about_action).set_defaults(run=run)
 
 
-def reason_argument(text):
+def reason_argument(text: str) -> str:
     reason = " ".join(text.split())
     if not reason or len(reason) > 200:
         raise argparse.ArgumentTypeError("give a reason of 1 to 200 characters")
     return reason
 
 
-def time_argument(text):
+def time_argument(text: str) -> datetime.datetime:
     try:
         return operator.parse_time(text)
     except ValueError:
@@ -267,7 +307,8 @@ def time_argument(text):
             f"not an ISO 8601 time: {text!r} (e.g. 2026-11-20T08:00Z)") from None
 
 
-def run_operator_command(command, settings, args):
+def run_operator_command(command: Command, settings: Settings,
+                         args: argparse.Namespace) -> int:
     try:
         db = open_migrated_database(settings.database_url)
     except CannotStart as exc:
@@ -289,7 +330,7 @@ def run_operator_command(command, settings, args):
         db.close()
 
 
-def open_migrated_database(url):
+def open_migrated_database(url: str) -> Database:
     """The database the operator's commands work on, made and brought up to date by
     `migrate`: a mistyped SQLite path is refused (exit 2), not created empty with its
     folders; a database behind the code's migrations is refused (exit 1)."""
@@ -311,7 +352,7 @@ def open_migrated_database(url):
     return db
 
 
-def database_unavailable(exc):
+def database_unavailable(exc: Exception) -> int:
     """One line an operator can act on, not a traceback; exit 1 (not done)."""
     refused = refused_settings(exc)
     if refused is not None:
@@ -323,7 +364,7 @@ def database_unavailable(exc):
     return 1
 
 
-async def _with_context(command, settings, args):
+async def _with_context(command: Command, settings: Settings, args: argparse.Namespace) -> int:
     ctx = Context.create(settings)
     try:
         return await command(ctx, args)
@@ -337,7 +378,7 @@ OUTBOX_COLUMNS = ("ID", "EVENT", "DESTINATION", "ORDER", "STATUS", "TRIES", "NEX
                   "LAST ERROR")
 
 
-def event_row(event):
+def event_row(event: WebhookEvent) -> tuple[object, ...]:
     status = f"{event.status} (given up)" if event.given_up_at else event.status
     return (event.id, operator.format_time(event.received_at), operator.source_of(event),
             event.event_type, "held" if event.held else status, event.attempts,
@@ -345,26 +386,26 @@ def event_row(event):
             operator.clip(event.held or event.last_error))
 
 
-def outbox_row(row):
+def outbox_row(row: Outbox) -> tuple[object, ...]:
     next_try = operator.format_time(row.next_attempt_at) if row.status == "pending" else ""
     return (row.id, row.event_id, operator.destination_of(row), row.order_number, row.status,
             row.attempts, next_try, operator.clip(row.last_error))
 
 
-async def console_logout_all(ctx, args):
+async def console_logout_all(ctx: Context, args: argparse.Namespace) -> int:
     ended = await ctx.db(functools.partial(sessions.end_all, ctx.clock()))
     print(f"{ended} console session(s) ended")
     return 0
 
 
-async def events_list(ctx, args):
+async def events_list(ctx: Context, args: argparse.Namespace) -> int:
     events = await ctx.db(functools.partial(
         operator.list_events, args.source, args.status, args.since, args.until, args.limit))
     print(operator.table(EVENT_COLUMNS, [event_row(event) for event in events]))
     return 0
 
 
-async def events_show(ctx, args):
+async def events_show(ctx: Context, args: argparse.Namespace) -> int:
     event, effects = await ctx.db(functools.partial(operator.event_with_effects, args.id))
     for label, value in (
             ("event", f"#{event.id}"), ("source", operator.source_of(event)),
@@ -390,7 +431,7 @@ async def events_show(ctx, args):
     return 0
 
 
-async def events_replay(ctx, args):
+async def events_replay(ctx: Context, args: argparse.Namespace) -> int:
     if args.failed:
         with TerminalProgress("replaying", "event") as progress:
             replayed = await operator.replay_failed(ctx, progress)
@@ -413,7 +454,7 @@ async def events_replay(ctx, args):
 NOT_DONE = ("failed", inbox.HELD)
 
 
-async def events_give_up(ctx, args):
+async def events_give_up(ctx: Context, args: argparse.Namespace) -> int:
     if args.failed:
         # The console's filter of the events page: one meaning for both.
         conditions = console.EventFilter(source=args.source or "", since=args.since,
@@ -432,7 +473,7 @@ async def events_give_up(ctx, args):
     return 0
 
 
-async def outbox_list(ctx, args):
+async def outbox_list(ctx: Context, args: argparse.Namespace) -> int:
     rows = await ctx.db(functools.partial(operator.list_outbox, args.status, args.limit,
                                           args.destination))
     print(operator.table(OUTBOX_COLUMNS, [outbox_row(row) for row in rows]))
@@ -445,7 +486,7 @@ def command_line_operator() -> tuple[str, str]:
     return f"{getpass.getuser()} (command line)", "local"
 
 
-async def outbox_retry(ctx, args):
+async def outbox_retry(ctx: Context, args: argparse.Namespace) -> int:
     if args.status:
         count = await ctx.db(functools.partial(operator.retry_all, ctx, args.status,
                                                command_line_operator(), args.destination))
@@ -469,7 +510,7 @@ async def outbox_retry(ctx, args):
 QUARANTINE_COLUMNS = ("RECEIVED (UTC)", "SOURCE", "TYPE", "ORDER", "DEDUP KEY", "REASON")
 
 
-async def spool_quarantined(ctx, args):
+async def spool_quarantined(ctx: Context, args: argparse.Namespace) -> int:
     calls = spool.quarantined(ctx.settings.spool_dir)
     print(operator.table(QUARANTINE_COLUMNS, [
         (call.get("received_at"), call.get("source"), operator.clip(call.get("event_type")),
@@ -480,7 +521,7 @@ async def spool_quarantined(ctx, args):
     return 0
 
 
-async def settle(ctx, args):
+async def settle(ctx: Context, args: argparse.Namespace) -> int:
     counts = await settlement.settle_crtc_orders(ctx, Transaction(ctx))
     print(", ".join(f"{name.replace('_', ' ')}: {count}" for name, count in counts.items()))
     return 1 if counts["failed"] else 0
@@ -489,7 +530,7 @@ async def settle(ctx, args):
 HOLDBACK_COLUMNS = ("ORDER", "DELIVERED (UTC)", "RELEASE AT (UTC)", "STATUS")
 
 
-async def holdback_list(ctx, args):
+async def holdback_list(ctx: Context, args: argparse.Namespace) -> int:
     now = ctx.clock()
     rows = [(order.order_number, operator.format_time(order.delivered_at),
              operator.format_time(order.holdback_ends_at),
@@ -499,7 +540,7 @@ async def holdback_list(ctx, args):
     return 0
 
 
-async def holdback_release(ctx, args):
+async def holdback_release(ctx: Context, args: argparse.Namespace) -> int:
     counts = await holdback.release_due(ctx)
     print(f"released: {counts.released}, not due: {counts.not_due}")
     return 0
@@ -508,7 +549,7 @@ async def holdback_release(ctx, args):
 REMINDER_COLUMNS = ("CUSTOMER", "KIND", "ORDER", "PERIOD", "DUE", "GOES OUT")
 
 
-async def reminders_list(ctx, args):
+async def reminders_list(ctx: Context, args: argparse.Namespace) -> int:
     rows = []
     for entry in await ctx.db(functools.partial(reminders.plan, ctx, reminders.today(ctx))):
         when = "tomorrow (mailed today)" if entry.mailed_today else "next run"
@@ -520,13 +561,13 @@ async def reminders_list(ctx, args):
     return 0
 
 
-async def reminders_run(ctx, args):
+async def reminders_run(ctx: Context, args: argparse.Namespace) -> int:
     ctx.settings.warn_about_link_secret()
     print(f"queued {await reminders.send_reminders(ctx)} reminder e-mail(s)")
     return 0
 
 
-async def sign_link(ctx, args):
+async def sign_link(ctx: Context, args: argparse.Namespace) -> int:
     await ctx.db(functools.partial(filings.check_link, Transaction(ctx), ctx.settings,
                                    args.kind, args.order, args.cycle))
     ctx.settings.warn_about_link_secret()
@@ -534,7 +575,7 @@ async def sign_link(ctx, args):
     return 0
 
 
-async def orders_import(ctx, args):
+async def orders_import(ctx: Context, args: argparse.Namespace) -> int:
     try:
         if args.file == "-":
             data = sys.stdin.buffer.read()
@@ -560,7 +601,7 @@ async def orders_import(ctx, args):
     return 1 if counts.bad else 0
 
 
-async def backfill_events(ctx, args):
+async def backfill_events(ctx: Context, args: argparse.Namespace) -> int:
     try:
         with TerminalProgress("listing from Stripe", "event") as listing, \
                 TerminalProgress("handling", "event") as handling:
@@ -576,7 +617,7 @@ async def backfill_events(ctx, args):
     return 1 if counts.unreadable else 0
 
 
-async def reconcile_workflow(ctx, args):
+async def reconcile_workflow(ctx: Context, args: argparse.Namespace) -> int:
     if not ctx.settings.workflow_url:
         print("receiver: WORKFLOW_URL is not set: no Frappe to ask", file=sys.stderr)
         return 2

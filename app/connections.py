@@ -27,10 +27,12 @@ import collections
 import errno
 import logging
 import resource
+import socket
 import typing
 import weakref
 
 import tornado.httpserver
+import tornado.iostream
 import tornado.httputil
 import tornado.ioloop
 
@@ -52,7 +54,7 @@ ACCEPTS_PER_TURN = 128
 ADDRESS_SHARE = 0.25
 
 
-def descriptor_limit():
+def descriptor_limit() -> int:
     """The soft RLIMIT_NOFILE, raised to the hard limit first (systemd's LimitNOFILE=
     sets both; a shell's ulimit often leaves the soft one at 1,024)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -65,7 +67,7 @@ def descriptor_limit():
     return soft
 
 
-def connection_cap(wanted, limit):
+def connection_cap(wanted: int, limit: int) -> int:
     """MAX_CONNECTIONS, or less: what the descriptor limit leaves after the reserve."""
     if limit == resource.RLIM_INFINITY:
         return wanted
@@ -94,16 +96,16 @@ class ReceiverServer(tornado.httpserver.HTTPServer):
         self.application = application
         self.max_connections = max_connections
 
-    def add_sockets(self, sockets):
+    def add_sockets(self, sockets: typing.Iterable[socket.socket]) -> None:
         for sock in sockets:
             self._sockets[sock.fileno()] = sock
             self._handlers[sock.fileno()] = Acceptor(self, sock).stop
 
     @property
-    def per_address(self):
+    def per_address(self) -> int:
         return max(1, int(self.max_connections * ADDRESS_SHARE))
 
-    def take(self, connection, address):
+    def take(self, connection: socket.socket, address: typing.Any) -> None:
         """A connection accepted: handled, after making room if a cap is reached."""
         open_now = self.open_streams()
         peer = address[0] if isinstance(address, tuple) else ""
@@ -122,7 +124,7 @@ class ReceiverServer(tornado.httpserver.HTTPServer):
             return
         self._handle_connection(connection, address)
 
-    def open_streams(self):
+    def open_streams(self) -> list[tuple[tornado.iostream.IOStream, str]]:
         """(stream, peer address) of the connections still open (a closed one leaves the
         server's set a moment later)."""
         # Tornado types a connection's context as object; it is its request context.
@@ -130,7 +132,8 @@ class ReceiverServer(tornado.httpserver.HTTPServer):
                 for conn in self._connections
                 if conn.stream is not None and not conn.stream.closed()]
 
-    def make_room(self, connections, own=False):
+    def make_room(self, connections: list[tuple[tornado.iostream.IOStream, str]],
+                  own: bool = False) -> bool:
         """Close an idle connection among `connections`, else the oldest request waiting
         for its body of the address holding the most of them; False if there is none."""
         app = self.application
@@ -157,7 +160,7 @@ class ReceiverServer(tornado.httpserver.HTTPServer):
         return True
 
 
-def refuse(connection):
+def refuse(connection: socket.socket) -> None:
     try:
         connection.setblocking(False)
         connection.send(BUSY)
@@ -170,13 +173,13 @@ class Acceptor:
     """Tornado's accept loop (netutil.add_accept_handler), but one that pauses on EMFILE
     and its kind instead of raising (and being called again at once, forever)."""
 
-    def __init__(self, server, sock):
+    def __init__(self, server: ReceiverServer, sock: socket.socket) -> None:
         self.server, self.sock = server, sock
         self.loop = tornado.ioloop.IOLoop.current()
         self.stopped = False
         self.loop.add_handler(sock, self.on_readable, tornado.ioloop.IOLoop.READ)
 
-    def on_readable(self, fd, events):
+    def on_readable(self, fd: socket.socket, events: int) -> None:
         for _ in range(ACCEPTS_PER_TURN):
             if self.stopped:
                 return
@@ -193,18 +196,18 @@ class Acceptor:
                 return
             self.server.take(connection, address)
 
-    def pause(self, exc):
+    def pause(self, exc: OSError) -> None:
         REPEATS.error(("accept", exc.errno), "cannot accept connections: %s (%d open); "
                       "pausing %.1f s", exc.strerror, len(self.server._connections),
                       ACCEPT_PAUSE_SECONDS)
         self.loop.remove_handler(self.sock)
         self.loop.call_later(ACCEPT_PAUSE_SECONDS, self.resume)
 
-    def resume(self):
+    def resume(self) -> None:
         if not self.stopped:
             self.loop.add_handler(self.sock, self.on_readable, tornado.ioloop.IOLoop.READ)
 
-    def stop(self):
+    def stop(self) -> None:
         if not self.stopped:
             self.stopped = True
             try:

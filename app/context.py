@@ -5,6 +5,7 @@ clock."""
 import asyncio
 import concurrent.futures
 import dataclasses
+import datetime
 import functools
 import logging
 import os
@@ -19,7 +20,7 @@ from clients.telegram import TelegramClient
 from clients.workflow import WorkflowClient
 from clients.worker import WorkerClient
 from models import utcnow
-from engine.commits import GroupCommit, without_budget
+from engine.commits import GroupCommit, Unit, without_budget
 from handlers.budget import BodyBudget
 from handlers.ratelimit import RateLimiter
 from engine.destinations import Destinations
@@ -29,11 +30,12 @@ from plugins import registries
 from settings import Settings
 
 log = logging.getLogger("receiver")
+T = typing.TypeVar("T")
 
 TEMPLATES_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "templates")
 
 
-def template_environment():
+def template_environment() -> jinja2.Environment:
     return jinja2.Environment(
         loader=jinja2.FileSystemLoader(TEMPLATES_DIR),
         autoescape=jinja2.select_autoescape(["html", "htm", "xml"]),
@@ -66,12 +68,13 @@ class Context:
     # What this process has learnt of each destination's health, and its calls in flight.
     destinations: Destinations = dataclasses.field(init=False)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.destinations = Destinations(self)
         self.destinations.when_refused(functools.partial(tell_credentials_refused, self))
 
     @classmethod
-    def create(cls, settings, clock=utcnow):
+    def create(cls, settings: Settings,
+               clock: typing.Callable[[], datetime.datetime] = utcnow) -> "Context":
         http = HttpClient()
         mail_threads = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="smtp")
         return cls(
@@ -89,10 +92,10 @@ class Context:
             metrics=Metrics(cache_seconds=settings.metrics_cache_seconds))
 
     @property
-    def business_tz(self):
+    def business_tz(self) -> zoneinfo.ZoneInfo:
         return zoneinfo.ZoneInfo(self.settings.business_tz)
 
-    async def db(self, unit):
+    async def db(self, unit: Unit[T]) -> T:
         """The one door to the database: run `unit()` (plain synchronous code that reads
         or writes, and returns what its caller needs) in the database thread, in the
         group commit's next turn (engine.commits); returns what it returned once its
@@ -100,7 +103,8 @@ class Context:
         talks to the database otherwise (the test suite refuses it)."""
         return await self.commits.run(unit)
 
-    def background(self, coroutine):
+    def background(self, coroutine: typing.Coroutine[typing.Any, typing.Any, typing.Any]
+                   ) -> asyncio.Task:
         """Run `coroutine` after the answer is sent; kept so shutdown can wait for it.
         It is not bound by the call's database budget (engine.commits.budget)."""
         task = asyncio.get_running_loop().create_task(coroutine, context=without_budget())
@@ -108,7 +112,7 @@ class Context:
         task.add_done_callback(self.background_tasks.discard)
         return task
 
-    async def drain_background(self):
+    async def drain_background(self) -> None:
         while self.background_tasks:
             await asyncio.gather(*list(self.background_tasks), return_exceptions=True)
 

@@ -13,6 +13,7 @@ import os
 import shlex
 import shutil
 import sys
+from typing import IO, Mapping, TextIO
 
 import migrations
 from app.logs import configure_logging
@@ -74,7 +75,8 @@ SUBMITTED = ('{"order_name": "ORD-0001", "order_number": "FO-0001", "state_code"
              '"entity_name": "Acme Demo LLC"}')
 
 
-def demo_environment(environ, folder, standins):
+def demo_environment(environ: Mapping[str, str], folder: str,
+                     standins: StandIns) -> dict[str, str]:
     """The demo's settings as environment variables: the service runs with them, and the
     commands it prints are given them, so that `link` signs with the demo's LINK_SECRET
     and `spool quarantined` reads the demo's spool."""
@@ -92,7 +94,7 @@ def demo_environment(environ, folder, standins):
     return env
 
 
-def lock_demo_folder(folder):
+def lock_demo_folder(folder: str) -> IO[str]:
     """Lock `folder` for this demo's life (the lock goes with the process), or refuse:
     another demo there would lose its database to this one's fresh start."""
     os.makedirs(folder, exist_ok=True)
@@ -106,14 +108,14 @@ def lock_demo_folder(folder):
     return lock
 
 
-def refuse_a_taken_port(settings):
+def refuse_a_taken_port(settings: Settings) -> None:
     """Refuse before the fresh start when the port is taken (by a demo on another folder,
     or anything else): CannotStart says so."""
     for sock in bind(settings):
         sock.close()
 
 
-def fresh_database(settings, folder):
+def fresh_database(settings: Settings, folder: str) -> None:
     """The demo's database made afresh, with the schema and the sample orders; its
     previous database and spool go (only those: the folder may hold other things)."""
     for name in DATABASE_FILES:
@@ -128,7 +130,8 @@ def fresh_database(settings, folder):
     db.close()
 
 
-def instructions(settings, env, folder, standins):
+def instructions(settings: Settings, env: dict[str, str], folder: str,
+                 standins: StandIns) -> str:
     base = settings.public_base_url
     cli = ".venv/bin/python receiver.py"
     exports = "\n".join(f"export {name}={shlex.quote(value)}" for name, value in sorted(env.items())
@@ -171,7 +174,7 @@ Stop the demo with Ctrl-C; the next `make demo` starts from the sample orders ag
 """
 
 
-async def run(environ, folder, out=sys.stdout):
+async def run(environ: Mapping[str, str], folder: str, out: TextIO = sys.stdout) -> None:
     standins = StandIns()
     try:
         env = demo_environment(environ, folder, standins)

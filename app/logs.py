@@ -5,8 +5,10 @@ import logging
 import re
 import sys
 import urllib.parse
+from typing import Iterable
 
 from models import UTC
+from settings import Settings
 
 # Attributes every LogRecord has; anything else on a record was passed as `extra=`.
 _STANDARD_RECORD_FIELDS = frozenset(
@@ -19,15 +21,17 @@ class JsonLogFormatter(logging.Formatter):
 
     escapes_text = True
 
-    def format(self, record):
+    def format(self, record: logging.LogRecord) -> str:
         entry = {"time": datetime.datetime.fromtimestamp(record.created, UTC).isoformat(),
                  "level": record.levelname, "logger": record.name,
                  "message": record.getMessage()}
         entry.update({key: value for key, value in vars(record).items()
                       if key not in _STANDARD_RECORD_FIELDS})
-        if record.exc_info or record.exc_text:
-            # exc_text when set: RedactingFormatter has formatted and redacted it already.
-            entry["exception"] = record.exc_text or self.formatException(record.exc_info)
+        if record.exc_text:
+            # RedactingFormatter has formatted and redacted it already.
+            entry["exception"] = record.exc_text
+        elif record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry, default=str)
 
 
@@ -40,13 +44,13 @@ class RedactingFormatter(logging.Formatter):
     # Shorter values would blank out ordinary words; real secrets are long.
     MIN_SECRET_LENGTH = 6
 
-    def __init__(self, inner, secrets):
+    def __init__(self, inner: logging.Formatter, secrets: Iterable[str]) -> None:
         super().__init__()
         self.inner = inner
         self.secrets = sorted({form for s in secrets if len(s) >= self.MIN_SECRET_LENGTH
                                for form in written_forms(s)}, key=len, reverse=True)
 
-    def format(self, record):
+    def format(self, record: logging.LogRecord) -> str:
         if not getattr(self.inner, "escapes_text", False):
             # Every text is on the line as it was given: redacting the line is enough.
             return self.redact(self.inner.format(record))
@@ -66,13 +70,13 @@ class RedactingFormatter(logging.Formatter):
         # Again on the whole line: what the inner formatter adds is redacted as well.
         return self.redact(self.inner.format(clean))
 
-    def redact(self, text):
+    def redact(self, text: str) -> str:
         for secret in self.secrets:
             text = text.replace(secret, "[redacted]")
         return self.QUERY_CREDENTIAL.sub(r"\1[redacted]", text)
 
 
-def written_forms(secret):
+def written_forms(secret: str) -> set[str]:
     """The ways a secret can be written in a log line: as it is, escaped as Python's repr
     escapes it (Tornado's "Invalid header value '...'" line: a backslash doubled), as
     JSON escapes it, and its UTF-8 bytes read as latin-1 (how a header carries a
@@ -82,7 +86,7 @@ def written_forms(secret):
             for form in (text, repr(text)[1:-1], json.dumps(text)[1:-1])}
 
 
-def secrets_of(settings):
+def secrets_of(settings: Settings) -> list[str]:
     """Every secret value the settings hold, as it may appear in text (raw and %-quoted)."""
     values = [settings.webhook_secret, settings.workflow_webhook_signing_secret,
               settings.stripe_secret_key, *settings.stripe_webhook_secrets,
@@ -97,7 +101,7 @@ def secrets_of(settings):
     return values
 
 
-def configure_logging(settings):
+def configure_logging(settings: Settings) -> None:
     handler = logging.StreamHandler(sys.stderr)
     formatter: logging.Formatter
     if settings.log_format == "json":

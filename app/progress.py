@@ -14,7 +14,7 @@ class TerminalProgress(contextlib.ExitStack):
     """Called as `progress(done, total)` by the loop it follows (total None while it
     is not known); a context manager, which clears the bar at the end."""
 
-    def __init__(self, what: str, unit: str, stream: Optional[TextIO] = None):
+    def __init__(self, what: str, unit: str, stream: Optional[TextIO] = None) -> None:
         super().__init__()
         stream = stream or sys.stderr
         self.bar = tqdm(desc=what, unit=unit, file=stream, leave=False,

@@ -10,10 +10,13 @@ import gc
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 import weakref
+from typing import Any, Awaitable, Callable, cast
 
+import tornado.http1connection
 import tornado.httputil
 import tornado.ioloop
 import tornado.netutil
@@ -31,6 +34,7 @@ from engine.db import UNAVAILABLE, Circuit, refused_settings, why_unavailable
 from engine.connection import ClassifiedSqliteDatabase, ReconnectingPostgresqlDatabase, open_database
 from ops import systemd
 from scheduler import STOP_GRACE_SECONDS, Scheduler
+from settings import Settings
 
 log = logging.getLogger("receiver")
 REPEATS = lograte.Repeats(log)
@@ -54,7 +58,7 @@ REFUSALS = {413: ("Payload Too Large", b"request body too large\n"),
             503: ("Service Unavailable", b"temporarily unavailable\n")}
 
 
-def body_limit(handler_class):
+def body_limit(handler_class: type[tornado.web.RequestHandler]) -> int | None:
     """The body a route's handler may be sent: its own `body_limit` (a handler that reads
     its body itself: None), else 0 for a route without POST, else a form's."""
     if issubclass(handler_class, ApiHandler):
@@ -77,7 +81,7 @@ class ReceiverApplication(tornado.web.Application):
     body_timeout = BODY_TIMEOUT_SECONDS
     body_start_timeout = BODY_START_TIMEOUT_SECONDS
 
-    def __init__(self, *args, ctx, **kwargs):
+    def __init__(self, *args: Any, ctx: Context, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.ctx = ctx
         # A set, not a number, so that a request ended both ways is uncounted once.
@@ -86,31 +90,36 @@ class ReceiverApplication(tornado.web.Application):
         self.waiting_for_body: weakref.WeakSet[_CountedDelegate] = weakref.WeakSet()
 
     @property
-    def in_flight(self):
+    def in_flight(self) -> int:
         return len(self.requests)
 
     @property
-    def trusted_proxies(self):
+    def trusted_proxies(self) -> tuple:
         return self.ctx.settings.trusted_proxies
 
-    def get_handler_delegate(self, request, target_class, target_kwargs=None,
-                             path_args=None, path_kwargs=None):
+    # Tornado types the return as its own delegate; what serves a request is any
+    # HTTPMessageDelegate, as ours around it is.
+    def get_handler_delegate(  # type: ignore[override]
+            self, request: tornado.httputil.HTTPServerRequest,
+            target_class: type[tornado.web.RequestHandler],
+            target_kwargs: dict[str, Any] | None = None, path_args: list[bytes] | None = None,
+            path_kwargs: dict[str, bytes] | None = None) -> tornado.httputil.HTTPMessageDelegate:
         self.requests.add(request)
-        peer, proxies = request.remote_ip, self.trusted_proxies
+        peer, proxies = request.remote_ip or "", self.trusted_proxies
         request.remote_ip = forwarded_for(peer, request.headers, proxies)
         request.protocol = forwarded_protocol(peer, request.headers, proxies, request.protocol)
         limit = body_limit(target_class)
         # A handler that reads its body itself refuses an oversize one with 413 and its
         # JSON error; the server's own limit would cut in first with a bare 400.
-        request.connection.set_max_body_size(UNLIMITED if limit is None else limit)
+        _connection(request).set_max_body_size(UNLIMITED if limit is None else limit)
         return _CountedDelegate(self, request, super().get_handler_delegate(
             request, target_class, target_kwargs, path_args, path_kwargs), limit)
 
-    def log_request(self, handler):
+    def log_request(self, handler: tornado.web.RequestHandler) -> None:
         self.requests.discard(handler.request)
         super().log_request(handler)
 
-    async def wait_idle(self, timeout):
+    async def wait_idle(self, timeout: float) -> int:
         """Wait until no request is in flight or `timeout` passed; returns those left."""
         deadline = time.monotonic() + timeout
         while self.in_flight > 0 and time.monotonic() < deadline:
@@ -118,7 +127,7 @@ class ReceiverApplication(tornado.web.Application):
         return self.in_flight
 
 
-def expects_body(headers):
+def expects_body(headers: tornado.httputil.HTTPHeaders) -> bool:
     return (headers.get("Content-Length", "0").strip() not in ("", "0")
             or "chunked" in headers.get("Transfer-Encoding", "").lower())
 
@@ -138,9 +147,10 @@ class _CountedDelegate(tornado.httputil.HTTPMessageDelegate):
     refused = False
     held = 0
 
-    def __init__(self, app, request, inner, limit):
+    def __init__(self, app: ReceiverApplication, request: tornado.httputil.HTTPServerRequest,
+                 inner: tornado.httputil.HTTPMessageDelegate, limit: int | None) -> None:
         self.app, self.request, self.inner, self.limit = app, request, inner, limit
-        self.client = client_key(request.remote_ip)
+        self.client = client_key(request.remote_ip or "")
         self.arrived = time.monotonic()
         self.body_started = not expects_body(request.headers)
         if not self.body_started:
@@ -148,7 +158,9 @@ class _CountedDelegate(tornado.httputil.HTTPMessageDelegate):
         self.deadline = asyncio.get_running_loop().call_later(
             min(app.body_start_timeout, app.body_timeout), self.body_too_slow)
 
-    def headers_received(self, start_line, headers):
+    def headers_received(self, start_line: tornado.httputil.RequestStartLine
+                         | tornado.httputil.ResponseStartLine,
+                         headers: tornado.httputil.HTTPHeaders) -> Awaitable[None] | None:
         if self.limit is not None:
             declared = headers.get("Content-Length", "").strip()
             size = int(declared) if declared.isdigit() else 0
@@ -159,7 +171,7 @@ class _CountedDelegate(tornado.httputil.HTTPMessageDelegate):
                 return None
         return self.inner.headers_received(start_line, headers)
 
-    def data_received(self, chunk):
+    def data_received(self, chunk: bytes) -> Awaitable[None] | None:
         if not self.body_started:
             self.body_started = True
             self.app.waiting_for_body.discard(self)
@@ -170,7 +182,7 @@ class _CountedDelegate(tornado.httputil.HTTPMessageDelegate):
             return None  # a chunked body, counted as it comes
         return self.inner.data_received(chunk)
 
-    def hold(self, size):
+    def hold(self, size: int) -> bool:
         """Count `size` more bytes of body against the caps; False (and refused) if over."""
         short = self.app.ctx.bodies.take(self.client, size)
         if short:
@@ -181,11 +193,11 @@ class _CountedDelegate(tornado.httputil.HTTPMessageDelegate):
         self.held += size
         return True
 
-    def release(self):
+    def release(self) -> None:
         self.app.ctx.bodies.give_back(self.client, self.held)
         self.held = 0
 
-    def refuse(self, status):
+    def refuse(self, status: int) -> None:
         """Answer now, before the body is read; the connection is closed once the answer is
         out, so the rest of the body is never read, nor a handler run."""
         self.refused = True
@@ -201,14 +213,14 @@ class _CountedDelegate(tornado.httputil.HTTPMessageDelegate):
             "Connection": "close", "Cache-Control": "no-store"})
         if status != 413:
             headers["Retry-After"] = "5"
-        connection = self.request.connection
+        connection = _connection(self.request)
         # Nothing of the body is to be kept: what is read before the close is dropped.
         connection.set_max_body_size(UNLIMITED)
         connection.write_headers(
             tornado.httputil.ResponseStartLine("HTTP/1.1", status, reason), headers, body)
         connection.finish()
 
-    def finish(self):
+    def finish(self) -> None:
         self.deadline.cancel()
         self.app.waiting_for_body.discard(self)
         self.release()
@@ -220,7 +232,7 @@ class _CountedDelegate(tornado.httputil.HTTPMessageDelegate):
         if not self.refused:
             self.inner.finish()
 
-    def on_connection_close(self):
+    def on_connection_close(self) -> None:
         self.deadline.cancel()
         self.app.waiting_for_body.discard(self)
         self.release()
@@ -228,7 +240,7 @@ class _CountedDelegate(tornado.httputil.HTTPMessageDelegate):
         if not self.refused:
             self.inner.on_connection_close()
 
-    def body_too_slow(self):
+    def body_too_slow(self) -> None:
         waited = time.monotonic() - self.arrived
         if self.body_started and waited < self.app.body_timeout:
             # Started in time: the whole body has until the full deadline.
@@ -242,15 +254,22 @@ class _CountedDelegate(tornado.httputil.HTTPMessageDelegate):
         else:
             log.info("request body from %s not started after %s s; connection closed",
                      self.client, min(self.app.body_start_timeout, self.app.body_timeout))
-        self.request.connection.close()
+        _connection(self.request).close()
 
-    def evict(self):
+    def evict(self) -> None:
         """Closed to make room for another connection (app.connections)."""
         self.cut_off = True
-        self.request.connection.close()
+        _connection(self.request).close()
 
 
-def make_app(ctx):
+def _connection(request: tornado.httputil.HTTPServerRequest
+                ) -> tornado.http1connection.HTTP1Connection:
+    """The request's connection: this server's are HTTP/1.1 ones, which tornado's types
+    name by the interface (without a body limit or a close)."""
+    return cast(tornado.http1connection.HTTP1Connection, request.connection)
+
+
+def make_app(ctx: Context) -> ReceiverApplication:
     # Only the console signs cookies and checks xsrf tokens (its handlers do it
     # themselves): Tornado's xsrf_cookies setting would refuse every webhook POST.
     console = ({"cookie_secret": cookie_secret(ctx.settings)}
@@ -266,7 +285,7 @@ def make_app(ctx):
     )
 
 
-def make_server(app, settings):
+def make_server(app: ReceiverApplication, settings: Settings) -> ReceiverServer:
     cap = connection_cap(settings.max_connections, descriptor_limit())
     if cap < settings.max_connections:
         log.warning("at most %d connections at once: the file descriptor limit leaves no "
@@ -290,9 +309,33 @@ def make_server(app, settings):
 GIL_SWITCH_SECONDS = 0.0005
 
 
-async def serve(settings, ready=None):
+async def serve(settings: Settings, ready: Callable[[], object] | None = None) -> None:
     """Serve until SIGTERM or SIGINT; `ready()`, when given, is called once it listens."""
     sys.setswitchinterval(GIL_SWITCH_SECONDS)
+    db, circuit = _open_database(settings)
+    settings.warn_about_placeholders()
+    prepare_spool(settings.spool_dir)
+    sockets = bind(settings)
+    ctx, app, server = await _start(settings, circuit, sockets)
+    watchdog = start_watchdog()
+    if ready:
+        ready()
+
+    await stop_requested()
+    await _stop(settings, ctx, app, server)
+    if watchdog:
+        watchdog.stop()
+    await circuit.detach()
+    db.close()
+    log.info("stopped")
+
+
+Database = ClassifiedSqliteDatabase | ReconnectingPostgresqlDatabase
+
+
+def _open_database(settings: Settings) -> tuple[Database, Circuit]:
+    """The database, migrated; or, down at start, with its circuit holding the migrations
+    until it answers. CannotStart when it refuses our settings."""
     db = open_database(settings.database_url, timeout_ms=settings.database_timeout_ms)
     circuit = Circuit(db)
     down = None
@@ -311,9 +354,13 @@ async def serve(settings, ready=None):
         log.warning("database unavailable at start (%s): serving all the same, calls go to "
                     "the spool; the migrations wait for the database", why_unavailable(down))
         circuit.hold_until(lambda: run_migrations(db), "migrations wait for it", down)
-    settings.warn_about_placeholders()
-    prepare_spool(settings.spool_dir)
-    sockets = bind(settings)
+    return db, circuit
+
+
+async def _start(settings: Settings, circuit: Circuit, sockets: list[socket.socket]
+                 ) -> tuple[Context, ReceiverApplication, ReceiverServer]:
+    """The context, the application and its server, listening on `sockets` once the
+    scheduler has started (and drained the spool); systemd told it is ready."""
     ctx = Context.create(settings)
     app = make_app(ctx)
     server = make_server(app, settings)
@@ -328,16 +375,18 @@ async def serve(settings, ready=None):
     ctx.background(ctx.destinations.check())
     freeze_startup_objects()
     systemd.notify(f"READY=1\nSTATUS=listening on {settings.host}:{settings.port}")
-    watchdog = start_watchdog()
-    if ready:
-        ready()
+    return ctx, app, server
 
-    await stop_requested()
+
+async def _stop(settings: Settings, ctx: Context, app: ReceiverApplication,
+                server: ReceiverServer) -> None:
+    """Stop serving: the requests in flight finished (or cut off after the grace), the
+    connections closed, the scheduler and the background work stopped."""
     # Everything below ends within the stop budget (systemd's TimeoutStopSec), so the
     # process exits by itself rather than by SIGKILL.
     deadline = time.monotonic() + settings.stop_timeout_seconds - STOP_MARGIN_SECONDS
 
-    def remaining(at_most):
+    def remaining(at_most: float) -> float:
         return max(0.0, min(at_most, deadline - time.monotonic()))
     systemd.notify("STOPPING=1")
     log.info("stopping: no new connections; finishing requests in flight")
@@ -352,11 +401,6 @@ async def serve(settings, ready=None):
     await ctx.scheduler.stop(grace=remaining(STOP_GRACE_SECONDS))
     await ctx.close(within=remaining(settings.stop_timeout_seconds))
     lograte.flush_all()
-    if watchdog:
-        watchdog.stop()
-    await circuit.detach()
-    db.close()
-    log.info("stopped")
 
 
 def run_migrations(db: ClassifiedSqliteDatabase | ReconnectingPostgresqlDatabase) -> None:
@@ -376,12 +420,12 @@ class CannotStart(Exception):
     """The service cannot start; the message says what and what to do, `status` is the
     exit status (1: not done, try again once the cause is gone; 2: the settings)."""
 
-    def __init__(self, message, status):
+    def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
         self.status = status
 
 
-def bind(settings):
+def bind(settings: Settings) -> list[socket.socket]:
     """The listening sockets, bound before anything is started that would need stopping."""
     address = f"{settings.host}:{settings.port}"
     try:
@@ -396,7 +440,7 @@ def bind(settings):
                           "RECEIVER_HOST and RECEIVER_PORT", 2) from None
 
 
-def freeze_startup_objects():
+def freeze_startup_objects() -> None:
     """What exists once the service is up (modules, classes, the application, the pools)
     lives as long as the process: the garbage collector need not look at it again. A full
     collection under load then took about 1 ms instead of 20 ms, every request in flight
@@ -405,7 +449,7 @@ def freeze_startup_objects():
     gc.freeze()
 
 
-def prepare_spool(folder):
+def prepare_spool(folder: str) -> None:
     """Create SPOOL_DIR now rather than when the database first fails, and make its entry
     durable, so that /readyz can tell a spool that could not take a call before one comes.
     A failure is logged, not fatal: the service works while the database does, and
@@ -421,7 +465,7 @@ def prepare_spool(folder):
         log.error("spool directory %s cannot be prepared: %s", folder, exc)
 
 
-async def stop_requested():
+async def stop_requested() -> None:
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -429,13 +473,16 @@ async def stop_requested():
     await stopping.wait()
 
 
-def start_watchdog():
+def start_watchdog() -> tornado.ioloop.PeriodicCallback | None:
     """Ping systemd's watchdog (WatchdogSec=) while the event loop runs, so a hung loop
     gets the service restarted."""
     interval = systemd.watchdog_interval()
     if not interval:
         return None
-    ping = tornado.ioloop.PeriodicCallback(
-        lambda: systemd.notify("WATCHDOG=1"), interval * 1000)
+    ping = tornado.ioloop.PeriodicCallback(_ping_watchdog, interval * 1000)
     ping.start()
     return ping
+
+
+def _ping_watchdog() -> None:
+    systemd.notify("WATCHDOG=1")

@@ -8,10 +8,14 @@ import email.policy
 import json
 import logging
 import socket
+import typing
 
 import tornado.httpserver
 import tornado.netutil
 import tornado.web
+
+if typing.TYPE_CHECKING:  # a development requirement, imported only when a demo runs
+    from aiosmtpd.smtp import SMTP, Envelope, Session
 
 log = logging.getLogger("receiver.demo")
 # Who Frappe's stand-in says our API key belongs to.
@@ -19,7 +23,7 @@ DEMO_API_USER = "receiver-demo@example.com"
 
 
 class _Worker(tornado.web.RequestHandler):
-    def post(self):
+    def post(self) -> None:
         job = json.loads(self.request.body)
         log.info("stand-in worker: job %s for %s", job.get("action"),
                  job.get("order_number") or job.get("order_id") or "-")
@@ -41,16 +45,16 @@ class _FrappeMethod(tornado.web.RequestHandler):
     `_METHOD_ANSWERS`) and apply_workflow (POST). The state an action leads to is kept,
     so that a document read back shows it."""
 
-    def initialize(self, states):
+    def initialize(self, states: dict[tuple[str, str], str]) -> None:
         self.states = states
 
-    def get(self, method):
+    def get(self, method: str) -> None:
         if method not in _METHOD_ANSWERS:
             self.send_error(404)
             return
         self.finish(_METHOD_ANSWERS[method])
 
-    def post(self, method):
+    def post(self, method: str) -> None:
         call = json.loads(self.request.body)
         doc, action = json.loads(call.get("doc") or "{}"), call.get("action")
         log.info("stand-in Frappe: workflow action %r on %s %s", action, doc.get("doctype"),
@@ -65,10 +69,10 @@ class _FrappeResource(tornado.web.RequestHandler):
     changed lately: none here, the demo's changes come as webhooks), or one document with
     the state its last action led to."""
 
-    def initialize(self, states):
+    def initialize(self, states: dict[tuple[str, str], str]) -> None:
         self.states = states
 
-    def get(self, doctype, name=None):
+    def get(self, doctype: str, name: str | None = None) -> None:
         if name is None:
             # The active Workflow of a doctype (the service reads its transitions); no
             # other list has rows.
@@ -80,15 +84,18 @@ class _FrappeResource(tornado.web.RequestHandler):
 
 
 class _Telegram(tornado.web.RequestHandler):
-    def post(self):
+    def post(self) -> None:
         message = json.loads(self.request.body)
         log.info("stand-in Telegram: %s", " ".join(str(message.get("text", "")).split()))
         self.finish({"ok": True, "result": {"message_id": 1}})
 
 
 class _Mailbox:
-    async def handle_DATA(self, server, session, envelope):
-        message = email.message_from_bytes(envelope.content, policy=email.policy.default)
+    async def handle_DATA(self, server: "SMTP", session: "Session",
+                          envelope: "Envelope") -> str:
+        # Bytes: the controller does not decode what it receives (decode_data is off).
+        message = email.message_from_bytes(typing.cast(bytes, envelope.content),
+                                           policy=email.policy.default)
         log.info("stand-in SMTP: mail to %s: %s", ", ".join(envelope.rcpt_tos),
                  message["Subject"])
         return "250 OK"
@@ -98,7 +105,7 @@ class StandIns:
     """Started on free loopback ports; `urls` are the settings that point the service at
     them."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         sockets = tornado.netutil.bind_sockets(0, "127.0.0.1")
         # Frappe's documents' workflow states, as the actions applied left them.
         frappe: dict[str, dict[tuple[str, str], str]] = {"states": {}}
@@ -120,18 +127,18 @@ class StandIns:
         logging.getLogger("mail.log").setLevel(logging.WARNING)
 
     @property
-    def settings(self):
+    def settings(self) -> dict[str, str]:
         http = f"http://127.0.0.1:{self.http_port}"
         return {"WORKER_URL": f"{http}/worker", "WORKFLOW_URL": f"{http}/frappe",
                 "TELEGRAM_API_URL": f"{http}/telegram", "TELEGRAM_BOT_TOKEN": "demo-bot",
                 "TELEGRAM_CHAT_ID": "demo-chat", "SMTP_URL": f"smtp://127.0.0.1:{self.smtp_port}"}
 
-    def stop(self):
+    def stop(self) -> None:
         self.server.stop()
         self.smtp.stop()
 
 
-def _free_port():
+def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]

@@ -4,6 +4,7 @@ import dataclasses
 import json
 import logging
 import re
+from typing import Any, Callable
 
 import aiohttp
 
@@ -49,7 +50,8 @@ class Result:
     retryable: bool = False
     error: str = ""
     status: int = 0
-    body: object = None
+    # What the peer answered, as parsed JSON: any shape a peer may send.
+    body: Any = None
     # False when the peer is not configured at all: no try has been made, so the effect
     # waits for the configuration instead of using up its attempts.
     configured: bool = True
@@ -65,24 +67,25 @@ class Result:
     # of this call will change that, and the peer itself is well.
     misconfigured: bool = False
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         # Cleaned where it is made, so no caller stores or shows an error it cannot.
         object.__setattr__(self, "error", error_text(self.error))
 
-    def __bool__(self):
+    def __bool__(self) -> bool:
         return self.ok
 
     @classmethod
-    def failed(cls, error, retryable=True, status=0, configured=True):
+    def failed(cls, error: str, retryable: bool = True, status: int = 0,
+               configured: bool = True) -> "Result":
         return cls(ok=False, retryable=retryable, error=error, status=status,
                    configured=configured)
 
     @classmethod
-    def only_logged(cls, reason):
+    def only_logged(cls, reason: str) -> "Result":
         return cls(ok=True, error=reason, logged=True)
 
     @property
-    def peer_failed(self):
+    def peer_failed(self) -> bool:
         """The peer could not be reached or failed on its side (a network error, a
         timeout, a 5xx): what tells that a destination is down. A refusal (4xx) shows a
         peer that answers."""
@@ -116,12 +119,12 @@ class HttpClient:
 
     The pool belongs to the event loop it was opened in, so it is opened on first use."""
 
-    def __init__(self, max_connections=200):
+    def __init__(self, max_connections: int = 200) -> None:
         self.max_connections = max_connections
-        self._session = None
-        self._loop = None
+        self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
-    def _current_session(self):
+    def _current_session(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
         if self._session is None or self._session.closed or self._loop is not loop:
             self._loop = loop
@@ -131,8 +134,9 @@ class HttpClient:
                 skip_auto_headers=("User-Agent",))
         return self._session
 
-    async def call(self, method, url, body=None, headers=None, timeout=10.0,
-                   limit=POST_REPLY_BYTES):
+    async def call(self, method: str, url: str, body: bytes | None = None,
+                   headers: dict[str, str] | None = None, timeout: float = 10.0,
+                   limit: int = POST_REPLY_BYTES) -> Reply:
         """The peer's Reply, its body read up to `limit` bytes (the rest is not read, and
         the connection is closed); raises on a network error or when `timeout` (seconds,
         the wait for a free connection included) runs out. A redirect is never followed:
@@ -148,13 +152,13 @@ class HttpClient:
                 response.close()
             return Reply(response.status, read, cut, response.headers.get("Location", ""))
 
-    async def close(self):
+    async def close(self) -> None:
         if self._session is not None and self._loop is asyncio.get_running_loop():
             await self._session.close()
         self._session = None
 
 
-async def _read_up_to(response, limit):
+async def _read_up_to(response: aiohttp.ClientResponse, limit: int) -> tuple[bytes, bool]:
     """(the first `limit` bytes of the reply's body, whether there was more)."""
     read = bytearray()
     async for chunk in response.content.iter_chunked(64 * 1024):
@@ -171,7 +175,10 @@ def redirected(reply: Reply) -> str:
            f"followed"
 
 
-async def post_json(http, url, body, headers=None, timeout=10.0, peer="peer", refusal=None):
+async def post_json(http: HttpClient, url: str, body: Any,
+                    headers: dict[str, str] | None = None, timeout: float = 10.0,
+                    peer: str = "peer",
+                    refusal: Callable[[Result, bytes], Result] | None = None) -> Result:
     """POST `body` as JSON; a 2xx is ok (its JSON reply as the body), anything else is a
     failed Result. A 2xx whose reply is not JSON is delivered all the same: the status
     is the peer's word that it took the call (a worker answering "OK" as text, or 204),
@@ -207,7 +214,7 @@ async def post_json(http, url, body, headers=None, timeout=10.0, peer="peer", re
     return Result(ok=True, status=reply.status, body=parsed, reply=_excerpt(reply.body))
 
 
-def describe(exc):
+def describe(exc: BaseException) -> str:
     """What went wrong on the network, and nothing else. Any other error's text may quote
     the request, and so a URL with a token in it (Telegram's): aiohttp's connection
     timeout does, so a timeout is named, not quoted."""
@@ -219,5 +226,5 @@ def describe(exc):
     return name
 
 
-def _excerpt(body, limit=200):
+def _excerpt(body: bytes | None, limit: int = 200) -> str:
     return error_text((body or b"").decode("utf-8", "replace"), limit)

@@ -5,6 +5,7 @@ smtp+starttls://... (STARTTLS required) or smtps://... (TLS from the start).
 Unset: each message is logged (recipients and subject only) instead of sent.
 """
 import asyncio
+import concurrent.futures
 import email.message
 import email.utils
 import hashlib
@@ -13,8 +14,10 @@ import re
 import smtplib
 import ssl
 import urllib.parse
+from typing import Callable
 
 from clients.http import Result
+from settings import Settings
 
 log = logging.getLogger("receiver.mail")
 
@@ -23,15 +26,18 @@ PERMANENT_SMTP_CODES = range(500, 600)
 
 
 class Mailer:
-    def __init__(self, settings, executor=None):
+    def __init__(self, settings: Settings,
+                 executor: concurrent.futures.Executor | None = None) -> None:
         self.settings = settings
         self.executor = executor
 
     @property
-    def configured(self):
+    def configured(self) -> bool:
         return bool(self.settings.smtp_url)
 
-    async def send(self, to, subject, text, html=None, before=None, key=None):
+    async def send(self, to: list[str], subject: str, text: str, html: str | None = None,
+                   before: Callable[[], object] | None = None,
+                   key: str | None = None) -> Result:
         """`before`, if given, is called in the mail thread right before the message goes
         out (after any wait for a free thread); an exception from it sends nothing. `key`
         (the outbox row's idempotency key) makes the Message-ID the same on every retry."""
@@ -44,7 +50,8 @@ class Mailer:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, self._deliver, message, before)
 
-    def compose(self, to, subject, text, html=None, key=None):
+    def compose(self, to: list[str], subject: str, text: str, html: str | None = None,
+                key: str | None = None) -> email.message.EmailMessage:
         message = email.message.EmailMessage()
         message["From"] = self.settings.mail_from
         message["To"] = ", ".join(to)
@@ -64,7 +71,8 @@ class Mailer:
             message.add_alternative(html, subtype="html")
         return message
 
-    def _deliver(self, message, before=None):
+    def _deliver(self, message: email.message.EmailMessage,
+                 before: Callable[[], object] | None = None) -> Result:
         if before is not None:
             before()
         url = urllib.parse.urlsplit(self.settings.smtp_url)
@@ -72,10 +80,10 @@ class Mailer:
         try:
             client: smtplib.SMTP
             if url.scheme == "smtps":
-                client = smtplib.SMTP_SSL(url.hostname, url.port or 465, timeout=timeout,
+                client = smtplib.SMTP_SSL(url.hostname or "", url.port or 465, timeout=timeout,
                                           context=ssl.create_default_context())
             else:
-                client = smtplib.SMTP(url.hostname, url.port or 25, timeout=timeout)
+                client = smtplib.SMTP(url.hostname or "", url.port or 25, timeout=timeout)
             with client:
                 client.ehlo()
                 if url.scheme == "smtp+starttls" or (

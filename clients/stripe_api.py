@@ -2,6 +2,8 @@
 import stripe
 from stripe._base_address import BaseAddresses
 
+from settings import Settings
+
 # The API version every request is made in, and the one the webhook endpoint is set to.
 # Named here rather than left to the package's default, which moves with its upgrades.
 API_VERSION = "2026-03-25.dahlia"
@@ -11,7 +13,7 @@ class NotConfigured(Exception):
     """A setting the call needs is missing; the message names it."""
 
 
-def stripe_client(settings):
+def stripe_client(settings: Settings) -> stripe.StripeClient:
     if not settings.stripe_secret_key:
         raise NotConfigured("STRIPE_SECRET_KEY is not set")
     base: BaseAddresses | None = (

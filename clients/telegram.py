@@ -1,21 +1,22 @@
 """Order alerts through the Telegram Bot API (sendMessage)."""
 import logging
 
-from clients.http import Request, Result, post_json
+from clients.http import HttpClient, Request, Result, post_json
+from settings import Settings
 
 log = logging.getLogger("receiver.alerts")
 
 
 class TelegramClient:
-    def __init__(self, http, settings):
+    def __init__(self, http: HttpClient, settings: Settings) -> None:
         self.http = http
         self.settings = settings
 
     @property
-    def configured(self):
+    def configured(self) -> bool:
         return bool(self.settings.telegram_bot_token and self.settings.telegram_chat_id)
 
-    async def send(self, text):
+    async def send(self, text: str) -> Result:
         """Without a bot and a chat the alert is logged, and the Result says so."""
         s = self.settings
         if not self.configured:
@@ -26,7 +27,7 @@ class TelegramClient:
         return await post_json(self.http, request.url, request.body,
                                timeout=s.outbound_timeout_seconds, peer="Telegram")
 
-    def request(self, text):
+    def request(self, text: str) -> Request:
         """The bot's token is part of the URL."""
         s = self.settings
         return Request(f"{s.telegram_api_url}/bot{s.telegram_bot_token}/sendMessage",

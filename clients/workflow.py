@@ -19,9 +19,11 @@ import logging
 import re
 import urllib.parse
 import zoneinfo
+from typing import Any
 
-from clients.http import (READ_REPLY_BYTES, Request, Result, describe, post_json,
+from clients.http import (HttpClient, READ_REPLY_BYTES, Request, Result, describe, post_json,
                           redirected)
+from settings import Settings
 
 log = logging.getLogger("receiver.workflow")
 
@@ -51,7 +53,7 @@ _MARKUP = re.compile(r"<[^>]*>")
 
 
 class WorkflowClient:
-    def __init__(self, http, settings):
+    def __init__(self, http: HttpClient, settings: Settings) -> None:
         self.http = http
         self.settings = settings
         # The site's time zone, as Frappe last said it (None: not asked, or no answer).
@@ -62,10 +64,10 @@ class WorkflowClient:
         self.findings: dict[str, str] = {}
 
     @property
-    def configured(self):
+    def configured(self) -> bool:
         return bool(self.settings.workflow_url)
 
-    def _headers(self):
+    def _headers(self) -> dict[str, str]:
         s = self.settings
         return {
             "Authorization": f"token {s.workflow_api_key}:{s.workflow_api_secret}",
@@ -73,7 +75,7 @@ class WorkflowClient:
             "X-Workflow-Site-Name": s.workflow_site_name,
         }
 
-    async def apply_action(self, doctype, name, action):
+    async def apply_action(self, doctype: str, name: str, action: str) -> Result:
         """POST the apply-workflow call. Frappe answers 417 for an invalid transition,
         which no retry will change; if the document is already past the action (see
         `already_past`), the action had been applied and the result is ok."""
@@ -96,7 +98,7 @@ class WorkflowClient:
                                        error=f"{result.error}; read back: {found}")
         return result
 
-    def apply_request(self, doctype, name, action):
+    def apply_request(self, doctype: str, name: str, action: str) -> Request:
         return Request(f"{self.settings.workflow_url}/api/method/{APPLY_WORKFLOW}",
                        {"cmd": APPLY_WORKFLOW,
                         "doc": json.dumps({"doctype": doctype, "name": name}),
@@ -147,7 +149,7 @@ class WorkflowClient:
                     failed.error)
         return failed
 
-    async def document(self, doctype, name):
+    async def document(self, doctype: str, name: str) -> Result:
         """GET the document (Frappe's REST resource). An ok Result's body is the
         document's fields (Frappe's `data`), workflow_state among them."""
         result = await self._get(doctype, name)
@@ -269,7 +271,8 @@ class WorkflowClient:
                                  retryable=False, status=200)
         return Result(ok=True, status=200, body=str(found.body[0].get("name", "")))
 
-    async def _get(self, doctype, name=None, params=None):
+    async def _get(self, doctype: str, name: str | None = None,
+                   params: dict[str, Any] | None = None) -> Result:
         """GET Frappe's REST resource: one document, or (no `name`) a list; an ok
         Result's body is the reply's `data`."""
         what = doctype if name is None else f"{doctype} {name}"
@@ -279,7 +282,7 @@ class WorkflowClient:
             path += "?" + urllib.parse.urlencode(params)
         return await self._read(path, what, "data")
 
-    async def _read(self, path, what, field):
+    async def _read(self, path: str, what: str, field: str) -> Result:
         """GET `path` of Frappe's API; an ok Result's body is the reply's `field`."""
         s = self.settings
         if not s.workflow_url:
@@ -320,7 +323,7 @@ def workflow_unreadable(failed: Result) -> Result:
     return failed
 
 
-def refusal(failed, body):
+def refusal(failed: Result, body: bytes) -> Result:
     """`failed` (a refusal or error Frappe answered) with Frappe's reason, and what kind of
     refusal it is (see the module's docstring)."""
     exc_type, reason = frappe_reason(body)
@@ -336,7 +339,7 @@ def refusal(failed, body):
     return dataclasses.replace(failed, error=error)
 
 
-def frappe_reason(body):
+def frappe_reason(body: bytes | None) -> tuple[str, str]:
     """(exc_type, what Frappe says) from an error reply: its `_server_messages` (a JSON
     list of JSON objects, each with a message), else its `exception` line; markup
     removed. Empty strings for what the reply does not say."""
@@ -346,7 +349,8 @@ def frappe_reason(body):
         return "", ""
     if not isinstance(reply, dict):
         return "", ""
-    exc_type = reply.get("exc_type") if isinstance(reply.get("exc_type"), str) else ""
+    said_type = reply.get("exc_type")
+    exc_type = said_type if isinstance(said_type, str) else ""
     messages = []
     try:
         for item in json.loads(reply.get("_server_messages") or "[]"):
@@ -361,7 +365,7 @@ def frappe_reason(body):
     return exc_type, " ".join(html.unescape(_MARKUP.sub(" ", text)).split())
 
 
-def states_after(action, transitions):
+def states_after(action: str, transitions: list[dict[str, Any]]) -> set[str]:
     """The states a document can be in once `action` was applied: where the action leads,
     and onwards along the transitions, short of a state the action applies from again."""
     before = {t.get("state") for t in transitions if t.get("action") == action}

@@ -3,7 +3,7 @@
 one come to, what a send comes to. A unit of work is engine.commits.Unit."""
 import asyncio
 import datetime
-from typing import Any, Coroutine, NamedTuple, Protocol, TypeAlias, TypeVar
+from typing import Any, Coroutine, NamedTuple, Protocol, Sequence, TypeAlias, TypeVar
 
 import jinja2
 
@@ -16,6 +16,7 @@ from models import WebhookEvent
 from settings import Settings
 from engine.commits import GroupCommit, Unit
 from engine.destinations import Destinations
+from engine.store.orders import OrderRef
 
 T = TypeVar("T")
 
@@ -30,19 +31,35 @@ class Metrics(Protocol):
     def effect_sent(self, kind: str, result: str) -> None: ...
 
 
+class Registry(Protocol):
+    """What the engine asks of a source's plugins (plugins.registry.Registry): the plugin
+    for an event type (a function, plain or async, called with the context, the decoded
+    payload and the event's effects), the payload decoded as the plugins receive it
+    (arbitrary JSON), and the orders a plugin's handling reads (engine.store.orders)."""
+
+    def get(self, key: str) -> Any: ...
+
+    def decode(self, payload: str) -> Any: ...
+
+    def orders_of(self, key: str, payload: Any) -> Sequence[OrderRef]: ...
+
+
 class EngineContext(Protocol):
     """What the engine asks of the context it is given (app.context.Context)."""
     settings: Settings
     commits: GroupCommit
     destinations: Destinations
-    metrics: Metrics
     templates: jinja2.Environment
     worker: WorkerClient
     workflow: WorkflowClient
     mailer: Mailer
     telegram: TelegramClient
     # Which plugin handles a stored event: {source: its registry}.
-    plugins: dict[str, Any]
+    plugins: dict[str, Registry]
+
+    # Read only here: a context may keep a Metrics that counts more (ops.metrics).
+    @property
+    def metrics(self) -> Metrics: ...
 
     def clock(self) -> datetime.datetime: ...
 

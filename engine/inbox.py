@@ -28,7 +28,8 @@ import inspect
 import logging
 import operator
 import time
-from typing import Any, Callable, Iterable, NamedTuple, Sequence, TypedDict, Unpack, cast
+from typing import (Any, Awaitable, Callable, Iterable, NamedTuple, Sequence, TypeAlias,
+                    TypedDict, Unpack, cast)
 
 import peewee
 
@@ -38,7 +39,7 @@ from models import Outbox, WebhookEvent
 from engine import commits, outbox, retry, spool
 from engine.claims import CLAIM_BATCH, Kept, claim, lease
 from engine.commits import Ahead, AheadStatement, AllowanceSpent, raise_if_conflict, savepoint
-from engine.contracts import Accepted, EngineContext, Stored
+from engine.contracts import Accepted, EngineContext, Registry, Stored
 from engine.spool import Entry
 from engine.db import UNAVAILABLE, due_by, locked, why_unavailable
 from engine.prepared import InsertMany, InsertOnce, Prepared, slot
@@ -46,6 +47,15 @@ from engine.store.orders import OrderRef, ahead_of as orders_ahead
 from engine.transaction import Transaction
 
 log = logging.getLogger("receiver.events")
+
+# A plugin: called with the context, the decoded payload and the event's effects; an
+# async one waits on other systems between its steps, outside a transaction.
+Plugin: TypeAlias = Callable[[EngineContext, Any, outbox.Effects], Awaitable[None] | None]
+# What handles a call in the unit that stores it, and its payload if read already.
+Handling: TypeAlias = tuple[Plugin, Any]
+# How a call handled in the unit that stored it went: (outcome, the effects asked for,
+# when its handling started by time.monotonic).
+Handled: TypeAlias = tuple[str, "outbox.Effects | None", float]
 # During an outage every call is spooled: one line per minute and reason, with a count.
 SPOOLED = lograte.Repeats(log)
 
@@ -86,7 +96,7 @@ def first_unfinished_before(row: Any = WebhookEvent) -> peewee.Select:
         .order_by(_EARLIER.received_at, _EARLIER.id).limit(peewee.SQL("1")))
 
 
-def overtaken() -> peewee.Node:
+def overtaken() -> peewee.ColumnBase:
     """Whether an event of the row's order that came after it is finished: handling the
     row now would hand it over out of its sequence (a dead event the retries or an
     operator gave up, which let the later ones go). Nothing for a row of no order."""
@@ -120,7 +130,7 @@ HOLD = Prepared(lambda: WebhookEvent.update({
     WebhookEvent.next_attempt_at: slot(WebhookEvent.next_attempt_at),
     WebhookEvent.updated_at: slot(WebhookEvent.updated_at),
 }).where(WebhookEvent.id == slot(WebhookEvent.id)), on_server=True)
-def _finishing(count_the_attempt):
+def _finishing(count_the_attempt: bool) -> Prepared:
     counted = {WebhookEvent.attempts: WebhookEvent.attempts + 1} if count_the_attempt else {}
     return Prepared(lambda: WebhookEvent.update({
         WebhookEvent.status: slot(WebhookEvent.status),
@@ -222,51 +232,79 @@ async def accept(ctx: EngineContext, source: str, event_type: str, dedup_key: st
     if where is JOINED:
         return Accepted(None, False, None)
     if where is PARKED:
-        try:
-            event, created = await _store_now(ctx, call, parked=True)
-        except UNAVAILABLE as unavailable:
-            _spool(ctx, call, unavailable)
-            return Accepted(None, False, None)
-        return Accepted(event, created, None)
+        return await _accept_parked(ctx, call)
     new_event = (_NewEvent(ctx, call, handle_now=not in_background)
                  if handled_by is None and not call["also_known_as"] else None)
-    ahead: tuple[Ahead, ...] = orders_ahead(orders)
-    if new_event is not None:
-        ahead = (new_event, *ahead)
-    checked = True
     try:
-        try:
-            event, created, handled = await ctx.commits.run(functools.partial(
-                _store_and_handle, ctx, call, not in_background, handled_by, new_event),
-                ahead)
-        except UNAVAILABLE:
-            raise
-        except Exception:
-            # The handling went wrong beyond recording its own failure, and took the
-            # storing with it: the call is stored alone, and handled as a stored event.
-            log.exception("%s %s: storing and handling it together failed; storing it alone",
-                          call["source"], call["event_type"])
-            alone = new_event and _NewEvent(ctx, call, handle_now=False)
-            event, created = await ctx.commits.run(functools.partial(
-                _store, ctx, call, handled_by=handled_by, ahead=alone),
-                () if alone is None else (alone,))
-            handled = None
-            checked = False
+        event, created, handled, checked = await _store_and_handle_together(
+            ctx, call, not in_background, handled_by, new_event, orders_ahead(orders))
     except AllowanceSpent:
         raise  # a background run's own limit, not an outage: the run finds the call again
     except UNAVAILABLE as unavailable:
         _spool(ctx, call, unavailable)
         return Accepted(None, False, None)
     if handled is not None:
-        outcome, effects, started = handled
-        if effects is not None:
-            await _deliver(ctx, effects.rows, send_within)
-        _report(ctx, event, outcome, started)
-        return Accepted(event, created, outcome)
+        return await _handled_here(ctx, event, created, handled, send_within)
+    return await _handle_stored(ctx, event, created, checked, in_background)
+
+
+async def _accept_parked(ctx: EngineContext, call: Entry) -> Accepted:
+    """`accept` for a call the spool could not take while calls wait there: stored, and
+    handled once the spool is drained (`_store_now`)."""
+    try:
+        event, created = await _store_now(ctx, call, parked=True)
+    except UNAVAILABLE as unavailable:
+        _spool(ctx, call, unavailable)
+        return Accepted(None, False, None)
+    return Accepted(event, created, None)
+
+
+async def _store_and_handle_together(
+        ctx: EngineContext, call: Entry, handle_now: bool,
+        handled_by: Callable[[], WebhookEvent | None] | None, new_event: "_NewEvent | None",
+        ahead: Sequence[Ahead]) -> tuple[WebhookEvent, bool, Handled | None, bool]:
+    """(event, created, how its handling here went or None, checked): the call stored and
+    handled in one unit (`_store_and_handle`). Should the handling go wrong beyond
+    recording its own failure, taking the storing with it, the call is stored alone, not
+    handled, and `checked` is False: whether it waits behind an earlier event of its
+    order is to be looked at again. The database's errors propagate."""
+    if new_event is not None:
+        ahead = (new_event, *ahead)
+    try:
+        event, created, handled = await ctx.commits.run(functools.partial(
+            _store_and_handle, ctx, call, handle_now, handled_by, new_event), ahead)
+    except UNAVAILABLE:
+        raise
+    except Exception:
+        log.exception("%s %s: storing and handling it together failed; storing it alone",
+                      call["source"], call["event_type"])
+        alone = new_event and _NewEvent(ctx, call, handle_now=False)
+        event, created = await ctx.commits.run(functools.partial(
+            _store, ctx, call, handled_by=handled_by, ahead=alone),
+            () if alone is None else (alone,))
+        return event, created, None, False
+    return event, created, handled, True
+
+
+async def _handled_here(ctx: EngineContext, event: WebhookEvent, created: bool,
+                        handled: Handled, send_within: float | None) -> Accepted:
+    """`accept` for a call handled in the unit that stored it: its effects sent (waited
+    on for `send_within` seconds at most), its outcome reported."""
+    outcome, effects, started = handled
+    if effects is not None:
+        await _deliver(ctx, effects.rows, send_within)
+    _report(ctx, event, outcome, started)
+    return Accepted(event, created, outcome)
+
+
+async def _handle_stored(ctx: EngineContext, event: WebhookEvent, created: bool,
+                         checked: bool, in_background: bool) -> Accepted:
+    """`accept` for a call stored and not handled in its unit: a new one awaiting its
+    handling is handled now (after the answer, when `in_background`)."""
     if not created or event.status not in AWAITING_HANDLING:
         return Accepted(event, created, None)
     # Its insert looked for an earlier unfinished event of its order, and found none:
-    # unless it was stored alone after a failed handling (above), which looks again.
+    # unless it was stored alone after a failed handling, which looks again.
     handle = _process_checked if checked else process
     if in_background:
         ctx.background(handle(ctx, event))
@@ -274,7 +312,7 @@ async def accept(ctx: EngineContext, source: str, event_type: str, dedup_key: st
     return Accepted(event, created, await handle(ctx, event))
 
 
-async def _deliver(ctx, rows, within):
+async def _deliver(ctx: EngineContext, rows: list[Outbox], within: float | None) -> None:
     if within is None or not rows:
         await deliver_committed(ctx, rows)
         return
@@ -285,7 +323,10 @@ async def _deliver(ctx, rows, within):
         sending.result()
 
 
-def _store_and_handle(ctx, call, handle_now, handled_by=None, ahead=None):
+def _store_and_handle(ctx: EngineContext, call: Entry, handle_now: bool,
+                      handled_by: Callable[[], WebhookEvent | None] | None = None,
+                      ahead: "_NewEvent | None" = None
+                      ) -> tuple[WebhookEvent, bool, Handled | None]:
     """(event, created, (outcome, effects, started) or None when not handled).
 
     A new call whose plugin runs here (`_plain_handling`) is stored as `processed`, what
@@ -331,7 +372,7 @@ def _store_and_handle(ctx, call, handle_now, handled_by=None, ahead=None):
 _UNFINISHED_IN_TURN = object()
 
 
-def _waits_in_turn(event, ahead):
+def _waits_in_turn(event: WebhookEvent, ahead: "_NewEvent | None") -> bool:
     """Whether the new `event` waits behind an earlier one of its order: as its insert
     found (`held_behind`), or, inserted ahead with events of its turn that its insert
     could not see (`_NewEvent`), behind one of those that its unit left unfinished."""
@@ -341,14 +382,15 @@ def _waits_in_turn(event, ahead):
             and event.order_number in commits.for_this_turn(_UNFINISHED_IN_TURN, set))
 
 
-def _left_unfinished(event):
+def _left_unfinished(event: WebhookEvent) -> None:
     """The turn's later events of `event`'s order, inserted ahead with it, wait behind
     it (`_waits_in_turn`)."""
     if event.order_number is not None and commits.together():
-        commits.for_this_turn(_UNFINISHED_IN_TURN, set).add(event.order_number)
+        unfinished: set[str] = commits.for_this_turn(_UNFINISHED_IN_TURN, set)
+        unfinished.add(event.order_number)
 
 
-def _hold(ctx, event):
+def _hold(ctx: EngineContext, event: WebhookEvent) -> None:
     """`event` waits behind an earlier event of its order: stored, not handled, and due
     as soon as it is the first unfinished event of its order (`_due`)."""
     now = ctx.clock()
@@ -362,14 +404,14 @@ def _hold(ctx, event):
         commits.on_commit(lambda: _HOLDS.add(order_number))
 
 
-def _handling_here(registry, call, handle_now):
+def _handling_here(registry: Registry, call: Entry, handle_now: bool) -> Handling | None:
     """`_plain_handling`, for a call to be handled now and stored as received."""
     if not handle_now or call["status"] != "received":
         return None
     return _plain_handling(registry, call)
 
 
-def _plain_handling(registry, call):
+def _plain_handling(registry: Registry, call: Entry) -> Handling | None:
     """(what handles `call` in the unit that stores it, its payload if read already), or
     None when the call is handled once stored, by `process`. A plain plugin handles it
     (its payload read where it runs); an async plugin's `plainly(payload)` does, when it
@@ -413,7 +455,7 @@ def _call(ctx: EngineContext, source: str, event_type: str, dedup_key: str,
             "received_at": ctx.clock()}
 
 
-def _storable(text):
+def _storable(text: str | None) -> str | None:
     """PostgreSQL text cannot hold NUL. A raw NUL is not valid JSON, and no order number
     has one, so it is kept as U+FFFD rather than failing the whole call."""
     return text.replace("\x00", "\ufffd") if isinstance(text, str) else text
@@ -424,7 +466,7 @@ JOINED = "joined the spool"
 PARKED = "parked"
 
 
-def _behind_the_spool(ctx, call):
+def _behind_the_spool(ctx: EngineContext, call: Entry) -> str | None:
     """Arrival order (engine.spool): while calls wait in the spool, this one joins them
     there, to be stored and handled after them (JOINED). When they wait there and the
     spool cannot take this one (a full disk), it is PARKED: stored in the database and
@@ -444,7 +486,7 @@ def _behind_the_spool(ctx, call):
     return JOINED
 
 
-async def _store_now(ctx, call, parked):
+async def _store_now(ctx: EngineContext, call: Entry, parked: bool) -> Stored:
     """Store the call; a `parked` one with a lease, so that the inbox retry leaves it to
     the spool drain, which lets it go once the spool is empty (`_unpark`). The drain may
     never come (the process stops): it is handled a lease later all the same, behind
@@ -467,7 +509,7 @@ async def drain_spool(ctx: EngineContext) -> int:
     # The calls stored hold their leases from then until each is handled: a call may
     # wait behind others, and its handling take long.
     async with _kept(ctx) as kept:
-        async def store(call):
+        async def store(call: Entry) -> Stored:
             stored = await ctx.db(functools.partial(store_spooled, ctx, call))
             if stored.created:
                 kept.hold(stored.event)
@@ -488,7 +530,7 @@ async def drain_spool(ctx: EngineContext) -> int:
                 return read
 
 
-async def _unpark(ctx):
+async def _unpark(ctx: EngineContext) -> None:
     """The calls parked while the spool could not take them (`_store_now`), due now that
     the calls before them are stored: each order's handled in its sequence (`release`)."""
     parked = _PARKED.pop(ctx.settings.spool_dir, None)
@@ -503,7 +545,7 @@ async def _unpark(ctx):
         await release(ctx, order_number)
 
 
-def _make_due(ctx, event_ids):
+def _make_due(ctx: EngineContext, event_ids: list[int]) -> list[str]:
     """The received events of `event_ids` due now; the orders they belong to, in the order
     of their first event."""
     now = ctx.clock()
@@ -512,10 +554,11 @@ def _make_due(ctx, event_ids):
     rows = (WebhookEvent.select(WebhookEvent.order_number)
             .where(WebhookEvent.id.in_(event_ids), WebhookEvent.order_number.is_null(False))
             .order_by(WebhookEvent.received_at, WebhookEvent.id))
-    return list(dict.fromkeys(row.order_number for row in rows))
+    return list(dict.fromkeys(row.order_number for row in rows
+                              if row.order_number is not None))
 
 
-async def _handle_drained(ctx, kept, drained):
+async def _handle_drained(ctx: EngineContext, kept: Kept, drained: spool.Drained) -> None:
     """Before the spool file goes: should telling the administrator fail (the database
     gone again), the next drain finds the file and the quarantined calls again.
 
@@ -531,7 +574,7 @@ async def _handle_drained(ctx, kept, drained):
         by_order.setdefault(event.order_number or ("no order", event.id), []).append(event)
     room = asyncio.Semaphore(DRAIN_CONCURRENCY)
 
-    async def in_turn(events):
+    async def in_turn(events: list[WebhookEvent]) -> None:
         async with room:
             for event in events:
                 await process(ctx, event, kept)
@@ -539,12 +582,12 @@ async def _handle_drained(ctx, kept, drained):
     await asyncio.gather(*(in_turn(events) for events in by_order.values()))
 
 
-def _tell_admin_quarantined(ctx, calls):
+def _tell_admin_quarantined(ctx: EngineContext, calls: list[Entry]) -> None:
     for call in calls:
         _tell_admin_of(ctx, call)
 
 
-def _tell_admin_of(ctx, call):
+def _tell_admin_of(ctx: EngineContext, call: Entry) -> None:
     """Once per call (keyed by its dedup key): it was acknowledged, and nothing will
     handle it unless someone does. A quarantined line may lack any field."""
     source = str(call.get("source") or "unknown")
@@ -599,7 +642,8 @@ def _store(ctx: EngineContext, call: Entry,
     return Stored(existing, False)
 
 
-def _event_values(ctx, call, as_processed, next_attempt_at=None):
+def _event_values(ctx: EngineContext, call: Entry, as_processed: bool,
+                  next_attempt_at: datetime.datetime | None = None) -> dict[str, Any]:
     """The columns of a call's new event."""
     now = ctx.clock()
     return dict(
@@ -653,10 +697,10 @@ class _NewEvent(Ahead):
 
     writes = True
 
-    def __init__(self, ctx, call, handle_now):
+    def __init__(self, ctx: EngineContext, call: Entry, handle_now: bool) -> None:
         self.ctx, self.call, self.handle_now = ctx, call, handle_now
         self.event: WebhookEvent | None = None
-        self.handling = None
+        self.handling: Handling | None = None
         # Whether the turn inserted an event of the same order before this one.
         self.after_one_of_its_order = False
 
@@ -672,7 +716,7 @@ class _NewEvent(Ahead):
             rows.append({**_event_values(item.ctx, item.call, item.handling is not None),
                          "first": first, "last": last})
 
-        def take(names, returned):
+        def take(names: list[str], returned: list[tuple]) -> None:
             inserted = {(source, key): (event_id, held_behind)
                         for event_id, source, key, held_behind in returned}
             orders: set[str] = set()
@@ -693,7 +737,7 @@ class _NewEvent(Ahead):
         return [NEW_EVENTS.ahead_rows(rows, take)]
 
 
-def _windows_overlap(calls):
+def _windows_overlap(calls: list[Entry]) -> bool:
     """Whether one call's dedup key lies in another's window (a key equal to another's
     is the unique key's to keep once)."""
     ranged = [call for call in calls if call.get("also_known_between")]
@@ -705,14 +749,14 @@ def _windows_overlap(calls):
     return False
 
 
-def _tell_admin_notice(ctx, event, notice):
+def _tell_admin_notice(ctx: EngineContext, event: WebhookEvent, notice: Notice) -> None:
     outbox.tell_admin(ctx, f"event-notice-{event.id}", notice["subject"], notice["template"],
                       event_id=event.id,
                       received_at=event.received_at.isoformat(timespec="seconds"),
                       **notice["variables"])
 
 
-def _spool(ctx, call, unavailable):
+def _spool(ctx: EngineContext, call: Entry, unavailable: Exception) -> None:
     try:
         spool.append(ctx.settings.spool_dir,
                      {**call, "received_at": call["received_at"].isoformat()})
@@ -775,11 +819,12 @@ class _EarlierKeys:
         return statement
 
 
-def _first_stored_under(count, ranged):
+def _first_stored_under(count: int, ranged: bool) -> "peewee.ModelSelect[WebhookEvent]":
     return _stored_under(count, ranged).order_by(WebhookEvent.id).limit(1)
 
 
-def _stored_under(count, ranged, *columns):
+def _stored_under(count: int, ranged: bool,
+                  *columns: peewee.Node) -> "peewee.ModelSelect[WebhookEvent]":
     """The events of the source in the slot stored under one of `count` keys (slots key0
     and on) or, when `ranged`, under a key from the slot `first` to the slot `last`."""
     key = WebhookEvent.dedup_key
@@ -804,17 +849,18 @@ async def process(ctx: EngineContext, event: WebhookEvent, kept: Kept | None = N
     return outcome
 
 
-async def _process_checked(ctx, event):
+async def _process_checked(ctx: EngineContext, event: WebhookEvent) -> str:
     """`process` for a new event whose insert found nothing it waits behind, just now."""
     outcome = await _process(ctx, event, checked=True)
     await _release_after(ctx, event, outcome)
     return outcome
 
 
-async def _release_after(ctx, event, outcome):
+async def _release_after(ctx: EngineContext, event: WebhookEvent, outcome: str) -> int:
     """`release` the order of an event just finished, if this process held one of its
     events; how many it handled."""
-    if outcome in FINAL_STATUSES and event.order_number in _HOLDS:
+    if (outcome in FINAL_STATUSES and event.order_number is not None
+            and event.order_number in _HOLDS):
         return await release(ctx, event.order_number)
     return 0
 
@@ -836,7 +882,8 @@ async def release(ctx: EngineContext, order_number: str) -> int:
             return handled
 
 
-async def _process(ctx, event, kept=None, checked=False):
+async def _process(ctx: EngineContext, event: WebhookEvent, kept: Kept | None = None,
+                   checked: bool = False) -> str:
     """`process` without `release`. `checked`: the event's insert found nothing it waits
     behind, just now (`accept`)."""
     started = time.monotonic()
@@ -877,11 +924,11 @@ class _Holds:
 _HOLDS = _Holds()
 
 
-def _kept(ctx, *events):
+def _kept(ctx: EngineContext, *events: WebhookEvent) -> Kept:
     return Kept(ctx, WebhookEvent.status.in_(AWAITING_HANDLING), events)
 
 
-def _report(ctx, event, outcome, started):
+def _report(ctx: EngineContext, event: WebhookEvent, outcome: str, started: float) -> None:
     seconds = time.monotonic() - started
     ctx.metrics.event_handled(event, outcome, seconds)
     log.info("event #%s %s %s %s %.1fms", event.id, event.source, event.event_type, outcome,
@@ -891,7 +938,7 @@ def _report(ctx, event, outcome, started):
                                     "outcome": outcome, "ms": round(1000 * seconds, 1)})
 
 
-async def _handle(ctx, event, checked):
+async def _handle(ctx: EngineContext, event: WebhookEvent, checked: bool) -> str:
     if event.status not in AWAITING_HANDLING:
         # Stored as rejected (malformed) or already settled: kept as it is, reason included.
         return event.status
@@ -910,11 +957,12 @@ async def _handle(ctx, event, checked):
             await plugin(ctx, payload, effects)
             outcome = await ctx.commits.run(functools.partial(_conclude, ctx, event, effects))
         else:
-            outcome, effects = await ctx.commits.run(
+            outcome, asked = await ctx.commits.run(
                 functools.partial(_handle_in_transaction, ctx, event, plugin, payload),
                 orders_ahead(registry.orders_of(event.event_type, payload)))
-            if effects is None:
+            if asked is None:
                 return outcome
+            effects = asked
     except Exception as exc:
         log.exception("%s event #%s (%s) failed", event.source, event.id, event.event_type)
         await _fail(ctx, event, f"{type(exc).__name__}: {exc}")
@@ -937,7 +985,8 @@ async def deliver_committed(ctx: EngineContext, rows: list[Outbox]) -> None:
         log.exception("%d effect(s) left to the scheduled sender", len(rows))
 
 
-def _handle_in_transaction(ctx, event, plugin, payload):
+def _handle_in_transaction(ctx: EngineContext, event: WebhookEvent, plugin: Plugin,
+                           payload: Any) -> tuple[str, outbox.Effects | None]:
     """(outcome, the effects asked for); (status, None) when another handling had
     already settled the event, (HELD, None) when it waits behind an earlier one."""
     status, held_behind = STATUS_AND_HOLD.execute(id=event.id).fetchone()
@@ -949,7 +998,7 @@ def _handle_in_transaction(ctx, event, plugin, payload):
     return _run_plain(ctx, event, plugin, payload)
 
 
-def _held_by(ctx, event):
+def _held_by(ctx: EngineContext, event: WebhookEvent) -> int | None:
     """The id of the earlier unfinished event of its order that `event` waits behind,
     held so (`_hold`); None when it waits for nothing, or has been finished meanwhile."""
     status, held_behind = STATUS_AND_HOLD.execute(id=event.id).fetchone()
@@ -959,20 +1008,22 @@ def _held_by(ctx, event):
     return held_behind
 
 
-def _run_plain(ctx, event, plugin, payload, first_handling=False):
+def _run_plain(ctx: EngineContext, event: WebhookEvent, plugin: Plugin, payload: Any,
+               first_handling: bool = False) -> tuple[str, outbox.Effects]:
     """`first_handling`: the event was stored in this same unit, as processed."""
     effects = Transaction(ctx, event, first_handling)
     plugin(ctx, payload, effects)
     return _conclude(ctx, event, effects, stored_processed=first_handling), effects
 
 
-def _is_async(plugin):
+def _is_async(plugin: object) -> bool:
     """An async plugin waits on other systems between its steps, outside a transaction."""
     return inspect.iscoroutinefunction(plugin) or inspect.iscoroutinefunction(
         getattr(plugin, "__call__", None))
 
 
-def _conclude(ctx, event, effects, stored_processed=False):
+def _conclude(ctx: EngineContext, event: WebhookEvent, effects: outbox.Effects,
+              stored_processed: bool = False) -> str:
     """Processed; rejected with the reason when the plugin refused the event (no retry
     could change that); or, when the plugin kept part of its work and asked for the rest
     later, failed with a retry time, in the same transaction as that work.
@@ -997,7 +1048,8 @@ def _conclude(ctx, event, effects, stored_processed=False):
     return "processed"
 
 
-def _finish(ctx, event_id, status, error=None, counted=False):
+def _finish(ctx: EngineContext, event_id: int, status: str, error: str | None = None,
+            counted: bool = False) -> None:
     """`counted`: the row already counts this attempt (written as processed)."""
     now = ctx.clock()
     (FINISH_COUNTED if counted else FINISH).execute_later(
@@ -1005,7 +1057,7 @@ def _finish(ctx, event_id, status, error=None, counted=False):
         last_error=error and error_text(error))
 
 
-async def _fail(ctx, event, error):
+async def _fail(ctx: EngineContext, event: WebhookEvent, error: str) -> None:
     """Record the failure; should the database refuse that, the attempt is recorded all
     the same with a reason of our own, so the event still backs off and is given up in
     time instead of being handled again at every lease."""
@@ -1026,7 +1078,7 @@ async def _fail(ctx, event, error):
                       event.id, event.status)
 
 
-def _record_failure(ctx, event, error):
+def _record_failure(ctx: EngineContext, event: WebhookEvent, error: str) -> None:
     """Failed with a retry time; dead, with one admin e-mail, once the retry policy gives
     up (engine.retry). An event made due meanwhile (its order came in while it was
     handled: domain.intake) stays due: what it waited for may be there now."""
@@ -1045,7 +1097,7 @@ def _record_failure(ctx, event, error):
      .where(WebhookEvent.id == event.id).execute())
 
 
-def _made_due_meanwhile(event, now):
+def _made_due_meanwhile(event: WebhookEvent, now: datetime.datetime) -> bool:
     """Whether the event's next try was moved to now or before by someone else while it
     was handled: it is no longer the lease (or the nothing) its handling holds."""
     current = WebhookEvent.select(WebhookEvent.next_attempt_at).where(
@@ -1054,7 +1106,7 @@ def _made_due_meanwhile(event, now):
     return current is not None and current != event.next_attempt_at and current <= now
 
 
-def _give_up(ctx, event, attempts, error):
+def _give_up(ctx: EngineContext, event: WebhookEvent, attempts: int, error: str) -> None:
     now = ctx.clock()
     (WebhookEvent.update(status="dead", attempts=attempts, updated_at=now, last_error=error,
                          processed_at=None, next_attempt_at=None)
@@ -1124,9 +1176,11 @@ def held_count() -> tuple[int, datetime.datetime | None]:
     return count, WebhookEvent.received_at.python_value(since)
 
 
-def _held_long(ctx):
+def _held_long(ctx: EngineContext) -> list[Any]:
     """The orders whose first held event has waited longer than INBOX_HOLD_ALERT_MINUTES:
-    (order, the event it waits behind, that event's row, how many wait, since when)."""
+    (order, the event it waits behind, that event's row, how many wait, since when).
+    Rows with the columns `order_number`, `since` and `waiting`, which peewee's types,
+    knowing a model's own columns only, cannot say."""
     since = ctx.clock() - datetime.timedelta(minutes=ctx.settings.inbox_hold_alert_minutes)
     held = (WebhookEvent.select(WebhookEvent.order_number,
                                 peewee.fn.MIN(WebhookEvent.received_at).alias("since"),
@@ -1160,7 +1214,7 @@ def tell_of_long_holds(ctx: EngineContext) -> int:
     return told
 
 
-def _due(ctx):
+def _due(ctx: EngineContext) -> peewee.Expression:
     """The events to hand to their plugins now: each the first unfinished event of its
     order (or of no order), and either held (due since it was held), stored but left
     unhandled for a whole lease (the process that took it died, or its claim lapsed), or

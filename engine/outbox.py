@@ -15,7 +15,7 @@ import logging
 import time
 from typing import Any, Iterable, Iterator, TypeVar
 
-from peewee import SQL, Case, Expression, fn
+from peewee import SQL, Case, ColumnBase, Expression, Field, ModelAlias, ModelSelect, fn
 
 import lograte
 from clients.http import Result
@@ -25,7 +25,7 @@ from engine.claims import claim, lease
 from engine.commits import Unit
 from engine.contracts import EngineContext, SendOutcome
 from engine.db import UNAVAILABLE, due_by
-from engine.destinations import ORDERED_KINDS
+from engine.destinations import ORDERED_KINDS, Destination
 from engine.prepared import InsertMany, InsertOnce, Prepared, slot, write_later
 
 log = logging.getLogger("receiver.outbox")
@@ -60,7 +60,9 @@ NEW_EFFECT = InsertOnce(Outbox)
 UNSENT = ("pending", "waiting")
 
 
-def _earlier_unsent_of(earlier, than, of_other_events, row=None):
+def _earlier_unsent_of(earlier: "type[Outbox] | ModelAlias[Outbox]", than: ColumnBase,
+                       of_other_events: bool,
+                       row: type[Outbox] | None = None) -> "ModelSelect[Outbox]":
     """A select, from `earlier` (Outbox or an alias of it), of an unsent row of the order
     and kind in the slots, written before the row whose id is `than`: of another event,
     or without one, when `of_other_events`. `row`: the table whose columns give the
@@ -79,7 +81,7 @@ def _earlier_unsent_of(earlier, than, of_other_events, row=None):
     return query
 
 
-def _earlier_unsent(of_other_events):
+def _earlier_unsent(of_other_events: bool) -> Prepared:
     """The earlier unsent row before the row whose id is in the slot `id`."""
     return Prepared(lambda: _earlier_unsent_of(Outbox, slot(Outbox.id), of_other_events)
                     .limit(1))
@@ -89,7 +91,8 @@ EARLIER_UNSENT = _earlier_unsent(of_other_events=False)
 EARLIER_UNSENT_OF_OTHER_EVENTS = _earlier_unsent(of_other_events=True)
 
 
-def _earlier_unsent_exists(of_other_events, row=None):
+def _earlier_unsent_exists(of_other_events: bool,
+                           row: type[Outbox] | None = None) -> ColumnBase:
     """`_earlier_unsent` as an expression of the row being inserted (in its RETURNING):
     whether an unsent row of its order and kind was written before it. `row`: as
     `_earlier_unsent_of`."""
@@ -111,7 +114,7 @@ NEW_EFFECTS = InsertMany(Outbox, returning=lambda: (
     Outbox.id, Outbox.idempotency_key, _earlier_unsent_exists(True, row=Outbox)))
 
 
-def _update_of(*fields):
+def _update_of(*fields: Field) -> Prepared:
     return Prepared(lambda: Outbox.update({field: slot(field) for field in fields})
                     .where(Outbox.id == slot(Outbox.id)), on_server=True)
 
@@ -217,7 +220,7 @@ class Effects:
         retry_before, rejection_before = self.retry_reason, self.rejection
         recorded_before = self.recorded_only
 
-        def run_from_the_state_before():  # a unit may be run again (engine.commits)
+        def run_from_the_state_before() -> T:  # a unit may be run again (engine.commits)
             del self.rows[rows_before:]
             del self.named[named_before:]
             self.position, self.recognised = position_before, set(recognised_before)
@@ -329,11 +332,11 @@ class Effects:
         self.add("alert", {"text": text}, purpose, key, order_number)
 
 
-def _ordered(values):
+def _ordered(values: dict[str, Any]) -> bool:
     return values["order_number"] is not None and values["kind"] in ORDERED_KINDS
 
 
-def _insert_effect(values):
+def _insert_effect(values: dict[str, Any]) -> Outbox | None:
     """The row written, `behind` set; None when its key is stored already."""
     ordered = _ordered(values)
     insert = NEW_ORDERED_EFFECT[values["event"] is not None] if ordered else NEW_EFFECT
@@ -380,7 +383,8 @@ class _TurnEffects:
 # Each sender calls `await confirm_held()` right before its request goes out: it raises
 # _TakenElsewhere when another sender has claimed the row meanwhile.
 
-async def _send_job(ctx, payload, row, confirm_held):
+async def _send_job(ctx: EngineContext, payload: dict[str, Any], row: Outbox,
+                    confirm_held: "_LeaseCheck") -> Result:
     await confirm_held()
     return await ctx.worker.dispatch(payload["action"], payload["payload"], row.idempotency_key)
 
@@ -391,13 +395,15 @@ def action_doctype(settings: Any, payload: dict[str, Any]) -> str:
     return str(getattr(settings, payload.get("doctype_setting", "workflow_doctype")))
 
 
-async def _send_workflow_action(ctx, payload, row, confirm_held):
+async def _send_workflow_action(ctx: EngineContext, payload: dict[str, Any], row: Outbox,
+                                confirm_held: "_LeaseCheck") -> Result:
     await confirm_held()
     return await ctx.workflow.apply_action(action_doctype(ctx.settings, payload),
                                            payload["name"], payload["action"])
 
 
-async def _send_email(ctx, payload, row, confirm_held):
+async def _send_email(ctx: EngineContext, payload: dict[str, Any], row: Outbox,
+                      confirm_held: "_LeaseCheck") -> Result:
     if not ctx.mailer.configured:  # only logged, on the loop
         await confirm_held()
         return await ctx.mailer.send(payload["to"], payload["subject"], payload["text"],
@@ -408,7 +414,8 @@ async def _send_email(ctx, payload, row, confirm_held):
                                  key=row.idempotency_key)
 
 
-async def _send_alert(ctx, payload, row, confirm_held):
+async def _send_alert(ctx: EngineContext, payload: dict[str, Any], row: Outbox,
+                      confirm_held: "_LeaseCheck") -> Result:
     await confirm_held()
     return await ctx.telegram.send(payload["text"])
 
@@ -425,23 +432,23 @@ class _LeaseCheck:
     """The last check before a row's request goes out: the sender still holds the row
     (its lease is about whole, or re-taking it succeeds), else _TakenElsewhere."""
 
-    def __init__(self, ctx, row):
+    def __init__(self, ctx: EngineContext, row: Outbox) -> None:
         self.ctx, self.row = ctx, row
         self.loop = asyncio.get_running_loop()
 
-    async def __call__(self):
+    async def __call__(self) -> None:
         """On the loop: a re-take is a write, made in the database thread."""
         if not _lease_ample(self.ctx, self.row):
             self._held(await self.ctx.commits.run(functools.partial(
                 _retake, self.ctx, self.row.id, self.row.next_attempt_at)))
 
-    def in_thread(self):
+    def in_thread(self) -> None:
         """In a mail thread: the re-take is asked of the loop, and made in the database
         thread like any other write; the mail thread waits for it."""
         if not _lease_ample(self.ctx, self.row):
             asyncio.run_coroutine_threadsafe(self(), self.loop).result()
 
-    def _held(self, held_until):
+    def _held(self, held_until: datetime.datetime | None) -> None:
         if held_until is None:
             raise _TakenElsewhere
         self.row.next_attempt_at = held_until
@@ -497,12 +504,12 @@ async def _attempt(ctx: EngineContext, row: Outbox, live: bool = False) -> SendO
     return result
 
 
-def _last_attempt(row):
+def _last_attempt(row: Outbox) -> dict[str, Any]:
     """The values of LAST_ATTEMPT for a row `_attempt` has tried."""
     return {field.name: getattr(row, field.name) for field in LAST_ATTEMPT}
 
 
-def _lease_ample(ctx, row):
+def _lease_ample(ctx: EngineContext, row: Outbox) -> bool:
     """The row's lease has about a whole lease left (it was created or claimed a moment
     ago), and that is more than a send may take: a request that waits for a free
     connection and then for its answer (one outbound timeout each)."""
@@ -511,7 +518,8 @@ def _lease_ample(ctx, row):
     return left >= lease(ctx) - RETAKE_SLACK and left > send_at_most + RETAKE_SLACK
 
 
-def _retake(ctx, row_id, held):
+def _retake(ctx: EngineContext, row_id: int,
+            held: datetime.datetime) -> datetime.datetime | None:
     """Push the row's lease one lease ahead, if it still holds the lease `held` this
     sender was given: the new lease's end, or None when another sender has claimed it
     since (a send that waited for a mail thread or on a slow peer past its lease), so
@@ -554,7 +562,7 @@ def record_outcomes(ctx: EngineContext, rows: list[Outbox],
                 record_outcome(ctx, row, UNRECORDED)
 
 
-def _by_row(field, rows):
+def _by_row(field: Field, rows: list[Outbox]) -> ColumnBase:
     """Each row's own value of `field`, chosen by its id, for one UPDATE of them all."""
     case = Case(Outbox.id, [(row.id, field.db_value(getattr(row, field.name)))
                             for row in rows])
@@ -634,7 +642,7 @@ async def deliver(ctx: EngineContext, rows: list[Outbox]) -> list[SendOutcome]:
         send(ctx, row, live=True) for row in rows if row not in queued))
 
 
-def _sendable_now(ctx, row):
+def _sendable_now(ctx: EngineContext, row: Outbox) -> bool:
     destination = ctx.destinations.of(row.kind)
     if not destination.configured:
         return True  # nothing goes out: it is recorded as waiting, behind nothing
@@ -660,12 +668,12 @@ def note_whether_behind(row: Outbox) -> Outbox:
     return row
 
 
-def _hand_to_scheduler(ctx, row_ids):
+def _hand_to_scheduler(ctx: EngineContext, row_ids: list[int]) -> None:
     now = ctx.clock()
     Outbox.update(next_attempt_at=now, updated_at=now).where(Outbox.id.in_(row_ids)).execute()
 
 
-def _due(now, kinds):
+def _due(now: datetime.datetime, kinds: Iterable[str]) -> Expression:
     """Pending rows of these kinds whose time has come; a job or workflow action only
     when no earlier row of its order and kind is unsent (a dead one holds nothing)."""
     earlier = Outbox.alias("earlier")
@@ -682,7 +690,7 @@ def _due(now, kinds):
 PROBE_CANDIDATES = 20
 
 
-async def _claim_due(ctx):
+async def _claim_due(ctx: EngineContext) -> list[Outbox]:
     """The due rows of the destinations that are up, SEND_BATCH of each kind at most,
     and one row of each destination that is down and due for a probe. Each kind's rows
     are claimed apart (in one turn): the (kind, status, id) index gives one kind's
@@ -690,7 +698,7 @@ async def _claim_due(ctx):
     too (docs/PERFORMANCE.md)."""
     now = ctx.clock()
     destinations = ctx.destinations
-    rows = []
+    rows: list[Outbox] = []
     up = destinations.kinds(lambda destination: destination.up)
     for claimed in await asyncio.gather(*(claim(ctx, Outbox, _due(now, [kind]), SEND_BATCH)
                                           for kind in up)):
@@ -742,7 +750,7 @@ async def send_due(ctx: EngineContext) -> int:
     return sent
 
 
-async def _release_those_back(ctx):
+async def _release_those_back(ctx: EngineContext) -> None:
     """The effects on a backoff of every destination found back since (by a probe of this
     run, say) made due now, so they go in this same run."""
     back = [destination for destination in ctx.destinations if destination.back]
@@ -753,7 +761,7 @@ async def _release_those_back(ctx):
             destination.back = False
 
 
-async def _send_batch(ctx, rows):
+async def _send_batch(ctx: EngineContext, rows: list[Outbox]) -> list[SendOutcome]:
     """Send claimed rows concurrently, recording the outcomes of those finished every
     RECORD_EVERY_SECONDS in one unit (so a slow send holds back no other row's record
     past its lease); their Results. A send that raises (the database gone while it
@@ -837,7 +845,7 @@ def tell_admin(ctx: EngineContext, key: str, subject: str, template: str,
                                            **variables)
 
 
-def tell_credentials_refused(ctx, destination):
+def tell_credentials_refused(ctx: EngineContext, destination: Destination) -> None:
     """One e-mail to the administrator each time a destination starts refusing our
     credentials (engine.destinations), written in the background."""
     started = ctx.clock().strftime("%Y%m%dT%H%M%S")

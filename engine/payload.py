@@ -2,11 +2,12 @@
 is handled again (a retry, a replay), so that what was accepted can always be handled."""
 import decimal
 import json
+from typing import Any
 
 BYTE_ORDER_MARK = "\ufeff"
 
 
-def read_json(data, exact=False):
+def read_json(data: bytes | bytearray | str, exact: bool = False) -> Any:
     """`data` (a call's raw bytes, or the text it was stored as) as JSON; ValueError when
     it is not.
 
@@ -27,6 +28,6 @@ def read_json(data, exact=False):
         raise ValueError("JSON nested too deeply") from None
 
 
-def exact_json(data):
+def exact_json(data: bytes | bytearray | str) -> Any:
     """read_json keeping every digit of every number."""
     return read_json(data, exact=True)

@@ -16,7 +16,9 @@ import datetime
 import functools
 import logging
 
-from models import Attempt, ConsoleAction, ConsoleSession, Outbox, WebhookEvent, database
+import peewee
+
+from models import Attempt, BaseModel, ConsoleAction, ConsoleSession, Outbox, WebhookEvent, database
 from engine.errors import MaintenanceCutShort, maintenance
 from engine.contracts import EngineContext
 
@@ -56,7 +58,7 @@ def prune(ctx: EngineContext, limit: int = PRUNE_BATCH) -> tuple[int, int]:
     return _prune_batch(ctx, limit)[:2]
 
 
-def _prune_batch(ctx, limit):
+def _prune_batch(ctx: EngineContext, limit: int) -> tuple[int, int, int, int, int]:
     """(events, outbox rows, attempts, console actions, console sessions) deleted."""
     now = ctx.clock()
     cutoff = now - datetime.timedelta(days=ctx.settings.retention_days)
@@ -82,6 +84,6 @@ def _prune_batch(ctx, limit):
     return events, rows, attempts, actions, sessions
 
 
-def _delete_some(model, condition, limit):
+def _delete_some(model: type[BaseModel], condition: peewee.Expression, limit: int) -> int:
     oldest = model.select(model.id).where(condition).order_by(model.id).limit(limit)
     return model.delete().where(model.id.in_(oldest)).execute()

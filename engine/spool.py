@@ -36,7 +36,7 @@ import json
 import logging
 import os
 import time
-from typing import Any, Awaitable, Callable
+from typing import IO, Any, Awaitable, Callable
 
 import lograte
 from models import UTC, WebhookEvent
@@ -168,7 +168,7 @@ def quarantined(spool_dir: str) -> list[Entry]:
     return list(entries.values())
 
 
-def _rotate(spool_dir):
+def _rotate(spool_dir: str) -> None:
     live = os.path.join(spool_dir, LIVE_NAME)
     target = os.path.join(spool_dir, f"inbox-{time.time_ns()}-{os.getpid()}{DRAINING_SUFFIX}")
     try:
@@ -181,7 +181,8 @@ def _rotate(spool_dir):
     _fsync_directory(spool_dir)
 
 
-async def _store_file(path, store, handle):
+async def _store_file(path: str, store: Callable[[Entry], Awaitable[Stored]],
+                      handle: Callable[[Drained], Awaitable[None]]) -> int | None:
     """Store the lines of one draining file, have them handled, then delete it; None if
     another process is draining it or it is gone. A database failure leaves the file in
     place."""
@@ -225,7 +226,8 @@ async def _store_file(path, store, handle):
         os.close(fd)
 
 
-def _store_entry(spool_dir, entry, outcome, drained):
+def _store_entry(spool_dir: str, entry: Entry, outcome: Stored | BaseException,
+                 drained: Drained) -> None:
     """Account for one spooled call's storing; quarantine it if the database refused it.
     A database down raises, leaving the file for the next drain."""
     if isinstance(outcome, UNAVAILABLE):
@@ -234,12 +236,14 @@ def _store_entry(spool_dir, entry, outcome, drained):
         _quarantine(spool_dir, {**entry, "received_at": entry["received_at"].isoformat()},
                     f"{type(outcome).__name__}: {why_unavailable(outcome)}", drained)
         return
+    if isinstance(outcome, BaseException):
+        raise outcome  # the drain was cancelled: the file stays for the next one
     event, is_new = outcome
     if is_new:
         drained.created.append(event)
 
 
-def _quarantine(spool_dir, entry, reason, drained):
+def _quarantine(spool_dir: str, entry: Entry, reason: str, drained: Drained) -> None:
     reason = reason[:MAX_REASON_CHARS]
     log.error("spooled %s call %.80s cannot be stored, quarantined in %s: %s",
               entry.get("source", "unreadable"), entry.get("dedup_key", "-"),
@@ -249,12 +253,13 @@ def _quarantine(spool_dir, entry, reason, drained):
     drained.quarantined.append(kept)
 
 
-def _entries(lines, path):
+def _entries(lines: IO[bytes], path: str) -> tuple[list[Entry], list[tuple[bytes, str]]]:
     """The calls of a spool file, and its unreadable lines with the reason each. A last
     line without its newline was torn by a crash mid-append, and its call never
     acknowledged (the fsync comes before the answer): it is dropped. Any other line was
     acknowledged, whatever has become of it."""
-    entries, unreadable = [], []
+    entries: list[Entry] = []
+    unreadable: list[tuple[bytes, str]] = []
     for number, line in enumerate(lines, start=1):
         if not line.endswith(b"\n"):
             log.error("spool %s line %d torn by an interrupted append, dropped", path, number)
@@ -267,12 +272,12 @@ def _entries(lines, path):
     return entries, unreadable
 
 
-def _decode(entry):
+def _decode(entry: Entry) -> Entry:
     received_at = datetime.datetime.fromisoformat(entry["received_at"]).astimezone(UTC)
     return {**entry, "received_at": received_at}
 
 
-def _path_still_opens(path, fd):
+def _path_still_opens(path: str, fd: int) -> bool:
     """Whether `path` still names the file open as `fd` (not renamed away meanwhile)."""
     try:
         return os.stat(path).st_ino == os.fstat(fd).st_ino
@@ -280,7 +285,7 @@ def _path_still_opens(path, fd):
         return False
 
 
-def _cut_torn_tail(fd):
+def _cut_torn_tail(fd: int) -> int:
     """Truncate a last line left without its newline (a writer died mid-append; its call
     was never acknowledged), so the next line is not glued onto it and lost with it.
     Returns the size of the file that remains."""
@@ -300,14 +305,14 @@ def _cut_torn_tail(fd):
     return end
 
 
-def _write_all(fd, data):
+def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         written = os.write(fd, view)
         view = view[written:]
 
 
-def _fsync_directory(folder):
+def _fsync_directory(folder: str) -> None:
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)

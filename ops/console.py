@@ -14,20 +14,26 @@ import json
 import logging
 import re
 import urllib.parse
+import zoneinfo
+from typing import Any, Iterator, Protocol
+
+import peewee
 
 from clients.http import JSON_HEADERS
 from domain import reconcile, settlement
 from domain.money import money
 from engine import outbox
 from engine.claims import claim, lease
+from engine.contracts import EngineContext
 from engine.destinations import ORDERED_KINDS
 from engine.transaction import Transaction
 from models import (
-    ORDER_MODELS, Attempt, ConsoleAction, CrtcOrder, LedgerEntry, Outbox, SelfFiling,
-    SurveyResponse, TreasuryJob, WebhookEvent,
+    ORDER_MODELS, Attempt, ConsoleAction, CrtcOrder, LedgerEntry, OrderBase, Outbox,
+    SelfFiling, SurveyResponse, TreasuryJob, WebhookEvent,
 )
+from settings import Settings
 from ops import operator
-from ops.metrics import spool_usage
+from ops.metrics import Metrics, spool_usage
 
 log = logging.getLogger("receiver.console")
 
@@ -49,9 +55,22 @@ SECRET_IN_TEXT = re.compile(r'(?P<key>"(?:[^"\\]|\\.)*")\s*:\s*'
                             r'(?:"(?:[^"\\]|\\.)*"|[-+0-9.eE]+|true|false|null)')
 
 
+class ConsoleContext(EngineContext, Protocol):
+    """What the console asks of the context it is given (app.context.Context): the
+    engine's, with this process's metrics (its jobs' runs) and the business's time zone."""
+
+    @property
+    def metrics(self) -> Metrics: ...
+
+    @property
+    def business_tz(self) -> zoneinfo.ZoneInfo: ...
+
+
 # The record of operator actions.
 
-def record_action(ctx, operator_name, address, action, target="", outcome="", at=None):
+def record_action(ctx: ConsoleContext, operator_name: str, address: str, action: str,
+                  target: object = "", outcome: str = "",
+                  at: datetime.datetime | None = None) -> None:
     """Keep what an operator did (also when it was refused) and log it; `at`: when it
     was asked for, if before now (a retry is recorded with its outcome, once sent)."""
     ConsoleAction.create(operator=operator_name, address=address, action=action,
@@ -61,7 +80,7 @@ def record_action(ctx, operator_name, address, action, target="", outcome="", at
              outcome)
 
 
-def recent_actions(limit=PAGE_SIZE):
+def recent_actions(limit: int = PAGE_SIZE) -> list[ConsoleAction]:
     return list(ConsoleAction.select()
                 .order_by(ConsoleAction.created_at.desc(), ConsoleAction.id.desc())
                 .limit(limit))
@@ -98,15 +117,15 @@ class Overview:
     last_reconciliation: str | None = None
 
     @property
-    def last_day(self):
+    def last_day(self) -> dict[str, int]:
         return {source: days[-1] for source, days in self.events_by_day.items()}
 
     @property
-    def last_week(self):
+    def last_week(self) -> dict[str, int]:
         return {source: sum(days) for source, days in self.events_by_day.items()}
 
 
-def last_reconciliation(tx, settings):
+def last_reconciliation(tx: Transaction, settings: Settings) -> str | None:
     """When each doctype's reconciliation with Frappe last finished (UTC), on one line;
     None when no Frappe is configured."""
     last = reconcile.last_successes(tx, settings)
@@ -116,7 +135,7 @@ def last_reconciliation(tx, settings):
                      for doctype, at in last.items())
 
 
-def overview(ctx, counts):
+def overview(ctx: ConsoleContext, counts: "EventCounts") -> Overview:
     now = ctx.clock()
     files, size = spool_usage(ctx.settings.spool_dir)
     failures = operator.failures_awaiting_an_operator()
@@ -145,11 +164,11 @@ class EventCounts:
     late with an old time (a spool drained after an outage) shows in an older window
     from the next hour on."""
 
-    def __init__(self):
-        self.end = None
-        self.older = {}
+    def __init__(self) -> None:
+        self.end: datetime.datetime | None = None
+        self.older: dict[str, list[int]] = {}
 
-    def by_day(self, ctx, now):
+    def by_day(self, ctx: EngineContext, now: datetime.datetime) -> dict[str, list[int]]:
         end = now.replace(minute=0, second=0, microsecond=0) + HOUR
         sources = sorted(ctx.plugins)
         if end != self.end:
@@ -162,20 +181,20 @@ class EventCounts:
                 for source in sources}
 
 
-def _events_between(source, start, end):
+def _events_between(source: str, start: datetime.datetime, end: datetime.datetime) -> int:
     """A range of the (source, received_at, id) index, counted."""
     return WebhookEvent.select().where(WebhookEvent.source == source,
                                        WebhookEvent.received_at >= start,
                                        WebhookEvent.received_at < end).count()
 
 
-def backlog():
+def backlog() -> list[Backlog]:
     """Effects still to go out, per destination and status, with the oldest one's time:
     per destination and status, a count of the (kind, status, id) index and its first
     row (ids grow with time), never a look at each waiting row nor at the sent ones."""
     waiting = [status for status in operator.OUTBOX_STATUSES
                if status not in FINAL_OUTBOX_STATUSES]
-    found = []
+    found: list[Backlog] = []
     for destination in operator.DESTINATIONS:
         for status in waiting:
             rows = Outbox.select().where(Outbox.kind == operator.KIND_OF[destination],
@@ -195,10 +214,10 @@ class EventFilter:
     status: str = ""
     # An order number or an external id: either matches.
     search: str = ""
-    since: datetime.datetime = None
-    until: datetime.datetime = None
+    since: datetime.datetime | None = None
+    until: datetime.datetime | None = None
 
-    def conditions(self):
+    def conditions(self) -> list[peewee.Expression]:
         """The filter as conditions on WebhookEvent, all to hold."""
         found = [column == value for column, value in (
             (WebhookEvent.source, self.source), (WebhookEvent.event_type, self.event_type),
@@ -212,22 +231,24 @@ class EventFilter:
             found.append(WebhookEvent.received_at < self.until)
         return found
 
-    def apply(self, query):
+    def apply(self, query: "peewee.ModelSelect[WebhookEvent]"
+              ) -> "peewee.ModelSelect[WebhookEvent]":
         return query.where(*self.conditions()) if self.conditions() else query
 
 
 @dataclasses.dataclass
 class Page:
     rows: list
-    # Where the next page starts (the last row's key), None on the last page.
-    after: str = None
+    # Where the next page starts (the last row's key: an event's cursor, an outbox row's
+    # id), None on the last page.
+    after: str | int | None = None
 
 
 class BadCursor(ValueError):
     """A page cursor that is not one this console made."""
 
 
-def event_page(filters, after=None, limit=PAGE_SIZE):
+def event_page(filters: EventFilter, after: str | None = None, limit: int = PAGE_SIZE) -> Page:
     """Newest first, `limit` at a time. The cursor is the last row's (received_at, id):
     the next page starts strictly after it in that order, read from an index in order
     however deep the page, unlike an OFFSET."""
@@ -245,7 +266,7 @@ def event_page(filters, after=None, limit=PAGE_SIZE):
     return Page(rows, cursor_of(rows[-1]) if more else None)
 
 
-def awaiting_an_operator(filters):
+def awaiting_an_operator(filters: EventFilter) -> int:
     """How many of the events `filters` finds await an operator: what the events page's
     bulk retry and give-up act on, offered when it filters by one of the two statuses
     (failed; dead, given up by the retries)."""
@@ -253,11 +274,11 @@ def awaiting_an_operator(filters):
             .where(operator.awaiting_an_operator(filters.status)).count())
 
 
-def cursor_of(event):
+def cursor_of(event: WebhookEvent) -> str:
     return f"{event.received_at.isoformat()}~{event.id}"
 
 
-def parse_cursor(text):
+def parse_cursor(text: str) -> tuple[datetime.datetime, int]:
     try:
         received_at, event_id = text.split("~")
         return operator.parse_time(received_at), int(event_id)
@@ -265,7 +286,7 @@ def parse_cursor(text):
         raise BadCursor(f"not a page cursor: {text[:40]!r}") from None
 
 
-def shown_payload(event):
+def shown_payload(event: WebhookEvent | Outbox) -> str:
     """The payload pretty-printed, with the value of every key that names a credential
     hidden; a body that is not JSON is shown as it came. One nested deeper than Python
     follows (a hostile sender's 100,000 brackets) is shown as it came too, the plain
@@ -279,12 +300,12 @@ def shown_payload(event):
         return SECRET_IN_TEXT.sub(_hidden_in_text, event.payload)
 
 
-def _hidden_in_text(match):
+def _hidden_in_text(match: re.Match[str]) -> str:
     key = match.group("key")
     return f'{key}: "{HIDDEN}"' if SECRET_KEY.search(key) else match.group(0)
 
 
-def _hide_secrets(value):
+def _hide_secrets(value: Any) -> Any:
     if isinstance(value, dict):
         return {key: HIDDEN if SECRET_KEY.search(str(key)) else _hide_secrets(item)
                 for key, item in value.items()}
@@ -295,7 +316,7 @@ def _hide_secrets(value):
 
 # Effects: what each one is, what was sent, every attempt.
 
-def effect_name(ctx, row):
+def effect_name(ctx: ConsoleContext, row: Outbox) -> str:
     """What an effect is, in the operator's words: `Frappe: Start Name Check on ORD-1`,
     `worker job name_search`, `alert to Telegram`, `mail to admin: Payment failed`."""
     try:
@@ -325,7 +346,7 @@ class SentRequest:
     body: str
 
 
-def request_as_sent(ctx, row):
+def request_as_sent(ctx: ConsoleContext, row: Outbox) -> SentRequest:
     """The request `row` makes (each client builds it the same way when it sends), with
     the credentials hidden: Frappe's Authorization header, the bot token in Telegram's
     URL, the SMTP password (never part of what is shown here). A payload that cannot be
@@ -337,7 +358,7 @@ def request_as_sent(ctx, row):
                            shown_payload(row))
 
 
-def _request_of(ctx, row, payload):
+def _request_of(ctx: ConsoleContext, row: Outbox, payload: Any) -> SentRequest:
     if row.kind == "email":
         return SentRequest("SMTP", _smtp_server(ctx.settings.smtp_url),
                            {"From": ctx.settings.mail_from, "To": ", ".join(payload["to"]),
@@ -361,7 +382,7 @@ def _request_of(ctx, row, payload):
     return SentRequest("POST", url, headers, body)
 
 
-def _smtp_server(url):
+def _smtp_server(url: str | None) -> str:
     """The SMTP URL without its user and password."""
     if not url:
         return "(SMTP_URL unset)"
@@ -369,9 +390,9 @@ def _smtp_server(url):
     return f"{parts.scheme}://{parts.hostname}" + (f":{parts.port}" if parts.port else "")
 
 
-def attempts_of(row_ids):
+def attempts_of(row_ids: list[int]) -> dict[int, list[Attempt]]:
     """{outbox id: [Attempt, oldest first]} on the (outbox_id, id) index."""
-    found = {row_id: [] for row_id in row_ids}
+    found: dict[int, list[Attempt]] = {row_id: [] for row_id in row_ids}
     if row_ids:
         for attempt in (Attempt.select().where(Attempt.outbox_id.in_(list(row_ids)))
                         .order_by(Attempt.outbox_id, Attempt.id)):
@@ -379,10 +400,10 @@ def attempts_of(row_ids):
     return found
 
 
-def retries_of(row_ids):
+def retries_of(row_ids: list[int]) -> dict[int, list[ConsoleAction]]:
     """{outbox id: [ConsoleAction]}: the retries and give-ups operators made of these
     rows, from the console or the command line."""
-    found = {row_id: [] for row_id in row_ids}
+    found: dict[int, list[ConsoleAction]] = {row_id: [] for row_id in row_ids}
     if row_ids:
         for action in (ConsoleAction.select()
                        .where(ConsoleAction.action.in_(EFFECT_ACTIONS),
@@ -392,7 +413,7 @@ def retries_of(row_ids):
     return found
 
 
-def attempt_summary(attempt):
+def attempt_summary(attempt: Attempt) -> str:
     """`HTTP 503 in 120 ms, will retry: <error>`, as one line."""
     said = f"HTTP {attempt.status_code}" if attempt.status_code else "no answer"
     took = f" in {attempt.duration_ms} ms" if attempt.duration_ms is not None else ""
@@ -406,7 +427,7 @@ ATTEMPT_OUTCOMES = {"sent": "sent", "pending": "will retry", "dead": "given up",
 EFFECT_ACTIONS = ("retry effect", "give up effect")
 
 
-def waits_for(ctx, row):
+def waits_for(ctx: ConsoleContext, row: Outbox) -> str | None:
     """What an unsent effect waits for, and so what comes next for it, in words; None
     once it is final."""
     if row.status == "waiting":
@@ -434,7 +455,7 @@ def waits_for(ctx, row):
             f"{ctx.settings.scheduler_tick_seconds} s)")
 
 
-def _earlier_unsent(row):
+def _earlier_unsent(row: Outbox) -> Outbox | None:
     """The earliest unsent effect of the same order that `row` goes out after, if any
     (the worker's jobs and the workflow's actions keep each order's order)."""
     if row.order_number is None or row.kind not in ORDERED_KINDS:
@@ -445,7 +466,7 @@ def _earlier_unsent(row):
             .order_by(Outbox.id).first())
 
 
-def after_retry(ctx, row, asked_at):
+def after_retry(ctx: ConsoleContext, row: Outbox, asked_at: datetime.datetime) -> str:
     """What a retry of one effect did (`row` as it stands after it; `asked_at`: when it
     was asked for) and what comes next, in a sentence."""
     name = f"Effect #{row.id} ({effect_name(ctx, row)})"
@@ -463,7 +484,7 @@ def after_retry(ctx, row, asked_at):
     return f"{name} back in line, {waits_for(ctx, row)}."
 
 
-def give_up(ctx, row_id, who, reason=""):
+def give_up(ctx: ConsoleContext, row_id: int, who: str, reason: str = "") -> Outbox:
     """Mark a pending or waiting effect dead: it is not sent unless retried. Returns the
     row; NotFound, or Refused for one sent, logged or dead already, or on its way out."""
     row = Outbox.get_or_none(Outbox.id == row_id)
@@ -488,10 +509,11 @@ class EffectPage:
     request: SentRequest
     attempts: list
     actions: list
-    waits_for: str
+    # What it waits for; None once it is final.
+    waits_for: str | None
 
 
-def effect_page(ctx, row_id):
+def effect_page(ctx: ConsoleContext, row_id: int) -> EffectPage:
     row = Outbox.get_or_none(Outbox.id == row_id)
     if row is None:
         raise operator.NotFound(f"no outbox row #{row_id}")
@@ -507,13 +529,13 @@ class Moment:
     at: datetime.datetime
     what: str
     detail: str = ""
-    event_id: int = None
-    outbox_id: int = None
+    event_id: int | None = None
+    outbox_id: int | None = None
     # Lines shown under this one: an effect's attempts, retries and what it waits for.
     under: list = dataclasses.field(default_factory=list)
 
 
-def find_order(order_number):
+def find_order(order_number: str) -> OrderBase | None:
     for model in ORDER_MODELS.values():
         order = model.get_or_none(model.order_number == order_number)
         if order is not None:
@@ -521,7 +543,7 @@ def find_order(order_number):
     return None
 
 
-def timeline(ctx, order_number):
+def timeline(ctx: ConsoleContext, order_number: str) -> tuple[OrderBase | None, list[Moment]]:
     """(order or None, moments in time order): events from every source, effects sent or
     waiting, payment, settlement, holdback, reminders, link clicks, survey."""
     order = find_order(order_number)
@@ -535,7 +557,7 @@ def timeline(ctx, order_number):
     return order, moments
 
 
-def _event_moments(order_number):
+def _event_moments(order_number: str) -> Iterator[Moment]:
     events = operator.note_holds(list(
         WebhookEvent.select().where(WebhookEvent.order_number == order_number)))
     for event in events:
@@ -547,12 +569,12 @@ def _event_moments(order_number):
         under = []
         if event.given_up_at:
             under.append(Moment(event.given_up_at, f"given up by {event.given_up_by}",
-                                event.given_up_reason, event_id=event.id))
+                                event.given_up_reason or "", event_id=event.id))
         yield Moment(event.received_at, f"{event.source} event {event.event_type}",
                      detail, event_id=event.id, under=under)
 
 
-def _effect_moments(ctx, order_number):
+def _effect_moments(ctx: ConsoleContext, order_number: str) -> Iterator[Moment]:
     """One moment per effect, when it was caused, with its attempts, the operators'
     retries and what it still waits for under it, in time order."""
     rows = list(Outbox.select().where(Outbox.order_number == order_number))
@@ -578,7 +600,7 @@ def _effect_moments(ctx, order_number):
                      outbox_id=row.id, under=under)
 
 
-def _money_moments(order_number):
+def _money_moments(order_number: str) -> Iterator[Moment]:
     for job in TreasuryJob.select().where(TreasuryJob.order_id == order_number):
         yield Moment(job.received_at, "treasury job", f"{job.amount_coin} {job.coin} "
                      f"({money(job.amount_fiat_cents, job.fiat_currency)}), "
@@ -589,7 +611,7 @@ def _money_moments(order_number):
                      f"{entry.provider} ({entry.provider_status})")
 
 
-def _as_created(order):
+def _as_created(order: OrderBase) -> str:
     """The order as it was created: who, for what, how much; not what it became (its
     payment and later states have moments of their own). An order's total is kept
     without its currency, and so shown."""
@@ -601,7 +623,7 @@ def _as_created(order):
     return ", ".join(parts)
 
 
-def _click_moments(order_number):
+def _click_moments(order_number: str) -> Iterator[Moment]:
     for filing in SelfFiling.select().where(SelfFiling.order_number == order_number):
         yield Moment(filing.self_filed_at, f"{filing.kind.upper()} link clicked",
                      f"already filed {filing.cycle}")
@@ -609,11 +631,11 @@ def _click_moments(order_number):
         yield Moment(survey.created_at, "survey answered", f"rating {survey.rating}")
 
 
-def _order_moments(ctx, order):
+def _order_moments(ctx: ConsoleContext, order: OrderBase) -> Iterator[Moment]:
     yield Moment(order.created_at, f"{order.kind} order created", _as_created(order))
     if order.paid_at:
         yield Moment(order.paid_at, "paid", getattr(order, "payment_method", None) or "")
-    for column, what in ORDER_TIMES.get(order.kind, ()):
+    for column, what in ORDER_TIMES.get(order.kind or "", ()):
         value = getattr(order, column)
         if value:
             yield Moment(value, what, _order_detail(ctx, order, column))
@@ -630,7 +652,9 @@ ORDER_TIMES = {
 }
 
 
-def _order_detail(ctx, order, column):
+def _order_detail(ctx: ConsoleContext, order: Any, column: str) -> str:
+    """What goes beside `column`'s time: `order` is of the kind ORDER_TIMES names the
+    column for (a CRTC or a compliance order), whose own columns are read."""
     if column == "commission_forfeited_at":
         return order.commission_forfeit_reason or ""
     if column == "intake_reminded_at":
@@ -642,12 +666,12 @@ def _order_detail(ctx, order, column):
 
 # The outbox.
 
-def outbox_counts():
+def outbox_counts() -> dict[tuple[str, str], int]:
     """{(destination, status): count} of the rows still to go out or given up on (the
     sent and logged rows, most of the table, are counted by no page): one range of the
     (kind, status, id) index counted per destination and status. A GROUP BY over the
     statuses was answered by scanning the whole index (SQLite: 191 ms at 1M rows)."""
-    counts = {}
+    counts: dict[tuple[str, str], int] = {}
     for destination in operator.DESTINATIONS:
         for status in COUNTED_OUTBOX_STATUSES:
             count = Outbox.select().where(Outbox.kind == operator.KIND_OF[destination],
@@ -657,14 +681,14 @@ def outbox_counts():
     return counts
 
 
-def waiting_for_a_later_try(ctx, destination):
+def waiting_for_a_later_try(ctx: ConsoleContext, destination: str) -> peewee.Expression:
     """The pending effects of `destination` that wait for a later try (a backoff) and
     no send holds (operator.not_in_flight): what `make_due_now` makes due."""
     return ((Outbox.status == "pending") & (Outbox.kind == operator.KIND_OF[destination])
             & (Outbox.next_attempt_at > ctx.clock()) & operator.not_in_flight(ctx, Outbox))
 
 
-def later_tries(ctx):
+def later_tries(ctx: ConsoleContext) -> dict[str, int]:
     """{destination: how many of its effects wait for a later try}, for the destinations
     that have any: one range of the (status, next_attempt_at) index each."""
     counts = {destination: Outbox.select().where(waiting_for_a_later_try(ctx, destination))
@@ -672,7 +696,8 @@ def later_tries(ctx):
     return {destination: count for destination, count in counts.items() if count}
 
 
-def outbox_page(status, destination="", before=None, limit=PAGE_SIZE):
+def outbox_page(status: str, destination: str = "", before: int | None = None,
+                limit: int = PAGE_SIZE) -> Page:
     """Rows of one status (and destination), newest first, on the (status, id) and
     (kind, status, id) indexes; `before` is the id the previous page ended at."""
     query = Outbox.select().where(Outbox.status == status)
@@ -684,7 +709,7 @@ def outbox_page(status, destination="", before=None, limit=PAGE_SIZE):
     return Page(rows[:limit], rows[limit - 1].id if len(rows) > limit else None)
 
 
-async def retry_now(ctx, row_id):
+async def retry_now(ctx: ConsoleContext, row_id: int) -> Outbox:
     """Put one effect back in line (as `outbox retry` does) and send it now, unless an
     earlier effect of its order is still waiting, or its destination is down (then the
     scheduler sends it after that one, or once a probe finds it back). Returns the row as
@@ -697,13 +722,13 @@ async def retry_now(ctx, row_id):
     return await ctx.db(functools.partial(Outbox.get_by_id, row_id))
 
 
-def retry_dead(ctx, destination, retried_by):
+def retry_dead(ctx: ConsoleContext, destination: str, retried_by: tuple[str, str]) -> int:
     """Every dead effect of one destination back in line, due now, each with its retry on
     its timeline (`retried_by`: operator, address); returns how many."""
     return operator.retry_all(ctx, "dead", retried_by, destination)
 
 
-def make_due_now(ctx, destination):
+def make_due_now(ctx: ConsoleContext, destination: str) -> int:
     """The effects of one destination that wait for a later try (a backoff) become due
     now, their attempts counted on; returns how many. A row on its way out is left as it
     is (`operator.not_in_flight`). Effects waiting for their destination's settings are
@@ -723,11 +748,11 @@ class Awaiting:
     due_on: datetime.date
 
 
-def settlement_queue(ctx):
+def settlement_queue(ctx: ConsoleContext) -> list[Awaiting]:
     """CRTC orders paid and awaiting their funds: business days elapsed and the day each
     becomes due (the settlement runs advance it on or after that day)."""
     today = ctx.clock().astimezone(ctx.business_tz).date()
-    queue = []
+    queue: list[Awaiting] = []
     for order in settlement.waiting_orders(Transaction(ctx)):
         paid_on = order.paid_at.astimezone(ctx.business_tz).date()
         needed = settlement.BUSINESS_DAYS_TO_SETTLE[order.payment_method]
@@ -736,7 +761,7 @@ def settlement_queue(ctx):
     return queue
 
 
-def business_day_after(start, days):
+def business_day_after(start: datetime.date, days: int) -> datetime.date:
     """The date on which `days` business days have passed since `start`."""
     day = start
     while settlement.business_days_after(start, day) < days:
@@ -744,6 +769,6 @@ def business_day_after(start, days):
     return day
 
 
-def holdback_orders():
+def holdback_orders() -> "peewee.ModelSelect[CrtcOrder]":
     return (CrtcOrder.select().where(CrtcOrder.delivered_at.is_null(False))
             .order_by(CrtcOrder.holdback_ends_at, CrtcOrder.id))

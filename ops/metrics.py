@@ -14,15 +14,19 @@ import itertools
 import json
 import logging
 import os
+from typing import Iterable, Iterator, cast
 
 from peewee import fn
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.samples import Sample
 
-from models import UTC, Outbox, database
+from models import UTC, Outbox, WebhookEvent, database
 from domain import reconcile
 from engine import commits, inbox, spool
 from engine.commits import on_commit
+from engine.contracts import EngineContext
 from engine.db import UNAVAILABLE
 from engine.destinations import DESTINATION_OF
 from engine.transaction import Transaction
@@ -40,10 +44,10 @@ JOB_RESULTS = ("ok", "failed", "skipped")
 
 
 class Metrics:
-    def __init__(self, cache_seconds=0):
+    def __init__(self, cache_seconds: float = 0) -> None:
         self.cache_seconds = cache_seconds
         # (when, the gauges' text) of the last computation.
-        self.state = None
+        self.state: tuple[datetime.datetime, bytes] | None = None
         self.registry = CollectorRegistry()
         self.events = Counter(
             "receiver_events", "Inbound events by source, type and outcome of handling "
@@ -75,19 +79,19 @@ class Metrics:
             self.login_failures.labels(reason)
         self.registry.register(StatementCollector())
 
-    def jobs_scheduled(self, names):
+    def jobs_scheduled(self, names: Iterable[str]) -> None:
         """Every job's series from the start, so that `absent` or a rate sees them."""
         for name in names:
             for result in JOB_RESULTS:
                 self.job_runs.labels(name, result)
             self.job_last_success.labels(name)
 
-    def job_ran(self, name, result, at):
+    def job_ran(self, name: str, result: str, at: datetime.datetime) -> None:
         self.job_runs.labels(name, result).inc()
         if result == "ok":
             self.job_last_success.labels(name).set(at.timestamp())
 
-    def job_status(self):
+    def job_status(self) -> dict[str, tuple[float | None, int, int]]:
         """{job: (last success as a Unix time or None, runs ok, runs failed)} of this
         process, for the console."""
         last = {sample.labels["job"]: sample.value
@@ -100,29 +104,30 @@ class Metrics:
     # Each may be called in a unit of work (engine.commits), which may run twice or be
     # undone: it is counted once its changes are committed.
 
-    def event_handled(self, event, outcome, seconds):
+    def event_handled(self, event: WebhookEvent, outcome: str, seconds: float) -> None:
         on_commit(self.events.labels(event.source, event.event_type, outcome).inc)
         on_commit(functools.partial(self.handling.labels(event.source).observe, seconds))
 
-    def event_duplicate(self, source, event_type):
+    def event_duplicate(self, source: str, event_type: str) -> None:
         on_commit(self.events.labels(source, event_type, "duplicate").inc)
 
-    def login_failed(self, reason):
+    def login_failed(self, reason: str) -> None:
         self.login_failures.labels(reason).inc()
 
-    def effect_sent(self, kind, result):
+    def effect_sent(self, kind: str, result: str) -> None:
         """An effect of `kind` (the outbox's) counted under its destination's name."""
         on_commit(self.sends.labels(DESTINATION_OF.get(kind, kind), result).inc)
 
-    async def exposition(self, ctx):
+    async def exposition(self, ctx: EngineContext) -> bytes:
         """The text format: our counters, then the gauges of this moment (or of the last
         computation, when it is less than `cache_seconds` old)."""
         return generate_latest(self.registry) + await self.gauges(ctx)
 
-    async def gauges(self, ctx):
+    async def gauges(self, ctx: EngineContext) -> bytes:
         now = ctx.clock()
         if self.state is None or not 0 <= (now - self.state[0]).total_seconds() < \
                 self.cache_seconds:
+            counted: list[Metric]
             try:
                 counted = await ctx.db(lambda: list(database_families(ctx)))
             except UNAVAILABLE as exc:
@@ -138,7 +143,7 @@ class StatementCollector:
     """The database's own count of the statements it was asked (models.ClassifiedErrors):
     read at each scrape, never cached."""
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         yield CounterMetricFamily(
             "receiver_database_statements", "Statements sent to the database by this "
             "process, BEGIN, COMMIT and ROLLBACK included.",
@@ -158,12 +163,12 @@ class StateCollector:
     """Gauges computed at scrape time. Every query uses the (status, next_attempt_at)
     indexes; the spool is a directory listing and the first line of each file."""
 
-    def __init__(self, ctx, counted):
+    def __init__(self, ctx: EngineContext, counted: list[Metric]) -> None:
         self.ctx = ctx
         # database_families' answer, or nothing when the database did not give it.
         self.counted = counted
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         database_up = GaugeMetricFamily(
             "receiver_database_up", "1 when the database answered this scrape.")
         database_up.add_metric([], 1 if self.counted else 0)
@@ -172,7 +177,7 @@ class StateCollector:
         yield from self.destination_families()
         yield from self.spool_families()
 
-    def destination_families(self):
+    def destination_families(self) -> Iterator[Metric]:
         """What this process has learnt of each destination (kept in its memory)."""
         up = GaugeMetricFamily(
             "receiver_destination_up", "1 while a destination answers, 0 while it is down "
@@ -203,7 +208,7 @@ class StateCollector:
             misconfigured.add_metric([destination.name], 1 if destination.misconfigured else 0)
         yield from (up, in_flight, refused, misconfigured, warning)
 
-    def spool_families(self):
+    def spool_families(self) -> Iterator[Metric]:
         files, size = spool_usage(self.ctx.settings.spool_dir)
         yield _gauge("receiver_spool_files", "Files in SPOOL_DIR (calls kept while the "
                      "database was down).", files)
@@ -219,10 +224,12 @@ class StateCollector:
                      "SPOOL_WAIT_LIMIT_SECONDS /readyz is not ready.", waiting)
 
 
-def database_families(ctx):
+def database_families(ctx: EngineContext) -> Iterator[Metric]:
     """The gauges the database counts. In a unit of work (ctx.db)."""
-    pending = (Outbox.select(fn.COUNT(Outbox.id), fn.MIN(Outbox.created_at))
-               .where(Outbox.status == "pending").tuples().get())
+    # One (count, the earliest created_at as the database gives it) row.
+    pending = cast(tuple[int, object], Outbox.select(fn.COUNT(Outbox.id),
+                                                     fn.MIN(Outbox.created_at))
+                   .where(Outbox.status == "pending").tuples().get())
     dead = Outbox.select().where(Outbox.status == "dead").count()
     events = operator.failures_awaiting_an_operator()
     failed, dead_events, given_up_events = events["failed"], events["dead"], events["given up"]
@@ -236,8 +243,10 @@ def database_families(ctx):
                  "Age of the oldest effect still waiting (0 when none).", age)
     yield _gauge("receiver_outbox_dead", "Effects given up on; see `outbox list "
                  "--status dead`.", dead)
-    waiting = dict(Outbox.select(Outbox.kind, fn.COUNT(Outbox.id))
-                   .where(Outbox.status == "waiting").group_by(Outbox.kind).tuples())
+    # (kind, how many) rows: peewee's types know rows of models only.
+    waiting = dict(cast(Iterable[tuple[str, int]], Outbox.select(
+        Outbox.kind, fn.COUNT(Outbox.id)).where(Outbox.status == "waiting")
+        .group_by(Outbox.kind).tuples()))
     family = GaugeMetricFamily(
         "receiver_outbox_waiting", "Effects waiting for their destination to be "
         "configured (sent once the service starts with it); not failures.",
@@ -275,17 +284,17 @@ def database_families(ctx):
     yield failing
 
 
-def _samples(metric):
+def _samples(metric: MetricWrapperBase) -> list[Sample]:
     return [sample for family in metric.collect() for sample in family.samples]
 
 
-def _gauge(name, documentation, value):
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
     family = GaugeMetricFamily(name, documentation)
     family.add_metric([], value)
     return family
 
 
-def spool_waits(ctx):
+def spool_waits(ctx: EngineContext) -> tuple[float, float]:
     """(the oldest spooled call's age, how long calls have waited in the spool while the
     database answered), in seconds; (0, 0) when none waits. The second counts from the
     later of the oldest call's arrival and the database's return as this process last
@@ -299,7 +308,7 @@ def spool_waits(ctx):
     return age, age if circuit is None else min(age, circuit.answering_for())
 
 
-def oldest_spooled_at(folder):
+def oldest_spooled_at(folder: str) -> datetime.datetime | None:
     """When the oldest call waiting in the spool came (in the live file or a file being
     drained), or None when none waits. A file's calls are appended as they come, so its
     first readable line is its oldest (engine.spool's lines)."""
@@ -317,7 +326,7 @@ def oldest_spooled_at(folder):
 FIRST_LINES_READ = 10
 
 
-def _first_call_at(path):
+def _first_call_at(path: str) -> datetime.datetime | None:
     try:
         with open(path, "rb") as lines:
             for line in itertools.islice(lines, FIRST_LINES_READ):
@@ -331,7 +340,7 @@ def _first_call_at(path):
     return None
 
 
-def spool_usage(folder):
+def spool_usage(folder: str) -> tuple[int, int]:
     """(files, bytes) under `folder`; a missing folder is an empty spool."""
     files = size = 0
     for root, _dirs, names in os.walk(folder):

@@ -20,7 +20,7 @@ Every action on rows, the console's and the command line's alike, keeps one rule
 import dataclasses
 import datetime
 import functools
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import peewee
 from peewee import Value
@@ -28,6 +28,7 @@ from peewee import Value
 from models import ConsoleAction, Outbox, WebhookEvent
 from engine import inbox
 from engine.claims import lease
+from engine.contracts import EngineContext
 from engine.destinations import DESTINATION_OF
 
 EVENT_SOURCES = ("workflow", "card", "crypto")
@@ -56,7 +57,7 @@ class Refused(Exception):
     what to add to ask for it."""
 
 
-def note_holds(events):
+def note_holds(events: list[WebhookEvent]) -> list[WebhookEvent]:
     """Set each event's `held`: what it waits behind, as the operator reads it ("held
     behind event #12 (failed: ...)"), or None. In a unit."""
     found = inbox.holds([event.id for event in events])
@@ -66,12 +67,15 @@ def note_holds(events):
     return events
 
 
-def held_text(hold):
+def held_text(hold: inbox.Hold) -> str:
     why = f"{hold.status}: {hold.reason}" if hold.reason else hold.status
     return f"held behind event #{hold.behind} ({why})"
 
 
-def list_events(source=None, status=None, since=None, until=None, limit=50):
+def list_events(source: str | None = None, status: str | None = None,
+                since: datetime.datetime | None = None,
+                until: datetime.datetime | None = None,
+                limit: int = 50) -> list[WebhookEvent]:
     """The newest events first, filtered; `since` inclusive, `until` exclusive; each with
     what it is held behind (`note_holds`)."""
     query = WebhookEvent.select()
@@ -87,19 +91,19 @@ def list_events(source=None, status=None, since=None, until=None, limit=50):
                                           WebhookEvent.id.desc()).limit(limit)))
 
 
-def source_of(event):
+def source_of(event: WebhookEvent) -> str:
     """The event's source, and how it came when not from its sender."""
     return f"{event.source} (reconciled)" if event.reconciled else event.source
 
 
-def get_event(event_id):
+def get_event(event_id: int) -> WebhookEvent:
     event = WebhookEvent.get_or_none(WebhookEvent.id == event_id)
     if event is None:
         raise NotFound(f"no event #{event_id}")
     return event
 
 
-def event_with_effects(event_id):
+def event_with_effects(event_id: int) -> tuple[WebhookEvent, list[Outbox]]:
     """(the event, with what it is held behind (`note_holds`) and whether later events
     of its order overtook it (`overtaken`: a replay would be out of sequence), its
     outbox rows); NotFound when there is no such event."""
@@ -108,13 +112,13 @@ def event_with_effects(event_id):
     return event, list(Outbox.select().where(Outbox.event == event.id).order_by(Outbox.id))
 
 
-async def replay(ctx, event_id, force=False):
+async def replay(ctx: EngineContext, event_id: int, force: bool = False) -> str:
     """Handle one event again; returns the outcome (processed, failed, ignored...)."""
     event = await ctx.db(functools.partial(_to_replay, ctx, event_id, force))
     return await inbox.process(ctx, event)
 
 
-def _to_replay(ctx, event_id, force):
+def _to_replay(ctx: EngineContext, event_id: int, force: bool) -> WebhookEvent:
     event = get_event(event_id)
     if event.status not in UNFINISHED:
         if not force and event.given_up_at:
@@ -132,11 +136,11 @@ def _to_replay(ctx, event_id, force):
     return event
 
 
-def _overtaken(event):
+def _overtaken(event: WebhookEvent) -> bool:
     return WebhookEvent.select().where(WebhookEvent.id == event.id, inbox.overtaken()).exists()
 
 
-def _reopen(ctx, event):
+def _reopen(ctx: EngineContext, event: WebhookEvent) -> WebhookEvent:
     """To be handled again: a give-up it had is undone (the record of actions keeps it)."""
     now = ctx.clock()
     (WebhookEvent.update(status="received", attempts=0, next_attempt_at=None, updated_at=now,
@@ -151,7 +155,8 @@ class Replayed:
     outcome: str
 
 
-async def replay_failed(ctx, progress: Optional[Callable[[int, int], None]] = None):
+async def replay_failed(ctx: EngineContext, progress: Optional[Callable[[int, int], None]] = None
+                        ) -> list[Replayed]:
     """Every failed or dead event but those an operator gave up and those later events of
     their order have overtaken (engine.inbox.overtaken: one is replayed alone, forced),
     oldest first, one after the other (so the effects of one order keep their order);
@@ -159,7 +164,7 @@ async def replay_failed(ctx, progress: Optional[Callable[[int, int], None]] = No
     failed = await ctx.db(lambda: list(
         WebhookEvent.select().where(awaiting_an_operator(), ~inbox.overtaken())
         .order_by(WebhookEvent.received_at, WebhookEvent.id)))
-    replayed = []
+    replayed: list[Replayed] = []
     if progress:
         progress(0, len(failed))
     for event in failed:
@@ -199,7 +204,7 @@ def failures_awaiting_an_operator() -> dict[str, int]:
             "given up": given_up}
 
 
-def give_up_events(ctx, conditions: Sequence[peewee.Expression], reason: str,
+def give_up_events(ctx: EngineContext, conditions: Sequence[peewee.Expression], reason: str,
                    given_up_by: tuple[str, str]) -> int:
     """The events matching every one of `conditions` that await an operator
     (`awaiting_an_operator`) and that no handling holds (`not_in_flight`), given up: dead,
@@ -218,7 +223,7 @@ def give_up_events(ctx, conditions: Sequence[peewee.Expression], reason: str,
             .where(*chosen).execute())
 
 
-def give_up_event(ctx, event_id: int, reason: str,
+def give_up_event(ctx: EngineContext, event_id: int, reason: str,
                   given_up_by: tuple[str, str]) -> WebhookEvent:
     """One event given up (`give_up_events`); NotFound, or Refused when it is not one that
     awaits an operator, or a handling may hold it."""
@@ -234,7 +239,7 @@ def give_up_event(ctx, event_id: int, reason: str,
     return get_event(event_id)
 
 
-def retry_events(ctx, conditions: Sequence[peewee.Expression],
+def retry_events(ctx: EngineContext, conditions: Sequence[peewee.Expression],
                  retried_by: tuple[str, str]) -> int:
     """The events matching every one of `conditions` that await an operator, that no
     handling holds and that no later event of their order has overtaken
@@ -251,7 +256,9 @@ def retry_events(ctx, conditions: Sequence[peewee.Expression],
             .where(*chosen).execute())
 
 
-def _record_each(model, chosen, by, action, outcome, now):
+def _record_each(model: type[Outbox] | type[WebhookEvent], chosen: Sequence[peewee.Expression],
+                 by: tuple[str, str], action: str, outcome: str,
+                 now: datetime.datetime) -> None:
     """One record of `action` by `by` (operator, address) for each row of `model` that
     `chosen` selects, in one statement (a bulk action may take thousands)."""
     operator_name, address = by
@@ -266,7 +273,8 @@ def _record_each(model, chosen, by, action, outcome, now):
                 ConsoleAction.updated_at]).execute()
 
 
-def list_outbox(status=None, limit=50, destination=None):
+def list_outbox(status: str | None = None, limit: int = 50,
+                destination: str | None = None) -> list[Outbox]:
     query = Outbox.select()
     if status:
         query = query.where(Outbox.status == status)
@@ -275,7 +283,8 @@ def list_outbox(status=None, limit=50, destination=None):
     return list(query.order_by(Outbox.id.desc()).limit(limit))
 
 
-def not_in_flight(ctx, model: type[Outbox] | type[WebhookEvent]) -> peewee.Expression:
+def not_in_flight(ctx: EngineContext,
+                  model: type[Outbox] | type[WebhookEvent]) -> peewee.Expression:
     """The rows of `model` no process may be working on now: the one rule of every
     operator's action on effects and events, from the console or the command line.
 
@@ -296,13 +305,13 @@ def not_in_flight(ctx, model: type[Outbox] | type[WebhookEvent]) -> peewee.Expre
                & (WebhookEvent.received_at <= now - lease(ctx))))
 
 
-def in_flight(ctx, row: Outbox | WebhookEvent) -> bool:
+def in_flight(ctx: EngineContext, row: Outbox | WebhookEvent) -> bool:
     """`not_in_flight`'s rule for one row already read, for the pages: whether an action
     on it would be left undone now (its buttons are not offered then)."""
     return held_until(ctx, row) is not None
 
 
-def held_until(ctx, row: Outbox | WebhookEvent) -> datetime.datetime | None:
+def held_until(ctx: EngineContext, row: Outbox | WebhookEvent) -> datetime.datetime | None:
     """Until when a process may be working on `row` (`not_in_flight`), or None."""
     now = ctx.clock()
     if isinstance(row, Outbox):
@@ -314,7 +323,7 @@ def held_until(ctx, row: Outbox | WebhookEvent) -> datetime.datetime | None:
     return until if until is not None and now < until <= now + lease(ctx) else None
 
 
-def in_flight_refusal(ctx, row: Outbox | WebhookEvent) -> Refused:
+def in_flight_refusal(ctx: EngineContext, row: Outbox | WebhookEvent) -> Refused:
     """Why an action left `row` as it is (`not_in_flight`)."""
     until = format_time(held_until(ctx, row) or ctx.clock())
     if isinstance(row, Outbox):
@@ -326,7 +335,7 @@ def in_flight_refusal(ctx, row: Outbox | WebhookEvent) -> Refused:
                    "that time")
 
 
-def retry_outbox(ctx, row_id):
+def retry_outbox(ctx: EngineContext, row_id: int) -> Outbox:
     """Put one pending, waiting or dead effect back in line, due now, with a fresh
     attempt count; Refused for one sent, logged, or on its way out (`not_in_flight`)."""
     row = Outbox.get_or_none(Outbox.id == row_id)
@@ -343,7 +352,8 @@ def retry_outbox(ctx, row_id):
     return Outbox.get_by_id(row_id)
 
 
-def retry_all(ctx, status, retried_by=None, destination=None):
+def retry_all(ctx: EngineContext, status: str, retried_by: tuple[str, str] | None = None,
+              destination: str | None = None) -> int:
     """Put every effect in `status` (dead, waiting or pending), of one destination or of
     all, back in line, due now; returns how many. `retried_by`: see `requeue`."""
     if status not in RETRYABLE_OUTBOX_STATUSES:
@@ -354,7 +364,8 @@ def retry_all(ctx, status, retried_by=None, destination=None):
     return requeue(ctx, condition, retried_by)
 
 
-def requeue(ctx, condition, retried_by=None):
+def requeue(ctx: EngineContext, condition: peewee.Expression,
+            retried_by: tuple[str, str] | None = None) -> int:
     """Rows matching `condition`, unless sent, logged or on their way out
     (`not_in_flight`), back to pending, due now, attempts reset; returns how many.
     `retried_by` (operator, address): each row's timeline shows the retry as its own line,
@@ -370,7 +381,7 @@ def requeue(ctx, condition, retried_by=None):
             .where(*requeued).execute())
 
 
-def parse_time(text):
+def parse_time(text: str) -> datetime.datetime:
     """ISO 8601 date or date-time; without an offset it is taken as UTC."""
     value = datetime.datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
     if value.tzinfo is None:
@@ -378,11 +389,11 @@ def parse_time(text):
     return value.astimezone(datetime.timezone.utc)
 
 
-def format_time(value):
+def format_time(value: datetime.datetime | None) -> str:
     return value.strftime("%Y-%m-%d %H:%M:%S") if value else "-"
 
 
-def table(headers, rows):
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """Plain text columns, as wide as their widest cell; empty cells show as "-"."""
     cells = [[str(cell) if cell not in (None, "") else "-" for cell in row] for row in rows]
     widths = [max(len(h), *(len(row[i]) for row in cells)) if cells else len(h)
@@ -392,6 +403,6 @@ def table(headers, rows):
                      for line in lines)
 
 
-def clip(text, width=48):
+def clip(text: str | None, width: int = 48) -> str:
     text = " ".join((text or "").split())
     return text if len(text) <= width else text[:width - 1] + "…"

@@ -21,22 +21,22 @@ class WeakPassword(ValueError):
     """The password is too short to protect state that moves money."""
 
 
-def _b64(raw):
+def _b64(raw: bytes) -> str:
     return base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
 
 
-def _unb64(text):
+def _unb64(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
-def _derive(password, salt, log_n, r, p):
+def _derive(password: str, salt: bytes, log_n: int, r: int, p: int) -> bytes:
     n = 1 << log_n
     # scrypt needs 128 * n * r bytes; Python's default ceiling (32 MiB) is just that.
     return hashlib.scrypt(password.encode("utf-8"), salt=salt, n=n, r=r, p=p,
                           maxmem=256 * n * r, dklen=KEY_BYTES)
 
 
-def hash_password(password):
+def hash_password(password: str) -> str:
     if len(password) < MIN_PASSWORD_LENGTH:
         raise WeakPassword(f"the password must be at least {MIN_PASSWORD_LENGTH} characters")
     salt = os.urandom(SALT_BYTES)
@@ -44,7 +44,7 @@ def hash_password(password):
     return f"scrypt${LOG_N}${R}${P}${_b64(salt)}${_b64(key)}"
 
 
-def verify_password(password, stored):
+def verify_password(password: str | None, stored: str | None) -> bool:
     """Whether `password` is the one `stored` was made from (constant-time comparison)."""
     parts = PASSWORD_HASH.fullmatch(stored or "")
     if parts is None or not password:

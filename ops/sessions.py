@@ -31,7 +31,7 @@ def open_session(operator_name: str, password_hash: str, now: datetime.datetime,
     return token
 
 
-def operator_of(token: str, password_hash: str, now: datetime.datetime):
+def operator_of(token: str, password_hash: str, now: datetime.datetime) -> str | None:
     """The operator's name, for a session neither ended nor expired and opened with
     today's password; None otherwise."""
     row = ConsoleSession.get_or_none(ConsoleSession.token_hash == _hashed(token))

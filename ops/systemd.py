@@ -6,11 +6,12 @@ $NOTIFY_SOCKET (not started by systemd) every call does nothing."""
 import logging
 import os
 import socket
+from typing import Mapping
 
 log = logging.getLogger("receiver.systemd")
 
 
-def notify(message, environ=None):
+def notify(message: str, environ: Mapping[str, str] | None = None) -> bool:
     """Send `message` (e.g. "READY=1"); return True when a notify socket took it."""
     address = (os.environ if environ is None else environ).get("NOTIFY_SOCKET", "")
     if not address:
@@ -27,7 +28,7 @@ def notify(message, environ=None):
     return True
 
 
-def watchdog_interval(environ=None):
+def watchdog_interval(environ: Mapping[str, str] | None = None) -> float | None:
     """Seconds between WATCHDOG=1 pings (half of WatchdogSec), or None when not asked for."""
     env = os.environ if environ is None else environ
     usec = env.get("WATCHDOG_USEC", "")
