@@ -35,7 +35,7 @@ from domain.orders import OrderNotFound, email_admin, settle_status
 from domain.payment_state import Change, DisputeFact, RefundFact
 from engine.contracts import EngineContext
 from engine.transaction import Transaction
-from models import ORDER_MODELS, ComplianceOrder, OrderBase
+from models import ORDER_MODELS, ComplianceOrder, CrtcOrder, OrderBase
 
 log = logging.getLogger("receiver.card")
 
@@ -192,7 +192,7 @@ def record_dispute(ctx: EngineContext, tx: Transaction, found: Found, note: str,
     order.append_note(f"{shown}: {fact.reason}, amount {fact.amount} ({_stamp(ctx)})")
     settle_status(ctx, tx, order)
     commission = None
-    if order.kind == holdback.ORDER_TYPE:
+    if isinstance(order, CrtcOrder):
         commission = holdback.forfeit(ctx, tx, order,
                                       f"dispute {fact.dispute_id}: {fact.reason}")
     _tell_dispute_opened(ctx, tx, order, fact, commission)
@@ -262,7 +262,7 @@ def record_refund(ctx: EngineContext, tx: Transaction, found: Found, fact: Refun
                       f"{fact.charge_id} ({_stamp(ctx)})")
     settle_status(ctx, tx, order)
     commission = None
-    if fact.complete and order.kind == holdback.ORDER_TYPE:
+    if fact.complete and isinstance(order, CrtcOrder):
         commission = holdback.forfeit(ctx, tx, order,
                                       f"charge {fact.charge_id} refunded in full")
     email_admin(ctx, tx, f"Refund {how} on order {order.order_number}: {fact.refunded}",

@@ -309,7 +309,8 @@ def receive_payment(ctx: EngineContext, payload: dict[str, Any], tx: Transaction
     except Refused as refused:
         tx.retry_later(f"payment not completed: {refused}")
         return
-    if callback.listed and order.stripe_session_id.startswith(CRYPTO_REFERENCE + FALLBACK_TXID):
+    if callback.listed and (order.stripe_session_id or "").startswith(
+            CRYPTO_REFERENCE + FALLBACK_TXID):
         # Completed first by a callback that listed no transaction: the invoice's first
         # transaction names the payment from now on, as it would have from the start.
         order.stripe_session_id = reference

@@ -43,6 +43,8 @@ class Registry(Protocol):
 
     def orders_of(self, key: str, payload: Any) -> Sequence[OrderRef]: ...
 
+    def keys(self) -> list[str]: ...
+
 
 class EngineContext(Protocol):
     """What the engine asks of the context it is given (app.context.Context)."""

@@ -986,7 +986,7 @@ async def deliver_committed(ctx: EngineContext, rows: list[Outbox]) -> None:
 
 
 def _handle_in_transaction(ctx: EngineContext, event: WebhookEvent, plugin: Plugin,
-                           payload: Any) -> tuple[str, outbox.Effects | None]:
+                           payload: Any) -> tuple[str, Transaction | None]:
     """(outcome, the effects asked for); (status, None) when another handling had
     already settled the event, (HELD, None) when it waits behind an earlier one."""
     status, held_behind = STATUS_AND_HOLD.execute(id=event.id).fetchone()
@@ -1009,7 +1009,7 @@ def _held_by(ctx: EngineContext, event: WebhookEvent) -> int | None:
 
 
 def _run_plain(ctx: EngineContext, event: WebhookEvent, plugin: Plugin, payload: Any,
-               first_handling: bool = False) -> tuple[str, outbox.Effects]:
+               first_handling: bool = False) -> tuple[str, Transaction]:
     """`first_handling`: the event was stored in this same unit, as processed."""
     effects = Transaction(ctx, event, first_handling)
     plugin(ctx, payload, effects)

@@ -755,7 +755,7 @@ def settlement_queue(ctx: ConsoleContext) -> list[Awaiting]:
     queue: list[Awaiting] = []
     for order in settlement.waiting_orders(Transaction(ctx)):
         paid_on = order.paid_at.astimezone(ctx.business_tz).date()
-        needed = settlement.BUSINESS_DAYS_TO_SETTLE[order.payment_method]
+        needed = settlement.BUSINESS_DAYS_TO_SETTLE[order.payment_method or ""]
         queue.append(Awaiting(order, settlement.business_days_after(paid_on, today), needed,
                               business_day_after(paid_on, needed)))
     return queue

@@ -236,9 +236,9 @@ def database_families(ctx: EngineContext) -> Iterator[Metric]:
     backlog, oldest = pending
     yield _gauge("receiver_outbox_pending", "Effects waiting to be sent.", backlog)
     age = 0.0
-    if oldest is not None:
-        age = max(0.0, (ctx.clock() - Outbox.created_at.python_value(oldest))
-                  .total_seconds())
+    created = Outbox.created_at.python_value(oldest)
+    if created is not None:
+        age = max(0.0, (ctx.clock() - created).total_seconds())
     yield _gauge("receiver_outbox_oldest_pending_age_seconds",
                  "Age of the oldest effect still waiting (0 when none).", age)
     yield _gauge("receiver_outbox_dead", "Effects given up on; see `outbox list "

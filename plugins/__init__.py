@@ -8,13 +8,13 @@ imports a plugin (the engine finds them through the context).
 import importlib
 import pkgutil
 
-from plugins.registry import card_events, crypto_statuses, workflow_webhooks
+from plugins.registry import Registry, card_events, crypto_statuses, workflow_webhooks
 
 _SUBPACKAGES = ("workflow", "card", "crypto")
 _loaded = False
 
 
-def registries():
+def registries() -> dict[str, Registry]:
     global _loaded
     if not _loaded:
         for subpackage in _SUBPACKAGES:

@@ -25,7 +25,7 @@ def handle(ctx: EngineContext, event: dict[str, Any], tx: Transaction) -> None:
         return
     subscription = subscription_of_invoice(invoice)
     order = tx.order_with_subscription(subscription)
-    if order is None:
+    if order is None or subscription is None:
         # Its checkout.session.completed may not have linked the subscription yet.
         raise OrderNotFound(f"no compliance order with subscription {subscription!r}")
     if not received(order):
