@@ -194,8 +194,8 @@ class EventFilter:
     status: str = ""
     # An order number or an external id: either matches.
     search: str = ""
-    since: datetime.datetime = None
-    until: datetime.datetime = None
+    since: datetime.datetime | None = None
+    until: datetime.datetime | None = None
 
     def conditions(self):
         """The filter as conditions on WebhookEvent, all to hold."""
