@@ -23,7 +23,7 @@ import logging
 import re
 import secrets
 import urllib.parse
-from typing import Any, Awaitable, NoReturn
+from typing import Any, NoReturn
 
 import markupsafe
 import tornado.httputil

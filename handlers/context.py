@@ -24,9 +24,17 @@ class Running(Protocol):
 
 class HandlerContext(EngineContext, Protocol):
     metrics: Metrics
-    # Failed authentications per client address (handlers.base.ApiHandler).
-    auth_failures: Allowance
     # The request bodies held in memory (handlers.budget).
     bodies: BodyBudget
-    # None until `serve` has started the scheduler.
-    scheduler: Running | None
+
+    # Read only, so that a context may hold a narrower kind (app.context.Context: a
+    # RateLimiter; the Scheduler).
+    @property
+    def auth_failures(self) -> Allowance:
+        """Failed authentications per client address (handlers.base.ApiHandler)."""
+        ...
+
+    @property
+    def scheduler(self) -> Running | None:
+        """None until `serve` has started the scheduler."""
+        ...
