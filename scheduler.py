@@ -19,8 +19,8 @@ import concurrent.futures
 import dataclasses
 import datetime
 import logging
-import typing
 import zlib
+from typing import Any, Awaitable, Callable, Protocol, Sequence
 
 import psycopg2
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
@@ -32,7 +32,10 @@ from engine.errors import DatabaseDown
 from domain import holdback, reconcile, reminders
 from engine import inbox, outbox, retention, spool
 from engine.commits import budget
+from engine.contracts import EngineContext
 from engine.db import UNAVAILABLE, why_unavailable
+from ops.metrics import Metrics
+from settings import Settings
 
 log = logging.getLogger("receiver.scheduler")
 REPEATS = lograte.Repeats(log)
@@ -43,23 +46,29 @@ HOURLY = 3600
 STOP_GRACE_SECONDS = 5
 
 
-async def settle(ctx):
+class SchedulerContext(EngineContext, Protocol):
+    """What the scheduler asks of the context (app.context.Context): the engine's, and the
+    metrics that count its jobs' runs."""
+    metrics: Metrics
+
+
+async def settle(ctx: SchedulerContext) -> Any:
     from domain.settlement import settle_crtc_orders
     from engine.transaction import Transaction
     return await settle_crtc_orders(ctx, Transaction(ctx))
 
 
-async def prune(ctx):
+async def prune(ctx: SchedulerContext) -> tuple[int, int]:
     # In the database thread, in bounded batches: on SQLite a long delete would hold the
     # write lock the request path's turns wait for.
     return await retention.prune_all(ctx)
 
 
-def nothing_refused(result):
+def nothing_refused(result: object) -> bool:
     return False
 
 
-def frappe_refused(counts):
+def frappe_refused(counts: reconcile.Counts) -> bool:
     """A reconciliation run Frappe did not answer or refused (a doctype not listed) ran
     to its end without doing its work: a failed run to the console and /metrics."""
     return bool(counts.failed)
@@ -68,17 +77,19 @@ def frappe_refused(counts):
 @dataclasses.dataclass(frozen=True)
 class Job:
     name: str
-    run: typing.Callable
-    every: typing.Callable  # settings -> seconds
+    # A run's result is the job's own (counts, a number of rows...).
+    run: Callable[[SchedulerContext], Awaitable[Any]]
+    # Seconds between runs; 0: never.
+    every: Callable[[Settings], float]
     at_start: bool = True
     # Runs in one process at a time (its advisory lock); False: in each process.
     one_process: bool = True
     # Whether a run that returned `result` was refused by what it depends on: counted
     # failed, as a run that raised.
-    refused: typing.Callable = nothing_refused
+    refused: Callable[[Any], bool] = nothing_refused
 
     @property
-    def lock_id(self):
+    def lock_id(self) -> int:
         return zlib.crc32(f"receiver.job.{self.name}".encode())
 
 
@@ -114,7 +125,7 @@ class AdvisoryLock:
 
     def __init__(self, lock_id: int) -> None:
         self.lock_id = lock_id
-        self.session: typing.Any = None
+        self.session: Any = None
 
     async def acquire(self) -> bool:
         if not is_postgres():
@@ -164,7 +175,7 @@ class AdvisoryLock:
             session.close()
 
 
-def _still_running(record):
+def _still_running(record: logging.LogRecord) -> bool:
     """APScheduler warns of every tick that finds the job's last run still going on. The
     outbox's run lasts as long as a backlog drains, on purpose: not worth a warning."""
     message = record.getMessage()
@@ -173,20 +184,20 @@ def _still_running(record):
 
 
 class Scheduler:
-    def __init__(self, ctx, jobs=JOBS):
+    def __init__(self, ctx: SchedulerContext, jobs: Sequence[Job] = JOBS) -> None:
         self.ctx = ctx
         self.jobs = jobs
         self.apscheduler = AsyncIOScheduler(timezone=UTC)
-        self.in_progress = set()
-        self.running_jobs = set()
+        self.in_progress: set[asyncio.Task[Any]] = set()
+        self.running_jobs: set[str] = set()
         ctx.metrics.jobs_scheduled(job.name for job in jobs)
 
     @property
-    def running(self):
+    def running(self) -> bool:
         """For /readyz: the jobs are scheduled and will run."""
         return self.apscheduler.running
 
-    async def start(self):
+    async def start(self) -> None:
         """Drain the spool left by an earlier run, then schedule every job."""
         await self.run(JOBS_BY_NAME["spool"])
         now = datetime.datetime.now(UTC)
@@ -206,16 +217,18 @@ class Scheduler:
         # (asked from the send that found it back, so after that send is done).
         if "outbox" in {job.name for job in self.jobs}:
             loop = asyncio.get_running_loop()
-            self.ctx.destinations.when_recovered(
-                lambda: loop.call_soon(self.run_soon, "outbox"))
+
+            def send_the_backlog() -> None:
+                loop.call_soon(self.run_soon, "outbox")
+            self.ctx.destinations.when_recovered(send_the_backlog)
         log.info("scheduler started: %s", ", ".join(job.name for job in self.jobs))
 
-    def run_soon(self, name):
+    def run_soon(self, name: str) -> None:
         """Run job `name` now, unless a run of it is going on (it picks up the work)."""
         if self.apscheduler.running and name not in self.running_jobs:
             self.apscheduler.modify_job(name, next_run_time=datetime.datetime.now(UTC))
 
-    async def stop(self, grace=STOP_GRACE_SECONDS):
+    async def stop(self, grace: float = STOP_GRACE_SECONDS) -> None:
         """No new runs; wait up to `grace` seconds for the runs in progress, then cancel
         those left (a long outbox pass, say). Cancelling is safe: what a run had claimed
         stays leased, and a later run, here or in another process, takes it after the
@@ -238,12 +251,13 @@ class Scheduler:
         while self.apscheduler.running:  # AsyncIOScheduler shuts down on the next loop turn
             await asyncio.sleep(0.01)
 
-    async def run(self, job):
+    async def run(self, job: Job) -> Any:
         """One run of `job` if this process gets its lock; returns the job's result, or
         None when skipped or failed (a failure is logged, once for a failure repeating
         at every tick; the next run tries again)."""
         lograte.flush_all()
         task = asyncio.current_task()
+        assert task is not None  # a coroutine the loop runs is in a task
         self.in_progress.add(task)
         self.running_jobs.add(job.name)
         try:
@@ -255,7 +269,7 @@ class Scheduler:
             self.in_progress.discard(task)
             self.running_jobs.discard(job.name)
 
-    async def _run_locked(self, job):
+    async def _run_locked(self, job: Job) -> Any:
         lock = AdvisoryLock(job.lock_id)
         try:
             if job.one_process and not await lock.acquire():

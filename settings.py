@@ -12,8 +12,15 @@ import os
 import re
 import urllib.parse
 import zoneinfo
+from typing import Any, Callable, Mapping, TypeVar
 
 log = logging.getLogger("receiver.settings")
+
+T = TypeVar("T")
+# The environment variables (os.environ, or a test's own).
+Environ = Mapping[str, str]
+# TRUSTED_PROXIES, read.
+Networks = tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
 
 PLACEHOLDER_WEBHOOK_SECRET = "change-me-webhook-secret"
 PLACEHOLDER_LINK_SECRET = "change-me-link-secret"
@@ -54,26 +61,57 @@ class ConfigurationError(Exception):
     """The settings cannot run the service; the message says which one and why."""
 
 
-def _number(environ, name, default, parse, kind):
-    raw = environ.get(name, "").strip()
-    if not raw:
-        return default
+def _parsed(name: str, raw: str, parse: Callable[[str], T], kind: str) -> T:
+    """`raw` (set, not blank) as `parse` reads it; what it refuses (ValueError) is a
+    ConfigurationError saying what `name` must be."""
     try:
         return parse(raw)
     except ValueError:
         raise ConfigurationError(f"{name} must be {kind}, got {raw!r}") from None
 
 
-def _int(environ, name, default):
-    return _number(environ, name, default, int, "a whole number")
+def _each_set(environ: Environ, names: Mapping[str, str], parse: Callable[[str], T],
+              kind: str) -> dict[str, T]:
+    """{attribute: value} of the settings of `names` ({environment name: attribute}) that
+    the environment sets, spaces around the value dropped; unset or blank, a setting is
+    left out (it keeps its default)."""
+    values = {}
+    for name, attribute in names.items():
+        raw = environ.get(name, "").strip()
+        if raw:
+            values[attribute] = _parsed(name, raw, parse, kind)
+    return values
 
 
-def _seconds(environ, name, default):
-    return _number(environ, name, default, float, "a number of seconds")
+def _texts(environ: Environ) -> dict[str, str]:
+    return _each_set(environ, TEXTS, str, "text")
 
 
-def _percent(environ, name, default):
-    def parse(raw):
+def _base_urls(environ: Environ) -> dict[str, str]:
+    """Without their trailing slashes: paths are joined on."""
+    return _each_set(environ, BASE_URLS, lambda raw: raw.rstrip("/"), "a URL")
+
+
+def _whole_numbers(environ: Environ) -> dict[str, int]:
+    return _each_set(environ, WHOLE_NUMBERS, int, "a whole number")
+
+
+def _durations(environ: Environ) -> dict[str, float]:
+    return _each_set(environ, DURATIONS, float, "a number of seconds")
+
+
+def _lists(environ: Environ) -> dict[str, tuple[str, ...]]:
+    """A list that names nothing (only commas) keeps its default."""
+    return {attribute: parts for name, attribute in LISTS.items()
+            if (parts := _csv(environ.get(name, "")))}
+
+
+def _percent(environ: Environ, name: str, default: decimal.Decimal) -> decimal.Decimal:
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return default
+
+    def parse(raw: str) -> decimal.Decimal:
         try:
             value = decimal.Decimal(raw)
         except decimal.InvalidOperation:
@@ -81,14 +119,14 @@ def _percent(environ, name, default):
         if not value.is_finite() or value < 0:
             raise ValueError(raw)
         return value
-    return _number(environ, name, default, parse, "a percentage of 0 or more (such as 5 or 2.5)")
+    return _parsed(name, raw, parse, "a percentage of 0 or more (such as 5 or 2.5)")
 
 
-def _csv(raw):
+def _csv(raw: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in raw.split(",") if part.strip())
 
 
-def _networks(environ, name):
+def _networks(environ: Environ, name: str) -> Networks:
     """Comma-separated IP addresses or networks (`127.0.0.1, 10.0.0.0/8, ::1`)."""
     try:
         return tuple(ipaddress.ip_network(part, strict=False)
@@ -99,7 +137,7 @@ def _networks(environ, name):
             f"comma-separated: {exc}") from None
 
 
-def _days(environ, name, default):
+def _days(environ: Environ, name: str, default: tuple[int, ...]) -> tuple[int, ...]:
     """A comma-separated list of whole numbers of days, each 1 or more."""
     parts = _csv(environ.get(name, ""))
     if not parts:
@@ -111,7 +149,7 @@ def _days(environ, name, default):
     return tuple(sorted({int(part) for part in parts}, reverse=True))
 
 
-def _state_paths(raw, waiting_state):
+def _state_paths(raw: str, waiting_state: str) -> tuple[tuple[str, str], ...]:
     """WORKFLOW_RECONCILE_STATES: `path=Frappe state` pairs, comma-separated, as a tuple
     of (path, state); unset, the defaults (the CRTC one names CRTC_WAITING_STATE)."""
     if not raw.strip():
@@ -129,7 +167,7 @@ def _state_paths(raw, waiting_state):
     return tuple(pairs)
 
 
-def _senders(environ):
+def _senders(environ: Environ) -> tuple[str, ...]:
     """SENDERS: which senders the shop uses, comma-separated, each one of SENDER_KEYS."""
     named = tuple(part.lower() for part in _csv(environ.get("SENDERS", "")))
     unknown = [name for name in named if name not in SENDER_KEYS]
@@ -140,12 +178,12 @@ def _senders(environ):
     return named or DEFAULT_SENDERS
 
 
-def _placeholder(value):
+def _placeholder(value: str) -> bool:
     """An unset key, or the example's stand-in for one."""
     return not value or value.lower().startswith("change-me")
 
 
-def _check_url(name, value, schemes):
+def _check_url(name: str, value: str, schemes: tuple[str, ...]) -> None:
     if not value:
         return
     parts = urllib.parse.urlsplit(value)
@@ -220,7 +258,70 @@ URL_SCHEMES = {
 }
 
 
-def local_base_url(host, port):
+# How each setting is read from its environment variable, by name. Unset or blank, a
+# setting keeps its default; spaces around a value are dropped.
+TEXTS = {
+    "RECEIVER_HOST": "host",
+    "RECEIVER_ENV": "env",
+    "RECEIVER_LOG_FORMAT": "log_format",
+    "DATABASE_URL": "database_url",
+    "SPOOL_DIR": "spool_dir",
+    "WEBHOOK_SECRET": "webhook_secret",
+    "WORKFLOW_WEBHOOK_SIGNING_SECRET": "workflow_webhook_signing_secret",
+    "STRIPE_SECRET_KEY": "stripe_secret_key",
+    "STRIPE_API_BASE": "stripe_api_base",
+    "CRYPTO_PROCESSOR_API_KEY": "crypto_processor_api_key",
+    "ORDERS_API_KEY": "orders_api_key",
+    "WORKFLOW_API_KEY": "workflow_api_key",
+    "WORKFLOW_API_SECRET": "workflow_api_secret",
+    "WORKFLOW_SITE_NAME": "workflow_site_name",
+    "WORKFLOW_DOCTYPE": "workflow_doctype",
+    "WORKFLOW_TIME_ZONE": "workflow_time_zone",
+    "CRTC_DOCTYPE": "crtc_doctype",
+    "CRTC_FUNDS_ACTION": "crtc_funds_action",
+    "CRTC_WAITING_STATE": "crtc_waiting_state",
+    "ADMIN_EMAIL": "admin_email",
+    "MAIL_FROM": "mail_from",
+    "SMTP_URL": "smtp_url",
+    "TELEGRAM_BOT_TOKEN": "telegram_bot_token",
+    "TELEGRAM_CHAT_ID": "telegram_chat_id",
+    "LINK_SECRET": "link_secret",
+    "BUSINESS_TZ": "business_tz",
+    "CONSOLE_PASSWORD_HASH": "console_password_hash",
+    "COOKIE_SECRET": "cookie_secret",
+    "METRICS_TOKEN": "metrics_token",
+}
+# URLs that paths are joined on: without their trailing slash.
+BASE_URLS = {
+    "WORKFLOW_URL": "workflow_url",
+    "WORKER_URL": "worker_url",
+    "TELEGRAM_API_URL": "telegram_api_url",
+    "PUBLIC_BASE_URL": "public_base_url",
+}
+WHOLE_NUMBERS = {
+    **POSITIVE_NUMBERS,
+    "RECEIVER_PORT": "port",
+    "WORKFLOW_RECONCILE_MINUTES": "workflow_reconcile_minutes",
+    "WORKFLOW_RECONCILE_SETTLE_SECONDS": "workflow_reconcile_settle_seconds",
+    "PUBLIC_RATE_LIMIT": "public_rate_limit",
+    "AUTH_FAILURE_LIMIT": "auth_failure_limit",
+}
+# Numbers of seconds, fractions allowed.
+DURATIONS = {
+    "WORKFLOW_RECONCILE_DATABASE_SECONDS": "workflow_reconcile_database_seconds",
+    "OUTBOUND_DOWN_AFTER_SECONDS": "outbound_down_after_seconds",
+    "WORKFLOW_ANSWER_BUDGET_SECONDS": "workflow_answer_budget_seconds",
+    "DATABASE_CALL_BUDGET_SECONDS": "database_call_budget_seconds",
+}
+# Comma-separated.
+LISTS = {
+    "STRIPE_WEBHOOK_SECRET": "stripe_webhook_secrets",
+    "IFTA_SERVICE_SLUGS": "ifta_service_slugs",
+    "UCR_SERVICE_SLUGS": "ucr_service_slugs",
+}
+
+
+def local_base_url(host: str, port: int) -> str:
     """Where this machine reaches the service: PUBLIC_BASE_URL's default, so that a link
     printed on a machine without a public name points at the port really served."""
     host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
@@ -238,12 +339,12 @@ class Settings:
     webhook_secret: str = dataclasses.field(default=PLACEHOLDER_WEBHOOK_SECRET, repr=False)
     workflow_webhook_signing_secret: str = dataclasses.field(default="", repr=False)
     stripe_secret_key: str = dataclasses.field(default="", repr=False)
-    stripe_webhook_secrets: tuple = dataclasses.field(default=(), repr=False)
+    stripe_webhook_secrets: tuple[str, ...] = dataclasses.field(default=(), repr=False)
     stripe_api_base: str = ""
     crypto_processor_api_key: str = dataclasses.field(default="", repr=False)
     # The bearer token of the orders API (docs/ORDERS.md); unset, it refuses every call.
     orders_api_key: str = dataclasses.field(default="", repr=False)
-    senders: tuple = DEFAULT_SENDERS
+    senders: tuple[str, ...] = DEFAULT_SENDERS
     workflow_url: str = ""
     workflow_api_key: str = dataclasses.field(default="", repr=False)
     workflow_api_secret: str = dataclasses.field(default="", repr=False)
@@ -256,7 +357,7 @@ class Settings:
     # Reconciliation with Frappe (domain/reconcile.py): (path, Frappe state) pairs, how
     # often it runs (0: never by the scheduler), how long a change is left to its webhook,
     # and the time zone Frappe's `modified` times are written in (its System Settings).
-    workflow_reconcile_states: tuple = tuple(DEFAULT_STATE_PATHS)
+    workflow_reconcile_states: tuple[tuple[str, str], ...] = tuple(DEFAULT_STATE_PATHS)
     workflow_reconcile_minutes: int = 5
     workflow_reconcile_settle_seconds: int = 120
     # The time one reconciliation run may wait on the database in all (engine.commits
@@ -316,10 +417,10 @@ class Settings:
     commission_holdback_days: int = 14
     # A crypto invoice paid more or less than expected by more than this share is told.
     crypto_payment_tolerance_percent: decimal.Decimal = decimal.Decimal(5)
-    ifta_service_slugs: tuple = ("ifta",)
-    ucr_service_slugs: tuple = ("ucr",)
+    ifta_service_slugs: tuple[str, ...] = ("ifta",)
+    ucr_service_slugs: tuple[str, ...] = ("ucr",)
     # Days before a filing's due date on which its reminder goes out (and on the due date).
-    filing_reminder_days: tuple = (14, 7, 3, 1)
+    filing_reminder_days: tuple[int, ...] = (14, 7, 3, 1)
     auth_failure_limit: int = 10
     auth_failure_window_seconds: int = 60
     body_buffer_total_bytes: int = 64 * 1024 * 1024
@@ -334,125 +435,36 @@ class Settings:
     database_call_budget_seconds: float = 2.0
     # Proxies whose X-Real-IP / X-Forwarded-For are believed (handlers.addresses): none
     # unless set; behind the shipped nginx, 127.0.0.1 (and ::1).
-    trusted_proxies: tuple = ()
+    trusted_proxies: Networks = ()
 
     @classmethod
-    def from_env(cls, environ=None):
+    def from_env(cls, environ: Environ | None = None) -> "Settings":
+        """The settings `environ` (os.environ) sets, the defaults for the rest; checked
+        (`check`): a ConfigurationError names a setting that cannot run the service."""
         env = os.environ if environ is None else environ
-
-        def text(name, default=""):
-            value = env.get(name, "").strip()
-            return value or default
-
-        host = text("RECEIVER_HOST", cls.host)
-        port = _int(env, "RECEIVER_PORT", cls.port)
+        values: dict[str, Any] = {**_texts(env), **_base_urls(env), **_whole_numbers(env),
+                                  **_durations(env), **_lists(env)}
+        values.setdefault("public_base_url", local_base_url(
+            values.get("host", cls.host), values.get("port", cls.port)))
         settings = cls(
-            host=host,
-            port=port,
-            env=text("RECEIVER_ENV", cls.env),
-            database_url=text("DATABASE_URL", cls.database_url),
-            webhook_secret=text("WEBHOOK_SECRET", cls.webhook_secret),
-            workflow_webhook_signing_secret=text("WORKFLOW_WEBHOOK_SIGNING_SECRET"),
-            stripe_secret_key=text("STRIPE_SECRET_KEY"),
-            stripe_webhook_secrets=_csv(env.get("STRIPE_WEBHOOK_SECRET", "")),
-            stripe_api_base=text("STRIPE_API_BASE"),
-            crypto_processor_api_key=text("CRYPTO_PROCESSOR_API_KEY"),
-            orders_api_key=text("ORDERS_API_KEY"),
+            **values,
             senders=_senders(env),
-            workflow_url=text("WORKFLOW_URL").rstrip("/"),
-            workflow_api_key=text("WORKFLOW_API_KEY"),
-            workflow_api_secret=text("WORKFLOW_API_SECRET"),
-            workflow_site_name=text("WORKFLOW_SITE_NAME"),
-            workflow_doctype=text("WORKFLOW_DOCTYPE", cls.workflow_doctype),
-            crtc_doctype=text("CRTC_DOCTYPE", cls.crtc_doctype),
-            crtc_funds_action=text("CRTC_FUNDS_ACTION", cls.crtc_funds_action),
-            crtc_waiting_state=text("CRTC_WAITING_STATE", cls.crtc_waiting_state),
             workflow_reconcile_states=_state_paths(
                 env.get("WORKFLOW_RECONCILE_STATES", ""),
-                text("CRTC_WAITING_STATE", cls.crtc_waiting_state)),
-            workflow_reconcile_minutes=_int(
-                env, "WORKFLOW_RECONCILE_MINUTES", cls.workflow_reconcile_minutes),
-            workflow_reconcile_settle_seconds=_int(
-                env, "WORKFLOW_RECONCILE_SETTLE_SECONDS", cls.workflow_reconcile_settle_seconds),
-            workflow_reconcile_database_seconds=_seconds(
-                env, "WORKFLOW_RECONCILE_DATABASE_SECONDS",
-                cls.workflow_reconcile_database_seconds),
-            workflow_time_zone=text("WORKFLOW_TIME_ZONE", cls.workflow_time_zone),
-            worker_url=text("WORKER_URL").rstrip("/"),
-            admin_email=text("ADMIN_EMAIL"),
-            mail_from=text("MAIL_FROM", cls.mail_from),
-            smtp_url=text("SMTP_URL"),
-            telegram_bot_token=text("TELEGRAM_BOT_TOKEN"),
-            telegram_chat_id=text("TELEGRAM_CHAT_ID"),
-            telegram_api_url=text("TELEGRAM_API_URL", cls.telegram_api_url).rstrip("/"),
-            link_secret=text("LINK_SECRET", cls.link_secret),
-            public_base_url=text("PUBLIC_BASE_URL", local_base_url(host, port)).rstrip("/"),
-            business_tz=text("BUSINESS_TZ", cls.business_tz),
-            settlement_interval_minutes=_int(
-                env, "SETTLEMENT_INTERVAL_MINUTES", cls.settlement_interval_minutes),
-            settlement_refusals_before_alert=_int(
-                env, "SETTLEMENT_REFUSALS_BEFORE_ALERT", cls.settlement_refusals_before_alert),
-            max_body_bytes=_int(env, "MAX_BODY_BYTES", cls.max_body_bytes),
-            spool_dir=text("SPOOL_DIR", cls.spool_dir),
-            spool_wait_limit_seconds=_int(
-                env, "SPOOL_WAIT_LIMIT_SECONDS", cls.spool_wait_limit_seconds),
-            log_format=text("RECEIVER_LOG_FORMAT", cls.log_format),
-            outbound_timeout_seconds=_int(
-                env, "OUTBOUND_TIMEOUT_SECONDS", cls.outbound_timeout_seconds),
-            scheduler_tick_seconds=_int(
-                env, "SCHEDULER_TICK_SECONDS", cls.scheduler_tick_seconds),
-            claim_lease_seconds=_int(env, "CLAIM_LEASE_SECONDS", cls.claim_lease_seconds),
-            inbox_max_attempts=_int(env, "INBOX_MAX_ATTEMPTS", cls.inbox_max_attempts),
-            inbox_hold_alert_minutes=_int(env, "INBOX_HOLD_ALERT_MINUTES",
-                                          cls.inbox_hold_alert_minutes),
-            outbox_max_attempts=_int(env, "OUTBOX_MAX_ATTEMPTS", cls.outbox_max_attempts),
-            stop_timeout_seconds=_int(env, "STOP_TIMEOUT_SECONDS", cls.stop_timeout_seconds),
-            outbound_max_in_flight=_int(
-                env, "OUTBOUND_MAX_IN_FLIGHT", cls.outbound_max_in_flight),
-            outbound_down_after=_int(env, "OUTBOUND_DOWN_AFTER", cls.outbound_down_after),
-            outbound_down_after_seconds=_seconds(
-                env, "OUTBOUND_DOWN_AFTER_SECONDS", cls.outbound_down_after_seconds),
-            outbound_probe_max_seconds=_int(
-                env, "OUTBOUND_PROBE_MAX_SECONDS", cls.outbound_probe_max_seconds),
-            retention_days=_int(env, "RETENTION_DAYS", cls.retention_days),
-            public_rate_limit=_int(env, "PUBLIC_RATE_LIMIT", cls.public_rate_limit),
-            public_rate_window_seconds=_int(
-                env, "PUBLIC_RATE_WINDOW_SECONDS", cls.public_rate_window_seconds),
-            workflow_answer_budget_seconds=_seconds(
-                env, "WORKFLOW_ANSWER_BUDGET_SECONDS", cls.workflow_answer_budget_seconds),
-            workflow_dedup_hours=_int(env, "WORKFLOW_DEDUP_HOURS", cls.workflow_dedup_hours),
-            console_password_hash=text("CONSOLE_PASSWORD_HASH"),
-            cookie_secret=text("COOKIE_SECRET"),
-            commission_holdback_days=_int(
-                env, "COMMISSION_HOLDBACK_DAYS", cls.commission_holdback_days),
+                values.get("crtc_waiting_state", cls.crtc_waiting_state)),
             crypto_payment_tolerance_percent=_percent(
                 env, "CRYPTO_PAYMENT_TOLERANCE_PERCENT", cls.crypto_payment_tolerance_percent),
-            ifta_service_slugs=_csv(env.get("IFTA_SERVICE_SLUGS", "")) or cls.ifta_service_slugs,
-            ucr_service_slugs=_csv(env.get("UCR_SERVICE_SLUGS", "")) or cls.ucr_service_slugs,
             filing_reminder_days=_days(env, "FILING_REMINDER_DAYS", cls.filing_reminder_days),
-            auth_failure_limit=_int(env, "AUTH_FAILURE_LIMIT", cls.auth_failure_limit),
-            auth_failure_window_seconds=_int(
-                env, "AUTH_FAILURE_WINDOW_SECONDS", cls.auth_failure_window_seconds),
-            body_buffer_total_bytes=_int(
-                env, "BODY_BUFFER_TOTAL_BYTES", cls.body_buffer_total_bytes),
-            body_buffer_per_client_bytes=_int(
-                env, "BODY_BUFFER_PER_CLIENT_BYTES", cls.body_buffer_per_client_bytes),
-            metrics_token=text("METRICS_TOKEN"),
-            metrics_cache_seconds=_int(env, "METRICS_CACHE_SECONDS", cls.metrics_cache_seconds),
-            max_connections=_int(env, "MAX_CONNECTIONS", cls.max_connections),
-            database_timeout_ms=_int(env, "DATABASE_TIMEOUT_MS", cls.database_timeout_ms),
-            database_call_budget_seconds=_seconds(
-                env, "DATABASE_CALL_BUDGET_SECONDS", cls.database_call_budget_seconds),
             trusted_proxies=_networks(env, "TRUSTED_PROXIES"),
         )
         settings.check()
         return settings
 
     @property
-    def production(self):
+    def production(self) -> bool:
         return self.env == "production"
 
-    def check(self):
+    def check(self) -> None:
         """Refuse, at start-up, settings that could only fail later; in production, refuse
         placeholder or missing secrets. Messages name the setting, never its value."""
         if self.env not in ("development", "production"):
@@ -509,7 +521,7 @@ class Settings:
                     "RECEIVER_ENV=production needs ADMIN_EMAIL: dead effects, rejected "
                     "payments and quarantined calls are mailed there")
 
-    def _check_production_secrets(self):
+    def _check_production_secrets(self) -> None:
         """The keys of the senders the shop uses (SENDERS), and LINK_SECRET."""
         unset = {
             "WEBHOOK_SECRET": self.webhook_secret == PLACEHOLDER_WEBHOOK_SECRET,
@@ -537,7 +549,7 @@ class Settings:
                 "secrets; print(secrets.token_urlsafe(32))')")
 
     @property
-    def workflow_secret(self):
+    def workflow_secret(self) -> str:
         """The secret X-Webhook-Secret must match. In production the built-in placeholder
         matches nothing: a shop whose SENDERS leaves out the workflow has no
         WEBHOOK_SECRET to set, and its workflow endpoints stay closed."""
@@ -546,13 +558,15 @@ class Settings:
         return self.webhook_secret
 
     @property
-    def console_enabled(self):
+    def console_enabled(self) -> bool:
         return bool(self.console_password_hash)
 
-    def _check_production_console(self):
+    def _check_production_console(self) -> None:
         if not self.console_enabled:
             return
-        if int(PASSWORD_HASH.fullmatch(self.console_password_hash)["log_n"]) < MIN_PASSWORD_LOG_N:
+        made = PASSWORD_HASH.fullmatch(self.console_password_hash)
+        assert made is not None  # `check` refused any other hash
+        if int(made["log_n"]) < MIN_PASSWORD_LOG_N:
             raise ConfigurationError(
                 "RECEIVER_ENV=production refuses a weak CONSOLE_PASSWORD_HASH (made with a "
                 "cost below the default); make a new one with `receiver.py console "
@@ -563,14 +577,14 @@ class Settings:
                 f"RECEIVER_ENV=production with the console on needs COOKIE_SECRET: "
                 f"{MIN_COOKIE_SECRET_LENGTH} random characters or more, not a placeholder")
 
-    def warn_about_link_secret(self):
+    def warn_about_link_secret(self) -> None:
         """Said by serve and by the commands that sign links (`link`, `reminders run`):
         the service's pages refuse a link signed with another secret."""
         if self.link_secret == PLACEHOLDER_LINK_SECRET:
             log.warning("LINK_SECRET is not set: 'already filed' links are signed with a "
                         "placeholder. Set LINK_SECRET before sending reminders.")
 
-    def warn_about_placeholders(self):
+    def warn_about_placeholders(self) -> None:
         if "crypto" in self.senders and not self.crypto_processor_api_key:
             log.warning("CRYPTO_PROCESSOR_API_KEY is not set: crypto-processor callbacks "
                         "are refused (401). Set it to the API key SHKeeper sends.")

@@ -3,6 +3,8 @@ import hmac
 import json
 import logging
 import re
+from types import TracebackType
+from typing import Any, NoReturn
 
 import tornado.web
 
@@ -10,13 +12,17 @@ import lograte
 from engine.commits import set_budget
 from engine.db import UNAVAILABLE
 from engine.payload import read_json
-from handlers.addresses import client_key
+from handlers.addresses import client_key, peer_address
+from handlers.context import HandlerContext
 
 log = logging.getLogger("receiver.http")
 REPEATS = lograte.Repeats(log)
 
+# What tornado hands write_error: the exception being answered.
+ExcInfo = tuple[type[BaseException], BaseException, TracebackType]
 
-def same_secret(given, expected):
+
+def same_secret(given: str | None, expected: str | None) -> bool:
     """Constant-time comparison; a missing value never matches.
 
     A header value is text decoded from its bytes as latin-1 (HTTP's rule), so a
@@ -33,7 +39,7 @@ def same_secret(given, expected):
     return hmac.compare_digest(sent, wanted) | as_text
 
 
-def takes_body(handler_class):
+def takes_body(handler_class: type[tornado.web.RequestHandler]) -> bool:
     """Whether a route's handler answers POST or PUT (tornado's own answer 405)."""
     return (handler_class.post is not tornado.web.RequestHandler.post
             or handler_class.put is not tornado.web.RequestHandler.put)
@@ -49,9 +55,9 @@ class ApiHandler(tornado.web.RequestHandler):
 
     # The largest body this endpoint's senders send; MAX_BODY_BYTES caps every endpoint.
     # A route without POST takes no body at all.
-    body_limit = None
+    body_limit: int | None = None
 
-    def initialize(self, ctx):
+    def initialize(self, ctx: HandlerContext) -> None:
         self.ctx = ctx
         self._body = bytearray()
         self._refused = False
@@ -61,24 +67,24 @@ class ApiHandler(tornado.web.RequestHandler):
         self.authenticated = False
 
     @property
-    def client(self):
+    def client(self) -> str:
         """The address's key for its allowances (handlers.addresses)."""
-        return client_key(self.request.remote_ip)
+        return client_key(peer_address(self.request))
 
     @property
-    def max_body_bytes(self):
+    def max_body_bytes(self) -> int:
         if not takes_body(type(self)):
             return 0
         limit = self.ctx.settings.max_body_bytes
         return limit if self.body_limit is None else min(limit, self.body_limit)
 
-    def set_default_headers(self):
+    def set_default_headers(self) -> None:
         self.clear_header("Server")
         self.set_header("Content-Type", "application/json; charset=UTF-8")
         self.set_header("Cache-Control", "no-store")
         self.set_header("X-Content-Type-Options", "nosniff")
 
-    def prepare(self):
+    def prepare(self) -> None:
         set_budget(self.ctx.settings.database_call_budget_seconds)
         declared = self.request.headers.get("Content-Length")
         if declared and declared.isdigit() and int(declared) > self.max_body_bytes:
@@ -86,13 +92,13 @@ class ApiHandler(tornado.web.RequestHandler):
         if self.request.method == "POST" and takes_body(type(self)):
             self.authenticated = bool(self.check_headers())
 
-    def check_headers(self):
+    def check_headers(self) -> bool:
         """Refuse a POST on what its headers say, before a byte of its body is read (and
         held in memory): credentials sent in headers are checked here. Returns True when
         the headers carry credentials, all of them right."""
         return False
 
-    def data_received(self, chunk):
+    def data_received(self, chunk: bytes) -> None:
         if self._refused:
             return
         if len(self._body) + len(chunk) > self.max_body_bytes:
@@ -112,26 +118,26 @@ class ApiHandler(tornado.web.RequestHandler):
         self._held += len(chunk)
         self._body += chunk
 
-    def refuse_body(self, status, message):
+    def refuse_body(self, status: int, message: str) -> None:
         """Answered now, while the body comes in: the connection is closed once the
         answer is out, so the rest is never read, nor the request handled."""
         self._refused = True
         self.release_body()
         self.answer(status, {"error": message})
 
-    def release_body(self):
+    def release_body(self) -> None:
         self.ctx.bodies.give_back(self.client, self._held, per_client=not self.authenticated)
         self._held = 0
         self._body = bytearray()
 
-    def on_finish(self):
+    def on_finish(self) -> None:
         self.release_body()
 
-    def on_connection_close(self):
+    def on_connection_close(self) -> None:
         super().on_connection_close()
         self.release_body()
 
-    def refuse_credentials(self, status, message, why):
+    def refuse_credentials(self, status: int, message: str, why: str) -> NoReturn:
         """A failed authentication, answered `status` `{"error": message}`: or 429 with
         Retry-After once this address has failed AUTH_FAILURE_LIMIT times within
         AUTH_FAILURE_WINDOW_SECONDS. Only failures are counted and only failures are
@@ -151,10 +157,10 @@ class ApiHandler(tornado.web.RequestHandler):
         self.fail(status, message)
 
     @property
-    def raw_body(self):
+    def raw_body(self) -> bytes:
         return bytes(self._body)
 
-    def json_body(self):
+    def json_body(self) -> dict[str, Any]:
         """The body as a JSON object, or a 400 answer."""
         try:
             body = read_json(self.raw_body)
@@ -164,16 +170,17 @@ class ApiHandler(tornado.web.RequestHandler):
             self.fail(400, "invalid JSON body")
         return body
 
-    def answer(self, status, body):
+    def answer(self, status: int, body: object) -> None:
         self.set_status(status)
         self.finish(json.dumps(body))
 
-    def fail(self, status, message):
+    def fail(self, status: int, message: str) -> NoReturn:
         """Answer `{"error": message}` with `status` and stop handling the request."""
         self.answer(status, {"error": message})
         raise tornado.web.Finish()
 
-    def write_error(self, status_code, exc_info=None, **kwargs):
+    def write_error(self, status_code: int, exc_info: ExcInfo | None = None,
+                    **kwargs: Any) -> None:
         if exc_info and isinstance(exc_info[1], UNAVAILABLE):
             # The sender will retry a 503; it must not take us for having stored it.
             self.set_status(503)
@@ -184,7 +191,8 @@ class ApiHandler(tornado.web.RequestHandler):
                 status_code, "internal error" if status_code >= 500 else self._reason.lower())
         self.finish(json.dumps({"error": message}))
 
-    def log_exception(self, typ, value, tb):
+    def log_exception(self, typ: type[BaseException] | None, value: BaseException | None,
+                      tb: TracebackType | None) -> None:
         if isinstance(value, UNAVAILABLE):
             # Every call in an outage fails so: one line, then a count.
             REPEATS.error(("unavailable", self.request.path), "database unavailable: %s %s: %s",
@@ -194,7 +202,7 @@ class ApiHandler(tornado.web.RequestHandler):
 
 
 class NotFoundHandler(ApiHandler):
-    def prepare(self):
+    def prepare(self) -> None:
         self.fail(404, "not found")
 
 
@@ -204,7 +212,7 @@ class NotFoundHandler(ApiHandler):
 PERSONAL_PATHS = ((re.compile(r"/api/v1/referral/(?!check\Z)."), "/api/v1/referral/<email>"),)
 
 
-def logged_path(path):
+def logged_path(path: str) -> str:
     for pattern, shown in PERSONAL_PATHS:
         if pattern.match(path):
             return shown
@@ -214,7 +222,7 @@ def logged_path(path):
 ACCESS_REPEATS = lograte.Repeats("receiver.access")
 
 
-def log_request(handler):
+def log_request(handler: tornado.web.RequestHandler) -> None:
     """One access-log line per request. The path only (query strings can carry tokens),
     and a route's pattern instead of a path that holds personal data. A client kept at
     bay with 429 would write a line per call at whatever rate it calls: those are

@@ -10,20 +10,24 @@ is counted in the total only: another client at the same address, sending unsign
 bytes, must not get the senders refused.
 """
 import collections
+from typing import Literal
+
+from settings import Settings
 
 
 class BodyBudget:
-    def __init__(self, total_bytes, per_client_bytes):
+    def __init__(self, total_bytes: int, per_client_bytes: int) -> None:
         self.total_bytes = total_bytes
         self.per_client_bytes = per_client_bytes
         self.held = 0
-        self.by_client = collections.Counter()
+        self.by_client: collections.Counter[str] = collections.Counter()
 
     @classmethod
-    def from_settings(cls, settings):
+    def from_settings(cls, settings: Settings) -> "BodyBudget":
         return cls(settings.body_buffer_total_bytes, settings.body_buffer_per_client_bytes)
 
-    def take(self, client, size, per_client=True):
+    def take(self, client: str, size: int,
+             per_client: bool = True) -> Literal["client", "total"] | None:
         """Hold `size` more bytes for `client`; returns None when allowed, else why not:
         "client" (this address holds its share) or "total" (the process holds its).
         Without `per_client`, the bytes count in the total only."""
@@ -36,7 +40,7 @@ class BodyBudget:
         self.held += size
         return None
 
-    def give_back(self, client, size, per_client=True):
+    def give_back(self, client: str, size: int, per_client: bool = True) -> None:
         if not size:
             return
         self.held -= size

@@ -1,5 +1,7 @@
 """POST /api/v1/webhooks/card-processor: signed Stripe events (BEHAVIOUR.md 4.2)."""
+import datetime
 import logging
+from typing import Any, Sequence
 
 import stripe
 
@@ -15,7 +17,8 @@ SIGNATURE_HEADERS = ("Processor-Signature", "Stripe-Signature")
 TOLERANCE_SECONDS = 300
 
 
-def signature_problem(raw, header, secrets, now):
+def signature_problem(raw: bytes, header: str, secrets: Sequence[str],
+                      now: datetime.datetime) -> str | None:
     """None when `header` (t=<unix>,v1=<hex>,...) signs `raw` with any of `secrets`
     (several during a rotation) and its time is within TOLERANCE_SECONDS of `now`; else
     what is wrong, for the log (the sender is only told that verification failed)."""
@@ -34,7 +37,7 @@ def signature_problem(raw, header, secrets, now):
     return None
 
 
-def _verifies(payload, header, secret):
+def _verifies(payload: str, header: str, secret: str) -> bool:
     try:
         # The library's own time check uses the system clock and only looks back; ours
         # (in signature_problem) uses the service's clock and looks both ways.
@@ -43,7 +46,7 @@ def _verifies(payload, header, secret):
         return False
 
 
-def _signed_at(header):
+def _signed_at(header: str) -> int:
     """The first t= value, as the library reads it; only called on a verified header."""
     items = (item.split("=", 2) for item in header.split(","))
     return int(next(parts[1] for parts in items if parts[0] == "t"))
@@ -51,23 +54,26 @@ def _signed_at(header):
 
 class CardWebhookHandler(ApiHandler):
     @property
-    def configured(self):
+    def configured(self) -> bool:
         settings = self.ctx.settings
         return bool(settings.stripe_secret_key and settings.stripe_webhook_secrets)
 
-    def check_headers(self):
+    def check_headers(self) -> bool:
         """A call without a signature is refused before its body is read; the signature
         itself covers the body, so it is checked once the body is in."""
         if self.configured and not self.signature_header():
             self.fail(400, "Missing signature header")
+        return False
 
-    async def post(self):
+    async def post(self) -> None:
         if not self.configured:
             log.warning("card webhook ignored: STRIPE_SECRET_KEY or STRIPE_WEBHOOK_SECRET unset")
             self.answer(200, {"received": True})
             return
         raw = self.raw_body
-        problem = signature_problem(raw, self.signature_header(),
+        header = self.signature_header()
+        assert header is not None  # check_headers refused a call without one
+        problem = signature_problem(raw, header,
                                     self.ctx.settings.stripe_webhook_secrets, self.ctx.clock())
         if problem:
             self.refuse_credentials(400, "Webhook signature verification failed",
@@ -75,16 +81,16 @@ class CardWebhookHandler(ApiHandler):
         await self.accept(raw)
         self.answer(200, {"received": True})
 
-    def signature_header(self):
+    def signature_header(self) -> str | None:
         for name in SIGNATURE_HEADERS:
             value = self.request.headers.get(name, "").strip()
             if value:
                 return value
         return None
 
-    async def accept(self, raw):
+    async def accept(self, raw: bytes) -> None:
         try:
-            event = read_json(raw)
+            event: Any = read_json(raw)
         except ValueError:
             event = None
         problem = card_events.problem_with(event)

@@ -23,20 +23,24 @@ import logging
 import re
 import secrets
 import urllib.parse
+from typing import Any, NoReturn
 
 import markupsafe
+import tornado.httputil
 import tornado.ioloop
 import tornado.web
 
 import lograte
 from domain import filings, intake, links
+from handlers.context import HandlerContext
 from handlers.html import HtmlHandler
-from handlers.addresses import client_key
+from handlers.addresses import client_key, peer_address
 from handlers.ratelimit import LoginThrottle
 from engine.claims import CLAIM_BATCH
 from engine.transaction import Transaction
 from ops import console, operator, sessions
 from ops.passwords import verify_password
+from settings import Settings
 
 log = logging.getLogger("receiver.console")
 REPEATS = lograte.Repeats(log)
@@ -69,18 +73,18 @@ ERROR_TEXTS = {
 CHART_COLOURS = ("#3366cc", "#dc7633", "#2e8b57", "#8e44ad")
 
 
-def cookie_secret(settings):
+def cookie_secret(settings: Settings) -> str:
     """The key that signs session cookies. Without COOKIE_SECRET (development only:
     production refuses to start) a key of this process's own: sessions end at restart."""
     return settings.cookie_secret or secrets.token_urlsafe(32)
 
 
-def path_part(value):
+def path_part(value: str) -> str:
     """A value as one segment of a path: a "/" in an order number is escaped too."""
     return urllib.parse.quote(value, safe="")
 
 
-def console_path(wanted, default):
+def console_path(wanted: str, default: str) -> str:
     """`wanted` when it is a console page of ours (never another site, nor the login
     page), else `default`: where a login or an action sends the browser on."""
     if re.fullmatch(r"/console/[^\\\s]*", wanted) and not wanted.startswith("/console/login"):
@@ -91,7 +95,7 @@ def console_path(wanted, default):
 class ConsoleState:
     """What the console's handlers share: the login throttle, the chart's counts."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.login_throttle = LoginThrottle(LOGIN_FAILURES, LOGIN_FAILURES_TOTAL,
                                             LOGIN_WINDOW_SECONDS)
         self.event_counts = console.EventCounts()
@@ -106,13 +110,13 @@ class ConsoleHandler(HtmlHandler):
     # Whether the page looks the operator's session up (the stylesheet does not).
     needs_session = True
 
-    def initialize(self, ctx, state):
+    def initialize(self, ctx: HandlerContext, state: ConsoleState) -> None:
         self.ctx = ctx
         self.state = state
-        self.session_token = None
+        self.session_token: str | None = None
         self.current_user = None
 
-    async def prepare(self):
+    async def prepare(self) -> None:
         super().prepare()
         token = self.get_signed_cookie(SESSION_COOKIE, max_age_days=1)
         if token and self.needs_session:
@@ -131,17 +135,17 @@ class ConsoleHandler(HtmlHandler):
             raise tornado.web.HTTPError(403)
 
     @property
-    def xsrf_token(self):
+    def xsrf_token(self) -> bytes:
         """With a session, the forms' token is derived from it: an `_xsrf` cookie planted
         in the operator's browser (a sibling site can set one) and the same value in a
         forged form no longer pass. Without one (the login form), Tornado's own."""
-        if self.current_user is None:
+        if self.current_user is None or self.session_token is None:
             return super().xsrf_token
         secret = self.application.settings["cookie_secret"].encode("utf-8")
         return hmac.new(secret, b"xsrf:" + self.session_token.encode("utf-8"),
                         "sha256").hexdigest().encode("ascii")
 
-    def check_xsrf_cookie(self):
+    def check_xsrf_cookie(self) -> None:
         if self.current_user is None:
             super().check_xsrf_cookie()
             return
@@ -150,7 +154,7 @@ class ConsoleHandler(HtmlHandler):
         if not hmac.compare_digest(given.encode("utf-8"), self.xsrf_token):
             raise tornado.web.HTTPError(403, "'_xsrf' argument does not match the session")
 
-    def set_cookie(self, name, value, **kwargs):
+    def set_cookie(self, name: str, value: str | bytes, *args: Any, **kwargs: Any) -> None:
         """Every console cookie (the session and the xsrf token alike) is for /console
         only, out of reach of page scripts, never sent with another site's request, and
         only over HTTPS when the console is reached over HTTPS."""
@@ -158,13 +162,13 @@ class ConsoleHandler(HtmlHandler):
         kwargs.setdefault("httponly", True)
         kwargs.setdefault("samesite", "Strict")
         kwargs.setdefault("secure", self.request.protocol == "https")
-        super().set_cookie(name, value, **kwargs)
+        super().set_cookie(name, value, *args, **kwargs)
 
-    def clear_cookie(self, name, **kwargs):
+    def clear_cookie(self, name: str, **kwargs: Any) -> None:
         kwargs.setdefault("path", "/console")
         super().clear_cookie(name, **kwargs)
 
-    def render_page(self, template, code=200, **values):
+    def render_page(self, template: str, code: int = 200, **values: Any) -> None:
         self.set_status(code)
         page = self.ctx.templates.get_template(f"console/{template}.html")
         self.finish(page.render(
@@ -176,7 +180,8 @@ class ConsoleHandler(HtmlHandler):
             effect_name=functools.partial(console.effect_name, self.ctx),
             notice=None if self.public else self.take_notice(), **values))
 
-    def redirect_with(self, default, text, refused=False, code=None):
+    def redirect_with(self, default: str, text: str, refused: bool = False,
+                      code: str | None = None) -> None:
         """The end of every action (POST/redirect/GET): back to the page the form was on
         (its `back` field, a console path) or to `default`, which shows `text` once;
         `refused`: the action was not done; `code`: a value shown apart (a signed link)."""
@@ -184,7 +189,7 @@ class ConsoleHandler(HtmlHandler):
             {"text": text, "refused": refused, "code": code}))
         self.redirect(console_path(self.get_body_argument("back", ""), default), status=303)
 
-    def take_notice(self):
+    def take_notice(self) -> dict[str, Any] | None:
         """The notice an action left for this page, once."""
         value = self.get_signed_cookie(NOTICE_COOKIE, max_age_days=NOTICE_MAX_AGE_DAYS)
         if NOTICE_COOKIE in self.request.cookies:
@@ -197,20 +202,21 @@ class ConsoleHandler(HtmlHandler):
             return None
         return notice if isinstance(notice, dict) and notice.get("text") else None
 
-    def stop_with(self, template, code, **values):
+    def stop_with(self, template: str, code: int, **values: Any) -> NoReturn:
         self.render_page(template, code, **values)
         raise tornado.web.Finish()
 
-    async def record(self, action, target="", outcome="", who=None, at=None):
+    async def record(self, action: str, target: str | int = "", outcome: str = "",
+                     who: str | None = None, at: datetime.datetime | None = None) -> None:
         await self.ctx.db(functools.partial(
             console.record_action, self.ctx, who or self.current_user,
-            self.request.remote_ip, action, target, outcome, at))
+            peer_address(self.request), action, target, outcome, at))
 
-    def show_error(self, status):
+    def show_error(self, status: int) -> None:
         self.public = True  # an error page shows no operator's data
         self.render_page("error", status, text=ERROR_TEXTS.get(status, "Something went wrong."))
 
-    def text_argument(self, name, max_length=200):
+    def text_argument(self, name: str, max_length: int = 200) -> str:
         value = self.get_argument(name, "").strip()
         if len(value) > max_length or "\x00" in value:
             raise tornado.web.HTTPError(400)
@@ -221,20 +227,21 @@ class StyleHandler(ConsoleHandler):
     public = True
     needs_session = False
 
-    def get(self):
+    def get(self) -> None:
         self.set_header("Content-Type", "text/css; charset=utf-8")
         self.set_header("Cache-Control", "max-age=3600")
-        self.finish(self.ctx.templates.loader.get_source(
-            self.ctx.templates, "console/console.css")[0])
+        loader = self.ctx.templates.loader
+        assert loader is not None  # app.context.template_environment sets one
+        self.finish(loader.get_source(self.ctx.templates, "console/console.css")[0])
 
 
 class LoginHandler(ConsoleHandler):
     public = True
 
-    def get(self):
+    def get(self) -> None:
         self.render_page("login", next=self.next_path(), problem=None)
 
-    async def post(self):
+    async def post(self) -> None:
         name = self.get_body_argument("name", "").strip()
         password = self.get_body_argument("password", "")
         if not OPERATOR_NAME.fullmatch(name):
@@ -256,7 +263,7 @@ class LoginHandler(ConsoleHandler):
             # Counted and logged, not recorded: the record of actions is the operators',
             # and a name typed by a stranger has no place in it.
             self.ctx.metrics.login_failed("wrong_password")
-            client = client_key(self.request.remote_ip)
+            client = client_key(peer_address(self.request))
             REPEATS.warning(("wrong password", client), "console: wrong password from %s",
                             client)
             wait = throttle.wrong(client)
@@ -272,18 +279,19 @@ class LoginHandler(ConsoleHandler):
         await self.record("login", outcome="ok", who=name)
         self.redirect(self.next_path())
 
-    def refuse_login(self, wait):
+    def refuse_login(self, wait: int) -> NoReturn:
         self.set_header("Retry-After", str(wait))
         self.stop_with("error", 429, text=ERROR_TEXTS[429])
 
-    def next_path(self):
+    def next_path(self) -> str:
         """Where to go after logging in: a console page of ours, never another site."""
         return console_path(self.get_argument("next", ""), "/console/")
 
 
 class LogoutHandler(ConsoleHandler):
-    async def post(self):
+    async def post(self) -> None:
         # The session ends here, for every copy of its cookie.
+        assert self.session_token is not None  # prepare lets in a session's operator only
         await self.ctx.db(functools.partial(sessions.end_session, self.session_token,
                                             self.ctx.clock()))
         await self.record("logout", outcome="ok")
@@ -292,7 +300,7 @@ class LogoutHandler(ConsoleHandler):
 
 
 class OverviewHandler(ConsoleHandler):
-    async def get(self):
+    async def get(self) -> None:
         overview, actions, waiting = await self.ctx.db(lambda: (
             console.overview(self.ctx, self.state.event_counts), console.recent_actions(10),
             intake.waiting_calls()))
@@ -300,14 +308,15 @@ class OverviewHandler(ConsoleHandler):
                          actions=actions, last_success=self.last_success, waiting=waiting)
 
     @staticmethod
-    def last_success(timestamp):
+    def last_success(timestamp: float | None) -> str:
         if not timestamp:
             return "never"
         return operator.format_time(
             datetime.datetime.fromtimestamp(timestamp, datetime.timezone.utc))
 
 
-def chart(events_by_day, width=560, height=160, gap=2):
+def chart(events_by_day: dict[str, list[int]], width: int = 560, height: int = 160,
+          gap: int = 2) -> dict[str, Any]:
     """Bars for a server-rendered SVG: one group per 24-hour window, one bar per source."""
     sources = list(events_by_day)
     days = console.CHART_DAYS
@@ -336,7 +345,7 @@ EVENT_FILTERS = ("source", "type", "status", "q", "since", "until")
 class EventFilterHandler(ConsoleHandler):
     """A page or action that takes the events page's filter."""
 
-    def bulk_filter(self):
+    def bulk_filter(self) -> console.EventFilter:
         """The filter of a bulk action: by one of the two statuses of failure, as the
         events page offers it."""
         filters = self.event_filter()
@@ -344,13 +353,13 @@ class EventFilterHandler(ConsoleHandler):
             raise tornado.web.HTTPError(400)
         return filters
 
-    def event_filter(self):
+    def event_filter(self) -> console.EventFilter:
         return console.EventFilter(
             source=self.text_argument("source"), event_type=self.text_argument("type"),
             status=self.text_argument("status"), search=self.text_argument("q"),
             since=self.time_argument("since"), until=self.time_argument("until"))
 
-    def time_argument(self, name):
+    def time_argument(self, name: str) -> datetime.datetime | None:
         text = self.text_argument(name, 40)
         if not text:
             return None
@@ -359,7 +368,7 @@ class EventFilterHandler(ConsoleHandler):
         except ValueError:
             raise tornado.web.HTTPError(400) from None
 
-    def events_page(self):
+    def events_page(self) -> str:
         """The events page of this filter, where a bulk action goes back to."""
         query = {name: self.get_argument(name, "") for name in EVENT_FILTERS}
         return "/console/events?" + tornado.httputil.urlencode(
@@ -367,7 +376,7 @@ class EventFilterHandler(ConsoleHandler):
 
 
 class EventsHandler(EventFilterHandler):
-    async def get(self):
+    async def get(self) -> None:
         filters = self.event_filter()
         bulk = filters.status in operator.FAILURES
         try:
@@ -387,11 +396,11 @@ class EventsHandler(EventFilterHandler):
 class RetryEventsHandler(EventFilterHandler):
     """Every event the filter finds that awaits an operator, back in line."""
 
-    async def post(self):
+    async def post(self) -> None:
         filters = self.bulk_filter()
         count = await self.ctx.db(functools.partial(
             operator.retry_events, self.ctx, filters.conditions(),
-            (self.current_user, self.request.remote_ip)))
+            (self.current_user, peer_address(self.request))))
         await self.record("retry events", self.events_page(), f"{count} back in line")
         tick = self.ctx.settings.scheduler_tick_seconds
         self.redirect_with(self.events_page(), (
@@ -405,12 +414,12 @@ class RetryEventsHandler(EventFilterHandler):
 class GiveUpEventsHandler(EventFilterHandler):
     """Every event the filter finds that awaits an operator, given up with a reason."""
 
-    async def post(self):
+    async def post(self) -> None:
         filters = self.bulk_filter()
         reason = self.required_reason()
         count = await self.ctx.db(functools.partial(
             operator.give_up_events, self.ctx, filters.conditions(), reason,
-            (self.current_user, self.request.remote_ip)))
+            (self.current_user, peer_address(self.request))))
         await self.record("give up events", self.events_page(), f"{count} given up: {reason}")
         if count:
             # The calls of their orders held behind them go now, each in its turn.
@@ -422,7 +431,7 @@ class GiveUpEventsHandler(EventFilterHandler):
             "No event given up: none of those this filter finds failed and awaits you (an "
             "event being handled right now is left as it is)."), refused=not count)
 
-    def required_reason(self):
+    def required_reason(self) -> str:
         reason = self.text_argument("reason")
         if not reason:
             raise tornado.web.HTTPError(400)
@@ -430,7 +439,7 @@ class GiveUpEventsHandler(EventFilterHandler):
 
 
 class EventHandler(ConsoleHandler):
-    async def get(self, event_id):
+    async def get(self, event_id: str) -> None:
         try:
             event, effects = await self.ctx.db(
                 functools.partial(operator.event_with_effects, int(event_id)))
@@ -443,14 +452,15 @@ class EventHandler(ConsoleHandler):
 
 
 class GiveUpEventHandler(GiveUpEventsHandler):
-    async def post(self, event_id):
-        event_id = int(event_id)
+    # One event, by its path: its own arguments, as tornado gives every handler.
+    async def post(self, digits: str) -> None:  # type: ignore[override]
+        event_id = int(digits)
         page = f"/console/events/{event_id}"
         reason = self.required_reason()
         try:
             await self.ctx.db(functools.partial(
                 operator.give_up_event, self.ctx, event_id, reason,
-                (self.current_user, self.request.remote_ip)))
+                (self.current_user, peer_address(self.request))))
         except operator.NotFound:
             raise tornado.web.HTTPError(404) from None
         except operator.Refused as refused:
@@ -466,8 +476,8 @@ class GiveUpEventHandler(GiveUpEventsHandler):
 
 
 class ReplayHandler(ConsoleHandler):
-    async def post(self, event_id):
-        event_id = int(event_id)
+    async def post(self, digits: str) -> None:
+        event_id = int(digits)
         page = f"/console/events/{event_id}"
         confirmed = self.get_body_argument("confirm", "") == "yes"
         try:
@@ -506,7 +516,7 @@ REPLAYED_NEXT = {
 
 
 class OrderSearchHandler(ConsoleHandler):
-    def get(self):
+    def get(self) -> None:
         number = self.text_argument("number", 100)
         if not number:
             self.redirect("/console/")
@@ -515,7 +525,7 @@ class OrderSearchHandler(ConsoleHandler):
 
 
 class OrderHandler(ConsoleHandler):
-    async def get(self, order_number):
+    async def get(self, order_number: str) -> None:
         order, moments = await self.ctx.db(
             functools.partial(console.timeline, self.ctx, order_number))
         self.render_page("order", 200 if order or moments else 404, order_number=order_number,
@@ -523,7 +533,7 @@ class OrderHandler(ConsoleHandler):
 
 
 class OutboxHandler(ConsoleHandler):
-    async def get(self):
+    async def get(self) -> None:
         status = self.text_argument("status") or "dead"
         destination = self.text_argument("destination")
         before = self.text_argument("before")
@@ -547,7 +557,7 @@ class EffectHandler(ConsoleHandler):
     """One effect: what it is, the request as sent, every attempt, its cause, and the
     retry and give-up buttons."""
 
-    async def get(self, row_id):
+    async def get(self, row_id: str) -> None:
         try:
             page = await self.ctx.db(functools.partial(console.effect_page, self.ctx,
                                                        int(row_id)))
@@ -559,8 +569,8 @@ class EffectHandler(ConsoleHandler):
 class RetryEffectHandler(ConsoleHandler):
     """Back to the page the button was on (the outbox, the event, the effect's own)."""
 
-    async def post(self, row_id):
-        row_id = int(row_id)
+    async def post(self, digits: str) -> None:
+        row_id = int(digits)
         asked_at = self.ctx.clock()
         try:
             row = await console.retry_now(self.ctx, row_id)
@@ -578,8 +588,8 @@ class RetryEffectHandler(ConsoleHandler):
 
 
 class GiveUpHandler(ConsoleHandler):
-    async def post(self, row_id):
-        row_id = int(row_id)
+    async def post(self, digits: str) -> None:
+        row_id = int(digits)
         reason = self.text_argument("reason")
         try:
             row = await self.ctx.db(functools.partial(console.give_up, self.ctx, row_id,
@@ -600,13 +610,13 @@ class GiveUpHandler(ConsoleHandler):
 class DestinationAction(ConsoleHandler):
     """An action on the effects of one destination (the outbox page's buttons)."""
 
-    def destination(self):
+    def destination(self) -> str:
         destination = self.get_body_argument("destination", "")
         if destination not in operator.DESTINATIONS:
             raise tornado.web.HTTPError(400)
         return destination
 
-    def then(self, destination, count, done):
+    def then(self, destination: str, count: int, done: str) -> None:
         """Back to the outbox, saying what was done to `count` effects and what comes
         next."""
         tick = self.ctx.settings.scheduler_tick_seconds
@@ -617,17 +627,17 @@ class DestinationAction(ConsoleHandler):
 
 
 class RetryDeadHandler(DestinationAction):
-    async def post(self):
+    async def post(self) -> None:
         destination = self.destination()
         count = await self.ctx.db(functools.partial(
             console.retry_dead, self.ctx, destination,
-            (self.current_user, self.request.remote_ip)))
+            (self.current_user, peer_address(self.request))))
         await self.record("retry dead effects", destination, f"{count} back in line")
         self.then(destination, count, "given up on are back in line, due now")
 
 
 class DueNowHandler(DestinationAction):
-    async def post(self):
+    async def post(self) -> None:
         destination = self.destination()
         count = await self.ctx.db(functools.partial(console.make_due_now, self.ctx,
                                                     destination))
@@ -636,7 +646,7 @@ class DueNowHandler(DestinationAction):
 
 
 class SettlementHandler(ConsoleHandler):
-    async def get(self):
+    async def get(self) -> None:
         queue, holdbacks = await self.ctx.db(lambda: (
             console.settlement_queue(self.ctx), list(console.holdback_orders())))
         self.render_page("settlement", queue=queue, holdbacks=holdbacks)
@@ -645,11 +655,11 @@ class SettlementHandler(ConsoleHandler):
 class LinksHandler(ConsoleHandler):
     FIELDS = ("kind", "order", "cycle")
 
-    def get(self):
+    def get(self) -> None:
         self.render_page("links", kinds=links.KINDS, problem=None,
                          form=dict.fromkeys(self.FIELDS, ""))
 
-    async def post(self):
+    async def post(self) -> None:
         form = {name: self.get_body_argument(name, "").strip() for name in self.FIELDS}
         try:
             await self.ctx.db(functools.partial(filings.check_link, Transaction(self.ctx),
@@ -668,12 +678,12 @@ class LinksHandler(ConsoleHandler):
 
 
 class ActionsHandler(ConsoleHandler):
-    async def get(self):
+    async def get(self) -> None:
         self.render_page("actions", actions=await self.ctx.db(
             functools.partial(console.recent_actions, 200)))
 
 
-def console_routes(ctx):
+def console_routes(ctx: HandlerContext) -> list[tuple[str, type[ConsoleHandler], dict[str, Any]]]:
     shared = {"ctx": ctx, "state": ConsoleState()}
     return [(pattern, handler, shared) for pattern, handler in (
         (r"/console/?", OverviewHandler),
@@ -705,5 +715,5 @@ class NotFoundPage(ConsoleHandler):
     """For an operator only, as every page: a stranger is sent to the login page from an
     unknown path as from a known one, and learns nothing of which exist."""
 
-    def get(self):
+    def get(self) -> None:
         raise tornado.web.HTTPError(404)

@@ -4,10 +4,12 @@ SHKeeper re-sends a callback every 60 s, forever, until it gets exactly 202; so 
 outcome but a refused key is 202, and the inbox, not the sender, retries our failures.
 Without CRYPTO_PROCESSOR_API_KEY every callback is refused (401), in every environment.
 """
+import datetime
 import hashlib
 import hmac
 import logging
 import re
+from typing import Any, NoReturn
 
 import lograte
 from handlers.base import ApiHandler, same_secret
@@ -15,6 +17,7 @@ from domain import treasury
 from engine import inbox
 from engine.db import UNAVAILABLE
 from engine.transaction import Transaction
+from models import Outbox, WebhookEvent
 
 log = logging.getLogger("receiver.crypto")
 REPEATS = lograte.Repeats(log)
@@ -28,7 +31,8 @@ RECEIVED = {"received": True}
 INTERNAL_ERROR = {"received": True, "error": "internal"}
 
 
-def signature_valid(api_key, raw, signature, timestamp, now):
+def signature_valid(api_key: str, raw: bytes, signature: str | None, timestamp: str | None,
+                    now: datetime.datetime) -> bool:
     """SHKeeper's signature: hex HMAC-SHA256(api_key, "<timestamp>." + raw body), made
     within SIGNATURE_WINDOW_SECONDS of `now` either way."""
     if not signature or not timestamp or not re.fullmatch(r"[0-9]{1,12}", timestamp):
@@ -44,12 +48,12 @@ class CryptoProcessorWebhookHandler(ApiHandler):
     # An invoice callback with its transactions is a few kilobytes; room for hundreds.
     body_limit = 256 * 1024
 
-    def check_headers(self):
+    def check_headers(self) -> bool:
         """The API key headers are checked before the body is read; SHKeeper's signature
         covers the body, so it is checked once the body is in (post)."""
         return self.authenticate_headers()
 
-    async def post(self):
+    async def post(self) -> None:
         raw = self.raw_body
         self.authenticate_signature(raw)
         try:
@@ -66,7 +70,7 @@ class CryptoProcessorWebhookHandler(ApiHandler):
         await inbox.deliver_committed(self.ctx, rows)
         self.answer(202, INTERNAL_ERROR if outcome == "failed" else RECEIVED)
 
-    def authenticate_headers(self):
+    def authenticate_headers(self) -> bool:
         """Every credential presented must be right, and at least one presented: the
         API key in either header, SHKeeper's signature when it sends one. True when the
         API key was presented (and right). Without CRYPTO_PROCESSOR_API_KEY nothing is
@@ -83,10 +87,10 @@ class CryptoProcessorWebhookHandler(ApiHandler):
         return bool(keys)
 
     @property
-    def signed(self):
+    def signed(self) -> bool:
         return SIGNATURE_HEADER in self.request.headers or TIMESTAMP_HEADER in self.request.headers
 
-    def authenticate_signature(self, raw):
+    def authenticate_signature(self, raw: bytes) -> None:
         api_key = self.ctx.settings.crypto_processor_api_key
         headers = self.request.headers
         if self.signed and not signature_valid(
@@ -94,10 +98,10 @@ class CryptoProcessorWebhookHandler(ApiHandler):
                 self.ctx.clock()):
             self.refuse("bad or expired signature")
 
-    def refuse(self, why):
+    def refuse(self, why: str) -> NoReturn:
         self.refuse_credentials(401, "invalid api key", f"crypto callback: {why}")
 
-    async def store(self, raw):
+    async def store(self, raw: bytes) -> tuple[str | None, list[Outbox]]:
         """Keep the call in the inbox and handle it; returns (the handling's outcome or
         None, outbox rows still to send)."""
         body = None
@@ -116,7 +120,7 @@ class CryptoProcessorWebhookHandler(ApiHandler):
             orders=self.ctx.plugins[SOURCE].orders_of(status, body))
         return outcome, []
 
-    async def ignore(self, raw, body):
+    async def ignore(self, raw: bytes, body: dict[str, Any]) -> None:
         """No external_id: nothing to act on (BEHAVIOUR.md 4.3 rule 2). Kept as `ignored`, so
         an operator can see what arrived."""
         status = body.get("status")
@@ -126,17 +130,18 @@ class CryptoProcessorWebhookHandler(ApiHandler):
                            f"no-external-id:{_digest(raw)}", raw, status="ignored",
                            last_error="no external_id")
 
-    async def reject(self, raw, body, reason):
+    async def reject(self, raw: bytes, body: dict[str, Any] | None,
+                     reason: str) -> list[Outbox]:
         """Kept as `rejected` with the reason; the admin hears of it when it claimed to be
         paid, since an order may be waiting on this money. Returns the outbox rows to send."""
         external_id = _external_id_or_none(body)
         log.warning("crypto callback for %s rejected: %s", external_id or "unknown order",
                     reason)
         call = (self.ctx, SOURCE, "malformed", f"rejected:{_digest(raw)}", raw)
-        kept_as = {"external_id": external_id, "order_number": external_id,
+        kept_as: inbox.CallFields = {"external_id": external_id, "order_number": external_id,
                    "status": "rejected", "last_error": reason}
 
-        def keep_and_tell():
+        def keep_and_tell() -> list[Outbox]:
             event, created = inbox.store(*call, **kept_as)
             effects = Transaction(self.ctx, event, first_handling=created)
             if created and treasury.claims_paid(body):
@@ -149,10 +154,12 @@ class CryptoProcessorWebhookHandler(ApiHandler):
             # No transaction to be had: the inbox alone can still keep it (in the spool),
             # and the admin's notice with it, written when the drain stores the call.
             notice = _notice(external_id, reason, raw) if treasury.claims_paid(body) else None
-            await inbox.record(*call, **kept_as, notice=notice)
+            spooled: inbox.CallFields = {**kept_as, "notice": notice}
+            await inbox.record(*call, **spooled)
             return []
 
-    def tell_admin(self, effects, event, external_id, reason, raw):
+    def tell_admin(self, effects: outbox.Effects, event: WebhookEvent, external_id: str | None,
+                   reason: str, raw: bytes) -> None:
         admin = self.ctx.settings.admin_email
         if not admin:
             log.warning("ADMIN_EMAIL unset: nobody is told of rejected crypto callback #%s",
@@ -166,7 +173,7 @@ class CryptoProcessorWebhookHandler(ApiHandler):
                       **notice["variables"])
 
 
-def _notice(external_id, reason, raw):
+def _notice(external_id: str | None, reason: str, raw: bytes) -> inbox.Notice:
     """The admin's mail of a rejected callback that claimed to be paid (BEHAVIOUR.md 4.3
     rule 8), as `inbox.record` keeps it with a spooled call."""
     order = " ".join((external_id or "unknown order").split())[:80]
@@ -176,11 +183,11 @@ def _notice(external_id, reason, raw):
                           "body": raw.decode("utf-8", "replace")[:4000]}}
 
 
-def _digest(raw):
+def _digest(raw: bytes) -> str:
     return hashlib.sha256(raw).hexdigest()
 
 
-def _external_id_or_none(body):
+def _external_id_or_none(body: object) -> str | None:
     try:
         return treasury.external_id_of(body) if isinstance(body, dict) else None
     except treasury.MalformedCallback:

@@ -5,12 +5,14 @@ an operator can act on (which part is down), never a connection string."""
 import asyncio
 import logging
 import os
+from typing import Any
 
 import tornado.web
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 import lograte
 from handlers.base import ApiHandler, same_secret
+from handlers.context import HandlerContext
 from domain import reconcile
 from models import database
 from engine import spool
@@ -29,7 +31,7 @@ READY_TIMEOUT_SECONDS = 2
 class HealthHandler(ApiHandler):
     """The process is up and its event loop answers."""
 
-    def get(self):
+    def get(self) -> None:
         self.answer(200, {"status": "ok"})
 
     head = get
@@ -42,7 +44,7 @@ class ReadyHandler(ApiHandler):
     health is told too, but does not make the service unready: webhooks are still
     accepted, and their effects wait."""
 
-    async def get(self):
+    async def get(self) -> None:
         checks = {"database": await self.database_check(),
                   "scheduler": self.scheduler_check(), "spool": self.spool_check()}
         age, waiting = spool_waits(self.ctx)
@@ -57,7 +59,7 @@ class ReadyHandler(ApiHandler):
         await self.ctx.destinations.check(within=READY_TIMEOUT_SECONDS)
         problems = {name: problem for name, problem in checks.items() if problem != "ok"}
         status = 503 if problems else 200
-        body = {"status": "ready" if not problems else "not ready", "checks": checks,
+        body: dict[str, Any] = {"status": "ready" if not problems else "not ready", "checks": checks,
                 "destinations": {destination.name: destination.state
                                  for destination in self.ctx.destinations}}
         misconfigured = {destination.name: destination.problem
@@ -94,7 +96,7 @@ class ReadyHandler(ApiHandler):
 
     head = get
 
-    async def database_check(self):
+    async def database_check(self) -> str:
         """A database known to be down is unreachable at once; otherwise a connection of
         the probe's own must take a write, in a thread, within READY_TIMEOUT_SECONDS: the
         loop never waits on it, and a frozen database is reported as such in time. A
@@ -115,7 +117,7 @@ class ReadyHandler(ApiHandler):
             return "unreachable"
         return "ok"
 
-    def spool_check(self):
+    def spool_check(self) -> str:
         """Cheap enough for every probe: no file is written; the directory, its
         permissions and the room left on its filesystem are looked at. "full" when there
         is no room for two of the largest calls (MAX_BODY_BYTES each) or no inode left:
@@ -133,7 +135,7 @@ class ReadyHandler(ApiHandler):
             return "full"
         return "ok"
 
-    def scheduler_check(self):
+    def scheduler_check(self) -> str:
         scheduler = self.ctx.scheduler
         if scheduler is None:
             return "not started"
@@ -145,10 +147,10 @@ class MetricsHandler(tornado.web.RequestHandler):
     METRICS_CACHE_SECONDS. With METRICS_TOKEN set, only a scraper that sends it as a
     bearer token (Prometheus: `authorization: {credentials: ...}`) is answered."""
 
-    def initialize(self, ctx):
+    def initialize(self, ctx: HandlerContext) -> None:
         self.ctx = ctx
 
-    def prepare(self):
+    def prepare(self) -> None:
         set_budget(self.ctx.settings.database_call_budget_seconds)
         token = self.ctx.settings.metrics_token
         if not token:
@@ -159,7 +161,7 @@ class MetricsHandler(tornado.web.RequestHandler):
             self.set_header("WWW-Authenticate", 'Bearer realm="metrics"')
             self.finish("unauthorized\n")
 
-    async def get(self):
+    async def get(self) -> None:
         # The classic text format: every Prometheus version (and most agents) reads it.
         self.set_header("Content-Type", CONTENT_TYPE_PLAIN_0_0_4)
         self.set_header("Cache-Control", "no-store")

@@ -7,6 +7,7 @@ order); a field the service owns, an unknown one or a wrong value is 400 naming 
 order number that is an order of another kind is 409. GET answers the order as the
 service sees it. Both answer the order's description (domain.intake.describe)."""
 import functools
+from typing import Any, NoReturn
 
 import tornado.web
 
@@ -18,7 +19,7 @@ class OrderHandler(ApiHandler):
     # An order is a dozen short fields; room for far more.
     body_limit = 16 * 1024
 
-    def check_headers(self):
+    def check_headers(self) -> bool:
         """The bearer token, before a byte of the body is read."""
         key = self.ctx.settings.orders_api_key
         scheme, _, given = self.request.headers.get("Authorization", "").partition(" ")
@@ -29,26 +30,27 @@ class OrderHandler(ApiHandler):
                         else "no bearer token")
         return True
 
-    def refuse(self, why):
+    def refuse(self, why: str) -> NoReturn:
         self.set_header("WWW-Authenticate", 'Bearer realm="orders"')
         self.refuse_credentials(401, "Unauthorized", f"orders API: {why}")
 
-    def prepare(self):
+    def prepare(self) -> None:
         super().prepare()
         # Every method: a GET answers a customer's data too.
         self.authenticated = bool(self.check_headers())
 
-    def fail_field(self, status, message, field):
+    def fail_field(self, status: int, message: str, field: str) -> NoReturn:
         self.answer(status, {"error": message, "field": field})
         raise tornado.web.Finish()
 
-    def checked(self, kind, order_number, fields):
+    def checked(self, kind: str, order_number: str,
+                fields: dict[str, Any]) -> intake.OrderInput:
         try:
             return intake.parse(kind, order_number, fields)
         except intake.InvalidOrder as invalid:
             self.fail_field(400, str(invalid), invalid.field)
 
-    async def put(self, kind, order_number):
+    async def put(self, kind: str, order_number: str) -> None:
         self.known_kind(kind)
         order = self.checked(kind, order_number, self.json_body())
         try:
@@ -60,7 +62,7 @@ class OrderHandler(ApiHandler):
         self.answer(201 if stored.outcome == "created" else 200,
                     intake.describe(stored.order))
 
-    async def get(self, kind, order_number):
+    async def get(self, kind: str, order_number: str) -> None:
         self.known_kind(kind)
         order = await self.ctx.db(functools.partial(intake.find, kind, order_number))
         if order is None:
@@ -69,7 +71,7 @@ class OrderHandler(ApiHandler):
                 f" (it is a {other} order)" if other else ""))
         self.answer(200, intake.describe(order))
 
-    def known_kind(self, kind):
+    def known_kind(self, kind: str) -> None:
         try:
             intake.model_of(kind)
         except intake.UnknownKind as unknown:

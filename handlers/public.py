@@ -4,8 +4,10 @@ Anyone may call them, so every one is rate limited per client address and answer
 bad input with 400 `{"error": ..., "field": ...}` naming the field at fault."""
 import functools
 import json
+import datetime
 import os
 import re
+from typing import Any, Iterable, NoReturn
 
 import tornado.web
 from peewee import fn
@@ -26,18 +28,21 @@ REFERRAL_CODE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 EMAIL = re.compile(r"[^@\s/\x00-\x1f]{1,64}@[^@\s/\x00-\x1f]{1,189}\.[^@\s/.\x00-\x1f]{1,63}")
 
 
-class PublicApiHandler(RateLimited, ApiHandler):
+# Tornado calls `initialize` with the route's own arguments (handlers.routes): the rate
+# limited handlers take a limiter besides the context.
+class PublicApiHandler(RateLimited, ApiHandler):  # type: ignore[misc]
     # A survey response (its comment is at most 2,000 characters) or a referral code.
     body_limit = 16 * 1024
 
-    def refuse_too_many(self):
+    def refuse_too_many(self) -> NoReturn:
         self.fail(429, "too many requests")
 
-    def fail_field(self, status, message, field):
+    def fail_field(self, status: int, message: str, field: str) -> NoReturn:
         self.answer(status, {"error": message, "field": field})
         raise tornado.web.Finish()
 
-    def text_field(self, body, name, max_length, required=True):
+    def text_field(self, body: dict[str, Any], name: str, max_length: int,
+                   required: bool = True) -> str:
         value = body.get(name, "")
         if not isinstance(value, str):
             self.fail_field(400, f"{name} must be a string", name)
@@ -51,13 +56,13 @@ class PublicApiHandler(RateLimited, ApiHandler):
             self.fail_field(400, f"{name} is longer than {max_length} characters", name)
         return value
 
-    def refuse_unknown_fields(self, body, known):
+    def refuse_unknown_fields(self, body: dict[str, Any], known: Iterable[str]) -> None:
         unknown = sorted(set(body) - set(known))
         if unknown:
             self.fail_field(400, f"unknown field: {unknown[0]}", unknown[0])
 
 
-def order_exists(order_number):
+def order_exists(order_number: str) -> bool:
     return any(model.select().where(model.order_number == order_number).exists()
                for model in ORDER_MODELS.values())
 
@@ -66,7 +71,7 @@ class SurveyHandler(PublicApiHandler):
     """POST /api/v1/survey: one post-completion survey response per order, from the
     customer's signed invitation (domain.links.survey_token)."""
 
-    async def post(self):
+    async def post(self) -> None:
         body = self.json_body()
         self.refuse_unknown_fields(body, ("order_number", "token", "rating", "comment"))
         order_number = self.text_field(body, "order_number", MAX_ORDER_NUMBER_LENGTH)
@@ -82,7 +87,7 @@ class SurveyHandler(PublicApiHandler):
             self.fail_field(403, "invalid token for this order", "token")
         now = self.ctx.clock()
 
-        def record():
+        def record() -> str:
             if not order_exists(order_number):
                 return "unknown"
             recorded = NEW_RESPONSE.run(order_number=order_number, rating=rating,
@@ -100,7 +105,7 @@ class SurveyHandler(PublicApiHandler):
 class ReferralCheckHandler(PublicApiHandler):
     """POST /api/v1/referral/check: is a code valid, and what does it give."""
 
-    async def post(self):
+    async def post(self) -> None:
         body = self.json_body()
         self.refuse_unknown_fields(body, ("code",))
         code = self.text_field(body, "code", 64)
@@ -115,7 +120,7 @@ class ReferralCheckHandler(PublicApiHandler):
                               "discount": {"percent_off": referral.percent_off}})
 
 
-def usable(referral, now):
+def usable(referral: ReferralCode, now: datetime.datetime) -> bool:
     return referral.active and (referral.expires_at is None or referral.expires_at > now)
 
 
@@ -128,7 +133,7 @@ class ReferralInfoHandler(PublicApiHandler):
     WITHHELD = {"email": None, "codes": None,
                 "detail": "referral details are given to authenticated callers only"}
 
-    async def get(self, email):
+    async def get(self, email: str) -> None:
         email = email.strip().lower()
         if len(email) > 254 or not EMAIL.fullmatch(email):
             self.fail_field(400, "email must be an e-mail address", "email")
@@ -140,7 +145,7 @@ class ReferralInfoHandler(PublicApiHandler):
             self.fail(401, "Unauthorized")
         now = self.ctx.clock()
 
-        def described():
+        def described() -> list[dict[str, Any]]:
             codes = (ReferralCode.select()
                      .where(fn.LOWER(ReferralCode.owner_email) == email)
                      .order_by(ReferralCode.code))
@@ -149,7 +154,7 @@ class ReferralInfoHandler(PublicApiHandler):
                           "detail": None})
 
 
-def describe(referral, now):
+def describe(referral: ReferralCode, now: datetime.datetime) -> dict[str, Any]:
     """What the referral info tells of one code. In a unit of work (ctx.db)."""
     paid = paid_orders_using(referral.code)
     return {"code": referral.code, "valid": usable(referral, now),
@@ -158,14 +163,14 @@ def describe(referral, now):
             "reward_earned_cents": paid * referral.reward_cents}
 
 
-def paid_orders_using(code):
+def paid_orders_using(code: str) -> int:
     return sum(model.select().where((fn.UPPER(model.discount_code) == code)
                                     & (model.payment_status == "paid")).count()
                for model in ORDER_MODELS.values())
 
 
 @functools.cache
-def state_requirements():
+def state_requirements() -> dict[str, Any]:
     with open(os.path.join(DATA_DIR, "dot_state_requirements.json"), encoding="utf-8") as f:
         return json.load(f)
 
@@ -173,7 +178,7 @@ def state_requirements():
 class DotRequirementsHandler(PublicApiHandler):
     """GET /api/v1/dot/state-requirements[?state=TX]: one state, or every state."""
 
-    def get(self):
+    def get(self) -> None:
         data = state_requirements()
         states = data["states"]
         code = self.get_query_argument("state", None)

@@ -7,8 +7,13 @@ deployed (one process); several processes would each allow `limit`.
 """
 import math
 import time
+from typing import Callable, NoReturn
 
-from handlers.addresses import client_key
+import tornado.web
+
+from handlers.addresses import client_key, peer_address
+from handlers.context import HandlerContext
+from settings import Settings
 
 # Past this many addresses, buckets that have refilled completely are dropped: a full
 # bucket is the same as no bucket, so forgetting it changes nothing.
@@ -16,21 +21,23 @@ PRUNE_ABOVE = 10_000
 
 
 class RateLimiter:
-    def __init__(self, limit, window_seconds, clock=time.monotonic):
+    def __init__(self, limit: int, window_seconds: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.limit = limit
         self.window = window_seconds
         self.clock = clock
-        self.buckets = {}
+        # {client: (tokens left, when they were counted)}
+        self.buckets: dict[str, tuple[float, float]] = {}
 
     @classmethod
-    def from_settings(cls, settings):
+    def from_settings(cls, settings: Settings) -> "RateLimiter":
         return cls(settings.public_rate_limit, settings.public_rate_window_seconds)
 
     @property
-    def refill_per_second(self):
+    def refill_per_second(self) -> float:
         return self.limit / self.window
 
-    def acquire(self, client):
+    def acquire(self, client: str) -> int:
         """Take one request for `client`; return 0 when allowed, else the whole seconds to
         wait before the next request is allowed (for Retry-After)."""
         if self.limit <= 0:
@@ -44,25 +51,25 @@ class RateLimiter:
         self.buckets[client] = (tokens, now)
         return max(1, math.ceil((1 - tokens) / self.refill_per_second))
 
-    def give_back(self, client):
+    def give_back(self, client: str) -> None:
         """Return a request taken by `acquire` (it did not count after all)."""
         if self.limit <= 0:
             return
         now = self.clock()
         self.buckets[client] = (min(self.limit, self.tokens_at(client, now) + 1), now)
 
-    def tokens_at(self, client, now):
+    def tokens_at(self, client: str, now: float) -> float:
         tokens, since = self.buckets.get(client, (self.limit, now))
         return min(self.limit, tokens + (now - since) * self.refill_per_second)
 
-    def prune(self, now):
+    def prune(self, now: float) -> None:
         if len(self.buckets) <= PRUNE_ABOVE:
             return
         self.buckets = {client: state for client, state in self.buckets.items()
                         if self.tokens_at(client, now) < self.limit}
 
 
-class RateLimited:
+class RateLimited(tornado.web.RequestHandler):
     """A RequestHandler mixin: refuses a client over its allowance with 429 and
     Retry-After, before any work. The handler says how (`refuse_too_many`): a JSON error
     or an HTML page.
@@ -70,12 +77,16 @@ class RateLimited:
     The client is `request.remote_ip` (the proxy's word for it only from TRUSTED_PROXIES),
     an IPv6 address by its /64 (handlers.addresses)."""
 
-    def initialize(self, ctx, limiter):
+    def initialize(self, ctx: HandlerContext, limiter: RateLimiter) -> None:
         super().initialize(ctx)
         self.limiter = limiter
 
-    def prepare(self):
-        wait = self.limiter.acquire(client_key(self.request.remote_ip))
+    def refuse_too_many(self) -> NoReturn:
+        """Answer 429 and stop handling the request."""
+        raise NotImplementedError
+
+    def prepare(self) -> None:
+        wait = self.limiter.acquire(client_key(peer_address(self.request)))
         if wait:
             self.set_header("Retry-After", str(wait))
             self.refuse_too_many()
@@ -99,20 +110,21 @@ class LoginThrottle:
 
     ALL = "all"
 
-    def __init__(self, per_address, total, window_seconds, clock=time.monotonic):
+    def __init__(self, per_address: int, total: int, window_seconds: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.addresses = RateLimiter(per_address, window_seconds, clock)
         self.total = RateLimiter(total, window_seconds, clock)
 
-    def take_a_check(self):
+    def take_a_check(self) -> int:
         """0 when a password may be checked now (its place in the budget taken), else
         the seconds to wait."""
         return self.total.acquire(self.ALL)
 
-    def right(self):
+    def right(self) -> None:
         """The password checked was right: its place in the budget is given back."""
         self.total.give_back(self.ALL)
 
-    def wrong(self, client):
+    def wrong(self, client: str) -> int:
         """The password checked was wrong: 0, or the seconds `client` is to wait (it is
         past its own allowance)."""
         return self.addresses.acquire(client)

@@ -1,4 +1,8 @@
 """Every route of the service, in one list."""
+from typing import Any
+
+import tornado.web
+
 from handlers.card import CardWebhookHandler
 from handlers.console import console_routes
 from handlers.crypto import CryptoProcessorWebhookHandler
@@ -10,10 +14,15 @@ from handlers.public import (
     DotRequirementsHandler, ReferralCheckHandler, ReferralInfoHandler, SurveyHandler,
 )
 from handlers.workflow import WorkflowWebhookHandler
+from handlers.context import HandlerContext
 from handlers.ratelimit import RateLimiter
 
+# A route as tornado.web.Application takes it: pattern, handler, its initialize arguments.
+Route = tuple[str, type[tornado.web.RequestHandler], dict[str, Any]] | tuple[
+    str, type[tornado.web.RequestHandler]]
 
-def routes(ctx):
+
+def routes(ctx: HandlerContext) -> list[Route]:
     public = {"ctx": ctx, "limiter": RateLimiter.from_settings(ctx.settings)}
     return [
         (r"/api/v1/webhooks/([a-z]+/[a-z_-]+)", WorkflowWebhookHandler, {"ctx": ctx}),

@@ -7,12 +7,14 @@ import functools
 import hashlib
 import hmac
 import logging
+from typing import Any, NoReturn
 
 from handlers.base import ApiHandler, same_secret
 from domain import reconcile
 from domain.reconcile import change_key
 from engine import inbox
 from engine.transaction import Transaction
+from models import WebhookEvent
 
 log = logging.getLogger("receiver.workflow")
 
@@ -44,7 +46,7 @@ class WorkflowWebhookHandler(ApiHandler):
     # Frappe's bodies are a few fields from a template: a few hundred bytes.
     body_limit = 64 * 1024
 
-    def check_headers(self):
+    def check_headers(self) -> bool:
         """The path exists, and the secret header is right; the log says which check
         failed, never what was sent."""
         if self.ctx.plugins["workflow"].get(self.path_args[0]) is None:
@@ -55,7 +57,7 @@ class WorkflowWebhookHandler(ApiHandler):
                                     "WEBHOOK_SECRET" if given else "no X-Webhook-Secret")
         return True
 
-    async def post(self, path):
+    async def post(self, path: str) -> None:
         webhook = self.ctx.plugins["workflow"].get(path)
         signing_secret = self.ctx.settings.workflow_webhook_signing_secret
         if signing_secret and not self.frappe_signature_valid(signing_secret):
@@ -69,17 +71,18 @@ class WorkflowWebhookHandler(ApiHandler):
         if error:
             self.fail(400, error)
         event, outcome = await self.accept(path, body)
-        if REJECTED in (outcome, event and event.status):
+        # An outcome comes with its event; a spooled call has neither.
+        if event is not None and REJECTED in (outcome, event.status):
             stored = await self.ctx.commits.run(
                 functools.partial(inbox.find, self.ctx, "workflow", event.dedup_key))
-            self.fail(409, stored.last_error)
-        if RECORDED in (outcome, event and event.status):
+            self.fail(409, (stored and stored.last_error) or REJECTED)
+        if event is not None and RECORDED in (outcome, event.status):
             # A change older than one handled (BEHAVIOUR.md 4.1.1): kept, not acted on.
             self.answer(200, {"received": True, "action": "recorded_not_handled"})
             return
         self.answer(200, {"received": True, "action": webhook.answer})
 
-    def fail(self, status, message):
+    def fail(self, status: int, message: str) -> NoReturn:
         """As every handler fails, and a refused body (400) is logged with its reason, so
         that whoever set up the sender can tell what to fix (a refused credential is
         logged by refuse_credentials, with its reason)."""
@@ -88,12 +91,13 @@ class WorkflowWebhookHandler(ApiHandler):
                         self.request.remote_ip, message)
         super().fail(status, message)
 
-    def frappe_signature_valid(self, secret):
+    def frappe_signature_valid(self, secret: str) -> bool:
         expected = base64.b64encode(
             hmac.new(secret.encode(), self.raw_body, hashlib.sha256).digest()).decode()
         return same_secret(self.request.headers.get("X-Frappe-Webhook-Signature"), expected)
 
-    async def accept(self, path, body):
+    async def accept(self, path: str,
+                     body: dict[str, Any]) -> tuple[WebhookEvent | None, str | None]:
         explicit = self.request.headers.get("Idempotency-Key", "").strip()
         if len(explicit) > inbox.MAX_KEY_LENGTH:
             self.fail(400, f"Idempotency-Key too long (at most {inbox.MAX_KEY_LENGTH} "
@@ -125,9 +129,9 @@ class WorkflowWebhookHandler(ApiHandler):
         # Frappe gives up on an answer after 5 s (its webhook timeout) and re-sends later;
         # the calls to Frappe and the worker may take up to OUTBOUND_TIMEOUT_SECONDS. So
         # the answer waits for them only within the budget, once the call is stored.
+        fields: inbox.CallFields = {"order_number": body["order_number"], **earlier}
         event, _created, outcome = await inbox.accept(
-            self.ctx, "workflow", path, dedup_key, self.raw_body,
-            order_number=body["order_number"], **earlier,
+            self.ctx, "workflow", path, dedup_key, self.raw_body, **fields,
             handled_by=handled_by, send_within=self.ctx.settings.workflow_answer_budget_seconds,
             orders=self.ctx.plugins["workflow"].orders_of(path, body))
         return event, outcome
