@@ -3,6 +3,7 @@
 one come to, what a send comes to. A unit of work is engine.commits.Unit."""
 import asyncio
 import datetime
+import zoneinfo
 from typing import Any, Coroutine, NamedTuple, Protocol, Sequence, TypeAlias, TypeVar
 
 import jinja2
@@ -66,7 +67,7 @@ class EngineContext(Protocol):
     def clock(self) -> datetime.datetime: ...
 
     @property
-    def business_tz(self) -> datetime.tzinfo: ...
+    def business_tz(self) -> zoneinfo.ZoneInfo: ...
 
     def background(self, coroutine: Coroutine[Any, Any, Any]) -> asyncio.Task: ...
 

@@ -601,7 +601,7 @@ class GiveUpHandler(ConsoleHandler):
             self.redirect_with(f"/console/outbox/{row_id}",
                                f"Effect #{row_id} not given up: {refused}.", refused=True)
             return
-        await self.record("give up effect", row_id, row.last_error)
+        await self.record("give up effect", row_id, row.last_error or "")
         self.redirect_with(f"/console/outbox/{row_id}", (
             f"Effect #{row_id} given up: it is dead, and not sent unless someone retries "
             "it."))

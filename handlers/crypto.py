@@ -158,7 +158,7 @@ class CryptoProcessorWebhookHandler(ApiHandler):
             await inbox.record(*call, **spooled)
             return []
 
-    def tell_admin(self, effects: outbox.Effects, event: WebhookEvent, external_id: str | None,
+    def tell_admin(self, effects: Transaction, event: WebhookEvent, external_id: str | None,
                    reason: str, raw: bytes) -> None:
         admin = self.ctx.settings.admin_email
         if not admin:

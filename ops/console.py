@@ -14,7 +14,6 @@ import json
 import logging
 import re
 import urllib.parse
-import zoneinfo
 from typing import Any, Iterator, Protocol
 
 import peewee
@@ -57,13 +56,10 @@ SECRET_IN_TEXT = re.compile(r'(?P<key>"(?:[^"\\]|\\.)*")\s*:\s*'
 
 class ConsoleContext(EngineContext, Protocol):
     """What the console asks of the context it is given (app.context.Context): the
-    engine's, with this process's metrics (its jobs' runs) and the business's time zone."""
+    engine's, with this process's metrics (its jobs' runs)."""
 
     @property
     def metrics(self) -> Metrics: ...
-
-    @property
-    def business_tz(self) -> zoneinfo.ZoneInfo: ...
 
 
 # The record of operator actions.
