@@ -43,6 +43,11 @@ class EngineContext(Protocol):
     telegram: TelegramClient
     # Which plugin handles a stored event: {source: its registry}.
     plugins: dict[str, Any]
+    # The service's scheduler (scheduler.Scheduler: `run_soon(name)`), None where none runs.
+    scheduler: Any
+
+    @property
+    def business_tz(self) -> datetime.tzinfo: ...
 
     def clock(self) -> datetime.datetime: ...
 

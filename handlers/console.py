@@ -34,6 +34,7 @@ from handlers.html import HtmlHandler
 from handlers.addresses import client_key
 from handlers.ratelimit import LoginThrottle
 from engine.claims import CLAIM_BATCH
+from engine.transaction import Transaction
 from ops import console, operator, sessions
 from ops.passwords import verify_password
 
@@ -294,7 +295,7 @@ class OverviewHandler(ConsoleHandler):
     async def get(self):
         overview, actions, waiting = await self.ctx.db(lambda: (
             console.overview(self.ctx, self.state.event_counts), console.recent_actions(10),
-            intake.waiting_calls()))
+            intake.waiting_calls(Transaction(self.ctx))))
         self.render_page("overview", overview=overview, chart=chart(overview.events_by_day),
                          actions=actions, last_success=self.last_success, waiting=waiting)
 
