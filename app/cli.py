@@ -25,6 +25,7 @@ from domain import backfill, filings, holdback, intake, links, reconcile, remind
 from engine import inbox, spool
 from engine.db import UNAVAILABLE, refused_settings
 from engine.payload import read_json
+from engine.transaction import Transaction
 from models import open_database, sqlite_file
 from ops import console, operator, passwords, sessions
 from settings import ConfigurationError, Settings
@@ -509,7 +510,8 @@ REMINDER_COLUMNS = ("CUSTOMER", "KIND", "ORDER", "PERIOD", "DUE", "GOES OUT")
 
 async def reminders_list(ctx, args):
     rows = []
-    for entry in await ctx.db(functools.partial(reminders.plan, ctx, reminders.today(ctx))):
+    for entry in await ctx.db(functools.partial(reminders.plan, ctx, Transaction(ctx),
+                                                reminders.today(ctx))):
         when = "tomorrow (mailed today)" if entry.mailed_today else "next run"
         rows += [(entry.email, "intake", order.order_number, "", "", when)
                  for order in entry.intake]
