@@ -30,6 +30,7 @@ import operator
 import re
 from typing import Any, Callable, Iterator, Mapping
 
+from engine import inbox
 from engine.contracts import EngineContext
 from engine.store.intake import CallsWaiting
 from engine.transaction import Transaction
@@ -284,7 +285,7 @@ def waiting_calls(tx: Transaction, limit: int = 20) -> CallsWaiting:
     work): the first of an order failed for want of it, the later ones held behind it
     (engine.inbox). How many, for how many orders, and the `limit` orders that wait
     longest (number, calls, since when)."""
-    return tx.calls_waiting_for_orders(limit)
+    return tx.calls_waiting_for_orders(inbox.AWAITING_HANDLING, limit)
 
 
 # --- what the shop is told -------------------------------------------------------------

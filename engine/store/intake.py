@@ -4,7 +4,7 @@ waiting for an intake form, reminders sent."""
 import datetime
 import functools
 import operator
-from typing import Any, Iterable, Mapping, NamedTuple, cast
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence, cast
 
 import peewee
 
@@ -30,13 +30,6 @@ class CallsWaiting(NamedTuple):
     calls: int
     orders: int
     oldest: list[OrderWaitedFor]
-
-
-def _unhandled() -> tuple[str, ...]:
-    """The statuses of a call not yet handled (engine.inbox's)."""
-    # engine.inbox imports the transaction this store is a part of: read when asked.
-    from engine.inbox import AWAITING_HANDLING
-    return AWAITING_HANDLING
 
 
 class IntakeStore:
@@ -99,15 +92,15 @@ class IntakeStore:
                           WebhookEvent.next_attempt_at > now)
                    .execute())
 
-    def calls_waiting_for_orders(self, limit: int) -> CallsWaiting:
-        """The calls not yet handled whose order is in none of the order tables: their
-        totals, and the `limit` orders waited for longest (by their first call's
-        arrival, then number). Two reads."""
+    def calls_waiting_for_orders(self, unhandled: Sequence[str], limit: int) -> CallsWaiting:
+        """The calls not yet handled (in a status of `unhandled`: engine.inbox's
+        AWAITING_HANDLING, the inbox importing this store) whose order is in none of the
+        order tables: their totals, and the `limit` orders waited for longest (by their
+        first call's arrival, then number). Two reads."""
         number = WebhookEvent.order_number
         missing = functools.reduce(operator.and_, (
             ~peewee.fn.EXISTS(model.select(peewee.SQL("1")).where(model.order_number == number))
             for model in ORDER_MODELS.values()))
-        unhandled = _unhandled()
         per_order = (WebhookEvent.select(number,
                                          peewee.fn.COUNT(WebhookEvent.id).alias("calls"),
                                          peewee.fn.MIN(WebhookEvent.received_at).alias("since"))
