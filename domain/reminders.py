@@ -56,7 +56,7 @@ def today(ctx: EngineContext) -> datetime.date:
 def plan(ctx: EngineContext, tx: Transaction, day: datetime.date) -> list[ToRemind]:
     """Every customer with a reminder due on `day`, by address. A unit of work (ctx.db)."""
     intake = _waiting_by_customer(tx)
-    due = filings.due_on(ctx.settings, day)
+    due = filings.due_on(tx, ctx.settings, day)
     planned = []
     for email in sorted(set(intake) | set(due)):
         entry = ToRemind(email, intake.get(email, []), _unsent(tx, due.get(email, [])))
@@ -88,7 +88,8 @@ def _waiting_by_customer(tx: Transaction) -> dict[str, list[ComplianceOrder]]:
 
 def _unsent(tx: Transaction, dues: list[Due]) -> list[Due]:
     dues = [due for due in dues
-            if not links.already_filed(due.cycle.kind, due.order.order_number, due.cycle.label)]
+            if not links.already_filed(tx, due.cycle.kind, due.order.order_number,
+                                       due.cycle.label)]
     if not dues:
         return []
     sent = tx.reminders_sent(due.key for due in dues)
