@@ -551,7 +551,8 @@ REMINDER_COLUMNS = ("CUSTOMER", "KIND", "ORDER", "PERIOD", "DUE", "GOES OUT")
 
 async def reminders_list(ctx: Context, args: argparse.Namespace) -> int:
     rows = []
-    for entry in await ctx.db(functools.partial(reminders.plan, ctx, reminders.today(ctx))):
+    for entry in await ctx.db(functools.partial(reminders.plan, ctx, Transaction(ctx),
+                                                reminders.today(ctx))):
         when = "tomorrow (mailed today)" if entry.mailed_today else "next run"
         rows += [(entry.email, "intake", order.order_number, "", "", when)
                  for order in entry.intake]

@@ -30,12 +30,11 @@ import operator
 import re
 from typing import Any, Callable, Iterator, Mapping
 
-import peewee
-
 from engine import inbox
-from engine.commits import raise_if_conflict, savepoint
-from engine.db import locked
-from models import ORDER_MODELS, OrderBase, WebhookEvent
+from engine.contracts import EngineContext
+from engine.store.intake import CallsWaiting
+from engine.transaction import Transaction
+from models import ORDER_MODELS, OrderBase
 
 log = logging.getLogger("receiver.orders")
 
@@ -222,55 +221,44 @@ CHECKS = {
 
 # --- storing ---------------------------------------------------------------------------
 
-def find(kind: str, order_number: str) -> OrderBase | None:
-    model = model_of(kind)
-    return model.get_or_none(model.order_number == order_number)
+def find(tx: Transaction, kind: str, order_number: str) -> OrderBase | None:
+    """The order of `kind` and `order_number`, or None. Raises UnknownKind."""
+    model_of(kind)
+    return tx.shop_order(kind, order_number)
 
 
-def kind_of(order_number: str) -> str | None:
+def kind_of(tx: Transaction, order_number: str) -> str | None:
     """The kind of the order with that number, whatever it is; None when there is none."""
-    for kind, model in ORDER_MODELS.items():
-        if model.select().where(model.order_number == order_number).exists():
-            return kind
-    return None
+    return tx.kind_of_order(order_number)
 
 
-def store(order: OrderInput, now: datetime.datetime) -> Stored:
+def store(tx: Transaction, order: OrderInput, now: datetime.datetime) -> Stored:
     """Create the order, or set its shop fields (a unit of work, or part of one).
     Raises OtherKind when the number is an order of another kind."""
-    model = model_of(order.kind)
-    found = kind_of(order.order_number)
+    model_of(order.kind)
+    found = tx.kind_of_order(order.order_number)
     if found not in (None, order.kind):
         raise OtherKind(order.order_number, found)
-    existing = _locked(model, order.order_number)
+    existing = tx.lock_shop_order(order.kind, order.order_number)
     if existing is None:
-        try:
-            with savepoint():
-                model.insert(order_number=order.order_number, created_at=now, updated_at=now,
-                             **{name: value for name, value in order.values.items()
-                                if value is not None}).execute()
-        except peewee.IntegrityError as failure:
-            raise_if_conflict(failure)
-            existing = _locked(model, order.order_number)  # made by another call meanwhile
-        else:
-            created = model.get(model.order_number == order.order_number)
-            return Stored(created, "created", make_waiting_due(order.order_number, now))
+        created = tx.add_shop_order(order.kind, order.order_number, order.values, now)
+        if created is not None:
+            return Stored(created, "created", make_waiting_due(tx, order.order_number, now))
+        # Made by another call meanwhile, whose transaction has ended: it is there now.
+        existing = tx.lock_shop_order(order.kind, order.order_number)
+        assert existing is not None
     changed = {name: value for name, value in order.values.items()
                if getattr(existing, name) != value}
     if not changed:
         return Stored(existing, "unchanged", 0)
-    model.update(updated_at=now, **changed).where(model.id == existing.id).execute()
-    return Stored(model.get_by_id(existing.id), "updated", 0)
+    return Stored(tx.set_shop_fields(existing, changed, now), "updated", 0)
 
 
-def _locked(model: type[OrderBase], order_number: str) -> OrderBase | None:
-    return locked(model.select().where(model.order_number == order_number)).first()
-
-
-async def put(ctx: Any, order: OrderInput) -> Stored:
+async def put(ctx: EngineContext, order: OrderInput) -> Stored:
     """`store` in a unit of its own; the inbox's retry told to run now when calls were
     made due, so they are handled now rather than at its next tick."""
-    stored = await ctx.db(functools.partial(store, order, ctx.clock()))
+    stored: Stored = await ctx.db(functools.partial(store, Transaction(ctx), order,
+                                                    ctx.clock()))
     if stored.outcome != "unchanged":
         log.info("%s order %s %s through the orders API%s", order.kind, order.order_number,
                  stored.outcome, f"; {stored.due} waiting call(s) due now" if stored.due else "")
@@ -279,62 +267,30 @@ async def put(ctx: Any, order: OrderInput) -> Stored:
     return stored
 
 
-def run_waiting_calls(ctx: Any) -> None:
+def run_waiting_calls(ctx: EngineContext) -> None:
     """Ask the service's inbox retry to run now (a command has no scheduler: the running
     service takes the calls made due at its next tick)."""
     if ctx.scheduler is not None:
         ctx.scheduler.run_soon("inbox")
 
 
-def make_waiting_due(order_number: str, now: datetime.datetime) -> int:
+def make_waiting_due(tx: Transaction, order_number: str, now: datetime.datetime) -> int:
     """The failed calls about `order_number`, or about an order naming it as its parent,
     due now; returns how many were not due yet."""
-    children = functools.reduce(operator.or_, (
-        model.select(model.order_number).where(model.parent_order_number == order_number)
-        for model in ORDER_MODELS.values()))
-    about = (WebhookEvent.order_number == order_number) | WebhookEvent.order_number.in_(children)
-    return (WebhookEvent.update(next_attempt_at=now, updated_at=now)
-            .where(about, WebhookEvent.status == "failed", WebhookEvent.next_attempt_at > now)
-            .execute())
+    return tx.make_calls_due(order_number, now)
 
 
-@dataclasses.dataclass(frozen=True)
-class Waiting:
-    """Calls that wait for an order not there yet: how many, for how many orders, and
-    the orders that wait longest (number, calls, since when)."""
-    calls: int
-    orders: int
-    oldest: list
-
-
-def waiting_calls(limit: int = 20) -> Waiting:
+def waiting_calls(tx: Transaction, limit: int = 20) -> CallsWaiting:
     """The calls not yet handled whose order is in none of the order tables (a unit of
     work): the first of an order failed for want of it, the later ones held behind it
-    (engine.inbox)."""
-    number = WebhookEvent.order_number
-    missing = functools.reduce(operator.and_, (
-        ~peewee.fn.EXISTS(model.select(peewee.SQL("1")).where(model.order_number == number))
-        for model in ORDER_MODELS.values()))
-    per_order = (WebhookEvent.select(number, peewee.fn.COUNT(WebhookEvent.id).alias("calls"),
-                                     peewee.fn.MIN(WebhookEvent.received_at).alias("since"))
-                 .where(WebhookEvent.status.in_(inbox.AWAITING_HANDLING), number.is_null(False),
-                        missing)
-                 .group_by(number))
-    rows = list(per_order.order_by(peewee.SQL("since"), number).limit(limit).dicts())
-    totals = (WebhookEvent.select(peewee.fn.COUNT(WebhookEvent.id),
-                                  peewee.fn.COUNT(number.distinct()))
-              .where(WebhookEvent.status.in_(inbox.AWAITING_HANDLING), number.is_null(False),
-                        missing)
-              .tuples().first())
-    calls, orders = totals or (0, 0)
-    oldest = [(row["order_number"], row["calls"],
-               WebhookEvent.received_at.python_value(row["since"])) for row in rows]
-    return Waiting(calls, orders, oldest)
+    (engine.inbox). How many, for how many orders, and the `limit` orders that wait
+    longest (number, calls, since when)."""
+    return tx.calls_waiting_for_orders(inbox.AWAITING_HANDLING, limit)
 
 
 # --- what the shop is told -------------------------------------------------------------
 
-def describe(order: OrderBase) -> dict:
+def describe(order: OrderBase) -> dict[str, Any]:
     """The order as the service sees it, for the orders API: the shop's fields and the
     service's apart, every one present (null when unset)."""
     def shown(value: Any) -> Any:
@@ -344,6 +300,7 @@ def describe(order: OrderBase) -> dict:
             return str(value)
         return value
     kind = order.kind
+    assert kind is not None  # a row of one of ORDER_MODELS, each of a kind
     return {"kind": kind, "order_number": order.order_number,
             "shop": {name: shown(getattr(order, name)) for name in SHOP_FIELDS[kind]},
             "service": {name: shown(getattr(order, name)) for name in service_fields(kind)},
@@ -456,7 +413,7 @@ class Imported:
     updated: int = 0
     unchanged: int = 0
     # (line, why) of each row not stored, in the file's order.
-    bad: list = dataclasses.field(default_factory=list)
+    bad: list[tuple[int, str]] = dataclasses.field(default_factory=list)
     due: int = 0
 
     def add(self, other: "Imported") -> None:
@@ -465,16 +422,17 @@ class Imported:
         self.bad += other.bad
 
 
-async def import_rows(ctx: Any, rows: list[Row],
+async def import_rows(ctx: EngineContext, rows: list[Row],
                       progress: Callable[[int, int | None], None]) -> Imported:
     """Store the good rows of a file, IMPORT_BATCH to a unit of work; the bad ones are
     counted with their line and reason. `progress(stored, of)` after each batch."""
     good = [row for row in rows if row.order is not None]
-    counts = Imported(bad=[(row.line, row.problem) for row in rows if row.order is None])
+    counts = Imported(bad=[(row.line, row.problem) for row in rows if row.problem is not None])
     progress(0, len(good))
     for start in range(0, len(good), IMPORT_BATCH):
         batch = good[start:start + IMPORT_BATCH]
-        stored = await ctx.db(functools.partial(store_rows, batch, ctx.clock()))
+        stored = await ctx.db(functools.partial(store_rows, Transaction(ctx), batch,
+                                                ctx.clock()))
         counts.add(stored)
         progress(start + len(batch), len(good))
     counts.bad.sort()
@@ -483,15 +441,15 @@ async def import_rows(ctx: Any, rows: list[Row],
     return counts
 
 
-def store_rows(rows: list[Row], now: datetime.datetime) -> Imported:
+def store_rows(tx: Transaction, rows: list[Row], now: datetime.datetime) -> Imported:
     """Store the good rows of a batch, each alone (a unit of work): one refused by the
     database (a number of another kind) is a bad row, the others are stored."""
     counts = Imported()
     for row in rows:
         assert row.order is not None
         try:
-            with savepoint():
-                stored = store(row.order, now)
+            with tx.savepoint():
+                stored = store(tx, row.order, now)
         except OtherKind as other:
             counts.bad.append((row.line, str(other)))
             continue

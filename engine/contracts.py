@@ -32,6 +32,16 @@ class Metrics(Protocol):
     def effect_sent(self, kind: str, result: str) -> None: ...
 
 
+class Jobs(Protocol):
+    """The service's scheduled jobs (scheduler.Scheduler), as the engine and the domain ask
+    them."""
+
+    @property
+    def running(self) -> bool: ...
+
+    def run_soon(self, name: str) -> None: ...
+
+
 class Registry(Protocol):
     """What the engine asks of a source's plugins (plugins.registry.Registry): the plugin
     for an event type (a function, plain or async, called with the context, the decoded
@@ -63,6 +73,11 @@ class EngineContext(Protocol):
     # Read only here: a context may keep a Metrics that counts more (ops.metrics).
     @property
     def metrics(self) -> Metrics: ...
+
+    @property
+    def scheduler(self) -> Jobs | None:
+        """The service's scheduled jobs; None where none run (a command, a test)."""
+        ...
 
     def clock(self) -> datetime.datetime: ...
 

@@ -15,26 +15,14 @@ class Allowance(Protocol):
         ...
 
 
-class Running(Protocol):
-    """The scheduler, as /readyz sees it."""
-
-    @property
-    def running(self) -> bool: ...
-
-
 class HandlerContext(EngineContext, Protocol):
     metrics: Metrics
     # The request bodies held in memory (handlers.budget).
     bodies: BodyBudget
 
     # Read only, so that a context may hold a narrower kind (app.context.Context: a
-    # RateLimiter; the Scheduler).
+    # RateLimiter).
     @property
     def auth_failures(self) -> Allowance:
         """Failed authentications per client address (handlers.base.ApiHandler)."""
-        ...
-
-    @property
-    def scheduler(self) -> Running | None:
-        """None until `serve` has started the scheduler."""
         ...

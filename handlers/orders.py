@@ -12,6 +12,7 @@ from typing import Any, NoReturn
 import tornado.web
 
 from domain import intake
+from engine.transaction import Transaction
 from handlers.base import ApiHandler, same_secret
 
 
@@ -64,9 +65,11 @@ class OrderHandler(ApiHandler):
 
     async def get(self, kind: str, order_number: str) -> None:
         self.known_kind(kind)
-        order = await self.ctx.db(functools.partial(intake.find, kind, order_number))
+        order = await self.ctx.db(functools.partial(intake.find, Transaction(self.ctx), kind,
+                                                    order_number))
         if order is None:
-            other = await self.ctx.db(functools.partial(intake.kind_of, order_number))
+            other = await self.ctx.db(functools.partial(intake.kind_of, Transaction(self.ctx),
+                                                        order_number))
             self.fail(404, f"no {kind} order {order_number}" + (
                 f" (it is a {other} order)" if other else ""))
         self.answer(200, intake.describe(order))

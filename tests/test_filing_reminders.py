@@ -271,13 +271,13 @@ async def test_two_processes_running_at_once_never_send_a_reminder_twice(
 async def test_a_run_that_lost_its_filing_reminder_to_a_run_past_midnight_mails_nothing(
         ctx, clock, smtp):
     from domain import reminders
-    from engine.outbox import Effects
+    from engine.transaction import Transaction
     paid("CO-1", "ifta")
     day = datetime.date(2027, 1, 17)
     clock.set(2027, 1, 17, 23, 59)
-    [entry] = await ctx.db(lambda: reminders.plan(ctx, day))  # this run plans the reminder
+    [entry] = await ctx.db(lambda: reminders.plan(ctx, Transaction(ctx), day))  # this run plans the reminder
     clock.set(2027, 1, 18, 0, 1)
     await send_reminders(ctx)               # ... which another run sends after midnight
-    effects = Effects(ctx)
-    await ctx.db(lambda: reminders._remind(ctx, effects, entry, day))
-    assert effects.rows == [] and len(smtp.messages) == 1
+    tx = Transaction(ctx)
+    await ctx.db(lambda: reminders._remind(ctx, tx, entry, day))
+    assert tx.rows == [] and len(smtp.messages) == 1

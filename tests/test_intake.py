@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings as hypothesis_settings, stra
 
 from domain import intake
 from engine import claims, inbox
+from engine.transaction import Transaction
 from models import (
     ORDER_MODELS, UTC, BundleOrder, ComplianceOrder, CrtcOrder, FormationOrder, WebhookEvent,
 )
@@ -268,7 +269,7 @@ async def test_a_call_for_an_order_not_there_waits_and_is_due_the_moment_it_arri
     event, second = WebhookEvent.select().order_by(WebhookEvent.id)
     assert event.status == "failed" and event.next_attempt_at > NOW
     assert second.status == "received"
-    waiting = through_the_door(intake.waiting_calls)
+    waiting = through_the_door(intake.waiting_calls, Transaction(ctx))
     assert (waiting.calls, waiting.orders, waiting.oldest) == (2, 1, [("CA-9", 2, NOW)])
 
     clock.fixed = NOW + datetime.timedelta(seconds=5)
@@ -277,7 +278,7 @@ async def test_a_call_for_an_order_not_there_waits_and_is_due_the_moment_it_arri
     assert event.status == "failed" and event.next_attempt_at == clock.fixed
     assert await inbox.retry_due(ctx) == 2
     assert {e.status for e in WebhookEvent.select()} == {"processed"}
-    assert through_the_door(intake.waiting_calls).calls == 0
+    assert through_the_door(intake.waiting_calls, Transaction(ctx)).calls == 0
     assert CrtcOrder.get().payment_status == "paid"
 
 
@@ -289,7 +290,7 @@ async def test_an_update_or_another_order_makes_no_call_due(put, ctx, clock, cli
     await put("canada_crtc", "CA-8", {"total_cents": 5})
     [event] = WebhookEvent.select()
     assert event.next_attempt_at > NOW
-    assert through_the_door(intake.waiting_calls).oldest == [("CA-9", 1, NOW)]
+    assert through_the_door(intake.waiting_calls, Transaction(ctx)).oldest == [("CA-9", 1, NOW)]
 
 
 @pytest.mark.gen_test
@@ -484,7 +485,8 @@ ORDER_ROWS = st.lists(st.tuples(st.sampled_from(intake.KINDS), st.integers(0, 30
 @hypothesis_settings(max_examples=40, deadline=None,
                      suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ORDER_ROWS, st.randoms(use_true_random=False))
-def test_a_file_s_rows_in_any_order_and_imported_again_give_the_same_orders(db, rows_, rnd):
+def test_a_file_s_rows_in_any_order_and_imported_again_give_the_same_orders(db, ctx, rows_,
+                                                                           rnd):
     """The stored orders depend on the rows, not on their order in the file nor on how
     often the file is imported; a second import changes nothing."""
     def imported(ordered):
@@ -492,8 +494,8 @@ def test_a_file_s_rows_in_any_order_and_imported_again_give_the_same_orders(db, 
             through_the_door(lambda model=model: model.delete().execute())
         parsed = [intake.Row(n, intake.parse(kind, f"N-{number}", {"customer_name": name}))
                   for n, (kind, number, name) in enumerate(ordered, start=2)]
-        first = through_the_door(intake.store_rows, parsed, NOW)
-        again = through_the_door(intake.store_rows, parsed, NOW)
+        first = through_the_door(intake.store_rows, Transaction(ctx), parsed, NOW)
+        again = through_the_door(intake.store_rows, Transaction(ctx), parsed, NOW)
         assert (again.created, again.updated, again.unchanged) == (0, 0, len(parsed))
         assert first.created == len(parsed)
         return {(kind, order.order_number, order.customer_name)
@@ -578,7 +580,8 @@ async def test_a_call_failing_while_its_order_comes_in_stays_due(ctx, clock):
                                 attempts=6, next_attempt_at=NOW, received_at=NOW)
     [claimed] = await claims.claim(ctx, WebhookEvent, WebhookEvent.id == event.id)
     clock.fixed = NOW + datetime.timedelta(seconds=5)
-    through_the_door(functools.partial(intake.make_waiting_due, "CA-9", clock.fixed))
+    through_the_door(functools.partial(intake.make_waiting_due, Transaction(ctx), "CA-9",
+                                       clock.fixed))
     await ctx.db(functools.partial(inbox._record_failure, ctx, claimed, "no such order"))
     assert WebhookEvent.get_by_id(event.id).next_attempt_at == clock.fixed
     # Not made due meanwhile: its backoff.

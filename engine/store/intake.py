@@ -1,5 +1,161 @@
-"""What a customer sends us and what we remind them of: intake forms, reminders sent."""
+"""What a customer sends us and what we remind them of: orders in from the shop (the
+orders API and the import), the calls that wait for an order, the compliance orders
+waiting for an intake form, reminders sent."""
+import datetime
+import functools
+import operator
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence, cast
+
+import peewee
+
+from models import ORDER_MODELS, ComplianceOrder, OrderBase, SentReminder, WebhookEvent
+from engine.commits import raise_if_conflict, savepoint
+from engine.db import locked
+from engine.prepared import InsertOnce
+
+NEW_REMINDER = InsertOnce(SentReminder)
+
+
+class OrderWaitedFor(NamedTuple):
+    """An order not there yet that calls wait for: its number, how many calls, the
+    arrival of the first."""
+    order_number: str
+    calls: int
+    since: datetime.datetime
+
+
+class CallsWaiting(NamedTuple):
+    """The calls waiting for orders not there yet: how many, for how many orders, and
+    the orders waited for longest, first first."""
+    calls: int
+    orders: int
+    oldest: list[OrderWaitedFor]
 
 
 class IntakeStore:
     """Intake and reminders, in the caller's transaction."""
+
+    def shop_order(self, kind: str, number: str) -> OrderBase | None:
+        """The order of that kind and number, or None; not locked."""
+        model = ORDER_MODELS[kind]
+        return model.get_or_none(model.order_number == number)
+
+    def kind_of_order(self, number: str) -> str | None:
+        """The kind of the order with that number, or None when there is none; one read
+        a kind until found, in ORDER_MODELS' order."""
+        for kind, model in ORDER_MODELS.items():
+            if model.select().where(model.order_number == number).exists():
+                return kind
+        return None
+
+    def lock_shop_order(self, kind: str, number: str) -> OrderBase | None:
+        """The order of that kind and number, read from the database and locked until
+        the transaction ends, or None."""
+        model = ORDER_MODELS[kind]
+        return locked(model.select().where(model.order_number == number)).first()
+
+    def add_shop_order(self, kind: str, number: str, values: Mapping[str, Any],
+                       at: datetime.datetime) -> OrderBase | None:
+        """Insert the order of that kind and number with `values` (those not None; the
+        others are the columns' defaults), created and updated `at`, and return it as
+        stored. None, the insert undone and the transaction going on, when the number
+        is taken: another transaction made the order meanwhile (the caller locks it)."""
+        model = ORDER_MODELS[kind]
+        try:
+            with savepoint():
+                model.insert(order_number=number, created_at=at, updated_at=at,
+                             **{name: value for name, value in values.items()
+                                if value is not None}).execute()
+        except peewee.IntegrityError as failure:
+            raise_if_conflict(failure)
+            return None
+        return model.get(model.order_number == number)
+
+    def set_shop_fields(self, order: OrderBase, changed: Mapping[str, Any],
+                        at: datetime.datetime) -> OrderBase:
+        """Write `changed` (field: value) to the order, updated `at`; return the order
+        as stored now."""
+        model = type(order)
+        model.update(updated_at=at, **changed).where(model.id == order.id).execute()
+        return model.get_by_id(order.id)
+
+    def make_calls_due(self, order_number: str, now: datetime.datetime) -> int:
+        """The failed calls about the order `order_number`, or about an order naming it
+        as its parent, that are not due yet: made due `now`. Returns how many."""
+        children = functools.reduce(operator.or_, (
+            model.select(model.order_number).where(model.parent_order_number == order_number)
+            for model in ORDER_MODELS.values()))
+        about = ((WebhookEvent.order_number == order_number)
+                 | WebhookEvent.order_number.in_(children))
+        return int(WebhookEvent.update(next_attempt_at=now, updated_at=now)
+                   .where(about, WebhookEvent.status == "failed",
+                          WebhookEvent.next_attempt_at > now)
+                   .execute())
+
+    def calls_waiting_for_orders(self, unhandled: Sequence[str], limit: int) -> CallsWaiting:
+        """The calls not yet handled (in a status of `unhandled`: engine.inbox's
+        AWAITING_HANDLING, the inbox importing this store) whose order is in none of the
+        order tables: their totals, and the `limit` orders waited for longest (by their
+        first call's arrival, then number). Two reads."""
+        number = WebhookEvent.order_number
+        missing = functools.reduce(operator.and_, (
+            ~peewee.fn.EXISTS(model.select(peewee.SQL("1")).where(model.order_number == number))
+            for model in ORDER_MODELS.values()))
+        per_order = (WebhookEvent.select(number,
+                                         peewee.fn.COUNT(WebhookEvent.id).alias("calls"),
+                                         peewee.fn.MIN(WebhookEvent.received_at).alias("since"))
+                     .where(WebhookEvent.status.in_(unhandled), number.is_null(False), missing)
+                     .group_by(number))
+        # peewee's types know rows of models only.
+        rows = list(cast(Iterable[dict[str, Any]], per_order.order_by(
+            peewee.SQL("since"), number).limit(limit).dicts()))
+        totals = cast(tuple[int, int] | None, WebhookEvent.select(
+            peewee.fn.COUNT(WebhookEvent.id), peewee.fn.COUNT(number.distinct()))
+            .where(WebhookEvent.status.in_(unhandled), number.is_null(False), missing)
+            .tuples().first())
+        calls, orders = totals or (0, 0)
+        oldest = [OrderWaitedFor(row["order_number"], row["calls"],
+                                 WebhookEvent.received_at.python_value(row["since"]))
+                  for row in rows]
+        return CallsWaiting(calls, orders, oldest)
+
+    def orders_awaiting_intake(self, status: str,
+                               fewer_reminders_than: int) -> list[ComplianceOrder]:
+        """The compliance orders in fulfillment_status `status`, with a customer e-mail,
+        reminded fewer than `fewer_reminders_than` times; oldest first. Not locked."""
+        return list(ComplianceOrder.select()
+                    .where(ComplianceOrder.fulfillment_status == status,
+                           ComplianceOrder.intake_reminders_sent < fewer_reminders_than,
+                           ComplianceOrder.customer_email.is_null(False))
+                    .order_by(ComplianceOrder.created_at, ComplianceOrder.id))
+
+    def count_intake_reminder(self, orders: Iterable[ComplianceOrder],
+                              at: datetime.datetime) -> None:
+        """One more intake reminder sent `at` for each of the orders (counted in the
+        database, whatever the rows read hold)."""
+        (ComplianceOrder.update(
+            intake_reminders_sent=ComplianceOrder.intake_reminders_sent + 1,
+            intake_reminded_at=at, updated_at=at)
+         .where(ComplianceOrder.id.in_([order.id for order in orders])).execute())
+
+    def reminders_sent(self, keys: Iterable[str]) -> set[str]:
+        """Those of `keys` a reminder was sent under (committed, or recorded in this
+        transaction)."""
+        return {key for (key,) in cast(Iterable[tuple[str]], SentReminder.select(
+            SentReminder.key).where(SentReminder.key.in_(list(keys))).tuples())}
+
+    def reminder_sent(self, key: str) -> bool:
+        """Whether a reminder was sent under `key`."""
+        return bool(SentReminder.select().where(SentReminder.key == key).exists())
+
+    def record_reminder(self, key: str, kind: str, customer_email: str,
+                        day: datetime.date, at: datetime.datetime,
+                        order_number: str | None = None, cycle: str | None = None) -> bool:
+        """Record a reminder sent under `key` (its customer, the day in the business's
+        time zone, the filing's order and cycle, if any): False, and nothing written,
+        when the key is taken (another run sent it; on PostgreSQL a racing insert of the
+        key waits for the other transaction's end)."""
+        return NEW_REMINDER.run(
+            key=key, kind=kind, customer_email=customer_email, day=day.isoformat(),
+            order_number=order_number, cycle=cycle, created_at=at,
+            updated_at=at) is not None
