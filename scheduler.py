@@ -26,7 +26,7 @@ import psycopg2
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 
-import lograte
+from engine import lograte
 from models import UTC, DatabaseDown, database, is_postgres
 from domain import holdback, reconcile, reminders
 from engine import inbox, outbox, retention, spool

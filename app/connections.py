@@ -34,7 +34,7 @@ import tornado.httpserver
 import tornado.httputil
 import tornado.ioloop
 
-import lograte
+from engine import lograte
 from handlers.addresses import client_key, is_trusted
 
 log = logging.getLogger("receiver.connections")

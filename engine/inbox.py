@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable, NamedTuple, Sequence, TypedDict, Unp
 
 import peewee
 
-import lograte
+from engine import lograte
 from clients.http import error_text
 from models import Outbox, WebhookEvent
 from engine import commits, outbox, retry, spool

@@ -6,7 +6,7 @@ import re
 
 import tornado.web
 
-import lograte
+from engine import lograte
 from engine.commits import set_budget
 from engine.db import UNAVAILABLE
 from engine.payload import read_json

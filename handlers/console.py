@@ -28,7 +28,7 @@ import markupsafe
 import tornado.ioloop
 import tornado.web
 
-import lograte
+from engine import lograte
 from domain import filings, intake, links
 from handlers.html import HtmlHandler
 from handlers.addresses import client_key

@@ -9,7 +9,7 @@ import hmac
 import logging
 import re
 
-import lograte
+from engine import lograte
 from handlers.base import ApiHandler, same_secret
 from domain import treasury
 from engine import inbox, outbox

@@ -5,7 +5,7 @@ import logging
 
 import tornado.web
 
-import lograte
+from engine import lograte
 from engine.commits import set_budget
 from engine.db import UNAVAILABLE
 

@@ -9,7 +9,7 @@ import os
 import tornado.web
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
-import lograte
+from engine import lograte
 from handlers.base import ApiHandler, same_secret
 from domain import reconcile
 from models import database
