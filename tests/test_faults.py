@@ -16,6 +16,7 @@ from domain.reminders import send_reminders
 from tests import shkeeper
 from tests.conftest import WEBHOOK_SECRET
 from tests.test_poison import random_text
+from tests.waits import eventually
 from tests.service_process import (
     ON_POSTGRES, RestartablePeer, ServiceProcess, TcpProxy, postgres_only)
 
@@ -42,14 +43,6 @@ async def send(client, service, path, body):
     except (HTTPStreamClosedError, OSError):
         return None
     return response.code
-
-
-async def eventually(condition, timeout=20):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.1)
 
 
 def figures(name, **numbers):

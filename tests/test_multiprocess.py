@@ -17,7 +17,8 @@ from tornado.simple_httpclient import HTTPStreamClosedError
 from models import ORDER_MODELS, CrtcOrder, Outbox, WebhookEvent, utcnow
 from tests import shkeeper
 from tests.conftest import WEBHOOK_SECRET
-from tests.test_faults import eventually, figures, send, submitted
+from tests.test_faults import figures, send, submitted
+from tests.waits import eventually
 from tests.service_process import ServiceProcess, TcpProxy, postgres_only
 
 AUTH = {"X-Webhook-Secret": WEBHOOK_SECRET, "Content-Type": "application/json"}

@@ -17,7 +17,8 @@ from engine.outbox import Effects
 from models import Outbox
 from scheduler import Scheduler
 from tests.conftest import WEBHOOK_SECRET
-from tests.test_faults import eventually, figures
+from tests.test_faults import figures
+from tests.waits import eventually
 from tests.door import new_row_id, through_the_door
 
 AUTH = {"X-Webhook-Secret": WEBHOOK_SECRET, "Content-Type": "application/json"}

@@ -25,6 +25,7 @@ from tests import shkeeper
 from tests import stripe_events as se
 from tests.test_order_names import FRAPPE_HEADERS, frappe_body
 from tests.door import name_search_jobs
+from tests.waits import eventually
 from tests.test_held_writes import (  # noqa: F401 (fixtures)
     orders, paid, postgres_only, server_waits, stored_statuses)
 
@@ -164,17 +165,12 @@ async def in_held_turns(ctx, monkeypatch, peer, calls):
     with StatementCount().open() as count:
         answers = asyncio.gather(*calls)
         try:
-            await until(lambda: len(asked) == len(calls))
+            await eventually(lambda: len(asked) == len(calls), interval=0.01)
         finally:
             held.set()
-        await until(lambda: peer.in_flight == len(calls))
+        await eventually(lambda: peer.in_flight == len(calls), interval=0.01)
     peer.hold.set()
     return count, await answers
-
-
-async def until(condition):
-    while not condition():
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ import pytest
 from ops import systemd
 from tests.conftest import WEBHOOK_SECRET
 from tests.ops_helpers import NotifySocket, Service
+from tests.waits import eventually
 
 BODY = {"order_name": "ORD-7", "order_number": "FO-7", "state_code": "WY",
         "entity_name": "Slow Worker LLC"}
@@ -57,8 +58,7 @@ async def test_sigterm_lets_a_slow_request_finish_then_exits_0(service, client, 
         service.url + "/api/v1/webhooks/formation/submitted", method="POST",
         body=json.dumps(BODY), request_timeout=30,
         headers={"X-Webhook-Secret": WEBHOOK_SECRET, "Content-Type": "application/json"}))
-    while not worker.requests:  # the request now waits on the worker
-        await asyncio.sleep(0.02)
+    await eventually(lambda: worker.requests, interval=0.02)  # it now waits on the worker
     service.process.send_signal(signal.SIGTERM)
     signalled = time.monotonic()
     await notify_socket.wait_for("STOPPING=1")
