@@ -241,13 +241,14 @@ class Load:
         self.phase = "before"
         tasks = [asyncio.ensure_future(self.send()) for _ in range(self.senders)]
         tasks.append(asyncio.ensure_future(self.poll_health()))
+        # Each phase lasts its seconds while the senders send: the durations are the test.
         await asyncio.sleep(before)
         self.phase = "during"
         fault.start()
-        await asyncio.sleep(during)
+        await asyncio.sleep(during)  # the fault lasts this long
         fault.end()
         self.phase = "after"
-        await asyncio.sleep(after)
+        await asyncio.sleep(after)  # the recovery is measured over this long
         self.running = False
         await asyncio.gather(*tasks)
 
@@ -272,7 +273,7 @@ class Load:
             except (HTTPStreamClosedError, OSError):
                 status = None
             self.health.append((phase, time.monotonic() - started, status))
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # /healthz sampled as a monitor would: its rate
 
     def acknowledged(self):
         return [number for _, _, status, number in self.acks if status == 200]

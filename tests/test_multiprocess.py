@@ -219,7 +219,7 @@ async def test_two_instances_on_hot_orders_through_a_database_cut_lose_nothing(
             await asyncio.sleep(0.05)
         cut_from = time.time()
         proxy.cut()
-        await asyncio.sleep(CUT_SECONDS)
+        await asyncio.sleep(CUT_SECONDS)  # the cut lasts this long: the fault under test
         proxy.restore()
         cut_to = time.time()
         await senders

@@ -462,6 +462,7 @@ async def test_a_prune_the_database_does_not_finish_opens_no_circuit(ctx, clock,
     clock.set(2026, 11, 20, 9, 0)
     old = clock() - datetime.timedelta(days=ctx.settings.retention_days, minutes=1)
     stored_event(ctx, "FO-1", status="processed", processed_at=old)
+    # A delete slow on purpose: each row a second, past the statement timeout.
     db.execute_sql("CREATE FUNCTION slow_delete() RETURNS trigger LANGUAGE plpgsql AS "
                    "$$ BEGIN PERFORM pg_sleep(1); RETURN OLD; END $$")
     db.execute_sql("CREATE TRIGGER slow_delete BEFORE DELETE ON webhook_events "

@@ -92,7 +92,7 @@ async def test_stop_cancels_a_run_still_busy_after_its_grace(ctx, caplog):
     async def endless(ctx):
         started.set()
         try:
-            await asyncio.sleep(3600)  # a pass through a long backlog, say
+            await asyncio.sleep(3600)  # a pass through a long backlog, say: never ends
         except asyncio.CancelledError:
             cancelled.set()
             raise

@@ -65,7 +65,7 @@ async def test_a_body_completed_as_the_deadline_runs_out_is_not_handled(
     writer.write(request_head(WEBHOOK, len(body)) + body[:5])
     await eventually(lambda: app.in_flight, interval=0.01)  # the headers in: the deadline runs
     writer.write(body[5:])
-    time.sleep(BODY_TIMEOUT * 1.5)  # the loop busy until both are due at once
+    time.sleep(BODY_TIMEOUT * 1.5)  # the loop busy (on purpose) until both are due at once
 
     assert await asyncio.wait_for(reader.read(), 10) == b""
     writer.close()

@@ -116,7 +116,9 @@ async def test_an_upload_abandoned_mid_body_does_not_hold_up_the_stop(service, c
         upload = socket.create_connection(("127.0.0.1", service.port), timeout=10)
         upload.sendall(f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: "
                        "application/json\r\nContent-Length: 1000\r\n\r\n{\"order".encode())
-        await asyncio.sleep(0.3)  # the service has chosen a handler and reads the body
+        # The service (another process, which shows nothing of it) has chosen a handler
+        # and reads the body.
+        await asyncio.sleep(0.3)
         upload.close()  # the client gives up mid-body
     # The service saw both connections go; a later request still works.
     assert (await client.fetch(service.url + "/healthz")).code == 200

@@ -65,7 +65,7 @@ class SlowSqlite:
                 self.holding.set()
                 self.stopped.wait(seconds)
                 connection.execute("ROLLBACK")
-                time.sleep(0.05)
+                time.sleep(0.05)  # a gap between holds, in which waiting calls get in
         finally:
             connection.close()
 
