@@ -26,7 +26,7 @@ import psycopg2
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 
-import lograte
+from engine import lograte
 from models import UTC, database, is_postgres
 from engine.errors import DatabaseDown
 from domain import holdback, reconcile, reminders

@@ -36,7 +36,7 @@ import tornado.iostream
 import tornado.httputil
 import tornado.ioloop
 
-import lograte
+from engine import lograte
 from handlers.addresses import client_key, is_trusted
 
 log = logging.getLogger("receiver.connections")

@@ -22,7 +22,7 @@ import tornado.ioloop
 import tornado.netutil
 import tornado.web
 
-import lograte
+from engine import lograte
 import migrations
 from app.connections import ReceiverServer, connection_cap, descriptor_limit
 from app.context import Context

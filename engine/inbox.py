@@ -33,7 +33,7 @@ from typing import (Any, Awaitable, Callable, Iterable, NamedTuple, Sequence, Ty
 
 import peewee
 
-import lograte
+from engine import lograte
 from clients.http import error_text
 from models import Outbox, WebhookEvent
 from engine import commits, outbox, retry, spool

@@ -17,7 +17,7 @@ from typing import Any, Iterable, Iterator, TypeVar
 
 from peewee import SQL, Case, ColumnBase, Expression, Field, ModelAlias, ModelSelect, fn
 
-import lograte
+from engine import lograte
 from clients.http import Result
 from models import POSTGRES_FIELD_TYPES, Outbox, WebhookEvent, is_postgres
 from engine import commits, retry

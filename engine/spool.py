@@ -38,7 +38,7 @@ import os
 import time
 from typing import IO, Any, Awaitable, Callable
 
-import lograte
+from engine import lograte
 from models import UTC, WebhookEvent
 from engine.contracts import Stored
 from engine.db import UNAVAILABLE, why_unavailable

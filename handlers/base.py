@@ -8,7 +8,7 @@ from typing import Any, NoReturn
 
 import tornado.web
 
-import lograte
+from engine import lograte
 from engine.commits import set_budget
 from engine.db import UNAVAILABLE
 from engine.payload import read_json

@@ -30,7 +30,7 @@ import tornado.httputil
 import tornado.ioloop
 import tornado.web
 
-import lograte
+from engine import lograte
 from domain import filings, intake, links
 from handlers.context import HandlerContext
 from handlers.html import HtmlHandler

@@ -11,7 +11,7 @@ import logging
 import re
 from typing import Any, NoReturn
 
-import lograte
+from engine import lograte
 from handlers.base import ApiHandler, same_secret
 from domain import treasury
 from engine import inbox

@@ -7,7 +7,7 @@ from typing import Any, Awaitable
 
 import tornado.web
 
-import lograte
+from engine import lograte
 from engine.commits import set_budget
 from engine.db import UNAVAILABLE
 from handlers.base import ExcInfo

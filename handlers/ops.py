@@ -10,7 +10,7 @@ from typing import Any
 import tornado.web
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
-import lograte
+from engine import lograte
 from handlers.base import ApiHandler, same_secret
 from handlers.context import HandlerContext
 from domain import reconcile

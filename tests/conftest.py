@@ -15,7 +15,7 @@ import psycopg2
 import pytest
 from tornado.httpclient import AsyncHTTPClient
 
-import lograte
+from engine import lograte
 import migrations
 from models import UTC
 from engine.connection import open_database

@@ -43,7 +43,7 @@ class _Record(tornado.web.RequestHandler):
             if peer.hold is not None:
                 await peer.hold.wait()
             if peer.delay:
-                await asyncio.sleep(peer.delay)
+                await asyncio.sleep(peer.delay)  # a peer slow on purpose
         finally:
             peer.in_flight -= 1
         status, body = peer.responses.pop(0) if peer.responses else (peer.status, peer.body)

@@ -115,7 +115,7 @@ class ServiceProcess:
     @staticmethod
     async def a_lease_later():
         """Wait out a lease, so whatever a crash left behind would have gone out by now."""
-        await asyncio.sleep(LEASE_SECONDS + 0.5)
+        await asyncio.sleep(LEASE_SECONDS + 0.5)  # the service's own clock: not ours to move
 
     def log(self):
         with open(self.log_path, encoding="utf-8", errors="replace") as handle:
@@ -223,7 +223,7 @@ class TcpProxy:
         try:
             while data := source.recv(65536):
                 if replies and self.reply_delay:
-                    time.sleep(self.reply_delay)
+                    time.sleep(self.reply_delay)  # a database slow to answer, on purpose
                 if sink is not None and not self.is_frozen:
                     sink.sendall(data)
         except OSError:

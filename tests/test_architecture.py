@@ -7,9 +7,9 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-BASE = {"models", "settings", "migrations", "lograte"}
+BASE = {"models", "settings", "migrations"}
 MAY_IMPORT = {
-    "clients": {"clients", "settings", "lograte"},
+    "clients": {"clients", "settings"},
     "engine": {"engine", "clients"} | BASE,
     "domain": {"domain", "engine", "clients"} | BASE,
     "plugins": {"plugins", "domain", "engine", "clients"} | BASE,

@@ -15,6 +15,7 @@ from ops import operator
 from tests import shkeeper, stripe_events as se
 from tests.conftest import WEBHOOK_SECRET
 from tests.service_process import database_down
+from tests.waits import eventually
 
 AUTH = {"X-Webhook-Secret": WEBHOOK_SECRET, "Content-Type": "application/json"}
 ORDER = {"order_name": "ORD-2026-0042", "order_number": "FO-10042"}
@@ -80,8 +81,7 @@ async def test_a_call_that_comes_while_the_spool_drains_waits_behind_it(
     # The worker holds the first job's answer: the drain is handling the spooled call.
     worker.hold = asyncio.Event()
     draining = asyncio.ensure_future(inbox.drain_spool(ctx))
-    while not worker.requests:
-        await asyncio.sleep(0.01)
+    await eventually(lambda: worker.requests, interval=0.01)
     status, _, _ = await post(webhook("formation/ready"), {**ORDER, "order_number": "FO-2"},
                               AUTH)
     assert status == 200 and WebhookEvent.select().count() == 1

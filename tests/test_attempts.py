@@ -5,12 +5,11 @@ import datetime
 
 import pytest
 
-from bench.statements import StatementCount
 from engine import outbox, retention
 from engine.outbox import Effects
 from models import Attempt, Outbox
 from ops import operator
-from tests.door import name_search_jobs, new_row_id, through_the_door
+from tests.door import new_row_id, through_the_door
 
 
 def attempts_of(row_id):
@@ -62,21 +61,6 @@ async def test_an_effect_waiting_for_its_configuration_has_no_attempt(ctx, clock
     row_id = new_row_id(effects.job, "name_search", {"order_number": "FO-1"}, key="job-FO-1")
     await outbox.deliver(ctx, effects.rows)
     assert Outbox.get_by_id(row_id).status == "waiting" and attempts_of(row_id) == []
-
-
-@pytest.mark.gen_test
-async def test_a_drain_keeps_each_rows_own_attempt_in_its_one_statement(ctx, clock, worker):
-    effects = Effects(ctx)
-    name_search_jobs(effects, range(1, 21))
-    clock.advance(minutes=5)
-    with StatementCount().open() as count:
-        assert await outbox.send_due(ctx) == 20
-    tried = list(Attempt.select().order_by(Attempt.outbox_id))
-    assert [attempt.outbox_id for attempt in tried] == [row.id for row in effects.rows]
-    assert {(attempt.outcome, attempt.status_code) for attempt in tried} == {("sent", 200)}
-    # Sending them one by one would cost over 40. Here: each of the two claims (the 20
-    # rows, then none) asks the four kinds apart (engine.outbox._claim_due).
-    assert count.total <= 19
 
 
 @pytest.mark.gen_test

@@ -19,6 +19,7 @@ import pytest
 
 from tests.conftest import WEBHOOK_SECRET, _postgres_scratch_database
 from tests.ops_helpers import ROOT, Service
+from tests.waits import eventually
 
 BACKUP = os.path.join(ROOT, "deploy", "receiver-backup")
 POSTGRES = os.environ.get("TEST_DATABASE_URL", "").startswith("postgres")
@@ -139,8 +140,7 @@ async def test_a_backup_taken_while_the_service_writes_restores_migrates_and_ser
         live.fill()
         writer = Writer(client, service)
         writing = asyncio.ensure_future(writer.run())
-        while len(writer.acknowledged) < 20:
-            await asyncio.sleep(0.05)
+        await eventually(lambda: len(writer.acknowledged) >= 20, timeout=60, interval=0.05)
         folder = tmp_path / "backups"
         folder.mkdir()
         started = time.monotonic()
@@ -150,7 +150,9 @@ async def test_a_backup_taken_while_the_service_writes_restores_migrates_and_ser
                  "BACKUP_DIR": str(folder)})
         out, err = await backup.communicate()
         ended = time.monotonic()
-        await asyncio.sleep(0.3)
+        # A call acknowledged after the backup: the service wrote on through it.
+        await eventually(lambda: len(writer.acknowledged) > len(writer.before(ended)),
+                         timeout=60, interval=0.05)
         writer.stopped = True
         await writing
     finally:

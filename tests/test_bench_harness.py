@@ -79,6 +79,7 @@ def test_make_bench_harness_runs_on_a_tiny_load(tmp_path):
 def test_a_stand_in_that_dies_after_answering_stops_the_run_with_its_last_words():
     bench = Bench(None)
     port = free_port()
+    # It listens (the run sees it up), then dies while the run goes on: time is the behaviour.
     script = (f"import socket, sys, time; server = socket.create_server(('127.0.0.1', {port}));"
               " time.sleep(2); sys.exit('the stand-in fell over')")
     try:

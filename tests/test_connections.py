@@ -61,7 +61,7 @@ async def test_idle_connections_past_the_limit_starve_nothing(tmp_path, database
         answers = []
         for _ in range(5):
             answers.append(await io_loop.run_in_executor(None, webhook, service.port))
-        await asyncio.sleep(1)
+        await asyncio.sleep(1)  # the CPU the idle connections cost over a second: measured
         spent = cpu_seconds(service.process.pid) - before
         for sock in idle:
             sock.close()
@@ -80,7 +80,7 @@ import socket, sys, time
 sys.stdin.readline()
 held = [socket.create_connection(("127.0.0.1", int(sys.argv[1]))) for _ in range(40)]
 print("connected", flush=True)
-time.sleep(float(sys.argv[2]))
+time.sleep(float(sys.argv[2]))  # the connections held a while, then let go: the behaviour
 """
 
 
@@ -99,7 +99,7 @@ async def test_an_accept_without_descriptors_pauses_instead_of_spinning(app, ctx
         clients.stdin.write(b"go\n")
         assert await clients.stdout.readline() == b"connected\n"
         cpu = time.process_time()
-        await asyncio.sleep(1)
+        await asyncio.sleep(1)  # a second with the accept paused: a spin would spend it
         spent = time.process_time() - cpu
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

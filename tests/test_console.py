@@ -120,7 +120,7 @@ async def test_a_slow_password_check_is_not_the_databases_time(operator, ctx, mo
     ctx.settings = dataclasses.replace(ctx.settings, database_call_budget_seconds=0.3)
 
     def slow_check(password, stored):
-        time.sleep(0.6)
+        time.sleep(0.6)  # a check slower than the budget, in real time: the behaviour
         return verify_password(password, stored)
 
     monkeypatch.setattr(handlers.console, "verify_password", slow_check)

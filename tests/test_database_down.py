@@ -1,10 +1,8 @@
 """A database that stops answering must not stop the service (issue 19): the circuit
 that keeps a database found down from being tried on every call, and /readyz's own
 bound. Under load, with the service as a subprocess: tests/test_faults.py."""
-import asyncio
 import json
 import sqlite3
-import time
 
 import pytest
 
@@ -13,13 +11,19 @@ from engine.connection import ClassifiedSqliteDatabase, ReconnectingPostgresqlDa
 from engine.errors import DatabaseDown
 from engine.db import UNAVAILABLE, Circuit
 from tests.service_process import TcpProxy, postgres_only
+from tests.waits import eventually
 
 
-async def eventually(condition, timeout=10):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
+def probes_of(circuit):
+    """The answers of `circuit`'s probes, in order, as they come."""
+    answers = []
+    probe = circuit.probe
+
+    async def recorded():
+        answers.append(await probe())
+        return answers[-1]
+    circuit.probe = recorded
+    return answers
 
 
 @pytest.fixture
@@ -39,6 +43,7 @@ async def test_a_database_found_down_is_not_tried_again_until_a_probe_finds_it_b
     path, holder = locked_sqlite
     db = ClassifiedSqliteDatabase(path, pragmas={"busy_timeout": 50})
     circuit = Circuit(db, interval=0.05)
+    probes = probes_of(circuit)
     circuit.attach()
     try:
         with pytest.raises(UNAVAILABLE):
@@ -47,11 +52,11 @@ async def test_a_database_found_down_is_not_tried_again_until_a_probe_finds_it_b
         # Not tried at all now: not even what would work.
         with pytest.raises(DatabaseDown, match="not tried until a probe finds it back"):
             db.execute_sql("SELECT 1")
-        await asyncio.sleep(0.2)
-        assert circuit.is_open  # the probe's write still waits on the lock
+        await eventually(lambda: probes, timeout=10, interval=0.02)
+        assert probes[0] is False and circuit.is_open  # the probe's write waits on the lock
 
         holder.execute("ROLLBACK")
-        await eventually(lambda: not circuit.is_open)
+        await eventually(lambda: not circuit.is_open, timeout=10, interval=0.02)
         db.execute_sql("INSERT INTO t VALUES (2)")
     finally:
         await circuit.detach()
@@ -137,7 +142,7 @@ async def test_a_circuit_held_for_work_the_database_refuses_stays_open_and_says_
         assert circuit.is_open and circuit.held_for == "migrations wait for it"
         with pytest.raises(DatabaseDown):
             db.execute_sql("SELECT 1")  # anything else is refused meanwhile
-        await eventually(lambda: not circuit.is_open)
+        await eventually(lambda: not circuit.is_open, timeout=10, interval=0.02)
         assert len(tries) == 4 and back == [True] and circuit.held_for is None
         assert db.execute_sql("SELECT count(*) FROM t").fetchone() == (1,)
     finally:

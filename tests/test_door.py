@@ -13,6 +13,18 @@ from engine import commits, outbox, retention
 from engine.db import Circuit
 from tests.door import OutsideTheDoor
 from tests.test_cli import outbox_row
+from tests.waits import eventually
+
+
+def holding_the_thread(release):
+    """A unit that holds the database thread until `release` is set, and the event set
+    once it does."""
+    held = threading.Event()
+
+    def unit():
+        held.set()
+        release.wait(30)
+    return unit, held
 
 
 @pytest.mark.gen_test
@@ -28,13 +40,14 @@ async def test_a_unit_runs_in_the_database_thread_and_its_result_comes_back(ctx)
 async def test_past_the_call_budget_the_wait_is_over_and_a_unit_not_started_never_runs(ctx):
     release = threading.Event()
     ran = []
-    holding = asyncio.ensure_future(ctx.db(functools.partial(release.wait, 30)))
-    await asyncio.sleep(0.05)  # the database thread is held by the first unit
+    unit, held = holding_the_thread(release)
+    holding_unit = asyncio.ensure_future(ctx.db(unit))
+    await eventually(held.is_set, interval=0.01)  # the database thread is held by it
     with commits.budget(0.1):
         with pytest.raises(commits.OverBudget):
             await ctx.db(lambda: ran.append(1))
     release.set()
-    await holding
+    await holding_unit
     assert await ctx.db(lambda: "after") == "after"
     assert ran == []
 
@@ -45,7 +58,7 @@ async def test_work_that_outlives_the_call_has_no_budget(ctx):
     holding = asyncio.ensure_future(ctx.db(functools.partial(release.wait, 30)))
     with commits.budget(0.1):
         later = ctx.background(ctx.db(lambda: "done"))
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(0.3)  # time past the call's budget: the behaviour under test
     release.set()
     await holding
     assert await later == "done"
@@ -56,41 +69,43 @@ async def test_a_calls_budget_counts_only_its_waits_on_the_database(ctx, db):
     circuit = Circuit(db)
     circuit.attach()
     release = threading.Event()
-    holding = None
+    holding_unit = None
     try:
         with commits.budget(0.3):
             await asyncio.sleep(0.6)  # a send, a password check: not the database's time
             assert await ctx.db(lambda: "within") == "within"
-            await asyncio.sleep(0.6)
+            await asyncio.sleep(0.6)  # time off the database again: not counted
             assert await ctx.db(lambda: "still within") == "still within"
-            holding = ctx.background(ctx.db(functools.partial(release.wait, 30)))
-            await asyncio.sleep(0.05)  # the database thread is held by that unit's turn
+            unit, held = holding_the_thread(release)
+            holding_unit = ctx.background(ctx.db(unit))
+            await eventually(held.is_set, interval=0.01)  # the database thread is held
             with pytest.raises(commits.OverBudget):
                 await ctx.db(lambda: "never")
         assert circuit.is_open  # a database that slow is taken for down
     finally:
         release.set()
-        if holding is not None:
-            await holding
+        if holding_unit is not None:
+            await holding_unit
         await circuit.detach()
 
 
 @pytest.mark.gen_test(timeout=30)
 async def test_the_waits_a_call_makes_at_once_count_once(ctx):
     release = threading.Event()
-    holding = ctx.background(ctx.db(functools.partial(release.wait, 30)))
-    await asyncio.sleep(0.05)  # the database thread is held by that unit's turn
+    unit, held = holding_the_thread(release)
+    holding_unit = ctx.background(ctx.db(unit))
+    await eventually(held.is_set, interval=0.01)  # the database thread is held by it
     try:
         with commits.budget(1.0):
             both = asyncio.gather(ctx.db(lambda: 1), ctx.db(lambda: 2))
-            await asyncio.sleep(0.6)
+            await asyncio.sleep(0.6)  # both wait this long on the database, at once
             release.set()
             assert await both == [1, 2]
             # 0.6 s of waiting, not 1.2: the budget is not spent.
             assert await ctx.db(lambda: 3) == 3
     finally:
         release.set()
-        await holding
+        await holding_unit
 
 
 @pytest.mark.gen_test(timeout=30)
@@ -104,8 +119,9 @@ async def test_an_allowance_counts_only_the_waits_on_the_database_and_opens_no_c
         with commits.allowance(2):
             await asyncio.sleep(2.5)  # a call to another system: not counted
             assert await ctx.db(lambda: "within") == "within"
-            holding = ctx.background(ctx.db(functools.partial(release.wait, 30)))
-            await asyncio.sleep(0.05)  # the database thread is held by that unit's turn
+            unit, held = holding_the_thread(release)
+            holding = ctx.background(ctx.db(unit))
+            await eventually(held.is_set, interval=0.01)  # the database thread is held
             with pytest.raises(commits.AllowanceSpent):
                 await ctx.db(lambda: ran.append(1))
             # Spent: the next unit is refused at once, and never runs either.

@@ -16,6 +16,7 @@ from domain.reminders import send_reminders
 from tests import shkeeper
 from tests.conftest import WEBHOOK_SECRET
 from tests.test_poison import random_text
+from tests.waits import eventually
 from tests.service_process import (
     ON_POSTGRES, RestartablePeer, ServiceProcess, TcpProxy, postgres_only)
 
@@ -42,14 +43,6 @@ async def send(client, service, path, body):
     except (HTTPStreamClosedError, OSError):
         return None
     return response.code
-
-
-async def eventually(condition, timeout=20):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.1)
 
 
 def figures(name, **numbers):
@@ -248,13 +241,14 @@ class Load:
         self.phase = "before"
         tasks = [asyncio.ensure_future(self.send()) for _ in range(self.senders)]
         tasks.append(asyncio.ensure_future(self.poll_health()))
+        # Each phase lasts its seconds while the senders send: the durations are the test.
         await asyncio.sleep(before)
         self.phase = "during"
         fault.start()
-        await asyncio.sleep(during)
+        await asyncio.sleep(during)  # the fault lasts this long
         fault.end()
         self.phase = "after"
-        await asyncio.sleep(after)
+        await asyncio.sleep(after)  # the recovery is measured over this long
         self.running = False
         await asyncio.gather(*tasks)
 
@@ -279,7 +273,7 @@ class Load:
             except (HTTPStreamClosedError, OSError):
                 status = None
             self.health.append((phase, time.monotonic() - started, status))
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # /healthz sampled as a monitor would: its rate
 
     def acknowledged(self):
         return [number for _, _, status, number in self.acks if status == 200]

@@ -1,9 +1,10 @@
 """Held writes (engine.connection.HeldWrites, engine.commits): in a turn of the group commit
 on PostgreSQL, the BEGIN and the writes whose result nobody reads go to the server with
-the next statement, or with the COMMIT. The round trips are counted here apart from the
+the next statement, or with the COMMIT. The round trips are counted apart from the
 database's own count: psycopg2 waits on the server once per round trip, through its
-wait callback. What a turn means (its reads, its failures, each unit's own outcome) is
-the same on both databases, and tested on both."""
+wait callback (a turn's counts are pinned in tests/test_round_trips.py). What a turn
+means (its reads, its failures, each unit's own outcome) is the same on both databases,
+and tested on both."""
 import asyncio
 import decimal
 
@@ -15,9 +16,7 @@ from models import FormationOrder, WebhookEvent, database
 from engine.connection import BoundedWaits
 from engine import joined
 from engine.commits import GroupCommit
-from engine.prepared import InsertOnce, Prepared, save_changes
-
-NEW_EVENT = InsertOnce(WebhookEvent)
+from engine.prepared import Prepared, save_changes
 
 
 @pytest.fixture
@@ -56,57 +55,6 @@ def paid(order):
 def stored_statuses():
     return {order.order_number: order.payment_status
             for order in FormationOrder.select().order_by(FormationOrder.order_number)}
-
-
-class Counted:
-    """The database's own counts over a block, beside the waits counted here."""
-
-    def __init__(self, waits):
-        self.waits = waits
-
-    def __enter__(self):
-        self.before = (database.obj.statements, database.obj.round_trips, self.waits())
-        return self
-
-    def __exit__(self, *exc):
-        statements, round_trips, waits = self.before
-        self.statements = database.obj.statements - statements
-        self.round_trips = database.obj.round_trips - round_trips
-        self.server_waits = self.waits() - waits
-
-
-async def in_one_counted_turn(server_waits, *units):
-    """Run `units` together in one turn of a group commit whose connection is open
-    already (opening it is not what is counted): their results, and the counts."""
-    commits = GroupCommit()
-    await commits.run(lambda: None)
-    with Counted(server_waits) as count:
-        results = await asyncio.gather(*(commits.run(unit) for unit in units))
-    return results, count
-
-
-@pytest.mark.gen_test
-async def test_a_turn_of_writes_alone_is_one_round_trip(orders, server_waits):
-    _, count = await in_one_counted_turn(server_waits, *(paid(order) for order in orders))
-    assert set(stored_statuses().values()) == {"paid"}
-    # BEGIN, three UPDATEs and the COMMIT, sent as one string.
-    assert (count.statements, count.round_trips, count.server_waits) == (5, 1, 1)
-
-
-@pytest.mark.gen_test
-async def test_the_begin_goes_with_the_first_statement(server_waits):
-    [new_id], count = await in_one_counted_turn(server_waits, lambda: NEW_EVENT.run(
-        source="test", event_type="t", dedup_key="a", payload="{}"))
-    assert WebhookEvent.get_by_id(new_id).dedup_key == "a"
-    # BEGIN with the INSERT (whose new id is read), then the COMMIT.
-    assert (count.statements, count.round_trips, count.server_waits) == (3, 2, 2)
-
-
-@pytest.mark.gen_test
-async def test_a_turn_that_asks_nothing_costs_no_round_trip(server_waits):
-    [answer], count = await in_one_counted_turn(server_waits, lambda: "nothing asked")
-    assert answer == "nothing asked"
-    assert (count.round_trips, count.server_waits) == (0, 0)
 
 
 @pytest.mark.gen_test

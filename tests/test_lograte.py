@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-import lograte
+from engine import lograte
 from tests.service_process import database_down
 from tests.conftest import WEBHOOK_SECRET
 

@@ -126,10 +126,10 @@ def test_0012_gives_an_old_database_the_index_of_unsent_effects_by_order(scratch
     assert indexes() == fresh
 
 
-SETTLEMENT_REFUSALS = importlib.import_module("migrations.0014_settlement_refusals")
+SETTLEMENT_REFUSALS = importlib.import_module("migrations.0023_settlement_refusals")
 
 
-def test_0014_gives_old_crtc_orders_a_refusal_count_of_zero(scratch_db):
+def test_0023_gives_old_crtc_orders_a_refusal_count_of_zero(scratch_db):
     def columns():  # an added column comes last, where a fresh table has it in place
         return sorted(scratch_db.get_columns("crtc_orders"))
     fresh = columns()
@@ -174,10 +174,10 @@ def test_0013_gives_an_old_database_the_attempts_and_the_trigger_that_writes_the
         ("job", "pending", 502)]
 
 
-LEDGER_KEYS = importlib.import_module("migrations.0014_ledger_keys_per_order")
+LEDGER_KEYS = importlib.import_module("migrations.0021_ledger_keys_per_order")
 
 
-def test_0014_gives_old_ledger_keys_the_order_and_leaves_new_ones_alone(scratch_db):
+def test_0021_gives_old_ledger_keys_the_order_and_leaves_new_ones_alone(scratch_db):
     def entry(order_id, txid, key, provider="crypto-processor"):
         return dict(order_id=order_id, order_type="canada_crtc", coin="BTC", provider=provider,
                     provider_ref=txid, provider_status="PAID", idempotency_key=key)
@@ -374,3 +374,35 @@ def test_every_migration_only_adds_so_the_release_before_runs_on_its_schema(scra
                 if not any(column.name == name and (column.null or column.default is not None)
                            for column in scratch_db.get_columns(table))]
     assert required == []
+
+
+def test_each_migration_has_a_number_of_its_own():
+    numbers = [name[:4] for name in migrations.available()]
+    assert len(numbers) == len(set(numbers))
+
+
+def test_a_database_that_recorded_the_old_names_is_unchanged_and_records_the_new_ones(
+        scratch_db):
+    with scratch_db.bind_ctx([LedgerEntry]):  # what the ledger migration would rewrite
+        LedgerEntry.create(order_id="CA-1", order_type="canada_crtc", coin="BTC",
+                           provider="crypto-processor", provider_ref="tx-1",
+                           provider_status="PAID", idempotency_key="crypto-processor:tx-1")
+    with scratch_db.bind_ctx([migrations.SchemaMigration]):
+        for old, new in migrations.RENAMED.items():
+            (migrations.SchemaMigration.update(name=old)
+             .where(migrations.SchemaMigration.name == new).execute())
+
+    def state():
+        tables = sorted(scratch_db.get_tables())
+        return ({table: (scratch_db.get_columns(table), scratch_db.get_indexes(table))
+                 for table in tables if table != "schema_migrations"},
+                scratch_db.execute_sql("SELECT idempotency_key FROM ledger_entries").fetchall())
+    before = state()
+    assert migrations.pending(scratch_db) == []
+
+    assert migrations.migrate(scratch_db) == []
+    assert state() == before
+    recorded = {row[0] for row in scratch_db.execute_sql(
+        "SELECT name FROM schema_migrations").fetchall()}
+    assert recorded == set(migrations.available())
+    assert migrations.migrate(scratch_db) == []

@@ -17,7 +17,8 @@ from tornado.simple_httpclient import HTTPStreamClosedError
 from models import ORDER_MODELS, CrtcOrder, Outbox, WebhookEvent, utcnow
 from tests import shkeeper
 from tests.conftest import WEBHOOK_SECRET
-from tests.test_faults import eventually, figures, send, submitted
+from tests.test_faults import figures, send, submitted
+from tests.waits import eventually
 from tests.service_process import ServiceProcess, TcpProxy, postgres_only
 
 AUTH = {"X-Webhook-Secret": WEBHOOK_SECRET, "Content-Type": "application/json"}
@@ -218,7 +219,7 @@ async def test_two_instances_on_hot_orders_through_a_database_cut_lose_nothing(
             await asyncio.sleep(0.05)
         cut_from = time.time()
         proxy.cut()
-        await asyncio.sleep(CUT_SECONDS)
+        await asyncio.sleep(CUT_SECONDS)  # the cut lasts this long: the fault under test
         proxy.restore()
         cut_to = time.time()
         await senders

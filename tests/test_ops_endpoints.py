@@ -1,5 +1,4 @@
 """GET /healthz, /readyz and /metrics against the real app, database and peers."""
-import asyncio
 import contextlib
 import json
 import os
@@ -20,6 +19,7 @@ from scheduler import Scheduler
 from app.context import Context
 from tests.conftest import WEBHOOK_SECRET
 from tests.service_process import database_down
+from tests.waits import eventually
 
 ALL_UP = {"worker": "up", "workflow": "up", "telegram": "up", "smtp": "up"}
 
@@ -305,8 +305,7 @@ async def test_a_spool_an_outage_left_waits_from_the_database_return_not_its_fir
             assert (await post(SUBMITTED_PATH, SUBMITTED, AUTH))[0] == 200
         circuit.trip(DatabaseDown("the database did not answer within 1 s"))
         clock.advance(minutes=10)
-        while circuit.is_open:  # its probe finds the database back
-            await asyncio.sleep(0.05)
+        await eventually(lambda: not circuit.is_open, interval=0.05)  # its probe finds it back
         code, response = await get("/readyz")
         ready = json.loads(response.body)
         assert (code, ready["checks"]["spool_drain"], ready["spool_oldest_seconds"]) == (

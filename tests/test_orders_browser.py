@@ -2,7 +2,6 @@
 handled, in a real browser (Chromium through chromedriver) against `receiver.py serve`;
 and a call that came before its order, waiting on the console's overview until the order
 comes in. Screenshots at a phone and a desktop width go to tests/artifacts/orders/."""
-import asyncio
 import json
 import os
 
@@ -13,6 +12,7 @@ from tests.browser_helpers import browser, needs_selenium_chromium  # noqa: F401
 from tests.console_helpers import COOKIE_SECRET, PASSWORD, PASSWORD_HASH
 from tests.ops_helpers import ROOT, Service
 from tests.shkeeper import API_KEY, URL as CRYPTO_URL, encode, key_headers, paid
+from tests.waits import eventually
 
 SCREENSHOTS = os.path.join(ROOT, "tests", "artifacts", "orders")
 SIZES = {"phone": (375, 812), "desktop": (1280, 800)}
@@ -63,13 +63,6 @@ async def screenshots(browser, name):
     return widths
 
 
-async def until(condition, seconds=30):
-    deadline = asyncio.get_running_loop().time() + seconds
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "not in time"
-        await asyncio.sleep(0.1)
-
-
 @pytest.mark.gen_test(timeout=240)
 async def test_an_order_made_through_the_api_is_paid_and_the_console_shows_it_handled(
         service, browser, client, telegram):
@@ -88,7 +81,7 @@ async def test_an_order_made_through_the_api_is_paid_and_the_console_shows_it_ha
     await browser.open(service.url + "/console/orders/CA-7")
     timeline = await browser.text("main")
     assert "Rae Radio Ltd" in timeline and "processed" in timeline
-    await until(lambda: telegram.requests)
+    await eventually(lambda: telegram.requests, timeout=30)
     assert "New paid order CA-7" in json.loads(telegram.requests[0].body)["text"]
 
     # A callback before its order: it waits, on the overview, until the order comes in.
@@ -104,7 +97,9 @@ async def test_an_order_made_through_the_api_is_paid_and_the_console_shows_it_ha
     await browser.arrive("console/orders/CA-8")
 
     assert (await put_order(client, service, "CA-8", customer_name="Sol Signals"))[0] == 201
-    await until(lambda: CrtcOrder.get(CrtcOrder.order_number == "CA-8").payment_status == "paid")
+    await eventually(
+        lambda: CrtcOrder.get(CrtcOrder.order_number == "CA-8").payment_status == "paid",
+        timeout=30)
     await browser.open(service.url + "/console/")
     assert (await browser.text("#waiting-for-orders")).endswith("\n0\nnone")
     await browser.open(service.url + "/console/orders/CA-8")

@@ -14,6 +14,7 @@ from models import Outbox, database
 from engine import outbox
 from engine.outbox import Effects
 from tests.door import name_search_jobs, new_row_id, through_the_door
+from tests.waits import eventually
 
 
 def mail(to="customer@example.test", subject="Your order", text="Hello"):
@@ -38,12 +39,22 @@ def one_mail_thread(ctx):
     """The mailer with a single thread, kept busy until the test opens the gate: sends
     queue behind it as they do when every thread is held by a slow mail server."""
     gate = threading.Event()
-    executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="smtp-test")
+    executor = QueuedSends(1, thread_name_prefix="smtp-test")
     executor.submit(gate.wait)
     ctx.mailer.executor = executor
-    yield gate
+    yield gate, executor
     gate.set()
     executor.shutdown(wait=True)
+
+
+class QueuedSends(concurrent.futures.ThreadPoolExecutor):
+    """A thread pool that counts the work given to it: a send queued for a thread is a
+    send its sender has made."""
+    queued = 0
+
+    def submit(self, *args, **kwargs):
+        self.queued += 1
+        return super().submit(*args, **kwargs)
 
 
 @pytest.mark.gen_test
@@ -52,15 +63,16 @@ async def test_a_mail_waiting_for_a_thread_past_its_lease_is_sent_once(
     clock.set(2026, 11, 20, 9, 0)
     effects = Effects(ctx)
     row_id = new_row_id(effects.add, "email", mail(), key="email-FO-1", order_number="FO-1")
+    gate, threads = one_mail_thread
     request = asyncio.ensure_future(outbox.deliver(ctx, effects.rows))  # its request sends it
-    await asyncio.sleep(0.2)
+    await eventually(lambda: threads.queued == 2, interval=0.01)  # the gate, then the mail
 
     # The lease the request holds runs out while its mail waits for a thread, so the
     # scheduled sender claims the row too.
     clock.advance(seconds=ctx.settings.claim_lease_seconds + 1)
     scheduled = asyncio.ensure_future(outbox.send_due(ctx))
-    await asyncio.sleep(0.2)
-    one_mail_thread.set()
+    await eventually(lambda: scheduled.done() or threads.queued == 3, interval=0.01)
+    gate.set()
 
     assert await request == [None]
     assert await scheduled == 1

@@ -17,7 +17,8 @@ from engine.outbox import Effects
 from models import Outbox
 from scheduler import Scheduler
 from tests.conftest import WEBHOOK_SECRET
-from tests.test_faults import eventually, figures
+from tests.test_faults import figures
+from tests.waits import eventually
 from tests.door import new_row_id, through_the_door
 
 AUTH = {"X-Webhook-Secret": WEBHOOK_SECRET, "Content-Type": "application/json"}
@@ -302,7 +303,7 @@ async def test_the_backlog_never_holds_the_calls_kept_for_live_sends(ctx, clock,
     clock.advance(seconds=ctx.settings.claim_lease_seconds + 1)
     scheduled = asyncio.ensure_future(outbox.send_due(ctx))
     await eventually(lambda: len(worker.requests) == backlog_share)
-    await asyncio.sleep(0.2)
+    await asyncio.sleep(0.2)  # a while for a send past its share: a negative, shown by time
     assert len(worker.requests) == backlog_share  # no more than its share
 
     live = Effects(ctx)

@@ -91,7 +91,7 @@ import sqlite3, sys, time
 connection = sqlite3.connect(sys.argv[1], isolation_level=None)
 connection.execute("BEGIN EXCLUSIVE")
 print("locked", flush=True)
-time.sleep(60)
+time.sleep(60)  # holds the lock until the test kills it
 """
 
 

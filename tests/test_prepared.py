@@ -40,6 +40,23 @@ def run_sql(connection, sql):
     return cursor.fetchall() if cursor.description else None
 
 
+# Sessions waiting on a lock that this connection holds (pg_locks, not pg_stat_activity:
+# the latter is read once per transaction, and this connection's stays open).
+BLOCKED_BY_THIS_SESSION = ("SELECT count(*) FROM pg_locks "
+                           "WHERE NOT granted AND pg_backend_pid() = ANY(pg_blocking_pids(pid))")
+
+
+def until_a_session_waits_on(connection, seconds=10):
+    """Until another session waits on a lock `connection` holds: the unit, having written
+    its first row, waits on the row the other process holds. (In a thread: then goes on
+    after `seconds` regardless, for the test to say what did not happen.)"""
+    deadline = time.monotonic() + seconds
+    while not run_sql(connection, BLOCKED_BY_THIS_SESSION)[0][0]:
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.01)
+
+
 def new_event(key, **values):
     return NEW_EVENT.run(source="test", event_type="t", dedup_key=key, payload="{}",
                          **values)
@@ -57,7 +74,7 @@ def test_an_insert_once_returns_the_new_id_then_none_and_the_transaction_goes_on
 
 def test_defaults_are_computed_at_each_insert_not_frozen_into_the_statement():
     first = WebhookEvent.get_by_id(through_the_door(new_event, "a"))
-    time.sleep(0.01)
+    time.sleep(0.01)  # time passes between the inserts: their defaults must differ
     second = WebhookEvent.get_by_id(through_the_door(new_event, "b"))
     assert (first.status, first.attempts) == ("received", 0)
     assert second.received_at > first.received_at
@@ -222,7 +239,7 @@ async def test_a_unit_that_loses_a_deadlock_to_another_process_runs_again(
     run_sql(second_connection, INSERT_BY_HAND.format(key="y"))
 
     def other_process():  # inserts x, which the unit holds, while holding y
-        time.sleep(0.3)
+        until_a_session_waits_on(second_connection)
         run_sql(second_connection, INSERT_BY_HAND.format(key="x") + " ON CONFLICT DO NOTHING")
         second_connection.commit()
     other = threading.Thread(target=other_process)
@@ -270,7 +287,7 @@ async def test_a_deadlock_while_recording_a_crypto_receipt_is_not_swallowed(
     run_sql(second_connection, LEDGER_BY_HAND)
 
     def other_process():  # records the same receipt, job second, as a second process would
-        time.sleep(0.3)
+        until_a_session_waits_on(second_connection)
         run_sql(second_connection, TREASURY_JOB_BY_HAND)
         second_connection.commit()
     other = threading.Thread(target=other_process)

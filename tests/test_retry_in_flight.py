@@ -13,6 +13,7 @@ from engine.claims import lease
 from engine.outbox import Effects
 from models import Outbox
 from ops import console, operator
+from tests.waits import eventually
 
 WHO = ("Dana", "127.0.0.1")
 
@@ -50,8 +51,7 @@ async def alert_in_flight(ctx, telegram):
     [row] = effects.rows
     telegram.hold = asyncio.Event()
     sending = asyncio.ensure_future(outbox.deliver(ctx, effects.rows))
-    while telegram.in_flight == 0:
-        await asyncio.sleep(0.01)
+    await eventually(lambda: telegram.in_flight, interval=0.01)
     return row, sending
 
 
@@ -65,7 +65,8 @@ async def test_an_effect_whose_send_is_in_flight_is_not_sent_again(ctx, telegram
         assert f"effect #{row.id} may be on its way out right now" in str(refused)
     # The scheduler's next run, while the first send still waits for its answer.
     scheduled = asyncio.ensure_future(outbox.send_due(ctx))
-    await asyncio.sleep(0.2)
+    # Its decision: done (the row is left to the send in flight), or a second send out.
+    await eventually(lambda: scheduled.done() or telegram.in_flight > 1, interval=0.01)
     telegram.hold.set()
     await sending
     await scheduled

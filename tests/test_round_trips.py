@@ -1,7 +1,13 @@
-"""Statements and round trips per webhook, counted (bench/statements.py): on PostgreSQL
+"""The engine's cost, pinned: statements and round trips per webhook, per turn of the
+group commit and per drain of the outbox, counted (bench/statements.py). On PostgreSQL
 each round trip is a wait of the one database thread. The counts are deterministic, so
-each receiver's is held to an upper bound here; a change that adds a statement, or a
-round trip on PostgreSQL, to a webhook's path fails this file."""
+each is held to an upper bound (or an exact number) here; a change that adds a
+statement, or a round trip on PostgreSQL, fails this file.
+
+These numbers are expected to change with a deliberate change of the engine: change them
+in the same commit, with the measurement that justifies it (bench/, docs/PERFORMANCE.md
+give the numbers and why). Every other test file asserts behaviour only; this is the one
+place where what the engine costs is held."""
 import asyncio
 import datetime
 import zoneinfo
@@ -11,12 +17,17 @@ import pytest
 
 from bench.statements import StatementCount
 from engine import commits, outbox
+from engine.commits import GroupCommit
 from engine.outbox import Effects
-from models import CrtcOrder, FormationOrder, Outbox, WebhookEvent
+from engine.prepared import InsertOnce
+from models import Attempt, CrtcOrder, FormationOrder, Outbox, WebhookEvent, database
 from tests import shkeeper
 from tests import stripe_events as se
 from tests.test_order_names import FRAPPE_HEADERS, frappe_body
 from tests.door import name_search_jobs
+from tests.waits import eventually
+from tests.test_held_writes import (  # noqa: F401 (fixtures)
+    orders, paid, postgres_only, server_waits, stored_statuses)
 
 # The statements one webhook costs today, from its request to its response (on SQLite;
 # on PostgreSQL the first two go as one, below): the event's INSERT (as processed, so no
@@ -154,17 +165,12 @@ async def in_held_turns(ctx, monkeypatch, peer, calls):
     with StatementCount().open() as count:
         answers = asyncio.gather(*calls)
         try:
-            await until(lambda: len(asked) == len(calls))
+            await eventually(lambda: len(asked) == len(calls), interval=0.01)
         finally:
             held.set()
-        await until(lambda: peer.in_flight == len(calls))
+        await eventually(lambda: peer.in_flight == len(calls), interval=0.01)
     peer.hold.set()
     return count, await answers
-
-
-async def until(condition):
-    while not condition():
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture
@@ -212,3 +218,74 @@ async def test_a_drain_records_a_whole_batch_of_sends_in_one_statement(ctx, cloc
     # each in its transaction. One per row would be 50 and more. On PostgreSQL the
     # UPDATEs go with their COMMIT, each BEGIN with the next statement.
     within(count, database_url, 19, 14)
+
+
+@pytest.mark.gen_test
+async def test_a_drain_keeps_each_rows_own_attempt_in_its_one_statement(ctx, clock, worker):
+    effects = Effects(ctx)
+    name_search_jobs(effects, range(1, 21))
+    clock.advance(minutes=5)
+    with StatementCount().open() as count:
+        assert await outbox.send_due(ctx) == 20
+    tried = list(Attempt.select().order_by(Attempt.outbox_id))
+    assert [attempt.outbox_id for attempt in tried] == [row.id for row in effects.rows]
+    assert {(attempt.outcome, attempt.status_code) for attempt in tried} == {("sent", 200)}
+    # Sending them one by one would cost over 40. Here: each of the two claims (the 20
+    # rows, then none) asks the four kinds apart (engine.outbox._claim_due).
+    assert count.total <= 19
+
+
+# --- a turn of the group commit on PostgreSQL: the writes held, counted by the server's waits
+
+NEW_EVENT = InsertOnce(WebhookEvent)
+
+
+class Counted:
+    """The database's own counts over a block, beside the waits counted here."""
+
+    def __init__(self, waits):
+        self.waits = waits
+
+    def __enter__(self):
+        self.before = (database.obj.statements, database.obj.round_trips, self.waits())
+        return self
+
+    def __exit__(self, *exc):
+        statements, round_trips, waits = self.before
+        self.statements = database.obj.statements - statements
+        self.round_trips = database.obj.round_trips - round_trips
+        self.server_waits = self.waits() - waits
+
+
+async def in_one_counted_turn(server_waits, *units):  # noqa: F811
+    """Run `units` together in one turn of a group commit whose connection is open
+    already (opening it is not what is counted): their results, and the counts."""
+    commits = GroupCommit()
+    await commits.run(lambda: None)
+    with Counted(server_waits) as count:
+        results = await asyncio.gather(*(commits.run(unit) for unit in units))
+    return results, count
+
+
+@pytest.mark.gen_test
+async def test_a_turn_of_writes_alone_is_one_round_trip(orders, server_waits):  # noqa: F811
+    _, count = await in_one_counted_turn(server_waits, *(paid(order) for order in orders))
+    assert set(stored_statuses().values()) == {"paid"}
+    # BEGIN, three UPDATEs and the COMMIT, sent as one string.
+    assert (count.statements, count.round_trips, count.server_waits) == (5, 1, 1)
+
+
+@pytest.mark.gen_test
+async def test_the_begin_goes_with_the_first_statement(server_waits):  # noqa: F811
+    [new_id], count = await in_one_counted_turn(server_waits, lambda: NEW_EVENT.run(
+        source="test", event_type="t", dedup_key="a", payload="{}"))
+    assert WebhookEvent.get_by_id(new_id).dedup_key == "a"
+    # BEGIN with the INSERT (whose new id is read), then the COMMIT.
+    assert (count.statements, count.round_trips, count.server_waits) == (3, 2, 2)
+
+
+@pytest.mark.gen_test
+async def test_a_turn_that_asks_nothing_costs_no_round_trip(server_waits):  # noqa: F811
+    [answer], count = await in_one_counted_turn(server_waits, lambda: "nothing asked")
+    assert answer == "nothing asked"
+    assert (count.round_trips, count.server_waits) == (0, 0)

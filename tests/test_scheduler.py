@@ -18,6 +18,7 @@ from settings import ConfigurationError, Settings
 from tests.conftest import WEBHOOK_SECRET
 from tests.service_process import database_down, postgres_only
 from tests.door import name_search_jobs, through_the_door
+from tests.waits import eventually
 
 AUTH = {"X-Webhook-Secret": WEBHOOK_SECRET, "Content-Type": "application/json"}
 
@@ -217,11 +218,13 @@ async def test_a_claimed_row_is_left_alone_for_its_lease(post, ctx, clock, worke
     clock.set(2026, 11, 20, 9, 0)
     worker.fail_with(503)
     await post(url("formation/ready"), order("FO-1"), AUTH)
-    worker.delay = 1.0
+    worker.hold = asyncio.Event()
     clock.advance(hours=1)
     sending = asyncio.ensure_future(outbox.send_due(ctx))
-    await asyncio.sleep(0.3)  # the first run has claimed the row and waits on the worker
+    # The first run has claimed the row and waits on the worker.
+    await eventually(lambda: worker.in_flight == 1, interval=0.01)
     assert await outbox.send_due(ctx) == 0
+    worker.hold.set()
     await sending
     assert len(worker.requests) == 2
 
@@ -315,10 +318,7 @@ async def test_the_scheduler_runs_its_jobs_until_stopped(ctx, worker, db):
     assert not scheduler.running
     await scheduler.start()
     assert scheduler.running
-    for _ in range(100):
-        if worker.requests:
-            break
-        await asyncio.sleep(0.02)
+    await eventually(lambda: worker.requests, timeout=2, interval=0.02)
     await scheduler.stop()
     assert not scheduler.running
     assert [r.json["order_number"] for r in worker.requests] == ["FO-1"]
@@ -444,21 +444,14 @@ async def test_a_destination_found_back_has_its_backlog_sent_at_once_not_at_the_
     scheduler = Scheduler(ctx)
     await scheduler.start()
     try:
-        await until(lambda: not scheduler.running_jobs)  # the runs at start are over
+        # The runs at start are over.
+        await eventually(lambda: not scheduler.running_jobs, timeout=10, interval=0.02)
         assert worker.requests == []
         worker_destination.observe(Result(ok=True))  # a probe got through
-        await until(lambda: len(worker.requests) == 3)
+        await eventually(lambda: len(worker.requests) == 3, timeout=10, interval=0.02)
     finally:
         await scheduler.stop()
     assert Outbox.select().where(Outbox.status == "sent").count() == 3
-
-
-async def until(condition, seconds=10):
-    for _ in range(int(seconds / 0.02)):
-        if condition():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("not in time")
 
 
 @postgres_only
@@ -470,6 +463,7 @@ async def test_a_prune_the_database_does_not_finish_opens_no_circuit(ctx, clock,
     clock.set(2026, 11, 20, 9, 0)
     old = clock() - datetime.timedelta(days=ctx.settings.retention_days, minutes=1)
     stored_event(ctx, "FO-1", status="processed", processed_at=old)
+    # A delete slow on purpose: each row a second, past the statement timeout.
     db.execute_sql("CREATE FUNCTION slow_delete() RETURNS trigger LANGUAGE plpgsql AS "
                    "$$ BEGIN PERFORM pg_sleep(1); RETURN OLD; END $$")
     db.execute_sql("CREATE TRIGGER slow_delete BEFORE DELETE ON webhook_events "

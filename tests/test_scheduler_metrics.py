@@ -18,6 +18,7 @@ from tests.console_helpers import Operator, console_settings, text
 from tests.frappe_site import FrappeSite
 from tests.ops_helpers import ROOT
 from tests.service_process import postgres_only
+from tests.waits import eventually
 
 
 async def broken(ctx):
@@ -91,7 +92,7 @@ async def test_stop_cancels_a_run_still_busy_after_its_grace(ctx, caplog):
     async def endless(ctx):
         started.set()
         try:
-            await asyncio.sleep(3600)  # a pass through a long backlog, say
+            await asyncio.sleep(3600)  # a pass through a long backlog, say: never ends
         except asyncio.CancelledError:
             cancelled.set()
             raise
@@ -110,12 +111,12 @@ async def test_stop_cancels_a_run_still_busy_after_its_grace(ctx, caplog):
 @pytest.mark.gen_test(timeout=30)
 async def test_stop_waits_for_a_run_that_ends_within_its_grace(ctx):
     async def short(ctx):
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # a run still busy as the stop begins: the behaviour
         return "done"
 
     scheduler = Scheduler(ctx, jobs=())
     run = asyncio.ensure_future(scheduler.run(Job("short", short, lambda s: 3600)))
-    await asyncio.sleep(0.05)
+    await eventually(lambda: scheduler.in_progress, interval=0.01)
     await scheduler.stop(grace=5)
     assert run.done() and run.result() == "done"
 
@@ -134,13 +135,12 @@ async def test_stop_gives_a_run_apscheduler_started_its_grace_too(ctx):
     ended = asyncio.Event()
 
     async def short(ctx):
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # a run still busy as the stop begins: the behaviour
         ended.set()
 
     scheduler = Scheduler(ctx, jobs=(Job("short", short, lambda s: 3600),))
     await scheduler.start()  # runs it at once
-    while not scheduler.running_jobs:
-        await asyncio.sleep(0.01)
+    await eventually(lambda: scheduler.running_jobs, interval=0.01)
     await scheduler.stop(grace=5)
     assert ended.is_set() and not scheduler.running
 

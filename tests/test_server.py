@@ -13,6 +13,7 @@ import pytest
 from models import WebhookEvent
 from tests.conftest import WEBHOOK_SECRET
 from tests.ops_helpers import ROOT
+from tests.waits import eventually
 
 BODY_TIMEOUT = 0.5
 WEBHOOK = "/api/v1/webhooks/formation/submitted"
@@ -62,10 +63,9 @@ async def test_a_body_completed_as_the_deadline_runs_out_is_not_handled(
     body = order(9)
     reader, writer = await asyncio.open_connection("127.0.0.1", http_port)
     writer.write(request_head(WEBHOOK, len(body)) + body[:5])
-    while app.in_flight == 0:  # the service has the headers: the deadline runs
-        await asyncio.sleep(0.01)
+    await eventually(lambda: app.in_flight, interval=0.01)  # the headers in: the deadline runs
     writer.write(body[5:])
-    time.sleep(BODY_TIMEOUT * 1.5)  # the loop busy until both are due at once
+    time.sleep(BODY_TIMEOUT * 1.5)  # the loop busy (on purpose) until both are due at once
 
     assert await asyncio.wait_for(reader.read(), 10) == b""
     writer.close()

@@ -12,6 +12,7 @@ import pytest
 from ops import systemd
 from tests.conftest import WEBHOOK_SECRET
 from tests.ops_helpers import NotifySocket, Service
+from tests.waits import eventually
 
 BODY = {"order_name": "ORD-7", "order_number": "FO-7", "state_code": "WY",
         "entity_name": "Slow Worker LLC"}
@@ -57,8 +58,7 @@ async def test_sigterm_lets_a_slow_request_finish_then_exits_0(service, client, 
         service.url + "/api/v1/webhooks/formation/submitted", method="POST",
         body=json.dumps(BODY), request_timeout=30,
         headers={"X-Webhook-Secret": WEBHOOK_SECRET, "Content-Type": "application/json"}))
-    while not worker.requests:  # the request now waits on the worker
-        await asyncio.sleep(0.02)
+    await eventually(lambda: worker.requests, interval=0.02)  # it now waits on the worker
     service.process.send_signal(signal.SIGTERM)
     signalled = time.monotonic()
     await notify_socket.wait_for("STOPPING=1")
@@ -116,7 +116,9 @@ async def test_an_upload_abandoned_mid_body_does_not_hold_up_the_stop(service, c
         upload = socket.create_connection(("127.0.0.1", service.port), timeout=10)
         upload.sendall(f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: "
                        "application/json\r\nContent-Length: 1000\r\n\r\n{\"order".encode())
-        await asyncio.sleep(0.3)  # the service has chosen a handler and reads the body
+        # The service (another process, which shows nothing of it) has chosen a handler
+        # and reads the body.
+        await asyncio.sleep(0.3)
         upload.close()  # the client gives up mid-body
     # The service saw both connections go; a later request still works.
     assert (await client.fetch(service.url + "/healthz")).code == 200

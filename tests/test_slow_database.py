@@ -21,6 +21,7 @@ from engine import inbox, outbox
 from engine.db import Circuit
 from tests.conftest import WEBHOOK_SECRET
 from tests.service_process import TcpProxy
+from tests.waits import eventually
 
 AUTH = {"X-Webhook-Secret": WEBHOOK_SECRET, "Content-Type": "application/json"}
 JSON = {"Content-Type": "application/json"}
@@ -65,7 +66,7 @@ class SlowSqlite:
                 self.holding.set()
                 self.stopped.wait(seconds)
                 connection.execute("ROLLBACK")
-                time.sleep(0.05)
+                time.sleep(0.05)  # a gap between holds, in which waiting calls get in
         finally:
             connection.close()
 
@@ -112,13 +113,6 @@ def spooled(ctx):
     return lines
 
 
-async def eventually(condition, timeout=30):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.1)
-
-
 def submitted(number):
     return {"order_name": f"ORD-{number}", "order_number": f"FO-{number}",
             "state_code": "WY", "entity_name": f"Acme {number} LLC"}
@@ -136,7 +130,7 @@ async def test_a_webhook_past_its_budget_on_a_slow_database_is_spooled_and_handl
         assert circuit.is_open and "budget" in circuit.reason
 
         slow_database.slow(0)
-        await eventually(lambda: not circuit.is_open)
+        await eventually(lambda: not circuit.is_open, timeout=30)
     await inbox.drain_spool(ctx)
     # Stored once, whether the unit that overran its budget committed in the end (its
     # job is then sent by the scheduled sender, one lease later) or never ran (the drain
@@ -164,7 +158,7 @@ async def test_a_page_past_its_budget_on_a_slow_database_answers_503(
 
 @pytest.mark.gen_test(timeout=60)
 async def test_calls_waiting_on_a_slow_database_never_hold_healthz(
-        post, ctx, slow_database, client, base_url):
+        post, ctx, slow_database, client, base_url, app):
     """/healthz is answered while the calls waiting on the database are still waiting:
     they wait in the database thread, not on the loop. (An order, not a time.)"""
     slow_database.slow(REPLY_DELAY_SECONDS)
@@ -174,7 +168,7 @@ async def test_calls_waiting_on_a_slow_database_never_hold_healthz(
         await post("/api/v1/referral/check", {"code": f"CODE{n}"}, JSON)
         finished.append(f"check {n}")
     checks = [asyncio.ensure_future(check(n)) for n in range(5)]
-    await asyncio.sleep(0.1)
+    await eventually(lambda: app.in_flight == 5, interval=0.01)  # all in, waiting
     health = await client.fetch(base_url + "/healthz")
     finished.append("healthz")
     await asyncio.gather(*checks)

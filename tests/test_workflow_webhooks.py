@@ -14,6 +14,7 @@ from domain import fulfillment
 from plugins import registries
 from tests.conftest import WEBHOOK_SECRET, table_away
 from tests.service_process import database_down
+from tests.waits import eventually
 
 ORDER = {"order_name": "ORD-2026-0042", "order_number": "FO-10042"}
 AUTH = {"X-Webhook-Secret": WEBHOOK_SECRET, "Content-Type": "application/json"}
@@ -348,8 +349,7 @@ async def test_a_slow_worker_does_not_delay_other_requests(post, worker):
     slow = [asyncio.ensure_future(post(url("formation/ready"),
                                        {**ORDER, "order_number": f"FO-{n}"}, AUTH))
             for n in range(12)]
-    while worker.in_flight < 12:
-        await asyncio.sleep(0.01)
+    await eventually(lambda: worker.in_flight == 12, interval=0.01)
     status, reply, _ = await post(url("crtc/domain-ready"), ORDER, AUTH)
     assert (status, reply) == (200, {"received": True, "action": "domain_ready_acknowledged"})
     assert worker.in_flight == 12
