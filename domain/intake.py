@@ -32,8 +32,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 from engine import inbox
 from engine.contracts import EngineContext
-from engine.store.intake import CallsWaiting
-from engine.transaction import Transaction
+from engine.transaction import CallsWaiting, Transaction
 from models import ORDER_MODELS, OrderBase
 
 log = logging.getLogger("receiver.orders")

@@ -14,8 +14,8 @@ import logging
 import pkgutil
 import zlib
 
-from peewee import Database, Model, TextField
-from playhouse.migrate import PostgresqlMigrator, SqliteMigrator
+from peewee import Database, Field, Model, TextField
+from playhouse.migrate import PostgresqlMigrator, SchemaMigrator, SqliteMigrator
 
 from models import UTCDateTimeField, is_postgres, utcnow
 
@@ -62,7 +62,8 @@ def pending(db: Database) -> list[str]:
     return [name for name in available() if name not in done]
 
 
-def add_column_if_missing(db, migrator, table, name, field):
+def add_column_if_missing(db: Database, migrator: SchemaMigrator, table: str, name: str,
+                          field: Field) -> None:
     from playhouse.migrate import migrate as run
     if name not in {column.name for column in db.get_columns(table)}:
         run(migrator.add_column(table, name, field))

@@ -7,6 +7,7 @@ import pytest
 
 from models import ComplianceOrder, CrtcOrder, FormationOrder, Outbox, database
 from engine import outbox
+from engine.transaction import Transaction
 from domain.money import Money, money
 from domain.orders import OrderNotFound, complete_payment, payment_method_of
 from tests.door import through_the_door
@@ -14,9 +15,9 @@ from tests.door import through_the_door
 
 def complete(ctx, *args, **kwargs):
     """complete_payment in a unit of work of its own, as the plugins run it."""
-    effects = outbox.Effects(ctx)
-    result = through_the_door(complete_payment, ctx, effects, *args, **kwargs)
-    return result, effects
+    tx = Transaction(ctx)
+    result = through_the_door(complete_payment, ctx, tx, *args, **kwargs)
+    return result, tx
 
 
 @pytest.mark.gen_test
