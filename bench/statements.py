@@ -1,6 +1,6 @@
 """Statements and round trips per webhook: on PostgreSQL each round trip is a wait of the
 one database thread, so their number bounds a receiver's rate there. Read from the
-database's own counts (models.ClassifiedErrors): every statement it is asked, BEGIN,
+database's own counts (engine.connection.ServiceDatabase): every statement it is asked, BEGIN,
 COMMIT and ROLLBACK included, held writes too; and the round trips those cost (fewer on
 PostgreSQL, where held writes go with the next statement; the same on SQLite)."""
 import contextlib

@@ -1,53 +1,35 @@
-"""Group commit: the transactions of concurrent requests share one commit, run in the
-database thread.
+"""Group commit: every unit of work runs in one database thread, in turns that share
+one transaction and one commit.
 
-A commit waits for the disk (an fsync on SQLite with synchronous=full, a WAL flush on
-PostgreSQL), and every statement before it waits for the database. None of that waiting
-happens on the IOLoop: a turn (the units of work asked for while the previous turn ran)
-is handed to one thread of its own, `DATABASE_THREAD`, and the loop goes on serving:
-parsing the next requests, answering /healthz, sending effects. A database that stops
-answering holds that thread (up to DATABASE_TIMEOUT_MS, engine.connection.BoundedWaits), never the
-loop. Units asked for meanwhile wait and run together in the next turn, so the busier
-the service, the more units share a commit. One that raises is undone alone (below),
-the others are committed. Each caller resumes only after that commit: nothing is
-acknowledged before it is durable.
+The contract, for a caller of `GroupCommit.run(unit, ahead)` (the one door,
+`ctx.db(unit)`):
 
-A unit is plain synchronous code run in that thread: it reads and writes the database
-and builds values, and leaves the loop's own state (destinations, timers, tasks) to
-its caller, which runs on the loop once the unit is committed. One thread for the
-whole process: its connection is the only one that writes on the request path, so on
-SQLite the turns never wait for each other's write lock.
+- `unit()` is plain synchronous code that reads and writes the database and builds
+  values. It runs in `DATABASE_THREAD`, in the next turn: the units asked for while a
+  turn runs go together into the next one. `run` returns what the unit returned once the
+  turn's COMMIT is done: nothing is acknowledged before it is durable. The IOLoop never
+  waits on the database; a unit leaves the loop's state (destinations, timers, tasks) to
+  its caller.
+- A unit may run more than once. A turn runs first without savepoints; should a unit (or
+  a part of one that may fail alone, `savepoint()`) raise, the turn is rolled back and
+  run again with a savepoint around each unit and part, so that only what failed is
+  undone and the others commit. A conflict with another process (a deadlock, a lock
+  waited on past lock_timeout: engine.errors.is_conflict) runs the unit again in the next
+  turn, up to MAX_CONFLICTS times, and opens no circuit. A unit therefore only reads,
+  writes and builds values; code in one that catches database errors lets a conflict
+  through (`raise_if_conflict`); what it counts or sets off goes through `on_commit`.
+- A call's waits on the database are bounded in all (`budget`: past it OverBudget, a
+  DatabaseDown), a background run's by its `allowance` (AllowanceSpent, which opens no
+  circuit).
 
-Undoing one unit alone takes a savepoint, which costs two statements and peewee's
-bookkeeping, about as much as a one-row insert. So a turn runs first without any, and
-should a unit raise (or a part of one that may fail alone, `savepoint()`), the whole turn
-is rolled back and run again with a savepoint around each unit and each such part.
-Failing is rare on the request path, and running again from the start is needed anyway:
-
-On PostgreSQL two processes' turns can deadlock (each inserted a key the other is now
-inserting), or wait long on a lock the other holds: the server rolls one statement back
-(a deadlock it found, or a lock waited for past lock_timeout, which is below the
-statement timeout: engine.connection.lock_timeout_ms), a conflict, and its unit is run again at the
-next turn, after this turn's commit has released what the other process waits for. A
-conflict opens no circuit: the database answers. A unit must therefore be safe to run
-again from its start, and code inside one that catches database errors lets a conflict
-through (`raise_if_conflict`).
-
-A turn run without savepoints holds its writes on PostgreSQL
-(engine.connection.HeldWrites): the BEGIN goes to the server with the first statement,
-and a write whose result nobody reads (`engine.prepared.Prepared.execute_later`: an order's UPDATE, an event's status, a
-send's outcome) goes with the next statement or the COMMIT. A turn of such writes alone
-is one round trip. Should a held write fail, the statement it went with raises, the
-turn is undone, and the run with savepoints, which holds nothing, finds its unit.
-
-Such a turn also runs its units' like statements together, on a database that sends
-several statements at once (PostgreSQL), where each would be a round trip of its own:
-what the units ask to have done ahead (`Ahead`: a call's event, a read its plugin will
-make) is done for all of them in one statement before the units run, each kind's
-work in one part of it (`AheadStatement`); and the writes a unit leaves for the turn's
-end (`at_turn_end`: its effects) go in one statement before the COMMIT. The run with
-savepoints does neither: there each unit runs its own statements, as it does on SQLite,
-which has no round trip to save.
+On PostgreSQL a turn run without savepoints also saves round trips; the run with
+savepoints, and SQLite, which has no round trip to save, do neither. Its writes whose
+result nobody reads are held and go with the next statement or the COMMIT
+(engine.connection.HeldWrites); what its units ask to have done ahead (`Ahead`: a call's
+event, the orders its plugin reads) is done for all of them in one statement before they
+run (engine.joined); the writes they leave for the turn's end (`at_turn_end`: their
+effects) go in one statement before the COMMIT. Why one thread, and what each of these
+saved: docs/DECISIONS.md and docs/PERFORMANCE.md.
 """
 import asyncio
 import concurrent.futures

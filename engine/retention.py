@@ -34,7 +34,7 @@ async def prune_all(ctx: EngineContext, limit: int = PRUNE_BATCH) -> tuple[int, 
     retention; returns (events, outbox rows) deleted.
 
     A batch the database does not finish (its statement timed out, or met the database
-    down) is maintenance cut short, not an outage (models.maintenance): the batch is
+    down) is maintenance cut short, not an outage (engine.errors.maintenance): the batch is
     halved and tried again, and below SMALLEST_BATCH the run ends, to go on at the next."""
     events = rows = 0
     while True:

@@ -19,7 +19,7 @@ handled, and deletes the file. A crash anywhere in between leaves the `.draining
 for the next drain, which stores the lines again: the dedup keys make that a no-op for
 the ones already stored.
 
-A line the database refuses (rather than cannot take now: models.is_down) would stop the
+A line the database refuses (rather than cannot take now: engine.errors.is_down) would stop the
 drain at every tick, and every call spooled after it with it. It is quarantined instead:
 appended to SPOOL_DIR/unstorable.jsonl with the reason, and the drain goes on with the
 next line. A line that cannot be read is quarantined too, its bytes kept as they were

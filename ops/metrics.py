@@ -140,7 +140,7 @@ class Metrics:
 
 
 class StatementCollector:
-    """The database's own count of the statements it was asked (models.ClassifiedErrors):
+    """The database's own count of the statements it was asked (engine.connection.ServiceDatabase):
     read at each scrape, never cached."""
 
     def collect(self) -> Iterator[Metric]:

@@ -95,7 +95,7 @@ def sends_sql_text(path):
 
 def test_only_the_door_sends_sql_text():
     """Every write must pass by engine.commits.wrote, which drops the rows a turn read
-    ahead (domain.orders.OrderAhead) when their table is written: a write sent as SQL
+    ahead (engine.store.orders.OrderAhead) when their table is written: a write sent as SQL
     text would pass it by, and a later unit of the turn would take a stale row."""
     senders = sorted(module for module, path in modules()
                      if module not in SENDS_SQL_TEXT and module.split(".")[0] != "migrations"

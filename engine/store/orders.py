@@ -4,8 +4,10 @@ payment intent that paid them; renamed; saved; a subscription's renewals counted
 An order a call's handling locks is read ahead with the turn's others (`OrderAhead`)
 when the call says which (`OrderRef`, a plugin's `orders_of`): `lock_order` then takes
 the row read ahead instead of asking again. Orders are locked in one order whichever
-unit asks (kind by name, each kind's by number), so two turns never wait on each other
-holding what the other waits for."""
+unit asks (kind by name, each kind's by number), so two turns rarely wait on each other
+holding what the other waits for; when they do (the parts of one joined statement run in
+no promised order), PostgreSQL rolls one back as a deadlock, a conflict whose unit is run
+again (engine.commits)."""
 import datetime
 import functools
 from typing import Any, Callable, Iterable, Iterator, Literal, NamedTuple, Sequence, overload
