@@ -30,7 +30,7 @@ from engine import lograte
 from models import UTC, database, is_postgres
 from engine.errors import DatabaseDown
 from domain import holdback, reconcile, reminders
-from engine import inbox, outbox, retention, spool
+from engine import inbox, outbox, retention
 from engine.commits import budget
 from engine.contracts import EngineContext
 from engine.db import UNAVAILABLE, why_unavailable

@@ -31,7 +31,8 @@ from handlers.base import ApiHandler, NotFoundHandler, log_request, takes_body
 from handlers.console import cookie_secret
 from handlers.routes import routes
 from engine.db import UNAVAILABLE, Circuit, refused_settings, why_unavailable
-from engine.connection import ClassifiedSqliteDatabase, ReconnectingPostgresqlDatabase, open_database
+from engine.connection import (ClassifiedSqliteDatabase, ReconnectingPostgresqlDatabase,
+                               open_database)
 from ops import systemd
 from scheduler import STOP_GRACE_SECONDS, Scheduler
 from settings import Settings

@@ -117,7 +117,7 @@ def check_link(tx: Transaction, settings: Settings, kind: str, order_number: str
     order or one of another kind (IFTA_SERVICE_SLUGS, UCR_SERVICE_SLUGS)."""
     check_link_parts(kind, order_number, label)
     # IFTA and UCR are compliance services: their orders are compliance orders.
-    order = tx.filing_order(order_number)
+    order = tx.order("compliance", order_number)
     if order is None:
         raise UnknownOrder(f"no compliance order {order_number}")
     if kind_of(settings, order) != kind:

@@ -14,7 +14,7 @@ import logging
 from models import ComplianceOrder
 from engine.contracts import EngineContext
 from engine.transaction import Transaction
-from domain.orders import OrderNotFound, order_type_of
+from domain.orders import OrderNotFound, find_any_kind
 
 log = logging.getLogger("receiver.fulfillment")
 
@@ -56,7 +56,7 @@ def move(ctx: EngineContext, tx: Transaction, order_number: str,
     order may not be written yet)."""
     order = tx.lock_order("compliance", order_number)
     if order is None:
-        other = tx.order_of_any_kind(order_number, order_type_of(order_number))
+        other = find_any_kind(tx, order_number)
         if other is not None:
             raise InvalidTransition(f"order {order_number} is a {other.kind} order, not a "
                                     "compliance order: it has no fulfilment status")

@@ -111,8 +111,8 @@ def _release(tx: Transaction, order_id: int, now: datetime.datetime) -> int:
     if order is None:  # released, or disputed, since it was listed
         return 0
     tx.job(RELEASE_JOB, {"order_name": document_name(order),
-                              "order_number": order.order_number, "order_type": ORDER_TYPE},
-                key=f"job-release-commission-{order.order_number}")
+                         "order_number": order.order_number, "order_type": ORDER_TYPE},
+           key=f"job-release-commission-{order.order_number}")
     order.commission_released_at = now
     order.updated_at = now
     tx.save(order)

@@ -26,7 +26,6 @@ import functools
 import io
 import json
 import logging
-import operator
 import re
 from typing import Any, Callable, Iterator, Mapping
 
@@ -223,7 +222,7 @@ CHECKS = {
 def find(tx: Transaction, kind: str, order_number: str) -> OrderBase | None:
     """The order of `kind` and `order_number`, or None. Raises UnknownKind."""
     model_of(kind)
-    return tx.shop_order(kind, order_number)
+    return tx.order(kind, order_number)
 
 
 def kind_of(tx: Transaction, order_number: str) -> str | None:
@@ -238,13 +237,13 @@ def store(tx: Transaction, order: OrderInput, now: datetime.datetime) -> Stored:
     found = tx.kind_of_order(order.order_number)
     if found not in (None, order.kind):
         raise OtherKind(order.order_number, found)
-    existing = tx.lock_shop_order(order.kind, order.order_number)
+    existing = tx.lock_order(order.kind, order.order_number)
     if existing is None:
         created = tx.add_shop_order(order.kind, order.order_number, order.values, now)
         if created is not None:
             return Stored(created, "created", make_waiting_due(tx, order.order_number, now))
         # Made by another call meanwhile, whose transaction has ended: it is there now.
-        existing = tx.lock_shop_order(order.kind, order.order_number)
+        existing = tx.lock_order(order.kind, order.order_number)
         assert existing is not None
     changed = {name: value for name, value in order.values.items()
                if getattr(existing, name) != value}

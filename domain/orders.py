@@ -4,7 +4,7 @@ Each runs inside the caller's transaction, `tx`: it reads and writes the orders 
 it and asks for its effects through it, so an event's changes and the mail, jobs and
 alerts they cause happen together, once. Orders are read with `tx.order(kind, number)`,
 locked with `tx.lock_order(kind, number)`, of whatever kind with
-`tx.order_of_any_kind(number, order_type_of(number))`, by the payment intent that paid
+`find_any_kind(tx, number)`, by the payment intent that paid
 them with `tx.order_paid_by(payment_intent_id)`, and saved with `tx.save(order)`."""
 import datetime
 import logging
@@ -61,10 +61,16 @@ def payment_method_of(processor_type: str | None) -> str | None:
     return PAYMENT_METHODS.get(processor_type or "")
 
 
+def find_any_kind(tx: Transaction, order_number: str) -> OrderBase | None:
+    """The order with that number, whatever its kind, or None; the kind its prefix names
+    is looked in first."""
+    return tx.order_of_any_kind(order_number, order_type_of(order_number))
+
+
 def order_name_of_any_kind(tx: Transaction,
                            order_number: str) -> tuple[str, str | None] | None:
     """(kind, order_name) of the order with that number, whatever its kind; the kind its
-    prefix names wins (as in `tx.order_of_any_kind(number, order_type_of(number))`).
+    prefix names wins (as in `find_any_kind`).
     None when no order has that number."""
     found = tx.names_of(order_number)
     if not found:
@@ -150,7 +156,7 @@ def complete_payment(ctx: EngineContext, tx: Transaction, order_id: str, order_t
     if order.parent_order_number:
         _redispatch_parent(tx, order, order.parent_order_number)
     tx.alert(order_alert_text(order, source, free_because, amount, coins),
-                  key=f"alert-paid-{order_type}-{order_id}", order_number=order_id)
+             key=f"alert-paid-{order_type}-{order_id}", order_number=order_id)
     log.info("%s order %s paid via %s (%s)", order_type, order_id, source, reference)
     _check_payment_method(ctx, tx, order)
     return order, True
@@ -246,19 +252,19 @@ def email_admin(ctx: EngineContext, tx: Transaction, subject: str, template: str
         log.warning("ADMIN_EMAIL unset; not e-mailed: %s", subject)
         return
     tx.email([ctx.settings.admin_email], subject, f"email/{template}", purpose=template,
-                  key=key, order_number=order, title=subject, order=order, **variables)
+             key=key, order_number=order, title=subject, order=order, **variables)
 
 
 def _redispatch_parent(tx: Transaction, child: OrderBase, parent_number: str) -> None:
     """The child collected the parent's government fee: the parent's service runs again,
     now with the fee paid. A parent not known yet (the system that writes orders may be
     behind) is looked for again when the event is retried; the child stays paid."""
-    parent = tx.order_of_any_kind(parent_number, order_type_of(parent_number))
+    parent = find_any_kind(tx, parent_number)
     if parent is None:
         log.warning("order %s names parent %s, which is not known yet; re-dispatch retried",
                     child.order_number, parent_number)
         tx.retry_later(f"parent order {parent_number} of "
-                            f"{child.order_number} not found")
+                       f"{child.order_number} not found")
         return
     tx.job("process_compliance_service", {
         "order_name": document_name(parent),
@@ -314,9 +320,9 @@ def record_cycle(ctx: EngineContext, tx: Transaction, order: OrderBase, subscrip
     """The renewal number of a paid invoice: 1 + the renewals recorded before it. The same
     invoice keeps its number; two invoices racing for one number cannot both have it (a
     unique index), so the loser fails and is retried with the next number."""
-    known = tx.cycle_of_invoice(invoice_id)
+    known = tx.subscription_cycle(invoice_id)
     if known is not None:
-        return known
+        return int(known.cycle)
     cycle = 1 + tx.cycles_recorded(subscription_id)
     tx.record_cycle(subscription_id, invoice_id, order.order_number, cycle, ctx.clock())
     return cycle

@@ -64,9 +64,9 @@ def _stored_order_of(tx: Transaction, payment_intent: str | None,
     if order is not None and order.kind is not None:  # every stored order has a kind
         return order.kind, order.order_number
     if invoice_id:
-        number = tx.order_number_of_invoice(invoice_id)
-        if number is not None:
-            return "compliance", number
+        cycle = tx.subscription_cycle(invoice_id)
+        if cycle is not None:
+            return "compliance", cycle.order_number
     return None
 
 

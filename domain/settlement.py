@@ -59,7 +59,8 @@ def count_waiting(tx: Transaction) -> int:
 
 def is_due(ctx: EngineContext, order: CrtcOrder, today: datetime.date) -> bool:
     paid_on = order.paid_at.astimezone(ctx.business_tz).date()
-    return business_days_after(paid_on, today) >= BUSINESS_DAYS_TO_SETTLE[order.payment_method or ""]
+    needed = BUSINESS_DAYS_TO_SETTLE[order.payment_method or ""]
+    return business_days_after(paid_on, today) >= needed
 
 
 def still_waiting(tx: Transaction, order_id: int) -> bool:

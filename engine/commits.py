@@ -369,9 +369,9 @@ class GroupCommit:
 
         Within a `budget`, once it is spent OverBudget is raised and the circuit opens;
         within an `allowance`, once it is spent AllowanceSpent is raised, and the circuit
-        is left alone. Either way a unit not started yet is then never run (one already running in the thread may
-        still commit: a caller that spools on OverBudget stores a copy the inbox's
-        dedup key recognises)."""
+        is left alone. Either way a unit not started yet is then never run (one already
+        running in the thread may still commit: a caller that spools on OverBudget stores
+        a copy the inbox's dedup key recognises)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self._enqueue(unit, future, conflicts=0, ahead=ahead)

@@ -48,14 +48,14 @@ from engine.transaction import Transaction
 
 log = logging.getLogger("receiver.events")
 
-# A plugin: called with the context, the decoded payload and the event's effects; an
+# A plugin: called with the context, the decoded payload and the event's transaction; an
 # async one waits on other systems between its steps, outside a transaction.
-Plugin: TypeAlias = Callable[[EngineContext, Any, outbox.Effects], Awaitable[None] | None]
+Plugin: TypeAlias = Callable[[EngineContext, Any, Transaction], Awaitable[None] | None]
 # What handles a call in the unit that stores it, and its payload if read already.
 Handling: TypeAlias = tuple[Plugin, Any]
-# How a call handled in the unit that stored it went: (outcome, the effects asked for,
-# when its handling started by time.monotonic).
-Handled: TypeAlias = tuple[str, "outbox.Effects | None", float]
+# How a call handled in the unit that stored it went: (outcome, its transaction with the
+# effects asked for, when its handling started by time.monotonic).
+Handled: TypeAlias = tuple[str, "Transaction | None", float]
 # During an outage every call is spooled: one line per minute and reason, with a count.
 SPOOLED = lograte.Repeats(log)
 
@@ -953,21 +953,21 @@ async def _handle(ctx: EngineContext, event: WebhookEvent, checked: bool) -> str
             if not checked and await ctx.commits.run(functools.partial(
                     _held_by, ctx, event)) is not None:
                 return HELD
-            effects = Transaction(ctx, event)
-            await plugin(ctx, payload, effects)
-            outcome = await ctx.commits.run(functools.partial(_conclude, ctx, event, effects))
+            tx = Transaction(ctx, event)
+            await plugin(ctx, payload, tx)
+            outcome = await ctx.commits.run(functools.partial(_conclude, ctx, event, tx))
         else:
             outcome, asked = await ctx.commits.run(
                 functools.partial(_handle_in_transaction, ctx, event, plugin, payload),
                 orders_ahead(registry.orders_of(event.event_type, payload)))
             if asked is None:
                 return outcome
-            effects = asked
+            tx = asked
     except Exception as exc:
         log.exception("%s event #%s (%s) failed", event.source, event.id, event.event_type)
         await _fail(ctx, event, f"{type(exc).__name__}: {exc}")
         return "failed"
-    await deliver_committed(ctx, effects.rows)
+    await deliver_committed(ctx, tx.rows)
     return outcome
 
 
@@ -1011,9 +1011,9 @@ def _held_by(ctx: EngineContext, event: WebhookEvent) -> int | None:
 def _run_plain(ctx: EngineContext, event: WebhookEvent, plugin: Plugin, payload: Any,
                first_handling: bool = False) -> tuple[str, Transaction]:
     """`first_handling`: the event was stored in this same unit, as processed."""
-    effects = Transaction(ctx, event, first_handling)
-    plugin(ctx, payload, effects)
-    return _conclude(ctx, event, effects, stored_processed=first_handling), effects
+    tx = Transaction(ctx, event, first_handling)
+    plugin(ctx, payload, tx)
+    return _conclude(ctx, event, tx, stored_processed=first_handling), tx
 
 
 def _is_async(plugin: object) -> bool:

@@ -139,15 +139,15 @@ class CryptoProcessorWebhookHandler(ApiHandler):
                     reason)
         call = (self.ctx, SOURCE, "malformed", f"rejected:{_digest(raw)}", raw)
         kept_as: inbox.CallFields = {"external_id": external_id, "order_number": external_id,
-                   "status": "rejected", "last_error": reason}
+                                     "status": "rejected", "last_error": reason}
 
         def keep_and_tell() -> list[Outbox]:
             event, created = inbox.store(*call, **kept_as)
-            effects = Transaction(self.ctx, event, first_handling=created)
+            tx = Transaction(self.ctx, event, first_handling=created)
             if created and treasury.claims_paid(body):
-                self.tell_admin(effects, event, external_id, reason, raw)
+                self.tell_admin(tx, event, external_id, reason, raw)
             # The list itself: on PostgreSQL it is filled at the turn's end (Effects).
-            return effects.rows
+            return tx.rows
         try:
             return await self.ctx.commits.run(keep_and_tell)
         except UNAVAILABLE:
@@ -158,7 +158,7 @@ class CryptoProcessorWebhookHandler(ApiHandler):
             await inbox.record(*call, **spooled)
             return []
 
-    def tell_admin(self, effects: Transaction, event: WebhookEvent, external_id: str | None,
+    def tell_admin(self, tx: Transaction, event: WebhookEvent, external_id: str | None,
                    reason: str, raw: bytes) -> None:
         admin = self.ctx.settings.admin_email
         if not admin:
@@ -166,11 +166,11 @@ class CryptoProcessorWebhookHandler(ApiHandler):
                         event.id)
             return
         notice = _notice(external_id, reason, raw)
-        effects.email([admin], notice["subject"], f"email/{notice['template']}",
-                      purpose="crypto_callback_rejected", order_number=external_id,
-                      title=notice["subject"], event_id=event.id,
-                      received_at=event.received_at.isoformat(timespec="seconds"),
-                      **notice["variables"])
+        tx.email([admin], notice["subject"], f"email/{notice['template']}",
+                 purpose="crypto_callback_rejected", order_number=external_id,
+                 title=notice["subject"], event_id=event.id,
+                 received_at=event.received_at.isoformat(timespec="seconds"),
+                 **notice["variables"])
 
 
 def _notice(external_id: str | None, reason: str, raw: bytes) -> inbox.Notice:

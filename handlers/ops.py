@@ -59,9 +59,10 @@ class ReadyHandler(ApiHandler):
         await self.ctx.destinations.check(within=READY_TIMEOUT_SECONDS)
         problems = {name: problem for name, problem in checks.items() if problem != "ok"}
         status = 503 if problems else 200
-        body: dict[str, Any] = {"status": "ready" if not problems else "not ready", "checks": checks,
-                "destinations": {destination.name: destination.state
-                                 for destination in self.ctx.destinations}}
+        body: dict[str, Any] = {
+            "status": "ready" if not problems else "not ready", "checks": checks,
+            "destinations": {destination.name: destination.state
+                             for destination in self.ctx.destinations}}
         misconfigured = {destination.name: destination.problem
                          for destination in self.ctx.destinations if destination.problem}
         if misconfigured:

@@ -19,7 +19,7 @@ from typing import Any, Iterator, Protocol
 import peewee
 
 from clients.http import JSON_HEADERS
-from domain import reconcile, settlement
+from domain import orders, reconcile, settlement
 from domain.money import money
 from engine import outbox
 from engine.claims import claim, lease
@@ -27,7 +27,7 @@ from engine.contracts import EngineContext
 from engine.destinations import ORDERED_KINDS
 from engine.transaction import Transaction
 from models import (
-    ORDER_MODELS, Attempt, ConsoleAction, CrtcOrder, LedgerEntry, OrderBase, Outbox,
+    Attempt, ConsoleAction, CrtcOrder, LedgerEntry, OrderBase, Outbox,
     SelfFiling, SurveyResponse, TreasuryJob, WebhookEvent,
 )
 from settings import Settings
@@ -531,18 +531,10 @@ class Moment:
     under: list = dataclasses.field(default_factory=list)
 
 
-def find_order(order_number: str) -> OrderBase | None:
-    for model in ORDER_MODELS.values():
-        order = model.get_or_none(model.order_number == order_number)
-        if order is not None:
-            return order
-    return None
-
-
 def timeline(ctx: ConsoleContext, order_number: str) -> tuple[OrderBase | None, list[Moment]]:
     """(order or None, moments in time order): events from every source, effects sent or
     waiting, payment, settlement, holdback, reminders, link clicks, survey."""
-    order = find_order(order_number)
+    order = orders.find_any_kind(Transaction(ctx), order_number)
     moments = [*_event_moments(order_number), *_effect_moments(ctx, order_number),
                *_money_moments(order_number), *_click_moments(order_number)]
     if order is not None:

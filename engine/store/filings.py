@@ -31,11 +31,6 @@ def _holding(never_released: Collection[str]) -> "peewee.ModelSelect[CrtcOrder]"
 class FilingStore:
     """Filings, in the caller's transaction."""
 
-    def filing_order(self, number: str) -> ComplianceOrder | None:
-        """The compliance order with that number (the kind a filing link names), or
-        None. Not locked."""
-        return ComplianceOrder.get_or_none(ComplianceOrder.order_number == number)
-
     def record_self_filing(self, kind: str, number: str, cycle: str,
                            at: datetime.datetime) -> tuple[datetime.datetime, bool]:
         """Record, once, that the customer filed that cycle themselves at `at`: (when the

@@ -10,7 +10,6 @@ import peewee
 
 from models import ORDER_MODELS, ComplianceOrder, OrderBase, SentReminder, WebhookEvent
 from engine.commits import raise_if_conflict, savepoint
-from engine.db import locked
 from engine.prepared import InsertOnce
 
 NEW_REMINDER = InsertOnce(SentReminder)
@@ -35,11 +34,6 @@ class CallsWaiting(NamedTuple):
 class IntakeStore:
     """Intake and reminders, in the caller's transaction."""
 
-    def shop_order(self, kind: str, number: str) -> OrderBase | None:
-        """The order of that kind and number, or None; not locked."""
-        model = ORDER_MODELS[kind]
-        return model.get_or_none(model.order_number == number)
-
     def kind_of_order(self, number: str) -> str | None:
         """The kind of the order with that number, or None when there is none; one read
         a kind until found, in ORDER_MODELS' order."""
@@ -47,12 +41,6 @@ class IntakeStore:
             if model.select().where(model.order_number == number).exists():
                 return kind
         return None
-
-    def lock_shop_order(self, kind: str, number: str) -> OrderBase | None:
-        """The order of that kind and number, read from the database and locked until
-        the transaction ends, or None."""
-        model = ORDER_MODELS[kind]
-        return locked(model.select().where(model.order_number == number)).first()
 
     def add_shop_order(self, kind: str, number: str, values: Mapping[str, Any],
                        at: datetime.datetime) -> OrderBase | None:

@@ -10,7 +10,7 @@ no promised order), PostgreSQL rolls one back as a deadlock, a conflict whose un
 again (engine.commits)."""
 import datetime
 import functools
-from typing import Any, Callable, Iterable, Iterator, Literal, NamedTuple, Sequence, overload
+from typing import Any, Callable, Iterable, Iterator, Literal, NamedTuple, Sequence, cast, overload
 
 import peewee
 
@@ -87,6 +87,7 @@ def _names_of_any_kind() -> peewee.Query:
 # Not prepared on the server: a plan made without the array would not know how few it
 # holds, and would scan each table.
 NAMES_OF_ANY_KIND = Prepared(_names_of_any_kind)
+
 
 def _rename(model: type[OrderBase]) -> Prepared:
     return Prepared(lambda: model.update(
@@ -221,7 +222,7 @@ class OrderStore:
         None."""
         kept = commits.take_row(ORDER_MODELS[kind], number)
         if kept is not commits.NOT_KEPT:
-            return kept  # type: ignore[return-value]
+            return cast(OrderBase | None, kept)  # keep_rows keeps this kind's rows, or None
         return ORDER_BY_NUMBER[kind, True].first(order_number=number)
 
     def order_of_any_kind(self, number: str, first_kind: str) -> OrderBase | None:
@@ -280,15 +281,14 @@ class OrderStore:
         return None
 
     def save(self, row: BaseModel) -> None:
-        """Write the row's changed fields (every field of a row not read from the
-        database); the write may reach the server with the transaction's next
-        statement."""
+        """Write the changed fields of a row read from the database (an UPDATE by its
+        id); the write may reach the server with the transaction's next statement."""
         save_changes(row)
 
-    def cycle_of_invoice(self, invoice_id: str) -> int | None:
-        """The renewal number recorded for a subscription's invoice, or None."""
-        known = SubscriptionCycle.get_or_none(SubscriptionCycle.invoice_id == invoice_id)
-        return known.cycle if known else None
+    def subscription_cycle(self, invoice_id: str) -> SubscriptionCycle | None:
+        """The renewal a subscription's invoice was recorded as (its order and its
+        number), or None."""
+        return SubscriptionCycle.get_or_none(SubscriptionCycle.invoice_id == invoice_id)
 
     def cycles_recorded(self, subscription_id: str) -> int:
         """How many renewals of the subscription are recorded."""

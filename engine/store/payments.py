@@ -4,7 +4,7 @@ from typing import Iterable
 
 import peewee
 
-from models import ComplianceOrder, CrtcOrder, SubscriptionCycle
+from models import ComplianceOrder, CrtcOrder
 from engine.db import locked
 
 
@@ -44,12 +44,6 @@ class PaymentStore:
         if not subscription_id:
             return None
         return locked(_with_subscription(subscription_id)).first()
-
-    def order_number_of_invoice(self, invoice_id: str) -> str | None:
-        """The number of the order a subscription's invoice was recorded as a renewal of,
-        or None."""
-        cycle = SubscriptionCycle.get_or_none(SubscriptionCycle.invoice_id == invoice_id)
-        return None if cycle is None else str(cycle.order_number)
 
     def orders_awaiting_funds(self, methods: Iterable[str],
                               limit: int | None = None) -> list[CrtcOrder]:

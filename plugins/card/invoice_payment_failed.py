@@ -33,6 +33,6 @@ def handle(ctx: EngineContext, event: dict[str, Any], tx: Transaction) -> None:
                 **details)
     if nudged:
         tx.email([details["customer_email"]], NUDGE_SUBJECT,
-                      "email/invoice_payment_failed_customer", purpose="customer_nudge",
-                      order_number=order_number,
-                      title=NUDGE_SUBJECT, **details)
+                 "email/invoice_payment_failed_customer", purpose="customer_nudge",
+                 order_number=order_number,
+                 title=NUDGE_SUBJECT, **details)

@@ -87,8 +87,8 @@ class WorkflowWebhook:
         remember_order_name(ctx, tx, body["order_number"], body["order_name"])
         if self.workflow_action:
             tx.workflow_action("workflow_doctype", body["order_name"],
-                                    self.workflow_action, purpose=self.workflow_action,
-                                    order_number=body["order_number"])
+                               self.workflow_action, purpose=self.workflow_action,
+                               order_number=body["order_number"])
         if self.job:
             tx.job(self.job, self.job_payload(ctx, tx, body), purpose=self.job)
 
