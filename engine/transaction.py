@@ -18,7 +18,8 @@ Its contract, for whoever writes a plugin or a domain rule:
 - A write may reach the database with the next statement or the COMMIT; its failure then
   undoes the unit, which is run again alone. Nothing needs to know when.
 - `apart(what)`: a part that may fail without spoiling the rest (a lookup whose failure
-  is logged); a conflict is never swallowed there."""
+  is logged); `undone_on_failure()`: a part whose failure the caller handles (a refusal
+  raised as `Refused`). A conflict is never swallowed by either."""
 import contextlib
 import logging
 from typing import Iterator
