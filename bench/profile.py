@@ -34,7 +34,7 @@ RULES = (
     ("waiting for work", ("EpollSelector.select", "_worker (concurrent/futures/thread.py:81)")),
     ("logging", ("/logging/", "lograte.py", "app/logs.py")),
     ("statements", ("peewee.py", "playhouse/", "psycopg2", "sqlite3", "engine/prepared.py",
-                    "(models.py")),
+                    "engine/connection.py", "engine/joined.py", "(models.py")),
     ("outbound HTTP", ("aiohttp/", "clients/", "multidict", "yarl/")),
     ("hand-off", ("concurrent/futures", "engine/commits.py", "threading.py",
                   "run_in_executor", "call_soon_threadsafe")),
@@ -67,7 +67,7 @@ def category(stack: str) -> tuple:
 # The service's own code: a frame "function (handlers/base.py:12)" is in module
 # handlers/base.py.
 OWN = ("handlers/", "plugins/", "domain/", "engine/", "clients/", "app/", "ops/",
-       "models.py", "lograte.py", "scheduler.py", "settings.py")
+       "models.py", "scheduler.py", "settings.py")
 
 
 def own_functions(stack: str) -> set:
