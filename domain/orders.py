@@ -3,9 +3,9 @@
 Each runs inside the caller's transaction, `tx`: it reads and writes the orders through
 it and asks for its effects through it, so an event's changes and the mail, jobs and
 alerts they cause happen together, once. Orders are read with `tx.order(kind, number)`,
-locked with `tx.lock_order(kind, number)`, of whatever kind with
-`find_any_kind(tx, number)`, by the payment intent that paid
-them with `tx.order_paid_by(payment_intent_id)`, and saved with `tx.save(order)`."""
+locked with `tx.lock_order(kind, number)`, of whatever kind with `find_any_kind(tx,
+number)`, by the payment intent that paid them with `tx.order_paid_by(payment_intent_id)`,
+and saved with `tx.save(order)`."""
 import datetime
 import logging
 from typing import Any
@@ -70,8 +70,7 @@ def find_any_kind(tx: Transaction, order_number: str) -> OrderBase | None:
 def order_name_of_any_kind(tx: Transaction,
                            order_number: str) -> tuple[str, str | None] | None:
     """(kind, order_name) of the order with that number, whatever its kind; the kind its
-    prefix names wins (as in `find_any_kind`).
-    None when no order has that number."""
+    prefix names wins (as in `find_any_kind`). None when no order has that number."""
     found = tx.names_of(order_number)
     if not found:
         return None
