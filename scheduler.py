@@ -190,6 +190,8 @@ class Scheduler:
         self.apscheduler = AsyncIOScheduler(timezone=UTC)
         self.in_progress: set[asyncio.Task[Any]] = set()
         self.running_jobs: set[str] = set()
+        # Jobs asked to run while a run of theirs went on (`run_soon`).
+        self.run_again: set[str] = set()
         ctx.metrics.jobs_scheduled(job.name for job in jobs)
 
     @property
@@ -205,7 +207,7 @@ class Scheduler:
             if not job.every(self.ctx.settings):
                 continue  # turned off (WORKFLOW_RECONCILE_MINUTES=0)
             self.apscheduler.add_job(
-                self.run, IntervalTrigger(seconds=job.every(self.ctx.settings)), args=[job],
+                self._scheduled_run, IntervalTrigger(seconds=job.every(self.ctx.settings)), args=[job],
                 id=job.name, name=job.name, max_instances=1, coalesce=True,
                 misfire_grace_time=None,
                 next_run_time=now if job.at_start else None)
@@ -224,9 +226,32 @@ class Scheduler:
         log.info("scheduler started: %s", ", ".join(job.name for job in self.jobs))
 
     def run_soon(self, name: str) -> None:
-        """Run job `name` now, unless a run of it is going on (it picks up the work)."""
-        if self.apscheduler.running and name not in self.running_jobs:
-            self.apscheduler.modify_job(name, next_run_time=datetime.datetime.now(UTC))
+        """Run job `name` now; when a run of it is going on, once more as soon as that run
+        has ended: it may have looked for its work before this work came (a call made due
+        after the inbox retry claimed what was due)."""
+        if not self.apscheduler.running:
+            return
+        if name in self.running_jobs:
+            self.run_again.add(name)
+            return
+        self.apscheduler.modify_job(name, next_run_time=datetime.datetime.now(UTC))
+
+    async def _scheduled_run(self, job: Job) -> Any:
+        """`run`, as APScheduler starts it in a task of its own: a run asked for while it
+        went on (`run_soon`) follows once APScheduler counts this one ended, after its
+        own callback on the task (sooner, it would refuse it as a second instance)."""
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        task.add_done_callback(lambda _: loop.call_soon(self._after_run, job.name))
+        return await self.run(job)
+
+    def _after_run(self, name: str) -> None:
+        """A run of job `name` has ended and APScheduler counts it ended: the run asked for
+        meanwhile (`run_soon`) is due now."""
+        if name in self.run_again:
+            self.run_again.discard(name)
+            self.run_soon(name)
 
     async def stop(self, grace: float = STOP_GRACE_SECONDS) -> None:
         """No new runs; wait up to `grace` seconds for the runs in progress, then cancel

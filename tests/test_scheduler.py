@@ -325,6 +325,33 @@ async def test_the_scheduler_runs_its_jobs_until_stopped(ctx, worker, db):
 
 
 @pytest.mark.gen_test
+async def test_a_run_asked_for_while_one_goes_on_follows_it_not_the_next_tick(ctx):
+    """The work a running run had already looked for (the inbox retry had claimed what was
+    due) misses what comes meanwhile (a call made due by its order's arrival): the run
+    asked for then follows this one, not the next tick, an hour away here."""
+    looked = asyncio.Event()
+    let_go = asyncio.Event()
+    runs = []
+
+    async def claims(ctx):
+        runs.append(len(runs) + 1)
+        if len(runs) == 1:
+            looked.set()
+            await let_go.wait()
+    job = Job("claims", claims, lambda s: 3600, one_process=False)
+    scheduler = Scheduler(ctx, jobs=(job,))
+    await scheduler.start()
+    try:
+        await asyncio.wait_for(looked.wait(), 5)
+        scheduler.run_soon("claims")
+        let_go.set()
+        await eventually(lambda: len(runs) == 2, timeout=5, interval=0.01)
+    finally:
+        await scheduler.stop()
+    assert runs == [1, 2]
+
+
+@pytest.mark.gen_test
 async def test_a_run_that_fails_is_logged_not_raised(ctx, caplog):
     async def broken(ctx):
         raise RuntimeError("the disk is on fire")
