@@ -222,7 +222,7 @@ class OrderStore:
         None."""
         kept = commits.take_row(ORDER_MODELS[kind], number)
         if kept is not commits.NOT_KEPT:
-            return cast(OrderBase | None, kept)  # keep_rows keeps this kind's rows, or None
+            return cast("OrderBase | None", kept)  # keep_rows keeps this kind's rows, or None
         return ORDER_BY_NUMBER[kind, True].first(order_number=number)
 
     def order_of_any_kind(self, number: str, first_kind: str) -> OrderBase | None:
