@@ -300,12 +300,18 @@ class WebhookEvent(BaseModel):
     given_up_by = TextField(null=True)
     given_up_at = UTCDateTimeField(null=True)
     given_up_reason = TextField(null=True)
-    # Not columns: the id of the earlier unfinished event of its order that the event
-    # waits behind when it was stored, or None, set by engine.inbox on an event it
-    # stores; and what it waits behind as the operator reads it (ops.operator.note_holds).
-    held_behind: int | None
+    # Its place in its sender's record, as its plugin declares it (plugins.registry.
+    # Placement): the events of one `stream` of a source are handled one after another,
+    # in `version` order (text that sorts as the sender orders them; without one, the
+    # arrival time). NULL stream: a fact that folds in any order and waits for nothing.
+    stream = TextField(null=True)
+    version = TextField(null=True)
+    # Not columns: what it waits behind as the operator reads it (ops.operator.note_holds);
+    # whether other events of its stream were unfinished when it was handed over
+    # (engine.inbox.position).
     held: str | None
-    # Not a column: whether later events of its order are finished (a dead one; read by
+    others_unfinished: bool
+    # Not a column: whether later events of its stream are finished (a dead one; read by
     # ops.operator.event_with_effects for the console's replay).
     overtaken: bool
 
@@ -324,13 +330,19 @@ class WebhookEvent(BaseModel):
         )
 
 
-# An order's events still to be finished, in arrival order: "is an earlier event of this
-# order unfinished?" (engine.inbox, its arrival-order rule) asked for every call stored
-# and every event claimed, answered in one probe however many events the order has.
+# A stream's events still to be finished, in their sender's order: "is an earlier event of
+# this stream unfinished?" (engine.inbox, its ordering rule) asked for every event of a
+# stream handed over, answered in one probe however many events the stream has.
 WebhookEvent.add_index(
-    WebhookEvent.index(WebhookEvent.order_number, WebhookEvent.received_at, WebhookEvent.id,
-                       name="webhook_events_unfinished_by_order")
+    WebhookEvent.index(WebhookEvent.source, WebhookEvent.stream, WebhookEvent.version,
+                       WebhookEvent.received_at, WebhookEvent.id,
+                       name="webhook_events_unfinished_by_stream")
     .where(WebhookEvent.status.in_(["received", "failed"])))
+# A stream's handled events by version: "was a later change of this stream handled?"
+WebhookEvent.add_index(
+    WebhookEvent.index(WebhookEvent.source, WebhookEvent.stream, WebhookEvent.version,
+                       name="webhook_events_handled_by_stream")
+    .where(WebhookEvent.status == "processed"))
 
 
 class Outbox(BaseModel):

@@ -96,8 +96,10 @@ async def accept(ctx: EngineContext, event: dict[str, Any], raw: bytes) -> None:
     left on the inbox row for retry; it never raises."""
     check_version(event)
     in_background = event["type"] in BACKGROUND_TYPES
+    placed = ctx.plugins[SOURCE].placed(event["type"], event)
     await inbox.accept(
-        ctx, SOURCE, event["type"], dedup_key(event), raw, external_id=event["id"],
+        ctx, SOURCE, event["type"], placed.same or dedup_key(event), raw,
+        external_id=event["id"], stream=placed.stream, version=placed.version,
         order_number=metadata_of(object_of(event)).get("order_id"),
         in_background=in_background,
         orders=() if in_background else ctx.plugins[SOURCE].orders_of(event["type"], event))

@@ -19,8 +19,10 @@ the save, so the save's `modified` lies between the comment before it and its ow
 (`entered_after` < modified <= `entered_at`). Either finding is recognised as the other
 (`same_stay`) in the transaction that would store it, and is then a duplicate: one event
 is handled, and its effects' keys (the worker's Idempotency-Key, the action's) derive
-from it. A change older than one already handled for the document (`newer_change`) is
-recorded and never handled: handling it would re-order what went out.
+from it. Each change is placed among its document's by its save (`document_version`), and
+the inbox hands a document's changes over in that order whichever finder brought them;
+one older than a change already handled follows its path's rule for a state left
+(plugins.workflow.WorkflowWebhook.left_rule).
 
 Frappe writes its times as naive text in its System Settings' time zone, which the
 service reads from Frappe (`site_zone`); a list that finds nothing while Frappe's newest
@@ -46,6 +48,7 @@ from clients.workflow import FRAPPE_DEFAULT_TIME_ZONE
 from models import UTC, ReconcileRun, WebhookEvent
 from settings import Settings
 from engine import inbox
+from engine.db import UNAVAILABLE
 from engine.contracts import EngineContext
 from engine.transaction import DatabaseTimeSpent, Transaction
 
@@ -69,9 +72,6 @@ GROUPS = {"formation/": "workflow_doctype", "crtc/": "crtc_doctype"}
 STAYS_LOOKED_AT = 50
 # A document modified this far ahead of our clock says our times and Frappe's differ.
 AHEAD_TOLERANCE = datetime.timedelta(minutes=5)
-# Statuses of an event whose change was (or is being) handled: a change recorded only
-# (ignored), refused or given up holds nothing behind it.
-HANDLED = ("received", "processed", "failed")
 
 
 @dataclasses.dataclass
@@ -190,30 +190,12 @@ def same_stay(tx: Transaction, path: str, order_name: str, order_number: str,
                  if _same(ours, span)), None)
 
 
-def newer_change(tx: Transaction, paths: list[str],
-                 body: dict[str, Any]) -> WebhookEvent | None:
-    """A change of the same document handled (or being handled) that was made after this
-    one, on any of `paths` (its doctype's): this one is then older than what was acted
-    on, and is recorded, not handled. Read by the plugin in the event's transaction: one
-    indexed statement."""
-    ours = _stay(body)
-    if ours is None:
-        return None
-    events = [event for event in tx.newest_events_of_order(
-        SOURCE, body["order_number"], STAYS_LOOKED_AT)
-        if event.event_type in paths and event.status in HANDLED]
-    return next((event for event, span in _stays_of(events, body["order_name"])
-                 if _later(ours, span)), None)
-
-
-def may_be_superseded(ctx: EngineContext, body: dict[str, Any]) -> bool:
-    """Whether a change may be older than one already handled, so `newer_change` is worth
-    its read: a log entry's (found late by definition), or a webhook older than the settle
-    time (only then can a run, or a later webhook, have come first). Pure: no read."""
-    if "entered_at" in body:
-        return True
-    return canonical_modified(body.get("modified")) is not None and came_late(
-        ctx, body["modified"], ctx.clock())
+def document_version(body: dict[str, Any]) -> str | None:
+    """A change's place among its document's changes (its Placement's version): the save's
+    `modified` a webhook names, or when the workflow log entry of a change found by a run
+    was written (just after its save, before the next one). None when the body says
+    neither."""
+    return canonical_modified(body.get("modified")) or canonical_modified(body.get("entered_at"))
 
 
 def site_zone(ctx: EngineContext) -> zoneinfo.ZoneInfo:
@@ -243,12 +225,6 @@ def doctype_states(settings: Settings) -> dict[str, dict[str, str]]:
             if path.startswith(prefix):
                 found.setdefault(getattr(settings, attribute), {})[state] = path
     return found
-
-
-def group_paths(ctx: EngineContext, path: str) -> list[str]:
-    """Every webhook path of the doctype `path` belongs to."""
-    prefix = path.split("/")[0] + "/"
-    return [other for other in ctx.plugins[SOURCE].keys() if other.startswith(prefix)]
 
 
 def frappe_time(moment: datetime.datetime, zone: zoneinfo.ZoneInfo) -> str:
@@ -518,6 +494,14 @@ def _entries(document: dict[str, Any], log_entries: list[dict[str, Any]],
     found: list[dict[str, Any]] = []
     times = [canonical_modified(entry["creation"]) for entry in log_entries]
     current = document.get("workflow_state")
+    modified = canonical_modified(document.get("modified"))
+    if (times and times[-1] and modified and times[-1] > modified
+            and log_entries[-1].get("content") != current):
+        # An action applied between the list and the log (an entry after the listed save
+        # leads elsewhere): the log is the newer record, and no state was entered by other
+        # means. (An action's own entry is written just after its save, so a later time
+        # alone says nothing.)
+        current, modified = log_entries[-1].get("content"), None
     for index, entry in enumerate(log_entries):
         content = entry.get("content")
         path = window.states.get(content) if isinstance(content, str) else None
@@ -529,7 +513,6 @@ def _entries(document: dict[str, Any], log_entries: list[dict[str, Any]],
                       "entered_after": times[index - 1] if index else None,
                       "entered_at": at, "left_for": current if left else None})
     last = log_entries[-1].get("content") if log_entries else None
-    modified = canonical_modified(document.get("modified"))
     if (current in window.states and current != last and modified is not None
             and window.lower <= modified <= window.upper):
         after = times[-1] if times else None
@@ -547,7 +530,17 @@ async def _reconcile_document(ctx: EngineContext, tx: Transaction, doctype: str,
     history = await ctx.workflow.workflow_log(doctype, str(name))
     if not history.ok:
         return f"{doctype} {name}: {history.error}"
-    for found in _entries(document, cast(list[dict[str, Any]], history.body), window):
+    found = _entries(document, cast(list[dict[str, Any]], history.body), window)
+    await _hand_over(ctx, tx, doctype, name, document, found, counts)
+    return None
+
+
+async def _hand_over(ctx: EngineContext, tx: Transaction, doctype: str, name: Any,
+                     document: dict[str, Any], changes: list[dict[str, Any]],
+                     counts: Counts) -> None:
+    """Hand each change found in the document's log (`_entries`) to the inbox, oldest
+    first, as its webhook would have come."""
+    for found in changes:
         path = found.pop("path")
         webhook = ctx.plugins[SOURCE].get(path)
         body = _body_of(webhook.fields, name, document, found)
@@ -557,9 +550,11 @@ async def _reconcile_document(ctx: EngineContext, tx: Transaction, doctype: str,
             log.warning("reconciliation: %s %s (%s at %s) not handled: %s", path, name,
                         doctype, found["entered_at"], problem)
             continue
+        placed = ctx.plugins[SOURCE].placed(path, body)
         event, created, outcome = await inbox.accept(
             ctx, SOURCE, path, entered_key(path, name, body["workflow_entry"]),
             json.dumps(body).encode(), order_number=body["order_number"], reconciled=True,
+            stream=placed.stream, version=placed.version,
             handled_by=functools.partial(same_stay, tx, path, name, body["order_number"],
                                          body))
         if _counted_as_done(counts, event, created, outcome):
@@ -568,6 +563,57 @@ async def _reconcile_document(ctx: EngineContext, tx: Transaction, doctype: str,
         log.warning("reconciliation: %s of %s (%s), entered at %s, had no webhook; handled "
                     "as event #%s: %s", path, name, body["order_number"], found["entered_at"],
                     event.id if event else "(spooled)", outcome or "stored")
+
+
+async def predecessors_first(ctx: EngineContext, path: str, body: dict[str, Any]) -> Counts:
+    """Before a webhook's change is handled: when its path follows others in its workflow
+    (`WorkflowWebhook.after`) and the document has no stored change on any of them, the
+    changes its workflow log holds from before this one are handed to the inbox first, as
+    a run would hand them (`_hand_over`). A webhook that comes late, or never (Frappe gave
+    up on it), is then placed before this one, whichever finder comes first: its job goes
+    before this change's, or its path's rule for a state left applies. What the log
+    says of this change itself is its webhook's to tell. Frappe not answering: logged,
+    and this change goes on alone (a run finds the others later, as history then)."""
+    counts = Counts()
+    webhook = ctx.plugins[SOURCE].get(path)
+    modified = canonical_modified(body.get("modified"))
+    doctype = _doctype_of(ctx.settings, path)
+    if (not webhook.after or modified is None or doctype is None
+            or not ctx.settings.workflow_url):
+        return counts
+    tx = Transaction(ctx)
+    try:
+        if await ctx.db(lambda: tx.has_event_of_types(SOURCE, body["order_number"],
+                                                       webhook.after)):
+            return counts
+    except UNAVAILABLE:
+        return counts  # the call goes to the spool, and waits there behind the others
+    states = doctype_states(ctx.settings)[doctype]
+    listed = await ctx.workflow.list_documents(
+        doctype, _fields_listed(ctx, states), [["name", "=", body["order_name"]]],
+        "modified asc", 0, 1)
+    history = (await ctx.workflow.workflow_log(doctype, body["order_name"])
+               if listed.ok and listed.body else None)
+    if history is None or not history.ok:
+        log.warning("%s of %s: the changes before it not read from Frappe (%s); it is "
+                    "handled alone", path, body["order_name"],
+                    history.error if history is not None else
+                    listed.error or "the document is not listed")
+        return counts
+    document = _documents(listed)[0]
+    window = _Window("", modified, states, "")
+    earlier = [found for found in _entries(
+        document, cast(list[dict[str, Any]], history.body), window)
+        if found["entered_at"] != modified]
+    await _hand_over(ctx, tx, doctype, body["order_name"], document, earlier, counts)
+    return counts
+
+
+def _doctype_of(settings: Settings, path: str) -> str | None:
+    """The doctype whose webhooks come to `path`, or None for a path of none."""
+    for prefix, attribute in GROUPS.items():
+        if path.startswith(prefix):
+            return cast(str, getattr(settings, attribute))
     return None
 
 

@@ -42,6 +42,16 @@ class Jobs(Protocol):
     def run_soon(self, name: str) -> None: ...
 
 
+class Placed(NamedTuple):
+    """Where a delivery stands in its sender's record, as its plugin declares it
+    (plugins.registry.Placement): its dedup key (None: the receiver's), the stream whose
+    events wait for each other (None: it waits for nothing) and its version there (None:
+    its arrival)."""
+    same: str | None
+    stream: str | None
+    version: str | None
+
+
 class Registry(Protocol):
     """What the engine asks of a source's plugins (plugins.registry.Registry): the plugin
     for an event type (a function, plain or async, called with the context, the decoded
@@ -53,6 +63,8 @@ class Registry(Protocol):
     def decode(self, payload: str) -> Any: ...
 
     def orders_of(self, key: str, payload: Any) -> Sequence[OrderRef]: ...
+
+    def placed(self, key: str, payload: Any) -> Placed: ...
 
     def keys(self) -> list[str]: ...
 

@@ -1,16 +1,20 @@
 """The inbox: every accepted call is stored raw before it is handled, once per dedup key.
 
-Arrival order is an invariant of the inbox, kept in one place: an event is handed to its
-plugin only when every earlier event of its order is finished (processed, ignored,
-rejected, or dead: given up by the retry policy or an operator). "Earlier" is the call's
-place in its order's sequence, fixed when the call first became durable: its
-`received_at`, stamped on arrival and kept in the spool line as in the row (the id breaks
-a tie). An event behind an unfinished one is `held`: it stays stored, unhandled and due,
-and is handed over once it is the first unfinished event of its order (`release` when the
-one before it finishes here, the inbox retry otherwise). Calls of different orders never
-wait for each other; a call of no order waits for nothing. Whatever path hands an event
-over (the call itself, the spool drain, the retry, a replay) and whatever went before it
-(a failure, a crash mid-drain, a second process), `_held_by` is asked first.
+The sender's order is an invariant of the inbox, kept in one place. Each event has the
+place its plugin declares from the sender's record (plugins.registry.Placement): a
+`stream` (a Frappe document's changes, an SHKeeper invoice's callbacks; none for a Stripe
+fact, which folds in any order) and a `version` in it (Frappe's `modified`; without one,
+the arrival time). An event of a stream is handed to its plugin only when every event of
+its stream before it (by version, then arrival, then id) is finished (processed, ignored,
+rejected, or dead: given up by the retry policy or an operator), and it is told of a later
+one handled already (`Transaction.overtaken_by`): its plugin then treats it as history.
+An event behind an unfinished one is `held`: it stays stored, unhandled and due, and is
+handed over once it is the first unfinished event of its stream (`release`, by the process
+that finished the one before it; the inbox retry otherwise). Streams never wait for each
+other, nor do one source's events for another's. Whatever path hands an event over (the
+call itself, the spool drain, the retry, a replay) and whatever went before it (a
+failure, a crash mid-drain, a second process), its position is read in the unit that
+handles it (`POSITION`), after the locks of that unit are taken.
 
 Handling runs the event's plugin. A plain function runs inside one transaction with the
 status change, so its database changes and outbox rows happen once or not at all; an
@@ -37,6 +41,7 @@ from engine import lograte
 from clients.http import error_text
 from models import Outbox, WebhookEvent
 from engine import commits, outbox, retry, spool
+from engine.outbox import Overtaken
 from engine.claims import CLAIM_BATCH, Kept, claim, lease
 from engine.commits import Ahead, AheadStatement, AllowanceSpent, raise_if_conflict, savepoint
 from engine.contracts import Accepted, EngineContext, Registry, Stored
@@ -61,7 +66,7 @@ SPOOLED = lograte.Repeats(log)
 
 FINAL_STATUSES = ("processed", "ignored", "rejected", "dead")
 AWAITING_HANDLING = ("received", "failed")
-# What `process` and `accept` say of an event that waits behind an earlier one of its order.
+# What `process` and `accept` say of an event that waits behind an earlier one of its stream.
 HELD = "held"
 # The longest text a sender may put in a column we index (order numbers, external ids,
 # event types, idempotency keys, dedup keys built from them). PostgreSQL refuses an index
@@ -82,44 +87,101 @@ SPOOL_UNUSABLE = spool.LastingProblem(logging.getLogger("receiver.spool"),
                                       datetime.timedelta(minutes=10))
 
 _EARLIER = WebhookEvent.alias("earlier")
+_LATER = WebhookEvent.alias("later")
+
+
+def arrival_version(moment: datetime.datetime) -> str:
+    """An arrival time (aware) as a version: fixed-width UTC text that sorts as time."""
+    return moment.astimezone(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")
+
+
+def _place(row: Any) -> Any:
+    """An event's place in its stream: its version, then its arrival, then its id."""
+    return peewee.Tuple(row.version, row.received_at, row.id)
+
+
+def _of_its_stream(other: Any, row: Any) -> peewee.Expression:
+    """`other` is an event of `row`'s stream: never so for a row of no stream."""
+    return (other.source == row.source) & (other.stream == row.stream)
+
+
+def _literals(statuses: Sequence[str]) -> list[peewee.Node]:
+    """Statuses as literals, not parameters: every parameter of a prepared insert must be a
+    slot."""
+    return [peewee.SQL(f"'{status}'") for status in statuses]
 
 
 def first_unfinished_before(row: Any = WebhookEvent) -> peewee.Select:
-    """The id of the first event of `row`'s order that came before it and is not finished:
-    what `row` waits behind. `row`: the table (a row being inserted, in RETURNING, or the
-    row a select reads) or an alias of it. Nothing for a row of no order. The statuses are
-    literals, not parameters: every parameter of a prepared insert must be a slot."""
+    """The id of the first unfinished event of `row`'s stream placed before it: what `row`
+    waits behind. `row`: the table (the row a select reads) or an alias of it. Nothing for
+    a row of no stream."""
     return (_EARLIER.select(_EARLIER.id).where(
-        _EARLIER.order_number == row.order_number,
-        _EARLIER.status.in_([peewee.SQL(f"'{status}'") for status in AWAITING_HANDLING]),
-        peewee.Tuple(_EARLIER.received_at, _EARLIER.id) < peewee.Tuple(row.received_at, row.id))
-        .order_by(_EARLIER.received_at, _EARLIER.id).limit(peewee.SQL("1")))
+        _of_its_stream(_EARLIER, row),
+        _EARLIER.status.in_(_literals(AWAITING_HANDLING)),
+        _place(_EARLIER) < _place(row))
+        .order_by(_EARLIER.version, _EARLIER.received_at, _EARLIER.id).limit(peewee.SQL("1")))
+
+
+def _handled_later(column: peewee.Field) -> peewee.Select:
+    """`column` of the latest-placed event of the row's stream handled (processed) with a
+    later version than the row's: what makes the row history."""
+    return (_LATER.select(column).where(
+        _of_its_stream(_LATER, WebhookEvent), _LATER.status == peewee.SQL("'processed'"),
+        _LATER.version > WebhookEvent.version)
+        .order_by(_LATER.version.desc(), _LATER.id.desc()).limit(peewee.SQL("1")))
+
+
+def _others_unfinished() -> peewee.ColumnBase:
+    """Whether another event of the row's stream is unfinished: once the row is finished,
+    the first of them is handed over (`release`)."""
+    return peewee.fn.EXISTS(_LATER.select(peewee.SQL("1")).where(
+        _of_its_stream(_LATER, WebhookEvent), _LATER.status.in_(_literals(AWAITING_HANDLING)),
+        _LATER.id != WebhookEvent.id))
 
 
 def overtaken() -> peewee.ColumnBase:
-    """Whether an event of the row's order that came after it is finished: handling the
-    row now would hand it over out of its sequence (a dead event the retries or an
-    operator gave up, which let the later ones go). Nothing for a row of no order."""
-    later = WebhookEvent.alias("later")
-    return peewee.fn.EXISTS(later.select(peewee.SQL("1")).where(
-        later.order_number == WebhookEvent.order_number,
-        later.status.in_(FINAL_STATUSES),
-        peewee.Tuple(later.received_at, later.id)
-        > peewee.Tuple(WebhookEvent.received_at, WebhookEvent.id)))
+    """Whether an event of the row's stream placed after it is finished: handling the row
+    now would hand it over out of its stream's order (a dead event the retries or an
+    operator gave up, which let the later ones go). Nothing for a row of no stream."""
+    return peewee.fn.EXISTS(_LATER.select(peewee.SQL("1")).where(
+        _of_its_stream(_LATER, WebhookEvent), _LATER.status.in_(FINAL_STATUSES),
+        _place(_LATER) > _place(WebhookEvent)))
 
 
-# Each new event says, in its insert's RETURNING, what it waits behind (`held_behind`).
-_HELD_BEHIND = (("held_behind", first_unfinished_before),)
-NEW_EVENT = InsertOnce(WebhookEvent, also_returning=_HELD_BEHIND)
+NEW_EVENT = InsertOnce(WebhookEvent)
 EVENT_BY_KEY = Prepared(lambda: WebhookEvent.select().where(
     WebhookEvent.source == slot(WebhookEvent.source),
     WebhookEvent.dedup_key == slot(WebhookEvent.dedup_key)))
-# An event's status, its row locked, and what it waits behind (`_held_by`).
-STATUS_AND_HOLD = Prepared(lambda: locked(
-    WebhookEvent.select(WebhookEvent.status, first_unfinished_before())
+# An event's status and its position in its stream, its row locked: what it waits behind,
+# the later event handled already (its id and type), whether others of its stream are
+# unfinished. Read in the unit that hands it over, after that unit's locks (its order's
+# row) are taken, so that a second process's commit before them is seen.
+POSITION = Prepared(lambda: locked(
+    WebhookEvent.select(WebhookEvent.status, first_unfinished_before(),
+                        _handled_later(_LATER.id), _handled_later(_LATER.event_type),
+                        _others_unfinished())
     .where(WebhookEvent.id == slot(WebhookEvent.id))))
+
+
+class Position(NamedTuple):
+    """Where an event stands in its stream when it is handed over (`POSITION`)."""
+    status: str
+    behind: int | None
+    overtaken_by: Overtaken | None
+    others_unfinished: bool
+
+
+def position(event: WebhookEvent) -> Position:
+    """`POSITION` of `event`, in a unit."""
+    status, behind, later_id, later_type, others = POSITION.execute(id=event.id).fetchone()
+    overtaken_by = None if later_id is None else Overtaken(later_id, later_type)
+    # The flag is what the finishing process needs to know: `_release_after`.
+    event.others_unfinished = bool(others)
+    return Position(status, behind, overtaken_by, bool(others))
+
+
 # A held event: stored, unhandled, and due as soon as it is the first unfinished event
-# of its order (`_due`). One stored as processed, to be handled in the unit that stored
+# of its stream (`_due`). One stored as processed, to be handled in the unit that stored
 # it, is put back as received, its attempt not made.
 HOLD = Prepared(lambda: WebhookEvent.update({
     WebhookEvent.status: peewee.Case(None, [(WebhookEvent.status == "processed", "received")],
@@ -172,6 +234,11 @@ class CallFields(TypedDict, total=False):
     notice: Notice | None
     # Found by the reconciliation with Frappe, not delivered (domain/reconcile.py).
     reconciled: bool
+    # Its place in its sender's record (plugins.registry.Placement): the stream whose
+    # events wait for each other (None: it waits for nothing), and its version there
+    # (None: its arrival).
+    stream: str | None
+    version: str | None
 
 
 async def record(ctx: EngineContext, source: str, event_type: str, dedup_key: str,
@@ -236,7 +303,7 @@ async def accept(ctx: EngineContext, source: str, event_type: str, dedup_key: st
     new_event = (_NewEvent(ctx, call, handle_now=not in_background)
                  if handled_by is None and not call["also_known_as"] else None)
     try:
-        event, created, handled, checked = await _store_and_handle_together(
+        event, created, handled = await _store_and_handle_together(
             ctx, call, not in_background, handled_by, new_event, orders_ahead(orders))
     except AllowanceSpent:
         raise  # a background run's own limit, not an outage: the run finds the call again
@@ -245,7 +312,7 @@ async def accept(ctx: EngineContext, source: str, event_type: str, dedup_key: st
         return Accepted(None, False, None)
     if handled is not None:
         return await _handled_here(ctx, event, created, handled, send_within)
-    return await _handle_stored(ctx, event, created, checked, in_background)
+    return await _handle_stored(ctx, event, created, in_background)
 
 
 async def _accept_parked(ctx: EngineContext, call: Entry) -> Accepted:
@@ -262,12 +329,11 @@ async def _accept_parked(ctx: EngineContext, call: Entry) -> Accepted:
 async def _store_and_handle_together(
         ctx: EngineContext, call: Entry, handle_now: bool,
         handled_by: Callable[[], WebhookEvent | None] | None, new_event: "_NewEvent | None",
-        ahead: Sequence[Ahead]) -> tuple[WebhookEvent, bool, Handled | None, bool]:
-    """(event, created, how its handling here went or None, checked): the call stored and
-    handled in one unit (`_store_and_handle`). Should the handling go wrong beyond
-    recording its own failure, taking the storing with it, the call is stored alone, not
-    handled, and `checked` is False: whether it waits behind an earlier event of its
-    order is to be looked at again. The database's errors propagate."""
+        ahead: Sequence[Ahead]) -> tuple[WebhookEvent, bool, Handled | None]:
+    """(event, created, how its handling here went or None): the call stored and handled
+    in one unit (`_store_and_handle`). Should the handling go wrong beyond recording its
+    own failure, taking the storing with it, the call is stored alone, not handled (it is
+    handled once stored, `_handle_stored`). The database's errors propagate."""
     if new_event is not None:
         ahead = (new_event, *ahead)
     try:
@@ -282,34 +348,33 @@ async def _store_and_handle_together(
         event, created = await ctx.commits.run(functools.partial(
             _store, ctx, call, handled_by=handled_by, ahead=alone),
             () if alone is None else (alone,))
-        return event, created, None, False
-    return event, created, handled, True
+        return event, created, None
+    return event, created, handled
 
 
 async def _handled_here(ctx: EngineContext, event: WebhookEvent, created: bool,
                         handled: Handled, send_within: float | None) -> Accepted:
     """`accept` for a call handled in the unit that stored it: its effects sent (waited
-    on for `send_within` seconds at most), its outcome reported."""
+    on for `send_within` seconds at most), its outcome reported; the events of its stream
+    waiting behind it handed over."""
     outcome, effects, started = handled
     if effects is not None:
         await _deliver(ctx, effects.rows, send_within)
     _report(ctx, event, outcome, started)
+    await _release_after(ctx, event, outcome)
     return Accepted(event, created, outcome)
 
 
 async def _handle_stored(ctx: EngineContext, event: WebhookEvent, created: bool,
-                         checked: bool, in_background: bool) -> Accepted:
+                         in_background: bool) -> Accepted:
     """`accept` for a call stored and not handled in its unit: a new one awaiting its
     handling is handled now (after the answer, when `in_background`)."""
     if not created or event.status not in AWAITING_HANDLING:
         return Accepted(event, created, None)
-    # Its insert looked for an earlier unfinished event of its order, and found none:
-    # unless it was stored alone after a failed handling, which looks again.
-    handle = _process_checked if checked else process
     if in_background:
-        ctx.background(handle(ctx, event))
+        ctx.background(process(ctx, event))
         return Accepted(event, created, None)
-    return Accepted(event, created, await handle(ctx, event))
+    return Accepted(event, created, await process(ctx, event))
 
 
 async def _deliver(ctx: EngineContext, rows: list[Outbox], within: float | None) -> None:
@@ -329,26 +394,28 @@ def _store_and_handle(ctx: EngineContext, call: Entry, handle_now: bool,
                       ) -> tuple[WebhookEvent, bool, Handled | None]:
     """(event, created, (outcome, effects, started) or None when not handled).
 
-    A new call whose plugin runs here (`_plain_handling`) is stored as `processed`, what
-    the plugin's success makes it, in the same transaction: the row is written once, and
-    updated only when the handling ends otherwise (rejected, failed, or the plugin
-    raised). `ahead`: the call's event, inserted ahead of the turn's units (`_NewEvent`)
-    when it is done."""
+    A new call of no stream whose plugin runs here (`_plain_handling`) is stored as
+    `processed`, what the plugin's success makes it, in the same transaction: the row is
+    written once, and updated only when the handling ends otherwise (rejected, failed, or
+    the plugin raised). One of a stream is stored as received, so that the turn's other
+    events of its stream, whose units may run before or after its own, see it unfinished
+    until it is; its position is read before its plugin runs (`POSITION`). `ahead`: the
+    call's event, inserted ahead of the turn's units (`_NewEvent`) when it is done."""
     registry = ctx.plugins[call["source"]]
     handling = (ahead.handling if ahead is not None and ahead.done
                 else _handling_here(registry, call, handle_now))
-    event, created = _store(ctx, call, as_processed=handling is not None,
+    event, created = _store(ctx, call, as_processed=_stored_processed(call, handling),
                             handled_by=handled_by, ahead=ahead)
-    if not created:
+    if not created or handling is None:
         return event, created, None
     started = time.monotonic()
-    if _waits_in_turn(event, ahead):
-        _hold(ctx, event)
-        return event, created, (HELD, None, started)
-    if handling is None:
-        if event.status in AWAITING_HANDLING:  # handled once committed
-            _left_unfinished(event)
-        return event, created, None
+    overtaken_by = None
+    if event.stream is not None:
+        placed = position(event)
+        if placed.behind is not None:
+            _hold(ctx, event)
+            return event, created, (HELD, None, started)
+        overtaken_by = placed.overtaken_by
     plugin, payload = handling
     # The row counts the attempt under way; should it fail, `_record_failure` counts it
     # from the attempts made before.
@@ -357,51 +424,30 @@ def _store_and_handle(ctx: EngineContext, call: Entry, handle_now: bool,
         with savepoint():
             if payload is None:  # a plain plugin's: unreadable, the handling fails
                 payload = registry.decode(event.payload)
-            outcome, effects = _run_plain(ctx, event, plugin, payload, first_handling=True)
+            outcome, effects = _run_plain(ctx, event, plugin, payload, first_handling=True,
+                                          overtaken_by=overtaken_by)
     except Exception as exc:
         raise_if_conflict(exc)
         log.exception("%s event #%s (%s) failed", event.source, event.id, event.event_type)
         _record_failure(ctx, event, f"{type(exc).__name__}: {exc}")
         outcome, effects = "failed", None
-    if outcome not in FINAL_STATUSES:
-        _left_unfinished(event)
     return event, created, (outcome, effects, started)
 
 
-# The orders of which a turn's units left an event unfinished (`_left_unfinished`).
-_UNFINISHED_IN_TURN = object()
-
-
-def _waits_in_turn(event: WebhookEvent, ahead: "_NewEvent | None") -> bool:
-    """Whether the new `event` waits behind an earlier one of its order: as its insert
-    found (`held_behind`), or, inserted ahead with events of its turn that its insert
-    could not see (`_NewEvent`), behind one of those that its unit left unfinished."""
-    if event.held_behind is not None:
-        return True
-    return (ahead is not None and ahead.done and ahead.after_one_of_its_order
-            and event.order_number in commits.for_this_turn(_UNFINISHED_IN_TURN, set))
-
-
-def _left_unfinished(event: WebhookEvent) -> None:
-    """The turn's later events of `event`'s order, inserted ahead with it, wait behind
-    it (`_waits_in_turn`)."""
-    if event.order_number is not None and commits.together():
-        unfinished: set[str] = commits.for_this_turn(_UNFINISHED_IN_TURN, set)
-        unfinished.add(event.order_number)
+def _stored_processed(call: Entry, handling: Handling | None) -> bool:
+    """Whether a new call is written as processed, to be handled in the unit that stores
+    it (`_store_and_handle`)."""
+    return handling is not None and call.get("stream") is None
 
 
 def _hold(ctx: EngineContext, event: WebhookEvent) -> None:
-    """`event` waits behind an earlier event of its order: stored, not handled, and due
-    as soon as it is the first unfinished event of its order (`_due`)."""
+    """`event` waits behind an earlier event of its stream: stored, not handled, and due
+    as soon as it is the first unfinished event of its stream (`_due`)."""
     now = ctx.clock()
     HOLD.execute_later(id=event.id, next_attempt_at=now, updated_at=now)
     if event.status == "processed":  # as stored to be handled in its unit
         event.status, event.attempts = "received", 0
     event.processed_at, event.next_attempt_at = None, now
-    _left_unfinished(event)
-    if event.order_number is not None:
-        order_number = event.order_number
-        commits.on_commit(lambda: _HOLDS.add(order_number))
 
 
 def _handling_here(registry: Registry, call: Entry, handle_now: bool) -> Handling | None:
@@ -438,21 +484,28 @@ def _call(ctx: EngineContext, source: str, event_type: str, dedup_key: str,
           order_number: str | None = None, status: str = "received",
           last_error: str | None = None, also_known_as: Sequence[str] = (),
           also_known_between: tuple[str, str] | None = None,
-          notice: Notice | None = None, reconciled: bool = False) -> Entry:
+          notice: Notice | None = None, reconciled: bool = False,
+          stream: str | None = None, version: str | None = None) -> Entry:
     """`notice`: an admin notice (subject, template, variables) that belongs to the call,
     written when it is first stored, whichever way (the spool drain too). `reconciled`:
-    found by the reconciliation with Frappe, not delivered (domain/reconcile.py)."""
+    found by the reconciliation with Frappe, not delivered (domain/reconcile.py).
+    `stream`, `version`: its place (CallFields); a call of a stream without a version of
+    its sender's is placed by its arrival, stamped now and kept in the spool line."""
     if isinstance(payload, bytes):
         payload = payload.decode("utf-8", "replace")
+    received_at = ctx.clock()
+    if stream is not None and version is None:
+        version = arrival_version(received_at)
     return {"source": source, "event_type": event_type, "dedup_key": dedup_key,
-            "reconciled": reconciled,
+            "reconciled": reconciled, "stream": _storable(stream),
+            "version": _storable(version),
             "also_known_as": list(also_known_as),
             "also_known_between": also_known_between and list(also_known_between),
             "external_id": _storable(external_id),
             "order_number": _storable(order_number), "status": status,
             "last_error": last_error and error_text(last_error),
             "payload": _storable(payload), "notice": notice,
-            "received_at": ctx.clock()}
+            "received_at": received_at}
 
 
 def _storable(text: str | None) -> str | None:
@@ -532,46 +585,47 @@ async def drain_spool(ctx: EngineContext) -> int:
 
 async def _unpark(ctx: EngineContext) -> None:
     """The calls parked while the spool could not take them (`_store_now`), due now that
-    the calls before them are stored: each order's handled in its sequence (`release`)."""
+    the calls before them are stored: each stream's handled in its order (`release`)."""
     parked = _PARKED.pop(ctx.settings.spool_dir, None)
     if not parked:
         return
     try:
-        orders = await ctx.db(functools.partial(_make_due, ctx, sorted(parked)))
+        streams = await ctx.db(functools.partial(_make_due, ctx, sorted(parked)))
     except UNAVAILABLE:
         _PARKED.setdefault(ctx.settings.spool_dir, set()).update(parked)
         raise
-    for order_number in orders:
-        await release(ctx, order_number)
+    for source, stream in streams:
+        await release(ctx, source, stream)
 
 
-def _make_due(ctx: EngineContext, event_ids: list[int]) -> list[str]:
-    """The received events of `event_ids` due now; the orders they belong to, in the order
-    of their first event."""
+def _make_due(ctx: EngineContext, event_ids: list[int]) -> list[tuple[str, str]]:
+    """The received events of `event_ids` due now; the streams they belong to (source,
+    stream), in the order of their first event."""
     now = ctx.clock()
     (WebhookEvent.update(next_attempt_at=now, updated_at=now)
      .where(WebhookEvent.id.in_(event_ids), WebhookEvent.status == "received").execute())
-    rows = (WebhookEvent.select(WebhookEvent.order_number)
-            .where(WebhookEvent.id.in_(event_ids), WebhookEvent.order_number.is_null(False))
+    rows = (WebhookEvent.select(WebhookEvent.source, WebhookEvent.stream)
+            .where(WebhookEvent.id.in_(event_ids), WebhookEvent.stream.is_null(False))
             .order_by(WebhookEvent.received_at, WebhookEvent.id))
-    return list(dict.fromkeys(row.order_number for row in rows
-                              if row.order_number is not None))
+    return list(dict.fromkeys((row.source, row.stream) for row in rows
+                              if row.stream is not None))
 
 
 async def _handle_drained(ctx: EngineContext, kept: Kept, drained: spool.Drained) -> None:
     """Before the spool file goes: should telling the administrator fail (the database
     gone again), the next drain finds the file and the quarantined calls again.
 
-    Each order's calls are handled one after another in the order they came, so that
-    none waits behind the one before it (it would be held, and let go when that one
-    ends); different orders' side by side (DRAIN_CONCURRENCY at once), or the drain would
+    Each stream's calls are handled one after another in the order they came, so that
+    few wait behind the one before it (they would be held, and let go when that one
+    ends); different streams' side by side (DRAIN_CONCURRENCY at once), or the drain would
     fall behind the calls that join the spool meanwhile. The order itself is the
-    invariant's (`_held_by`), whatever the drain does."""
+    invariant's (`POSITION`), whatever the drain does."""
     if drained.quarantined:
         await ctx.db(functools.partial(_tell_admin_quarantined, ctx, drained.quarantined))
-    by_order: dict[object, list[WebhookEvent]] = {}
+    by_stream: dict[object, list[WebhookEvent]] = {}
     for event in drained.created:
-        by_order.setdefault(event.order_number or ("no order", event.id), []).append(event)
+        stream = (event.source, event.stream) if event.stream else ("no stream", event.id)
+        by_stream.setdefault(stream, []).append(event)
     room = asyncio.Semaphore(DRAIN_CONCURRENCY)
 
     async def in_turn(events: list[WebhookEvent]) -> None:
@@ -579,7 +633,7 @@ async def _handle_drained(ctx: EngineContext, kept: Kept, drained: spool.Drained
             for event in events:
                 await process(ctx, event, kept)
                 kept.let_go(event)
-    await asyncio.gather(*(in_turn(events) for events in by_order.values()))
+    await asyncio.gather(*(in_turn(events) for events in by_stream.values()))
 
 
 def _tell_admin_quarantined(ctx: EngineContext, calls: list[Entry]) -> None:
@@ -654,7 +708,15 @@ def _event_values(ctx: EngineContext, call: Entry, as_processed: bool,
         processed_at=now if as_processed else None, attempts=1 if as_processed else 0,
         last_error=call["last_error"],
         received_at=call["received_at"], next_attempt_at=next_attempt_at,
-        reconciled=bool(call.get("reconciled")), created_at=now, updated_at=now)
+        reconciled=bool(call.get("reconciled")), stream=call.get("stream"),
+        version=_version_of(call), created_at=now, updated_at=now)
+
+
+def _version_of(call: Entry) -> str | None:
+    """A call's version; for one of a stream spooled before calls had one, its arrival."""
+    if call.get("version") is None and call.get("stream") is not None:
+        return arrival_version(call["received_at"])
+    return call.get("version")
 
 
 _KNOWN = WebhookEvent.alias("known")
@@ -666,7 +728,7 @@ _KNOWN = WebhookEvent.alias("known")
 # senders could see (`_NewEvent`).
 NEW_EVENTS = InsertMany(
     WebhookEvent, returning=lambda: (WebhookEvent.id, WebhookEvent.source,
-                                     WebhookEvent.dedup_key, first_unfinished_before()),
+                                     WebhookEvent.dedup_key),
     in_order_of=("source", "dedup_key"),
     extra={"first": WebhookEvent.dedup_key, "last": WebhookEvent.dedup_key},
     unless=lambda batch: batch("first").is_null() | ~peewee.fn.EXISTS(
@@ -701,8 +763,6 @@ class _NewEvent(Ahead):
         self.ctx, self.call, self.handle_now = ctx, call, handle_now
         self.event: WebhookEvent | None = None
         self.handling: Handling | None = None
-        # Whether the turn inserted an event of the same order before this one.
-        self.after_one_of_its_order = False
 
     @classmethod
     def statements(cls, items: list["_NewEvent"]) -> list[AheadStatement]:
@@ -713,26 +773,16 @@ class _NewEvent(Ahead):
             registry = item.ctx.plugins[item.call["source"]]
             item.handling = _handling_here(registry, item.call, item.handle_now)
             first, last = item.call.get("also_known_between") or (None, None)
-            rows.append({**_event_values(item.ctx, item.call, item.handling is not None),
+            rows.append({**_event_values(item.ctx, item.call,
+                                         _stored_processed(item.call, item.handling)),
                          "first": first, "last": last})
 
         def take(names: list[str], returned: list[tuple]) -> None:
-            inserted = {(source, key): (event_id, held_behind)
-                        for event_id, source, key, held_behind in returned}
-            orders: set[str] = set()
+            inserted = {(source, key): event_id for event_id, source, key in returned}
             for item, values in zip(items, rows):
-                event_id, held_behind = inserted.pop(
-                    (values["source"], values["dedup_key"]), (None, None))
+                event_id = inserted.pop((values["source"], values["dedup_key"]), None)
                 item.event = (None if event_id is None
                               else NEW_EVENTS.written(event_id, values))
-                if item.event is not None:
-                    item.event.held_behind = held_behind
-                    # The insert's RETURNING does not see the rows of its own statement:
-                    # whether an earlier one of its order is finished is known once that
-                    # one's unit has run (`_left_unfinished`).
-                    item.after_one_of_its_order = values["order_number"] in orders
-                    if values["order_number"] is not None:
-                        orders.add(values["order_number"])
                 item.done = True
         return [NEW_EVENTS.ahead_rows(rows, take)]
 
@@ -814,7 +864,7 @@ class _EarlierKeys:
         statement = self._new_event_unless.get(self.shape)
         if statement is None:
             statement = self._new_event_unless[self.shape] = InsertOnce(
-                WebhookEvent, also_returning=_HELD_BEHIND, unless=functools.partial(
+                WebhookEvent, unless=functools.partial(
                     _stored_under, *self.shape, peewee.SQL("1")))
         return statement
 
@@ -836,11 +886,11 @@ def _stored_under(count: int, ranged: bool,
 
 
 async def process(ctx: EngineContext, event: WebhookEvent, kept: Kept | None = None) -> str:
-    """Handle a stored event once, unless an earlier event of its order is unfinished
+    """Handle a stored event once, unless an earlier event of its stream is unfinished
     (HELD: it stays stored and due, and is handed over in its turn). Never raises: a
     failure is logged and recorded on the event, which the scheduler retries with backoff.
     One log line per event says how it went, keyed by the event's id. Once it is
-    finished, the events of its order held behind it here are handled (`release`).
+    finished, the events of its stream waiting behind it are handled (`release`).
 
     The event's lease is kept while it is handled, by `kept` when the caller keeps it
     already, so no other process takes it however long the handling lasts."""
@@ -849,79 +899,49 @@ async def process(ctx: EngineContext, event: WebhookEvent, kept: Kept | None = N
     return outcome
 
 
-async def _process_checked(ctx: EngineContext, event: WebhookEvent) -> str:
-    """`process` for a new event whose insert found nothing it waits behind, just now."""
-    outcome = await _process(ctx, event, checked=True)
-    await _release_after(ctx, event, outcome)
-    return outcome
-
-
 async def _release_after(ctx: EngineContext, event: WebhookEvent, outcome: str) -> int:
-    """`release` the order of an event just finished, if this process held one of its
-    events; how many it handled."""
-    if (outcome in FINAL_STATUSES and event.order_number is not None
-            and event.order_number in _HOLDS):
-        return await release(ctx, event.order_number)
+    """`release` the stream of an event just finished when others of its stream wait
+    (`Position.others_unfinished`, read when it was handed over; unknown: looked at);
+    how many it handled. Whichever process held them, the one that finishes the event
+    before them hands them over, at once. Never raises for the database."""
+    if (outcome in FINAL_STATUSES and event.stream is not None
+            and getattr(event, "others_unfinished", True)):
+        try:
+            return await release(ctx, event.source, event.stream)
+        except UNAVAILABLE as exc:
+            # Finished and committed all the same: the inbox retry hands the next over.
+            log.warning("the events after event #%s not handed over, the database is "
+                        "unavailable: %s", event.id, why_unavailable(exc))
     return 0
 
 
-async def release(ctx: EngineContext, order_number: str) -> int:
-    """Hand the first unfinished event of the order to its plugin while it is due (a held
+async def release(ctx: EngineContext, source: str, stream: str) -> int:
+    """Hand the first unfinished event of the stream to its plugin while it is due (a held
     event is; a failed one whose retry time has not come holds the rest), one after
-    another; returns how many. What finishing an event of the order here calls for
-    (`process`); the inbox retry does the same for every order (`_due`)."""
+    another; returns how many. What finishing an event of the stream calls for
+    (`process`); the inbox retry does the same for every stream (`_due`)."""
     handled = 0
     while True:
-        events = await claim(ctx, WebhookEvent,
-                             _due(ctx) & (WebhookEvent.order_number == order_number), limit=1)
+        events = await claim(ctx, WebhookEvent, _due(ctx) & (WebhookEvent.source == source)
+                             & (WebhookEvent.stream == stream), limit=1)
         if not events:
-            _HOLDS.discard(order_number)
             return handled
         handled += 1
-        if await _process(ctx, events[0]) not in FINAL_STATUSES:
+        outcome = await _process(ctx, events[0])
+        if outcome not in FINAL_STATUSES or not events[0].others_unfinished:
             return handled
 
 
-async def _process(ctx: EngineContext, event: WebhookEvent, kept: Kept | None = None,
-                   checked: bool = False) -> str:
-    """`process` without `release`. `checked`: the event's insert found nothing it waits
-    behind, just now (`accept`)."""
+async def _process(ctx: EngineContext, event: WebhookEvent, kept: Kept | None = None) -> str:
+    """`process` without `release`."""
     started = time.monotonic()
     if kept is None:
         async with _kept(ctx, event):
-            outcome = await _handle(ctx, event, checked)
+            outcome = await _handle(ctx, event)
     else:
-        outcome = await _handle(ctx, event, checked)
+        outcome = await _handle(ctx, event)
     _report(ctx, event, outcome, started)
     return outcome
-
-
-class _Holds:
-    """The orders in which this process held an event (`_hold`): finishing an event of one
-    of them here hands the next over at once (`release`), not at the inbox retry's next
-    run. A hint, and bounded: an order dropped from it, or held by another process, is
-    released by the inbox retry, which takes the first unfinished event of every order
-    (`_due`)."""
-
-    LIMIT = 10_000
-
-    def __init__(self) -> None:
-        self.orders: dict[str, None] = {}
-
-    def __contains__(self, order_number: object) -> bool:
-        return order_number in self.orders
-
-    def add(self, order_number: str) -> None:
-        self.orders.pop(order_number, None)
-        self.orders[order_number] = None
-        if len(self.orders) > self.LIMIT:
-            del self.orders[next(iter(self.orders))]
-
-    def discard(self, order_number: str) -> None:
-        self.orders.pop(order_number, None)
-
-
-_HOLDS = _Holds()
 
 
 def _kept(ctx: EngineContext, *events: WebhookEvent) -> Kept:
@@ -938,7 +958,7 @@ def _report(ctx: EngineContext, event: WebhookEvent, outcome: str, started: floa
                                     "outcome": outcome, "ms": round(1000 * seconds, 1)})
 
 
-async def _handle(ctx: EngineContext, event: WebhookEvent, checked: bool) -> str:
+async def _handle(ctx: EngineContext, event: WebhookEvent) -> str:
     if event.status not in AWAITING_HANDLING:
         # Stored as rejected (malformed) or already settled: kept as it is, reason included.
         return event.status
@@ -950,10 +970,13 @@ async def _handle(ctx: EngineContext, event: WebhookEvent, checked: bool) -> str
             await ctx.commits.run(functools.partial(_finish, ctx, event.id, "ignored"))
             return "ignored"
         if _is_async(plugin):
-            if not checked and await ctx.commits.run(functools.partial(
-                    _held_by, ctx, event)) is not None:
-                return HELD
             tx = Transaction(ctx, event)
+            if event.stream is not None:
+                placed = await ctx.commits.run(functools.partial(_placed_for_handling, ctx,
+                                                                 event))
+                if placed is None or placed.behind is not None:
+                    return event.status if placed is None else HELD
+                tx.overtaken_by = placed.overtaken_by
             await plugin(ctx, payload, tx)
             outcome = await ctx.commits.run(functools.partial(_conclude, ctx, event, tx))
         else:
@@ -989,31 +1012,38 @@ def _handle_in_transaction(ctx: EngineContext, event: WebhookEvent, plugin: Plug
                            payload: Any) -> tuple[str, Transaction | None]:
     """(outcome, the effects asked for); (status, None) when another handling had
     already settled the event, (HELD, None) when it waits behind an earlier one."""
-    status, held_behind = STATUS_AND_HOLD.execute(id=event.id).fetchone()
-    if status in FINAL_STATUSES:
-        return status, None
-    if held_behind is not None:
-        _hold(ctx, event)
+    placed = _placed_for_handling(ctx, event)
+    if placed is None:
+        return event.status, None
+    if placed.behind is not None:
         return HELD, None
-    return _run_plain(ctx, event, plugin, payload)
+    return _run_plain(ctx, event, plugin, payload, overtaken_by=placed.overtaken_by)
 
 
-def _held_by(ctx: EngineContext, event: WebhookEvent) -> int | None:
-    """The id of the earlier unfinished event of its order that `event` waits behind,
-    held so (`_hold`); None when it waits for nothing, or has been finished meanwhile."""
-    status, held_behind = STATUS_AND_HOLD.execute(id=event.id).fetchone()
-    if held_behind is None or status in FINAL_STATUSES:
+def _placed_for_handling(ctx: EngineContext, event: WebhookEvent) -> Position | None:
+    """The event's position (`POSITION`), held so (`_hold`) when it waits behind an
+    earlier one of its stream; None when another handling has finished it meanwhile
+    (`event.status` says how)."""
+    placed = position(event)
+    if placed.status in FINAL_STATUSES:
+        event.status = placed.status
         return None
-    _hold(ctx, event)
-    return held_behind
+    if placed.behind is not None:
+        _hold(ctx, event)
+    return placed
 
 
 def _run_plain(ctx: EngineContext, event: WebhookEvent, plugin: Plugin, payload: Any,
-               first_handling: bool = False) -> tuple[str, Transaction]:
-    """`first_handling`: the event was stored in this same unit, as processed."""
+               first_handling: bool = False,
+               overtaken_by: Overtaken | None = None) -> tuple[str, Transaction]:
+    """`first_handling`: the event was stored in this same unit (as processed when it is
+    of no stream: `_stored_processed`). `overtaken_by`: a later event of its stream
+    handled already (`Position`)."""
     tx = Transaction(ctx, event, first_handling)
+    tx.overtaken_by = overtaken_by
     plugin(ctx, payload, tx)
-    return _conclude(ctx, event, tx, stored_processed=first_handling), tx
+    stored_processed = first_handling and event.stream is None
+    return _conclude(ctx, event, tx, stored_processed=stored_processed), tx
 
 
 def _is_async(plugin: object) -> bool:
@@ -1177,31 +1207,32 @@ def held_count() -> tuple[int, datetime.datetime | None]:
 
 
 def _held_long(ctx: EngineContext) -> list[Any]:
-    """The orders whose first held event has waited longer than INBOX_HOLD_ALERT_MINUTES:
-    (order, the event it waits behind, that event's row, how many wait, since when).
-    Rows with the columns `order_number`, `since` and `waiting`, which peewee's types,
-    knowing a model's own columns only, cannot say."""
+    """The streams whose first held event has waited longer than INBOX_HOLD_ALERT_MINUTES:
+    rows with the columns `source`, `stream`, `order_number` (one of the stream's), `since`
+    and `waiting`, which peewee's types, knowing a model's own columns only, cannot say."""
     since = ctx.clock() - datetime.timedelta(minutes=ctx.settings.inbox_hold_alert_minutes)
-    held = (WebhookEvent.select(WebhookEvent.order_number,
+    held = (WebhookEvent.select(WebhookEvent.source, WebhookEvent.stream,
+                                peewee.fn.MIN(WebhookEvent.order_number).alias("order_number"),
                                 peewee.fn.MIN(WebhookEvent.received_at).alias("since"),
                                 peewee.fn.COUNT(WebhookEvent.id).alias("waiting"))
             .where(WebhookEvent.status.in_(AWAITING_HANDLING),
                    peewee.fn.EXISTS(first_unfinished_before()))
-            .group_by(WebhookEvent.order_number)
+            .group_by(WebhookEvent.source, WebhookEvent.stream)
             .having(peewee.fn.MIN(WebhookEvent.received_at) <= since))
     return list(held)
 
 
 def tell_of_long_holds(ctx: EngineContext) -> int:
-    """Tell the administrator, once for each event that holds them, of the orders whose
+    """Tell the administrator, once for each event that holds them, of the streams whose
     events have waited behind it for longer than INBOX_HOLD_ALERT_MINUTES; how many
-    orders. In a unit (the inbox retry's run)."""
+    streams. In a unit (the inbox retry's run)."""
     told = 0
     for row in _held_long(ctx):
         first = (WebhookEvent.select().where(
-            WebhookEvent.order_number == row.order_number,
+            WebhookEvent.source == row.source, WebhookEvent.stream == row.stream,
             WebhookEvent.status.in_(AWAITING_HANDLING))
-            .order_by(WebhookEvent.received_at, WebhookEvent.id).first())
+            .order_by(WebhookEvent.version, WebhookEvent.received_at, WebhookEvent.id)
+            .first())
         if first is None:
             continue
         since = WebhookEvent.received_at.python_value(row.since)
@@ -1216,7 +1247,7 @@ def tell_of_long_holds(ctx: EngineContext) -> int:
 
 def _due(ctx: EngineContext) -> peewee.Expression:
     """The events to hand to their plugins now: each the first unfinished event of its
-    order (or of no order), and either held (due since it was held), stored but left
+    stream (or of no stream), and either held (due since it was held), stored but left
     unhandled for a whole lease (the process that took it died, or its claim lapsed), or
     failed with its retry time come."""
     now = ctx.clock()

@@ -13,7 +13,7 @@ import hashlib
 import json
 import logging
 import time
-from typing import Any, Iterable, Iterator, TypeVar
+from typing import Any, Iterable, Iterator, NamedTuple, TypeVar
 
 from peewee import SQL, Case, ColumnBase, Expression, Field, ModelAlias, ModelSelect, fn
 
@@ -157,6 +157,12 @@ def _positional_rows(event: WebhookEvent) -> dict[str, list[int]]:
             for kind in {kind for kind, _ in keys}}
 
 
+class Overtaken(NamedTuple):
+    """A later event of an event's stream, handled before it (engine.inbox.Position)."""
+    id: int
+    event_type: str
+
+
 class Effects:
     """What one event asks of other systems, collected inside the event's transaction.
 
@@ -196,6 +202,9 @@ class Effects:
         self.rejection: str | None = None
         # Set by `record_only`: the event is kept, not acted on, for this reason.
         self.recorded_only: str | None = None
+        # Set by the inbox before the plugin runs: a later event of the event's stream
+        # handled already, which makes this one history to its plugin.
+        self.overtaken_by: Overtaken | None = None
 
     @contextlib.contextmanager
     def savepoint(self) -> Iterator[None]:

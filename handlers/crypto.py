@@ -114,9 +114,11 @@ class CryptoProcessorWebhookHandler(ApiHandler):
         except treasury.MalformedCallback as malformed:
             return None, await self.reject(raw, body, str(malformed))
         status = callback.status or "unknown"
+        placed = self.ctx.plugins[SOURCE].placed(status, body)
         _, _, outcome = await inbox.accept(
-            self.ctx, SOURCE, status, callback.dedup_key(), raw,
+            self.ctx, SOURCE, status, placed.same or callback.dedup_key(), raw,
             external_id=callback.external_id, order_number=callback.external_id,
+            stream=placed.stream, version=placed.version,
             orders=self.ctx.plugins[SOURCE].orders_of(status, body))
         return outcome, []
 

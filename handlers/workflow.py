@@ -11,7 +11,6 @@ from typing import Any, NoReturn
 
 from handlers.base import ApiHandler, same_secret
 from domain import reconcile
-from domain.reconcile import change_key
 from engine import inbox
 from engine.transaction import Transaction
 from models import WebhookEvent
@@ -28,6 +27,9 @@ log = logging.getLogger("receiver.workflow")
 DEDUP_BUCKET_SECONDS = 3600
 REJECTED = "rejected"
 RECORDED = "ignored"
+# The answer's action for a change stored and not handled when it is answered: handled in
+# its turn, or told as history then (BEHAVIOUR.md 4.1).
+QUEUED = "queued"
 
 
 def hourly_keys(prefix: str, first: int, last: int) -> inbox.CallFields:
@@ -70,6 +72,8 @@ class WorkflowWebhookHandler(ApiHandler):
         error = webhook.field_error(body)
         if error:
             self.fail(400, error)
+        # A change placed after the document's earlier ones, whoever brings those.
+        await reconcile.predecessors_first(self.ctx, path, body)
         event, outcome = await self.accept(path, body)
         # An outcome comes with its event; a spooled call has neither.
         if event is not None and REJECTED in (outcome, event.status):
@@ -79,6 +83,11 @@ class WorkflowWebhookHandler(ApiHandler):
         if event is not None and RECORDED in (outcome, event.status):
             # A change older than one handled (BEHAVIOUR.md 4.1.1): kept, not acted on.
             self.answer(200, {"received": True, "action": "recorded_not_handled"})
+            return
+        if (outcome or (event and event.status)) != "processed":
+            # Stored, not handled yet (spooled, waiting behind an earlier change of its
+            # document, or to be tried again): what it causes is not promised.
+            self.answer(200, {"received": True, "action": QUEUED})
             return
         self.answer(200, {"received": True, "action": webhook.answer})
 
@@ -104,8 +113,10 @@ class WorkflowWebhookHandler(ApiHandler):
                            "characters)")
         earlier: inbox.CallFields = {}
         handled_by = None
-        change = (change_key(path, body["order_name"], body.get("modified"))
-                  if body.get("order_name") else None)
+        # Its place in Frappe's record, as its plugin declares it: the change (the save
+        # that made it) and the document whose changes it waits among.
+        placed = self.ctx.plugins["workflow"].placed(path, body)
+        change = placed.same
         if explicit:
             dedup_key = f"{path}:key:{explicit}"
         else:
@@ -129,7 +140,8 @@ class WorkflowWebhookHandler(ApiHandler):
         # Frappe gives up on an answer after 5 s (its webhook timeout) and re-sends later;
         # the calls to Frappe and the worker may take up to OUTBOUND_TIMEOUT_SECONDS. So
         # the answer waits for them only within the budget, once the call is stored.
-        fields: inbox.CallFields = {"order_number": body["order_number"], **earlier}
+        fields: inbox.CallFields = {"order_number": body["order_number"], **earlier,
+                                    "stream": placed.stream, "version": placed.version}
         event, _created, outcome = await inbox.accept(
             self.ctx, "workflow", path, dedup_key, self.raw_body, **fields,
             handled_by=handled_by, send_within=self.ctx.settings.workflow_answer_budget_seconds,

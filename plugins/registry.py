@@ -1,11 +1,14 @@
 """The decorator-based registry that maps an event's name to its plugin.
 
 A plugin is `handle(ctx, payload, tx)` (or an object called so, a `WorkflowWebhook`),
-plain or async: it handles one stored event's payload in the transaction `tx`."""
+plain or async: it handles one stored event's payload in the transaction `tx`. Each is
+registered with its `Placement`: how the inbox tells its deliveries apart and orders them,
+as the sender's record says. No plugin is registered without one."""
+import dataclasses
 import logging
 from typing import Any, Awaitable, Callable, Iterable, Protocol, TypeVar
 
-from engine.contracts import EngineContext
+from engine.contracts import EngineContext, Placed
 from engine.payload import exact_json, read_json
 from engine.transaction import OrderRef, Transaction
 
@@ -17,9 +20,32 @@ OrdersOf = Callable[[Payload], Iterable[OrderRef]]
 P = TypeVar("P", bound=Plugin)
 
 
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where a delivery of one event type stands in its sender's record, declared beside its
+    plugin and read by the inbox (engine.inbox's ordering rule):
+
+    - `same(payload)`: the key under which two deliveries are one fact (a copy is stored
+      once); None leaves the key to the receiver (a workflow body without a version).
+    - `stream(payload)`: the events that wait for each other, handled one after another
+      in version order (a Frappe document's changes, an invoice's callbacks); None: a fact
+      that folds in any order and waits for nothing (a Stripe event).
+    - `version(payload)`: its place in its stream, as text that sorts in the sender's
+      order (Frappe's `modified`); None: its arrival.
+
+    Each function gets the decoded payload and may raise on one it cannot read: the call
+    is then placed by its arrival alone, and its handling says why it failed."""
+    same: Callable[[Any], str | None]
+    stream: Callable[[Any], str | None]
+    version: Callable[[Any], str | None]
+
+
 class PathPlugin(Protocol):
     """A plugin registered under its path (plugins.workflow.WorkflowWebhook)."""
     path: str
+
+    @property
+    def placement(self) -> Placement: ...
 
     def __call__(self, ctx: EngineContext, body: Payload, tx: Transaction) -> None: ...
 
@@ -34,19 +60,44 @@ class Registry:
         self.what = what
         self.decode = decode
         self._plugins: dict[str, Plugin] = {}
+        self._placements: dict[str, Placement] = {}
 
-    def register(self, key: str) -> Callable[[P], P]:
-        """A decorator that registers its plugin under `key` (ValueError if taken)."""
+    def register(self, key: str, placement: Placement) -> Callable[[P], P]:
+        """A decorator that registers its plugin under `key` with its placement
+        (ValueError if the key is taken, TypeError without a placement)."""
+        if not isinstance(placement, Placement):
+            raise TypeError(f"{self.what} {key!r}: a plugin declares its Placement")
+
         def decorator(plugin: P) -> P:
             if key in self._plugins:
                 raise ValueError(f"two plugins for {self.what} {key!r}")
             self._plugins[key] = plugin
+            self._placements[key] = placement
             return plugin
         return decorator
 
     def get(self, key: str) -> Plugin | None:
         """The plugin registered under `key`, or None."""
         return self._plugins.get(key)
+
+    def placement(self, key: str) -> Placement | None:
+        """The placement the plugin under `key` declared, or None for no plugin."""
+        return self._placements.get(key)
+
+    def placed(self, key: str, payload: Any) -> Placed:
+        """Where a delivery of `key` with `payload` stands (`Placement`): nothing for a
+        type with no plugin (stored and ignored) or a payload its placement cannot read
+        (its handling records why)."""
+        placement = self._placements.get(key)
+        if placement is None:
+            return Placed(None, None, None)
+        try:
+            return Placed(placement.same(payload), placement.stream(payload),
+                          placement.version(payload))
+        except Exception as unreadable:
+            log.warning("%s %s: not placed by its sender's record (%s: %.200s)",
+                        self.what, key, type(unreadable).__name__, unreadable)
+            return Placed(None, None, None)
 
     def orders_of(self, key: str, payload: Payload) -> tuple[OrderRef, ...]:
         """The orders the plugin for `key` reads when it handles `payload`
@@ -76,14 +127,14 @@ card_events = Registry("card event type")
 crypto_statuses = Registry("crypto invoice status", decode=exact_json)
 
 
-def card_event(event_type: str) -> Callable[[P], P]:
+def card_event(event_type: str, placement: Placement) -> Callable[[P], P]:
     """Register `handle(ctx, event, tx)` for one card-processor event type."""
-    return card_events.register(event_type)
+    return card_events.register(event_type, placement)
 
 
-def crypto_status(status: str) -> Callable[[P], P]:
+def crypto_status(status: str, placement: Placement) -> Callable[[P], P]:
     """Register `handle(ctx, callback, tx)` for one crypto invoice status."""
-    return crypto_statuses.register(status)
+    return crypto_statuses.register(status, placement)
 
 
 def with_orders(orders_of: OrdersOf) -> Callable[[P], P]:
@@ -95,6 +146,7 @@ def with_orders(orders_of: OrdersOf) -> Callable[[P], P]:
 
 
 def workflow_webhook(cls: W) -> W:
-    """Register a `WorkflowWebhook` subclass under its `path`."""
-    workflow_webhooks.register(cls.path)(cls())
+    """Register a `WorkflowWebhook` subclass under its `path`, placed as its class says."""
+    plugin = cls()
+    workflow_webhooks.register(cls.path, plugin.placement)(plugin)
     return cls

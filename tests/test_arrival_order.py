@@ -33,9 +33,10 @@ async def test_a_live_call_after_a_spooled_one_of_its_order_is_handled_after_it(
                                   {**ORDER, "state_code": "WY", "entity_name": "Acme LLC"},
                                   AUTH)
     assert status == 200
-    # The database answers again; the drain has not run yet.
+    # The database answers again; the drain has not run yet: the call joins the spool,
+    # and its answer promises nothing yet.
     status, reply, _ = await post(webhook("formation/name-available"), ORDER, AUTH)
-    assert (status, reply) == (200, {"received": True, "action": "filing_dispatched"})
+    assert (status, reply) == (200, {"received": True, "action": "queued"})
     assert frappe.requests == [] and worker.requests == []
 
     assert await inbox.drain_spool(ctx) == 2
@@ -62,8 +63,7 @@ async def test_a_fulfilment_report_after_a_spooled_one_is_not_refused_for_coming
         status, _, _ = await report("ready_to_file")
     assert status == 200
     status, reply, _ = await report("filed_waiting_state")
-    assert (status, reply) == (200, {"received": True,
-                                     "action": "fulfillment_status_recorded"})
+    assert (status, reply) == (200, {"received": True, "action": "queued"})
 
     assert await inbox.drain_spool(ctx) == 2
     assert ComplianceOrder.get().fulfillment_status == "filed_waiting_state"
@@ -100,7 +100,7 @@ async def test_a_spool_that_holds_calls_but_cannot_take_more_stores_a_call_and_h
     clock.set(2026, 11, 20, 9, 0)
     os.makedirs(os.path.join(ctx.settings.spool_dir, spool.LIVE_NAME))
     status, reply, _ = await post(webhook("formation/ready"), ORDER, AUTH)
-    assert (status, reply) == (200, {"received": True, "action": "delivery_dispatched"})
+    assert (status, reply) == (200, {"received": True, "action": "queued"})
     assert [e.status for e in WebhookEvent.select()] == ["received"]
     assert worker.requests == []
     assert "new calls are stored and handled after them" in caplog.text
@@ -127,7 +127,7 @@ async def test_a_call_the_full_spool_disk_cannot_take_is_handled_after_the_spool
     # Longer than the room left in the spool file's last page, which a full disk keeps.
     status, reply, _ = await post(webhook("formation/name-available"),
                                   {**ORDER, "note": "x" * 8192}, AUTH)
-    assert (status, reply) == (200, {"received": True, "action": "filing_dispatched"})
+    assert (status, reply) == (200, {"received": True, "action": "queued"})
     assert [e.status for e in WebhookEvent.select()] == ["received"]
     assert worker.requests == [] and frappe.posts == []
 
@@ -170,10 +170,11 @@ async def test_a_failed_event_holds_the_later_events_of_its_order_until_it_is_fi
     in; the next report is held behind the first, not refused for coming first, and both
     are handled in turn when the first is retried."""
     clock.set(2026, 11, 20, 9, 0)
-    recorded = (200, {"received": True, "action": "fulfillment_status_recorded"})
-    assert (await report(post, "authorization_required"))[:2] == recorded
+    # Neither is handled when answered: the first fails, the second waits behind it.
+    queued = (200, {"received": True, "action": "queued"})
+    assert (await report(post, "authorization_required"))[:2] == queued
     compliance_order()
-    assert (await report(post, "authorization_signed"))[:2] == recorded
+    assert (await report(post, "authorization_signed"))[:2] == queued
     assert events_by_status() == [("fulfillment/authorization_required", "failed"),
                                   ("fulfillment/authorization_signed", "received")]
     assert ComplianceOrder.get().fulfillment_status is None
@@ -230,20 +231,20 @@ def payment_senders(settings):
 
 
 @pytest.mark.gen_test
-async def test_a_held_payment_is_answered_as_every_stored_one_by_its_sender(
+async def test_one_senders_failure_holds_no_other_senders_facts_of_the_order(
         post, ctx, clock, payment_senders):
     """CRTC order CA-1's fulfilment report failed; its card and crypto payments that come
-    next wait behind it, and their senders get their usual answers."""
+    next are of other streams (each sender's own), and are handled at once."""
     ctx.settings = payment_senders
     await report(post, "authorization_required", "CA-1")  # fails: no compliance order
     card = se.event("payment_intent.succeeded", se.payment_intent("CA-1", "canada_crtc"))
     assert (await se.deliver(post, clock, card))[:2] == se.RECEIVED
     raw = shkeeper.encode(shkeeper.paid("CA-1"))
-    status, reply, _ = await post(shkeeper.URL, raw, shkeeper.key_headers())
-    assert (status, reply) == (202, {"received": True})
-    assert events_by_status() == [("fulfillment/authorization_required", "failed"),
-                                  ("payment_intent.succeeded", "received"),
-                                  ("PAID", "received")]
+    status, _, _ = await post(shkeeper.URL, raw, shkeeper.key_headers())
+    assert status == 202
+    statuses = dict(events_by_status())
+    assert statuses["fulfillment/authorization_required"] == "failed"
+    assert "received" not in (statuses["payment_intent.succeeded"], statuses["PAID"])
 
 
 @pytest.mark.gen_test

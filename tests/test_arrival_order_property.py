@@ -1,7 +1,10 @@
-"""Arrival order over every ordering: calls of a few orders (and of none) sent in any order,
-one by one or several at once, while the database goes down and comes back, the spool is drained or its drain dies after
-storing its calls, plugins fail and are retried, time passes. Whatever hypothesis draws,
-each order's calls are handed to their plugins in the order they came, each once.
+"""The sender's order over every ordering: calls of a few streams (and of none), each with a
+version its sender gave it that need not follow its arrival, sent in any order, one by one
+or several at once, while the database goes down and comes back, the spool is drained or
+its drain dies after storing its calls, plugins fail and are retried, time passes.
+Whatever hypothesis draws, each call is handed to its plugin once; within a stream one
+after another, and told it is history exactly when a later version of its stream was
+handled before it; calls of a stream stored together are handled in version order.
 
 The calls go through the engine's own way in (`inbox.accept`) to a source of this test's,
 whose plugins record what they were handed: one run in the storing's transaction (a plain
@@ -18,14 +21,15 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from engine import commits, inbox, spool
 from engine.claims import lease
 from models import WebhookEvent
-from plugins.registry import Registry
+from plugins.registry import Placement, Registry
 from tests.service_process import database_down
 
 SOURCE = "ordered"
 ORDERS = ("FO-1", "FO-2", "CO-3", None)
 
 send = st.tuples(st.just("send"), st.sampled_from(ORDERS), st.sampled_from(("plain", "async")),
-                 st.integers(min_value=0, max_value=2))  # the times its plugin fails first
+                 st.integers(min_value=0, max_value=2),  # the times its plugin fails first
+                 st.integers(min_value=0, max_value=9))  # its sender's version
 retry = st.tuples(st.just("retry"), st.integers(min_value=0, max_value=180))  # seconds later
 # Calls that come together: one turn of the group commit stores and handles them.
 burst = st.tuples(st.just("burst"), st.lists(send, min_size=2, max_size=4))
@@ -35,6 +39,12 @@ step = st.one_of(
     st.just(("drain",)), st.just(("drain dies after storing",)))
 
 
+# A call's stream is its order's; its version, the sender's, as fixed-width text.
+PLACED = Placement(same=lambda call: None,
+                   stream=lambda call: call["order"] and f"stream:{call['order']}",
+                   version=lambda call: f"{call['version']:04d}")
+
+
 class Recorder:
     """The test's plugins: each fails the first times its call says, then records the
     call it was handed, once committed."""
@@ -42,16 +52,19 @@ class Recorder:
     def __init__(self):
         self.handled = []
         self.registry = Registry("test call")
-        self.registry.register("plain")(self.plain)
-        self.registry.register("async")(self.async_)
+        self.registry.register("plain", PLACED)(self.plain)
+        self.registry.register("async", PLACED)(self.async_)
 
     def plain(self, ctx, call, effects):
         self.fail_first(call, effects)
-        commits.on_commit(lambda: self.handled.append((call["order"], call["seq"])))
+        history = effects.overtaken_by is not None
+        commits.on_commit(lambda: self.handled.append(
+            (call["order"], call["seq"], call["version"], history)))
 
     async def async_(self, ctx, call, effects):
         self.fail_first(call, effects)
-        self.handled.append((call["order"], call["seq"]))
+        self.handled.append((call["order"], call["seq"], call["version"],
+                             effects.overtaken_by is not None))
 
     @staticmethod
     def fail_first(call, effects):
@@ -89,13 +102,15 @@ class Run:
             self.clock.advance(seconds=args[0])
             await inbox.retry_due(self.ctx)
 
-    async def send(self, order, kind, fails):
+    async def send(self, order, kind, fails, version):
         self.clock.advance(milliseconds=1)
         seq = len(self.sent[order]) + 1
         self.sent[order].append(seq)
-        call = {"order": order, "seq": seq, "fails": fails}
+        call = {"order": order, "seq": seq, "fails": fails, "version": version}
+        placed = self.ctx.plugins[SOURCE].placed(kind, call)
         await inbox.accept(self.ctx, SOURCE, kind, f"{order}-{seq}",
-                           json.dumps(call), order_number=order)
+                           json.dumps(call), order_number=order, stream=placed.stream,
+                           version=placed.version)
 
     async def drain_dies(self):
         """What a drain killed while it handles its calls leaves: its files' calls stored,
@@ -136,7 +151,6 @@ def fresh(ctx, db, clock):
                 db.execute_sql(f"DELETE FROM {table}")
         shutil.rmtree(ctx.settings.spool_dir, ignore_errors=True)
         os.makedirs(ctx.settings.spool_dir)
-        inbox._HOLDS.orders.clear()
         inbox._PARKED.clear()
         recorder.handled.clear()
         clock.set(2026, 11, 20, 9, 0)
@@ -147,7 +161,7 @@ def fresh(ctx, db, clock):
 @settings(max_examples=50, deadline=None, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(steps=st.lists(step, min_size=15, max_size=40))
-def test_each_orders_calls_are_handled_in_the_order_they_came_each_once(
+def test_each_streams_calls_are_handled_once_in_their_senders_order(
         steps, fresh, ctx, clock, db, io_loop):
     recorder = fresh()
     run = Run(ctx, clock, db)
@@ -162,10 +176,14 @@ def test_each_orders_calls_are_handled_in_the_order_they_came_each_once(
     io_loop.run_sync(scenario, timeout=120)
 
     for order, sent in run.sent.items():
-        handled = [seq for handled_order, seq in recorder.handled if handled_order == order]
-        if order is None:  # a call of no order waits for nothing: each once, in any order
-            assert sorted(handled) == sent
-        else:
-            assert handled == sent, (order, steps)
+        handled = [call for call in recorder.handled if call[0] == order]
+        assert sorted(seq for _, seq, _, _ in handled) == sent, (order, steps)
+        if order is None:  # a call of no stream waits for nothing and is never history
+            assert not any(history for *_, history in handled)
+            continue
+        for place, (_, seq, version, history) in enumerate(handled):
+            # History exactly when a later version of its stream was handled before it.
+            assert history == any(earlier[2] > version for earlier in handled[:place]), \
+                (order, seq, handled, steps)
     assert not WebhookEvent.select().where(WebhookEvent.status != "processed").exists()
 

@@ -2,7 +2,7 @@
 import contextlib
 import datetime
 import functools
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from models import ReconcileRun, WebhookEvent
 from engine.commits import AllowanceSpent, allowance
@@ -48,6 +48,14 @@ class ReconcileStore:
         one indexed statement, nothing locked."""
         return list(_events_of_type(source, count).all(order_number=order_number,
                                                        event_type=event_type))
+
+    def has_event_of_types(self, source: str, order_number: str,
+                           event_types: Sequence[str]) -> bool:
+        """Whether the order has an event of `source` of any of `event_types`, whatever
+        its status; one indexed statement, nothing locked."""
+        return WebhookEvent.select().where(
+            WebhookEvent.order_number == order_number, WebhookEvent.source == source,
+            WebhookEvent.event_type.in_(list(event_types))).exists()
 
     def reconcile_run(self, doctype: str) -> ReconcileRun | None:
         """Where the doctype's runs got to, or None before its first; not locked."""

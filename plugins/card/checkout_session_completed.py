@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from models import ORDER_MODELS, ComplianceOrder
 from plugins.registry import card_event
+from plugins.card import CARD_FACT
 from domain.card_events import (metadata_of, method_of_payment, object_of, order_of_metadata,
                                 payment_method_used)
 from domain.money import Money
@@ -74,7 +75,7 @@ class CheckoutSessionCompleted:
         return (OrderRef(order_type, order_id),)
 
 
-card_event("checkout.session.completed")(CheckoutSessionCompleted())
+card_event("checkout.session.completed", CARD_FACT)(CheckoutSessionCompleted())
 
 
 def _paid(session: dict[str, Any]) -> bool:

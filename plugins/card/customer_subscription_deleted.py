@@ -6,6 +6,7 @@ from typing import Any
 
 from models import UTC
 from plugins.registry import card_event
+from plugins.card import CARD_FACT
 from domain.card_events import object_of
 from engine.contracts import EngineContext
 from engine.transaction import Transaction
@@ -13,7 +14,7 @@ from engine.transaction import Transaction
 log = logging.getLogger("receiver.card")
 
 
-@card_event("customer.subscription.deleted")
+@card_event("customer.subscription.deleted", CARD_FACT)
 def handle(ctx: EngineContext, event: dict[str, Any], tx: Transaction) -> None:
     subscription = object_of(event)
     # Locked: a dispute committed meanwhile by another process must not be written over.

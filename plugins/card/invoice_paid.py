@@ -8,6 +8,7 @@ import logging
 from typing import Any
 
 from plugins.registry import card_event
+from plugins.card import CARD_FACT
 from domain.card_events import object_of, subscription_of_invoice
 from domain.money import Money
 from domain.orders import OrderNotFound, complete_payment, document_name, record_cycle
@@ -18,7 +19,7 @@ from engine.transaction import Transaction
 log = logging.getLogger("receiver.card")
 
 
-@card_event("invoice.paid")
+@card_event("invoice.paid", CARD_FACT)
 def handle(ctx: EngineContext, event: dict[str, Any], tx: Transaction) -> None:
     invoice = object_of(event)
     if invoice.get("billing_reason") != "subscription_cycle":

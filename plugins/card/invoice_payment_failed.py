@@ -4,6 +4,7 @@ update the card. The administrator's e-mail says which of the two happened, and 
 from typing import Any
 
 from plugins.registry import card_event
+from plugins.card import CARD_FACT
 from domain.card_events import email_admin, object_of, subscription_of_invoice
 from domain.money import stripe_money
 from engine.contracts import EngineContext
@@ -13,7 +14,7 @@ FIRST_ATTEMPT = 1
 NUDGE_SUBJECT = "Your payment did not go through"
 
 
-@card_event("invoice.payment_failed")
+@card_event("invoice.payment_failed", CARD_FACT)
 def handle(ctx: EngineContext, event: dict[str, Any], tx: Transaction) -> None:
     invoice = object_of(event)
     order = tx.order_with_subscription(subscription_of_invoice(invoice))

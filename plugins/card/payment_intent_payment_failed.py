@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 from plugins.registry import card_event
+from plugins.card import CARD_FACT
 from domain.card_events import email_admin, metadata_of, object_of
 from domain.money import Money
 from domain.orders import mark_payment_failed
@@ -17,7 +18,7 @@ from engine.transaction import Transaction
 log = logging.getLogger("receiver.card")
 
 
-@card_event("payment_intent.payment_failed")
+@card_event("payment_intent.payment_failed", CARD_FACT)
 def handle(ctx: EngineContext, event: dict[str, Any], tx: Transaction) -> None:
     intent = object_of(event)
     order_number = metadata_of(intent).get("order_id")

@@ -8,6 +8,7 @@ import functools
 from typing import Any
 
 from plugins.registry import card_event
+from plugins.card import CARD_FACT
 from domain.card_events import (
     metadata_of, method_of_payment, object_of, order_of_metadata)
 from domain.money import Money
@@ -16,7 +17,7 @@ from engine.contracts import EngineContext
 from engine.transaction import Transaction
 
 
-@card_event("payment_intent.succeeded")
+@card_event("payment_intent.succeeded", CARD_FACT)
 async def handle(ctx: EngineContext, event: dict[str, Any], tx: Transaction) -> None:
     intent = object_of(event)
     order = order_of_metadata(intent)

@@ -1,9 +1,15 @@
 """One module per workflow-system webhook path (BEHAVIOUR.md 4.1). Each declares the path, the
 fields it requires, the workflow action it applies, the job it dispatches and the action
-it answers with; `WorkflowWebhook` does the rest."""
+it answers with; `WorkflowWebhook` does the rest.
+
+Placed by Frappe's document (plugins.registry.Placement): the changes of one document are
+one stream (`formation:FO-1`, `crtc:CA-1`: a path's group and the order), handled in the
+order of the saves that made them, the document's `modified` (or, for a change found in
+its workflow log, when the log entry was written); two deliveries of one save are one
+change (`reconcile.change_key`)."""
 from typing import Any
 
-from plugins.registry import workflow_webhook
+from plugins.registry import Placement, workflow_webhook
 from domain import reconcile
 from domain.orders import remember_order_name
 from engine.contracts import EngineContext
@@ -34,6 +40,20 @@ class WorkflowWebhook:
     answer: str | None = None
     # HANDLED or TOLD; None: TOLD with an action, else HANDLED.
     when_left: str | None = None
+    # The paths whose state comes just before this one in its workflow: a change of a
+    # document none of whose changes on them is stored has its workflow log read first
+    # (domain.reconcile.predecessors_first), so that a webhook that comes late, or never,
+    # is placed before this one.
+    after: tuple[str, ...] = ()
+
+    @property
+    def placement(self) -> Placement:
+        group = self.path.split("/")[0]
+        return Placement(
+            same=lambda body: reconcile.change_key(self.path, body["order_name"],
+                                                   body.get("modified")),
+            stream=lambda body: f"{group}:{body['order_number']}",
+            version=reconcile.document_version)
 
     @property
     def left_rule(self) -> str:
@@ -71,18 +91,19 @@ class WorkflowWebhook:
         return {**{name: body[name] for name in self.fields}, **self.job_constants}
 
     def __call__(self, ctx: EngineContext, body: dict[str, Any], tx: Transaction) -> None:
-        """Handle the call: record it only when it is older than what was handled or its
-        document has left the state (by `left_rule`); else keep the order's name, ask
-        for the workflow action and the job."""
-        if reconcile.may_be_superseded(ctx, body):
-            newer = reconcile.newer_change(tx, reconcile.group_paths(ctx, self.path), body)
-            if newer is not None:
-                self.record_only(ctx, body, tx, f"older than the state change handled "
-                                 f"as event #{newer.id} ({newer.event_type})")
-                return
+        """Handle the call: history when a later change of its document was handled first
+        (recorded and told: handled now, it would send its effects after the later
+        change's); when its workflow log says the document has left the state, as
+        `left_rule` says; else keep the order's name, ask for the workflow action and the
+        job."""
+        newer = tx.overtaken_by
+        if newer is not None:
+            self.record_only(ctx, body, tx, f"older than the state change handled as event "
+                             f"#{newer.id} ({newer.event_type})")
+            return
         if body.get("left_for") and self.left_rule == TOLD:
-            self.record_only(ctx, body, tx,
-                             f"the document had left for {body['left_for']!r} when it was found")
+            self.record_only(ctx, body, tx, f"the document had left for "
+                             f"{body['left_for']!r} when it was found")
             return
         remember_order_name(ctx, tx, body["order_number"], body["order_name"])
         if self.workflow_action:

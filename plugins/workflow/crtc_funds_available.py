@@ -8,5 +8,6 @@ from plugins.workflow import WorkflowWebhook, workflow_webhook
 @workflow_webhook
 class CrtcFundsAvailable(WorkflowWebhook):
     path = "crtc/funds-available"
+    after = ("crtc/awaiting-funds",)
     job = "file_bc_incorporation"
     answer = "incorporation_dispatched"

@@ -8,5 +8,6 @@ from plugins.workflow import WorkflowWebhook, workflow_webhook
 @workflow_webhook
 class FormationApproved(WorkflowWebhook):
     path = "formation/approved"
+    after = ("formation/ein-obtained", "formation/filed-skip-ein")
     workflow_action = "Mark Ready"
     answer = "marked_ready"

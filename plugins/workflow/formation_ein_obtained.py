@@ -8,6 +8,7 @@ from plugins.workflow import WorkflowWebhook, workflow_webhook
 @workflow_webhook
 class FormationEinObtained(WorkflowWebhook):
     path = "formation/ein-obtained"
+    after = ("formation/filed-needs-ein",)
     workflow_action = "Generate Docs"
     job = "generate_docs"
     answer = "doc_gen_dispatched"

@@ -8,6 +8,7 @@ from plugins.workflow import WorkflowWebhook, workflow_webhook
 @workflow_webhook
 class FormationNameAvailable(WorkflowWebhook):
     path = "formation/name-available"
+    after = ("formation/submitted",)
     workflow_action = "Start Filing"
     job = "file_entity"
     answer = "filing_dispatched"

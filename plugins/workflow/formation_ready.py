@@ -8,5 +8,6 @@ from plugins.workflow import WorkflowWebhook, workflow_webhook
 @workflow_webhook
 class FormationReady(WorkflowWebhook):
     path = "formation/ready"
+    after = ("formation/approved",)
     job = "deliver"
     answer = "delivery_dispatched"

@@ -13,14 +13,29 @@ from domain import fulfillment
 from domain.orders import email_admin
 from engine.contracts import EngineContext
 from engine.transaction import Transaction
-from plugins.registry import workflow_webhook
+from plugins.registry import Placement, workflow_webhook
 from plugins.workflow import WorkflowWebhook
+
+
+def _receivers_key(body: dict[str, Any]) -> None:
+    return None
+
+
+# The worker's reports of one order are one stream, in the order they came: the worker
+# sends no version of its own, and its copies are told apart by the receiver's key.
+REPORTS_OF_AN_ORDER = Placement(
+    same=_receivers_key, stream=lambda body: f"fulfillment:{body['order_number']}",
+    version=_receivers_key)
 
 
 class FulfillmentReport(WorkflowWebhook):
     status = ""
     fields = ("order_number",)
     answer = "fulfillment_status_recorded"
+
+    @property
+    def placement(self) -> Placement:
+        return REPORTS_OF_AN_ORDER
 
     def __call__(self, ctx: EngineContext, body: dict[str, Any], tx: Transaction) -> None:
         try:
