@@ -48,8 +48,8 @@ from clients.workflow import FRAPPE_DEFAULT_TIME_ZONE
 from models import UTC, ReconcileRun, WebhookEvent
 from settings import Settings
 from engine import inbox
-from engine.db import UNAVAILABLE
 from engine.contracts import EngineContext
+from engine.errors import DatabaseDown
 from engine.transaction import DatabaseTimeSpent, Transaction
 
 log = logging.getLogger("receiver.reconcile")
@@ -586,7 +586,7 @@ async def predecessors_first(ctx: EngineContext, path: str, body: dict[str, Any]
         if await ctx.db(lambda: tx.has_event_of_types(SOURCE, body["order_number"],
                                                        webhook.after)):
             return counts
-    except UNAVAILABLE:
+    except DatabaseDown:
         return counts  # the call goes to the spool, and waits there behind the others
     states = doctype_states(ctx.settings)[doctype]
     listed = await ctx.workflow.list_documents(
