@@ -591,7 +591,7 @@ async def predecessors_first(ctx: EngineContext, path: str, body: dict[str, Any]
     states = doctype_states(ctx.settings)[doctype]
     listed = await ctx.workflow.list_documents(
         doctype, _fields_listed(ctx, states), [["name", "=", body["order_name"]]],
-        "modified asc", 0, 1)
+        "modified asc, name asc", 0, 1)
     history = (await ctx.workflow.workflow_log(doctype, body["order_name"])
                if listed.ok and listed.body else None)
     if history is None or not history.ok:

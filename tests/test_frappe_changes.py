@@ -74,14 +74,47 @@ async def test_a_late_webhook_of_the_earlier_state_and_an_edit_handle_nothing_ag
 
 
 @pytest.mark.gen_test(timeout=30)
-async def test_a_webhook_older_than_the_state_handled_is_recorded_and_never_handled(
+async def test_a_change_whose_predecessors_webhook_has_not_come_is_placed_after_it_by_the_log(
         rctx, site, worker, post, clock):
-    """Incorporated's webhook came in time and was handled; Client Selection's came
-    after it: handled, it would send file_bc_incorporation after generate_crtc_docs."""
+    """The real site after an outage: Frappe's worker, behind with its retries, delivered
+    Incorporated's webhook before Client Selection's (and before the start-up run).
+    Handled alone, generate_crtc_docs went first and Client Selection's change was then
+    older than the one handled: file_bc_incorporation was never sent. The workflow log
+    places Client Selection first; its webhook, when it comes, is that same change."""
     document = incorporated(site, minutes_ago=1)
+    status, reply, _ = await post("/api/v1/webhooks/crtc/incorporated",
+                                  webhook_body(document, "incorporation_number"), AUTH)
+    assert (status, reply) == (200, {"received": True, "action": "crtc_docs_dispatched"})
+    assert [action for action, _ in jobs(worker)] == ["file_bc_incorporation",
+                                                     "generate_crtc_docs"]
+    late = webhook_body({**document, "modified": local(30)})
+    status, reply, _ = await post("/api/v1/webhooks/crtc/funds-available", late, AUTH)
+    assert (status, reply) == (200, {"received": True, "action": "incorporation_dispatched"})
+    # A run finds both changes in the log: each is the one already stored.
+    clock.advance(minutes=5)
+    counts = await reconcile.reconcile_workflow(rctx)
+    assert (counts.handled, counts.already) == (0, 2)
+    assert [action for action, _ in jobs(worker)] == ["file_bc_incorporation",
+                                                     "generate_crtc_docs"]
+    assert WebhookEvent.select().count() == 2 and notices() == []
+
+
+@pytest.mark.gen_test(timeout=30)
+async def test_a_webhook_older_than_the_state_handled_is_history_however_soon_it_comes(
+        rctx, site, worker, post, clock):
+    """Frappe's list not answering, Incorporated's change was handled alone; Client
+    Selection's webhook came 6 s after it (a second Frappe worker): older than the change
+    handled, it is recorded and never handled, however soon it comes (it was handled as
+    new within the old settle time, its job after generate_crtc_docs)."""
+    site.add(CRTC, "CRTC-00005", "Client Selection", local(0.2), order_number="CA-3005")
+    document = site.add(CRTC, "CRTC-00005", "Incorporated", local(0.1),
+                        order_number="CA-3005", incorporation_number="BC1234567")
+    site.down_with = (502, "BadGateway")
     await post("/api/v1/webhooks/crtc/incorporated",
                webhook_body(document, "incorporation_number"), AUTH)
-    late = webhook_body({**document, "modified": local(30)})
+    site.down_with = None
+    clock.advance(seconds=6)
+    late = webhook_body({**document, "modified": local(0.2)})
     status, reply, _ = await post("/api/v1/webhooks/crtc/funds-available", late, AUTH)
     assert (status, reply) == (200, {"received": True, "action": "recorded_not_handled"})
     older = WebhookEvent.get(WebhookEvent.event_type == "crtc/funds-available")
@@ -90,10 +123,6 @@ async def test_a_webhook_older_than_the_state_handled_is_recorded_and_never_hand
                                        "(crtc/incorporated): recorded, the job "
                                        "'file_bc_incorporation' not sent")
     assert notices() == ["crtc/funds-available of CRTC-00005 not handled"]
-    # A run finds both changes in the log: each is the one already stored.
-    clock.advance(minutes=5)
-    counts = await reconcile.reconcile_workflow(rctx)
-    assert (counts.handled, counts.already) == (0, 2)
     assert [action for action, _ in jobs(worker)] == ["generate_crtc_docs"]
 
 
