@@ -443,7 +443,7 @@ async def events_replay(ctx: Context, args: argparse.Namespace) -> int:
         still_failing = sum(item.outcome == "failed" for item in replayed)
         held = sum(item.outcome == inbox.HELD for item in replayed)
         print(f"replayed {len(replayed)} failed event(s); {still_failing} still failing"
-              + (f", {held} held behind an earlier call of their order" if held else ""))
+              + (f", {held} held behind an earlier call of their stream" if held else ""))
         return 1 if still_failing or held else 0
     outcome = await operator.replay(ctx, args.id, force=args.force)
     print(f"event #{args.id}: {outcome}")
@@ -634,7 +634,7 @@ async def reconcile_workflow(ctx: Context, args: argparse.Namespace) -> int:
     finally:
         await lock.release()
     print(f"looked at {counts.listed} document(s): {counts.handled} change(s) handled, "
-          f"{counts.held} held behind an earlier call of their order, "
+          f"{counts.held} held behind an earlier call of their stream, "
           f"{counts.already} already stored, {counts.recorded} recorded and not handled, "
           f"{counts.unusable} not usable")
     for doctype in counts.failed:

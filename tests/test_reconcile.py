@@ -437,7 +437,7 @@ async def test_reconciled_events_are_marked_in_the_command_line_and_the_console(
     ran = await run_async(env, "reconcile", "workflow", "--since", "2026-11-25T00:00Z")
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.strip() == ("looked at 1 document(s): 1 change(s) handled, "
-                                  "0 held behind an earlier call of their order, "
+                                  "0 held behind an earlier call of their stream, "
                                   "0 already stored, 0 recorded and not handled, "
                                   "0 not usable")
     [event] = reconciled()
@@ -450,7 +450,7 @@ async def test_reconciled_events_are_marked_in_the_command_line_and_the_console(
     assert "workflow (reconciled)" in text(await operator.get("/console/events"))
     assert "(reconciled)</h1>" in text(await operator.get(f"/console/events/{event.id}"))
     again = await run_async(env, "reconcile", "workflow", "--since", "2026-11-25T00:00Z")
-    assert "0 change(s) handled, 0 held behind an earlier call of their order, 1 already " \
+    assert "0 change(s) handled, 0 held behind an earlier call of their stream, 1 already " \
            "stored" in again.stdout
     assert "document/s" not in ran.stderr + again.stderr  # not a terminal: no progress
 
