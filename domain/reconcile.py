@@ -206,17 +206,6 @@ def site_zone(ctx: EngineContext) -> zoneinfo.ZoneInfo:
                              or FRAPPE_DEFAULT_TIME_ZONE)
 
 
-def came_late(ctx: EngineContext, modified: str, now: datetime.datetime) -> bool:
-    """Whether a webhook's change (its `modified`, a change key's) is older than the
-    settle time: only then can a run have listed the document and handled the change
-    first."""
-    moment = canonical_modified(modified)
-    assert moment is not None, "a webhook with a change key has a `modified`"
-    changed = from_frappe_time(moment, site_zone(ctx))
-    return now - changed >= datetime.timedelta(
-        seconds=ctx.settings.workflow_reconcile_settle_seconds)
-
-
 def doctype_states(settings: Settings) -> dict[str, dict[str, str]]:
     """{doctype: {Frappe state: path}} of the configured states."""
     found: dict[str, dict[str, str]] = {}

@@ -127,13 +127,12 @@ class WorkflowWebhookHandler(ApiHandler):
             if change:
                 # The body's own key too: a copy stored before state changes had keys.
                 dedup_key, last = change, hour
-                if reconcile.came_late(self.ctx, body["modified"], self.ctx.clock()):
-                    # A run may have found this change first in Frappe's workflow log,
-                    # under that entry's key (BEHAVIOUR.md 4.1.1): one lookup more, for a
-                    # late webhook only.
-                    handled_by = functools.partial(
-                        reconcile.same_stay, Transaction(self.ctx), path, body["order_name"],
-                        body["order_number"], body)
+                # A run, or a later change's webhook reading the workflow log first
+                # (reconcile.predecessors_first), may have found this change first under
+                # that log entry's key, however soon this webhook comes: one lookup more.
+                handled_by = functools.partial(
+                    reconcile.same_stay, Transaction(self.ctx), path, body["order_name"],
+                    body["order_number"], body)
             earlier = hourly_keys(f"{path}:{digest}", first, last)
         # The earlier hours are looked up by the inbox, or by the spool drain when the
         # database is down now.

@@ -1,0 +1,209 @@
+"""A real Frappe site's webhooks (tests/frappe_traces/: bodies, headers and workflow logs
+recorded from a v15.54.1 site) sent to the service in any order: each try Frappe made
+delivered or lost, copies, late copies, orders interleaved, Frappe's list answering or
+not when a webhook comes; then the reconciliation run Frappe's lost webhooks leave to the
+service. Whatever hypothesis draws, each document's state changes are handled once each,
+their jobs and workflow actions in the order of the document's saves, as a model
+computed from the document's record and the deliveries alone says:
+
+- a change whose webhook comes first is acted on, unless a later change of its document
+  was handled already: then it is history (recorded, nothing sent);
+- before a change of a path that follows others (`WorkflowWebhook.after`) is handled with
+  none of those stored, the workflow log's earlier changes are handled first, each as a
+  state its document has left (its path's rule: handled, or recorded and told), if
+  Frappe's list answers;
+- the run finds what is left, on every document: the current state acted on, a state
+  left by its path's rule, a change older than one handled as history."""
+import datetime
+import json
+import os
+import shutil
+
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings as hypothesis_settings, strategies as st
+
+from domain import reconcile
+from engine import inbox, outbox
+from models import UTC, WebhookEvent
+from plugins.workflow import HANDLED
+from tests.conftest import WEBHOOK_SECRET
+from tests.frappe_site import FrappeSite
+from tests.test_reconcile import CRTC, FIELDS, FORMATION
+
+TRACES = os.path.join(os.path.dirname(__file__), "frappe_traces")
+SIGNING_SECRET = "site-signing-secret-abcdef"  # the site's, as its README says
+# Each example costs a second or more: a failure is shown as drawn, not shrunk for minutes.
+NO_SHRINKING = (Phase.explicit, Phase.reuse, Phase.generate)
+
+
+def load(name):
+    with open(os.path.join(TRACES, f"{name}.json"), encoding="utf-8") as trace:
+        return json.load(trace)
+
+
+ORDERS = {name: load(name) for name in ("FO-1001", "FO-1002", "FO-1003", "CA-2001",
+                                        "CA-2002")}
+
+
+# Which paths come just before each in the workflows the site was set up with
+# (docs/INTEGRATIONS.md 1.1): the model's own reading of them, not the plugins'.
+FOLLOWS = {"formation/name-available": ("formation/submitted",),
+           "formation/filed-needs-ein": ("formation/name-available",),
+           "formation/filed-skip-ein": ("formation/name-available",),
+           "formation/ein-obtained": ("formation/filed-needs-ein",),
+           "formation/approved": ("formation/ein-obtained", "formation/filed-skip-ein"),
+           "formation/ready": ("formation/approved",),
+           "crtc/funds-available": ("crtc/awaiting-funds",),
+           "crtc/incorporated": ("crtc/funds-available",)}
+
+
+def changes(trace):
+    """The document's state changes, in the order of its saves: [(path, modified)]."""
+    seen = {}
+    for webhook in trace["webhooks"]:
+        seen[json.loads(webhook["body"])["modified"]] = webhook["service_path"]
+    return [(path, modified) for modified, path in sorted(seen.items())]
+
+
+# One delivery: (order, which try of Frappe's, copies of it that reach us, whether
+# Frappe's list answers while it is handled).
+delivery = st.tuples(st.sampled_from(sorted(ORDERS)), st.integers(min_value=0, max_value=6),
+                     st.integers(min_value=1, max_value=2), st.booleans())
+
+
+@pytest.fixture
+def site(io_loop):
+    frappe = FrappeSite(FIELDS)
+    yield frappe
+    frappe.stop()
+
+
+@pytest.fixture
+def settings(settings, site):
+    import dataclasses
+    return dataclasses.replace(settings, workflow_url=site.url,
+                               workflow_webhook_signing_secret=SIGNING_SECRET)
+
+
+def put_on_site(site, trace):
+    """The document and its workflow log as the site answered them after the last step."""
+    doctype = trace["doctype"]
+    row = dict(trace["list_row"])
+    row["modified"] = datetime.datetime.fromisoformat(row["modified"])
+    document = {**{field: None for field in FIELDS[doctype]}, **row}
+    site.documents[doctype] = [d for d in site.documents[doctype]
+                               if d["name"] != document["name"]] + [document]
+    site.logs[(doctype, trace["name"])] = [
+        {"name": entry["name"], "creation": entry["creation"], "content": entry["content"]}
+        for entry in reversed(trace["workflow_logs"])]
+
+
+def model(ctx, drawn):
+    """{order: (the jobs, the workflow actions)} the deliveries should cause, in order."""
+    plugins = ctx.plugins["workflow"]
+    outcome = {order: {} for order in ORDERS}  # order -> {index: "act" | "left" | "history"}
+
+    def place(order, index, how):
+        later = [other for other in outcome[order] if other > index]
+        outcome[order][index] = "history" if later else how
+
+    for order, index, frappe_answers in drawn:
+        found = outcome[order]
+        path = changes(ORDERS[order])[index][0]
+        after = FOLLOWS.get(path, ())
+        if index in found or any(other > index for other in found):
+            found.setdefault(index, "history")
+            continue
+        earlier = [k for k, (p, _) in enumerate(changes(ORDERS[order])) if p in after]
+        if after and frappe_answers and not any(k in found for k in earlier):
+            for k in range(index):
+                if k not in found:
+                    place(order, k, "left")
+        place(order, index, "act")
+    for order, trace in ORDERS.items():  # the run, which finds every document
+        last = len(changes(trace)) - 1
+        for k in range(last + 1):
+            if k not in outcome[order]:
+                place(order, k, "act" if k == last else "left")
+    expected = {}
+    for order, found in outcome.items():
+        jobs, actions = [], []
+        for k, (path, _) in enumerate(changes(ORDERS[order])):
+            plugin = plugins.get(path)
+            how = found.get(k)
+            if how == "act" or (how == "left" and plugin.left_rule == HANDLED):
+                jobs += [plugin.job] if plugin.job else []
+            if how == "act" and plugin.workflow_action:
+                actions.append(plugin.workflow_action)
+        expected[order] = (jobs, actions)
+    return expected
+
+
+@hypothesis_settings(max_examples=40, deadline=None, database=None, phases=NO_SHRINKING,
+                     suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                            HealthCheck.too_slow])
+@given(deliveries=st.lists(delivery, min_size=1, max_size=14))
+def test_a_real_sites_webhooks_in_any_order_give_what_its_record_says(
+        deliveries, ctx, db, clock, site, worker, post, io_loop):
+    tables = [t for t in db.get_tables() if t != "schema_migrations"]
+    with db.atomic():
+        for table in tables:
+            db.execute_sql(f"DELETE FROM {table}")
+    shutil.rmtree(ctx.settings.spool_dir, ignore_errors=True)
+    os.makedirs(ctx.settings.spool_dir)
+    worker.requests.clear()
+    site.actions.clear()
+    for trace in ORDERS.values():
+        put_on_site(site, trace)
+    drawn = []
+    clock.set(2026, 12, 3, 7, 29)
+
+    async def scenario():
+        for order, attempt, copies, frappe_answers in deliveries:
+            trace = ORDERS[order]
+            webhook = trace["webhooks"][attempt % len(trace["webhooks"])]
+            modified = json.loads(webhook["body"])["modified"]
+            index = [m for _, m in changes(trace)].index(modified)
+            sent_at = datetime.datetime.fromisoformat(webhook["sent_at"]).astimezone(UTC)
+            clock.fixed = max(clock(), sent_at) + datetime.timedelta(milliseconds=300)
+            headers = {**webhook["headers"], "X-Webhook-Secret": WEBHOOK_SECRET}
+            headers.pop("Host"), headers.pop("Content-Length")
+            site.down_with = None if frappe_answers else (502, "BadGateway")
+            for _ in range(copies):
+                status, _, _ = await post(webhook["path"], webhook["body"], headers)
+                assert status == 200
+                drawn.append((order, index, frappe_answers))
+        site.down_with = None
+        clock.advance(minutes=10)
+        await reconcile.reconcile_workflow(ctx)
+        await ctx.drain_background()
+        for _ in range(3):
+            clock.advance(minutes=5)
+            await outbox.send_due(ctx)
+            await inbox.retry_due(ctx)
+    io_loop.run_sync(scenario, timeout=120)
+
+    expected = model(ctx, drawn)
+    for order, (jobs, actions) in expected.items():
+        sent = [r.json for r in worker.posts if r.json["order_number"] == order]
+        assert [job["action"] for job in sent] == jobs, (order, deliveries)
+        name = ORDERS[order]["name"]
+        applied = [a for a in map(_action, site.actions) if a[0] == name]
+        assert [action for _, action in applied] == actions, (order, deliveries)
+    assert len({r.headers["Idempotency-Key"] for r in worker.posts}) == len(worker.posts)
+    # Each change stored once, whoever found it, and none left unfinished.
+    assert not WebhookEvent.select().where(
+        WebhookEvent.status.in_(inbox.AWAITING_HANDLING)).exists()
+    for order in expected:
+        stored = WebhookEvent.select().where(WebhookEvent.order_number == order).count()
+        assert stored == len(changes(ORDERS[order])), (order, deliveries)
+
+
+def _action(applied):
+    """(document name, action) of one apply_workflow call the site took."""
+    doc = applied.get("doc")
+    doc = doc[0] if isinstance(doc, list) else doc
+    action = applied.get("action")
+    action = action[0] if isinstance(action, list) else action
+    name = json.loads(doc)["name"] if isinstance(doc, str) else doc["name"]
+    return name, action
