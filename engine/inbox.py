@@ -519,6 +519,12 @@ JOINED = "joined the spool"
 PARKED = "parked"
 
 
+def spool_holds_calls(ctx: EngineContext) -> bool:
+    """Whether calls wait in the spool: a call accepted now joins them (`_behind_the_spool`),
+    and is stored by the drain, which matches no call against another finder's."""
+    return spool.backlog(ctx.settings.spool_dir)
+
+
 def _behind_the_spool(ctx: EngineContext, call: Entry) -> str | None:
     """Arrival order (engine.spool): while calls wait in the spool, this one joins them
     there, to be stored and handled after them (JOINED). When they wait there and the
