@@ -34,6 +34,7 @@ stored and handled whole or not at all, and the doctype's cursor left where the 
 finished run put it, so the next run looks at that span again (what was done is found
 stored). It is not taken for the database being down.
 """
+import asyncio
 import dataclasses
 import datetime
 import functools
@@ -63,6 +64,10 @@ MAX_DOCUMENTS_PER_RUN = 500
 OVERLAP = datetime.timedelta(minutes=10)
 # The first run of a doctype looks this far back.
 FIRST_LOOKBACK = datetime.timedelta(hours=24)
+# Frappe's first try of a webhook reaches us 0.3 to 2.3 s after its save, its second
+# about 1.2 s after the first: a webhook older than this is a later try or one Frappe's
+# queue held, and its document may have moved on since (`predecessors_first`).
+LATE_AFTER = datetime.timedelta(seconds=5)
 # Frappe writes `modified` as naive text in its system time zone.
 FRAPPE_TIME = "%Y-%m-%d %H:%M:%S.%f"
 # Paths grouped by the doctype their webhooks come from (settings.RECONCILED_PATH_PREFIXES).
@@ -555,50 +560,77 @@ async def _hand_over(ctx: EngineContext, tx: Transaction, doctype: str, name: An
 
 
 async def predecessors_first(ctx: EngineContext, path: str, body: dict[str, Any]) -> Counts:
-    """Before a webhook's change is handled: when its path follows others in its workflow
-    (`WorkflowWebhook.after`) and the document has no stored change on any of them, the
-    changes its workflow log holds from before this one are handed to the inbox first, as
-    a run would hand them (`_hand_over`). A webhook that comes late, or never (Frappe gave
-    up on it), is then placed before this one, whichever finder comes first: its job goes
-    before this change's, or its path's rule for a state left applies. What the log
-    says of this change itself is its webhook's to tell. Frappe not answering: logged,
-    and this change goes on alone (a run finds the others later, as history then)."""
+    """Before a webhook's change is accepted, its document's workflow log hands the inbox
+    what the webhook alone cannot tell, as a run would hand it (`_hand_over`):
+
+    - when its path follows others in its workflow (`WorkflowWebhook.after`) and none of
+      those is stored: the changes from before this one, so that a webhook that comes
+      late, or never (Frappe gave up on it), is placed before this one (its job goes
+      first, or its path's rule for a state left applies);
+    - when the webhook itself comes late (LATE_AFTER past its save: a later try, or a call
+      Frappe's queue held): every change up to now, this one among them, so that a state
+      its document has left since follows its path's rule whichever finder comes first;
+      the webhook is then that change's copy.
+
+    Frappe not answering within half the answer budget: logged, and this change goes on
+    alone (a run finds the others later)."""
     counts = Counts()
     webhook = ctx.plugins[SOURCE].get(path)
     modified = canonical_modified(body.get("modified"))
     doctype = _doctype_of(ctx.settings, path)
-    if (not webhook.after or modified is None or doctype is None
-            or not ctx.settings.workflow_url or inbox.spool_holds_calls(ctx)):
+    if (modified is None or doctype is None or not ctx.settings.workflow_url
+            or inbox.spool_holds_calls(ctx)):
         # While calls wait in the spool this one joins them: the log's entries handed
         # over now would join them too, and the drain would store an entry and its own
         # spooled webhook as two changes. The run finds what is missing afterwards.
         return counts
+    late = ctx.clock() - from_frappe_time(modified, site_zone(ctx)) >= LATE_AFTER
     tx = Transaction(ctx)
+    if not late:
+        try:
+            if not webhook.after or await ctx.db(lambda: tx.has_event_of_types(
+                    SOURCE, body["order_number"], webhook.after)):
+                return counts
+        except DatabaseDown:
+            return counts  # the call goes to the spool, and waits there behind the others
     try:
-        if await ctx.db(lambda: tx.has_event_of_types(SOURCE, body["order_number"],
-                                                       webhook.after)):
-            return counts
-    except DatabaseDown:
-        return counts  # the call goes to the spool, and waits there behind the others
-    states = doctype_states(ctx.settings)[doctype]
-    listed = await ctx.workflow.list_documents(
-        doctype, _fields_listed(ctx, states), [["name", "=", body["order_name"]]],
-        "modified asc, name asc", 0, 1)
-    history = (await ctx.workflow.workflow_log(doctype, body["order_name"])
-               if listed.ok and listed.body else None)
-    if history is None or not history.ok:
-        log.warning("%s of %s: the changes before it not read from Frappe (%s); it is "
-                    "handled alone", path, body["order_name"],
-                    history.error if history is not None else
-                    listed.error or "the document is not listed")
+        document, entries = await asyncio.wait_for(
+            _document_and_log(ctx, doctype, body["order_name"]),
+            ctx.settings.workflow_answer_budget_seconds / 2)
+    except asyncio.TimeoutError:
+        document, entries = None, "Frappe did not answer in time"
+    if document is None:
+        log.warning("%s of %s: its document's workflow log not read from Frappe (%s); it "
+                    "is handled alone", path, body["order_name"], entries)
         return counts
-    document = _documents(listed)[0]
-    window = _Window("", modified, states, "")
-    earlier = [found for found in _entries(
-        document, cast(list[dict[str, Any]], history.body), window)
-        if found["entered_at"] != modified]
-    await _hand_over(ctx, tx, doctype, body["order_name"], document, earlier, counts)
+    assert not isinstance(entries, str)
+    if late:
+        now = frappe_time(ctx.clock(), site_zone(ctx))
+        found = _entries(document, entries, _Window("", now, _states(ctx, doctype), ""))
+    else:
+        found = [change for change in _entries(
+            document, entries, _Window("", modified, _states(ctx, doctype), ""))
+            if change["entered_at"] != modified]
+    await _hand_over(ctx, tx, doctype, body["order_name"], document, found, counts)
     return counts
+
+
+def _states(ctx: EngineContext, doctype: str) -> dict[str, str]:
+    return doctype_states(ctx.settings)[doctype]
+
+
+async def _document_and_log(ctx: EngineContext, doctype: str, name: str) -> tuple[
+        dict[str, Any] | None, list[dict[str, Any]] | str]:
+    """The document as Frappe lists it and its workflow log, or (None, what went wrong)."""
+    listed = await ctx.workflow.list_documents(
+        doctype, _fields_listed(ctx, _states(ctx, doctype)), [["name", "=", name]],
+        "modified asc, name asc", 0, 1)
+    if not listed.ok or not listed.body:
+        return None, listed.error or "the document is not listed"
+    history = await ctx.workflow.workflow_log(doctype, name)
+    if not history.ok:
+        return None, history.error or "no workflow log"
+    return _documents(listed)[0], cast(list[dict[str, Any]], history.body)
 
 
 def _doctype_of(settings: Settings, path: str) -> str | None:

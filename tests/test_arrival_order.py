@@ -75,7 +75,7 @@ async def test_steps_spooled_in_an_outage_are_each_handled_in_the_documents_orde
     and once the spool drains each is handled, in the order of its save, however they
     came. (The drain once took the last step stored for a handled newer change and
     dropped the other two as older.)"""
-    steps = [(path, {**ORDER, **extra, "modified": frappe_modified(30 - 10 * n)})
+    steps = [(path, {**ORDER, **extra, "modified": frappe_modified(3 - n)})
              for n, (path, extra, _, _) in enumerate(STEPS)]
     with database_down(db):
         for path, body in (steps if arrival == "in the document's order" else

@@ -127,6 +127,27 @@ async def test_a_webhook_older_than_the_state_handled_is_history_however_soon_it
 
 
 @pytest.mark.gen_test(timeout=30)
+async def test_a_late_webhook_of_a_state_left_since_follows_its_paths_rule(
+        rctx, site, worker, post, clock):
+    """The real site after an 8 s stop: Frappe's queue delivered Awaiting Funds' webhook
+    once the document was in Incorporated. The run, had it found it first, would have
+    recorded it; the webhook sent register_awaiting_funds for an incorporated order. Late
+    (5 s past its save), its document is read first: the left state follows its path's
+    rule whichever finder comes first, and the later changes go in order."""
+    waiting = site.add(CRTC, "CRTC-00005", "Awaiting Funds", local(0.3), order_number="CA-3005")
+    site.add(CRTC, "CRTC-00005", "Client Selection", local(0.2), order_number="CA-3005")
+    site.add(CRTC, "CRTC-00005", "Incorporated", local(0.1), order_number="CA-3005",
+             incorporation_number="BC1234567")
+    status, reply, _ = await post("/api/v1/webhooks/crtc/awaiting-funds",
+                                  webhook_body(waiting), AUTH)
+    assert (status, reply) == (200, {"received": True, "action": "recorded_not_handled"})
+    assert [action for action, _ in jobs(worker)] == ["file_bc_incorporation",
+                                                     "generate_crtc_docs"]
+    assert notices() == ["crtc/awaiting-funds of CRTC-00005 not handled"]
+    assert WebhookEvent.select().count() == 3
+
+
+@pytest.mark.gen_test(timeout=30)
 async def test_a_state_left_before_it_was_found_is_recorded_and_told_where_its_action_no_longer_applies(
         rctx, site, worker, smtp):
     """FO-9001 was submitted and moved on to Name Check by hand (Start Name Check applied
