@@ -488,11 +488,14 @@ def tell_partial_covered(ctx: EngineContext, tx: Transaction, callback: Callback
     invoice's amount is not in the callback: against the order's total (within
     CRYPTO_PAYMENT_TOLERANCE_PERCENT, less SHKeeper's fee) when it has one in the
     invoice's currency; else when the transactions add up to more than the balance
-    SHKeeper counts."""
+    SHKeeper counts. Before the order is known, the callback is tried again."""
     if not callback.listed:
         return
     order = tx.order(callback.order_type, callback.external_id)
     if order is None:
+        # Its total decides, and the order comes later: looked at again then.
+        tx.retry_later(f"PARTIAL listing not checked: no {callback.order_type} order "
+                       f"{callback.external_id}")
         return
     currency = callback.fiat_currency
     expected = _total_in(order, currency)
