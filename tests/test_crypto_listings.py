@@ -192,20 +192,24 @@ async def test_without_an_order_total_a_partial_listing_more_than_its_balance_is
 
 @pytest.mark.parametrize("order", ["crtc with a total", "formation"])
 @pytest.mark.gen_test
-async def test_a_partial_callback_short_of_the_invoice_is_not_told(post, ctx, clock, smtp,
-                                                                   order):
+async def test_a_partial_callback_is_told_only_once_its_transactions_pay_the_invoice(
+        post, ctx, clock, smtp, order):
     clock.set(2026, 11, 20, 9, 1)
+    number = "FO-17" if order == "formation" else "CA-17"
     if order == "formation":
-        FormationOrder.create(order_number="FO-17")
+        FormationOrder.create(order_number=number)
     else:
-        CrtcOrder.create(order_number="FO-17", total_cents=32000)
-    partial, *_ = shkeeper.paid_in_steps("FO-17")
+        CrtcOrder.create(order_number=number, total_cents=32000)
+    partial, *_ = shkeeper.paid_in_steps(number)
     await send(post, ctx, clock, partial)
-    # $230.40 of $320 less the fee: 70.6 %, past the 5 % tolerance.
-    await send(post, ctx, clock, {**partial_but_paid("FO-17"), "transactions": [
+    # $230.40 of $320 less the fee: 70.6 %, past the 5 % tolerance, and its balance.
+    await send(post, ctx, clock, {**partial_but_paid(number), "transactions": [
         shkeeper.transaction("tx-race-2", "0.0024", "230.4", trigger=True)],
         "balance_fiat": "230.4", "balance_crypto": "0.0024"})
-    assert subjects(smtp, "FO-17") == []
+    assert subjects(smtp, number) == []
+    await send(post, ctx, clock, partial_but_paid(number))
+    assert subjects(smtp, number) == [
+        f"Crypto invoice for order {number} is paid, SHKeeper says PARTIAL"]
 
 
 # --- any delivery of an invoice's callbacks ---------------------------------------------------
