@@ -7,13 +7,16 @@ one: the treasury job and the ledger entries are written together in a savepoint
 the order's payment is completed.
 
 Callbacks may come in any order (SHKeeper re-sends, the spool, a retry), and one may list
-no transaction (the fallback txid). So the ledger and the job follow the invoice, not the
-last callback: a callback listing transactions replaces the order's fallback entry with
-its transactions' entries, and a fallback one adds nothing to an order that has them;
-the job takes a callback's amounts only when they are not older than its own (one that
-lists transactions over one that does not; else the larger balance, which only grows).
-The order's payment is one whatever callback completes it: no second payment for the
-same coins.
+no transaction (the fallback txid). Every callback lists the invoice's transactions so
+far, so the invoice's state is its longest listing (`listing_version` places each
+callback among its invoice's; the inbox hands them over in that order and one older than
+a listing handled already is history: recorded, nothing done). A callback handled is
+then the newest listing seen, and the ledger, the job and the order's amount are that
+listing's: its transactions' entries (replacing the order's fallback entry, each entry's
+status the listing's), the order's amount their sum. The job takes a callback's amounts
+only when they are not older than its own (one that lists transactions over one that
+does not; else the larger balance). The order's payment is one whatever callback
+completes it: no second payment for the same coins.
 """
 import dataclasses
 import datetime
@@ -136,6 +139,9 @@ class InvoiceTransaction:
     amount_coin: decimal.Decimal
     amount_fiat: decimal.Decimal
     fee_fiat: decimal.Decimal
+    # When SHKeeper stored it, as it writes it ("2026-11-20 09:00:12", its server's
+    # clock): text that sorts as time among one invoice's transactions.
+    date: str = ""
 
     @classmethod
     def parse(cls, item: dict[str, Any], invoice_coin: str) -> "InvoiceTransaction":
@@ -145,7 +151,7 @@ class InvoiceTransaction:
         return cls(txid=txid, coin=_text(item, "crypto").upper() or invoice_coin,
                    amount_coin=amount(item, "amount_crypto"),
                    amount_fiat=amount(item, "amount_fiat"),
-                   fee_fiat=amount(item, "fee_fiat"))
+                   fee_fiat=amount(item, "fee_fiat"), date=_text(item, "date"))
 
 
 def _transactions(body: dict[str, Any],
@@ -268,6 +274,22 @@ class Callback:
         digest = hashlib.sha256(state.encode("utf-8")).hexdigest()[:32]
         return f"{self.external_id}:{self.status or '-'}:{digest}"
 
+    @property
+    def version(self) -> str:
+        """Its place among its invoice's callbacks (plugins.crypto): how many transactions
+        it lists, zero-padded, then the newest one's date. The list only grows, so a
+        callback listing more is newer, whatever order the callbacks arrive in; one
+        listing none (the fallback txid) is older than any that lists some."""
+        listed = [transaction for transaction in self.transactions if transaction.txid]
+        newest = max((transaction.date for transaction in listed), default="")
+        return f"{len(listed):06d}|{newest}"
+
+    def received_amount(self, arrived_at: datetime.datetime) -> Money:
+        """What the ledger records of the invoice: its entries' fiat amounts (`received`),
+        each in minor units, summed."""
+        return Money.of(sum(self.fiat_minor(transaction.amount_fiat)
+                            for transaction in self.received(arrived_at)), self.fiat_currency)
+
     def received(self, arrived_at: datetime.datetime) -> tuple[InvoiceTransaction, ...]:
         """The transactions the ledger records: every one listed with a txid (SHKeeper
         lists the invoice's whole history, oldest first). A callback that lists none is
@@ -282,10 +304,13 @@ class Callback:
 
 def receive_payment(ctx: EngineContext, payload: dict[str, Any], tx: Transaction) -> None:
     """PAID and OVERPAID: record the treasury job and ledger entries, then complete the
-    payment (with the invoice's fiat balance and coins), and tell the administrator of an
-    invoice paid more or less than expected. Anything else, or paid not true, is only
-    logged (BEHAVIOUR.md 4.3 rule 3)."""
+    payment (with what the ledger records and the invoice's coins), and tell the
+    administrator of an invoice paid more or less than expected. A callback older than a
+    listing handled already is history; anything else, or paid not true, is only logged
+    (BEHAVIOUR.md 4.3 rules 3 and 10)."""
     callback = Callback.parse(payload)
+    if history(tx, callback):
+        return
     if not callback.to_be_processed:
         log.info("crypto %s callback for %s with paid=%s: logged only",
                  callback.status, callback.external_id, callback.paid)
@@ -294,13 +319,14 @@ def receive_payment(ctx: EngineContext, payload: dict[str, Any], tx: Transaction
         tell_not_in_usd(ctx, tx, callback)
     arrival = arrived_at(ctx, tx)
     reference = CRYPTO_REFERENCE + callback.txid(arrival)
+    received = callback.received_amount(arrival)
+    coins = f"{callback.amount_coin} {callback.coin}"
     record_receipt(ctx, tx, callback, arrival)
     try:
         with tx.undone_on_failure():
-            order, _ = complete_payment(
+            order, newly_paid = complete_payment(
                 ctx, tx, callback.external_id, callback.order_type, reference,
-                source=CRYPTO_SOURCE, payment_method="crypto", amount=callback.balance,
-                coins=f"{callback.amount_coin} {callback.coin}")
+                source=CRYPTO_SOURCE, payment_method="crypto", amount=received, coins=coins)
     except OrderNotFound as missing:
         # The coins arrived: their treasury job and ledger entry stay recorded, and only
         # the completion is tried again.
@@ -309,14 +335,48 @@ def receive_payment(ctx: EngineContext, payload: dict[str, Any], tx: Transaction
     except Refused as refused:
         tx.retry_later(f"payment not completed: {refused}")
         return
-    if callback.listed and (order.stripe_session_id or "").startswith(
-            CRYPTO_REFERENCE + FALLBACK_TXID):
-        # Completed first by a callback that listed no transaction: the invoice's first
-        # transaction names the payment from now on, as it would have from the start.
-        order.stripe_session_id = reference
-        order.updated_at = ctx.clock()
-        tx.save(order)
+    if not newly_paid and (order.stripe_session_id or "").startswith(CRYPTO_REFERENCE):
+        follow_listing(ctx, tx, callback, order, reference, received, coins)
     tell_mispaid(ctx, tx, callback, order)
+
+
+def history(tx: Transaction, callback: Callback) -> bool:
+    """Whether the callback lists less than one of its invoice handled already (the
+    inbox's `overtaken_by`): it is then kept as history, and nothing is sent."""
+    newer = tx.overtaken_by
+    if newer is None:
+        return False
+    tx.record_only(f"an older listing of the invoice ({len(callback.txids)} transactions) "
+                   f"than the one handled as event #{newer.id} ({newer.event_type}): "
+                   "recorded, nothing done")
+    return True
+
+
+def follow_listing(ctx: EngineContext, tx: Transaction, callback: Callback, order: OrderBase,
+                   reference: str, received: Money, coins: str) -> None:
+    """An order whose crypto payment a callback completed already takes this newer
+    listing: its amount is what the ledger now records (the alert says so when it
+    changes), and a reference from the fallback txid becomes the invoice's first
+    transaction's, as it would have been from the start."""
+    was = Money.of(order.payment_amount, order.payment_currency) \
+        if order.payment_amount is not None else None
+    renamed = callback.listed and (order.stripe_session_id or "").startswith(
+        CRYPTO_REFERENCE + FALLBACK_TXID)
+    if was == received and not renamed:
+        return
+    if renamed:
+        order.stripe_session_id = reference
+    order.payment_amount, order.payment_currency = received.minor, received.currency
+    order.updated_at = ctx.clock()
+    tx.save(order)
+    if was is not None and was != received:
+        log.info("crypto payment of %s is now %s, was %s", callback.external_id, received,
+                 was)
+        tx.alert(f"Crypto payment for order {callback.external_id} is now {received}, "
+                 f"was {was} ({coins}, {callback.status})",
+                 key=f"alert-crypto-amount-{callback.order_type}-{callback.external_id}-"
+                     f"{received.currency}-{received.minor}",
+                 order_number=callback.external_id)
 
 
 def tell_mispaid(ctx: EngineContext, tx: Transaction, callback: Callback,
@@ -328,12 +388,10 @@ def tell_mispaid(ctx: EngineContext, tx: Transaction, callback: Callback,
     (no total, or an invoice in another currency), SHKeeper's own measure,
     `overpaid_fiat` (paid beyond its upper limit), against the rest of the balance."""
     tolerance = ctx.settings.crypto_payment_tolerance_percent
-    total = getattr(order, "total_cents", None)
-    priced_in = getattr(order, "currency", None) or "USD"
-    by_total = bool(total) and Money.of(0, priced_in).currency == Money.of(
-        0, callback.fiat_currency).currency
-    if by_total:
-        expected = Money.of(total, priced_in).amount
+    total = _total_in(order, callback.fiat_currency)
+    by_total = total is not None
+    if total is not None:
+        expected = total.amount
         received = callback.net_fiat
     elif callback.overpaid_fiat > 0:
         expected = callback.amount_fiat - callback.overpaid_fiat
@@ -382,12 +440,82 @@ def tell_not_in_usd(ctx: EngineContext, tx: Transaction, callback: Callback) -> 
 
 
 def log_notice(ctx: EngineContext, payload: dict[str, Any], tx: Transaction) -> None:
-    """PARTIAL invoices and `unconfirmed` notices: kept in the inbox, logged, no more."""
-    callback = Callback.parse(payload)
+    """`unconfirmed` notices: kept in the inbox, logged, no more."""
+    _log_notice(Callback.parse(payload))
+
+
+def _log_notice(callback: Callback) -> None:
     log.info("crypto %s notice for %s: %s %s (%s %s), transactions %s; nothing to do yet",
              callback.status, callback.external_id, callback.amount_coin, callback.coin,
              callback.amount_fiat, callback.fiat,
              ", ".join(filter(None, (*callback.txids, callback.notice_txid))) or "none")
+
+
+def receive_partial(ctx: EngineContext, payload: dict[str, Any], tx: Transaction) -> None:
+    """PARTIAL: kept and logged, the order waits for the rest; history when older than a
+    listing handled already. One whose transactions already pay the invoice is told to
+    the administrator (`tell_partial_covered`)."""
+    callback = Callback.parse(payload)
+    if history(tx, callback):
+        return
+    _log_notice(callback)
+    tell_partial_covered(ctx, tx, callback)
+
+
+def listed_net(callback: Callback) -> decimal.Decimal:
+    """What the listed transactions paid less SHKeeper's fee: their own amounts without
+    their fees when they give them, else their sum less the fee percentage."""
+    listed = [t for t in callback.transactions if t.txid]
+    if any(t.fee_fiat for t in listed):
+        return sum((t.amount_fiat - t.fee_fiat for t in listed), decimal.Decimal(0))
+    return sum((t.amount_fiat for t in listed), decimal.Decimal(0)) / (
+        1 + callback.fee_percent / 100)
+
+
+def _total_in(order: OrderBase, currency: str) -> Money | None:
+    """The order's total when it has one in `currency`."""
+    total = getattr(order, "total_cents", None)
+    priced_in = getattr(order, "currency", None) or "USD"
+    if not total or Money.of(0, priced_in).currency != Money.of(0, currency).currency:
+        return None
+    return Money.of(total, priced_in)
+
+
+def tell_partial_covered(ctx: EngineContext, tx: Transaction, callback: Callback) -> None:
+    """A PARTIAL callback whose listed transactions already pay the invoice: SHKeeper
+    counts a balance short of them when it took several transactions at once, and then
+    never calls again, so the order would wait for ever. Told once per order. The
+    invoice's amount is not in the callback: against the order's total (within
+    CRYPTO_PAYMENT_TOLERANCE_PERCENT, less SHKeeper's fee) when it has one in the
+    invoice's currency; else when the transactions add up to more than the balance
+    SHKeeper counts. Before the order is known, the callback is tried again."""
+    if not callback.listed:
+        return
+    order = tx.order(callback.order_type, callback.external_id)
+    if order is None:
+        # Its total decides, and the order comes later: looked at again then.
+        tx.retry_later(f"PARTIAL listing not checked: no {callback.order_type} order "
+                       f"{callback.external_id}")
+        return
+    currency = callback.fiat_currency
+    expected = _total_in(order, currency)
+    listed = sum((t.amount_fiat for t in callback.transactions if t.txid), decimal.Decimal(0))
+    if expected is not None:
+        short_by = decimal.Decimal(ctx.settings.crypto_payment_tolerance_percent) / 100
+        if listed_net(callback) < expected.amount * (1 - short_by):
+            return
+    elif listed <= callback.amount_fiat:
+        return
+    log.warning("crypto invoice %s is PARTIAL, its %s transactions pay it", callback.external_id,
+                len(callback.txids))
+    email_admin(ctx, tx, f"Crypto invoice for order {callback.external_id} is paid, "
+                "SHKeeper says PARTIAL", "crypto_partial_paid", callback.external_id,
+                key=f"email-crypto-partial-paid-{callback.external_id}",
+                listed=str(Money.of_decimal(listed, currency)),
+                net=str(Money.of_decimal(listed_net(callback), currency)),
+                balance=str(callback.balance), expected=expected and str(expected),
+                transactions=", ".join(callback.txids),
+                coins=f"{callback.amount_coin} {callback.coin}")
 
 
 def arrived_at(ctx: EngineContext, tx: Transaction) -> datetime.datetime:
@@ -447,9 +575,9 @@ def fallback_key(order_id: str) -> str:
 def _add_ledger_entry(ctx: EngineContext, tx: Transaction, callback: Callback,
                       transaction: InvoiceTransaction) -> None:
     """One entry per transaction of the order (`ledger_key`): the entries of an order sum
-    to the invoice. An entry already recorded (the callback sent again) is left as it
-    is."""
-    tx.add_ledger_entry(_entry(ctx, callback, transaction, ledger_key(
+    to the invoice. An entry already recorded (an earlier listing had it) takes this
+    listing's status: the callback handled is the newest listing of its invoice."""
+    tx.save_ledger_entry(_entry(ctx, callback, transaction, ledger_key(
         callback.external_id, transaction.txid), fallback=False))
 
 

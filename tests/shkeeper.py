@@ -142,3 +142,13 @@ WIRE = [
      b'64706","trigger":true,"txid":"c3f5e1a49d3f6a2b1e0d9c8f7a6b5c4d3e2f1a0b9c8d7e6f'
      b'5a4b3c2d1e0f9a8b"}]}'),
 ]
+
+
+def told_amount(alerts):
+    """The amount the last of an order's alerts tells its payment is: the order alert's
+    `Amount:` line, or a later alert's `is now <amount>,`."""
+    last = alerts[-1]
+    if " is now " in last:
+        return last.split(" is now ", 1)[1].split(",", 1)[0]
+    [line] = [line for line in last.splitlines() if line.startswith("Amount: ")]
+    return line.removeprefix("Amount: ").split(" ", 1)[0]

@@ -91,8 +91,11 @@ async def test_a_callback_listing_its_transactions_replaces_the_fallback_entry(
     order = FormationOrder.get()
     assert (order.payment_status, order.stripe_session_id) == ("paid", "crypto-tx-one")
     assert not [s for s in subjects(smtp) if s.startswith("Second payment")]
-    [alert] = telegram.requests
-    assert "Amount: $144.00 (0.0015 BTC)" in alert.json["text"].splitlines()
+    # The order alert told what the first callback had; the next, what the ledger has now.
+    paid_alert, grown = (alert.json["text"] for alert in telegram.requests)
+    assert "Amount: $144.00 (0.0015 BTC)" in paid_alert.splitlines()
+    assert grown.startswith("Crypto payment for order FO-2 is now $153.60, was $144.00")
+    assert (order.payment_amount, order.payment_currency) == (15360, "USD")
 
 
 @pytest.mark.gen_test
@@ -217,7 +220,10 @@ def test_every_ordering_of_an_invoices_callbacks_gives_one_ledger_job_and_paymen
         Decimal("0.0039"), 37440, f"crypto-settle:{number}:tx-step-1", False), ordering
     order = FormationOrder.get(FormationOrder.order_number == number)
     assert (order.payment_status, order.stripe_session_id) == ("paid", "crypto-tx-step-1")
-    assert len([r for r in telegram.requests if number in r.json["text"]]) == 1
+    assert (order.payment_amount, order.payment_currency) == (37440, "USD"), ordering
+    # One order alert, and one more when the amount grew after it: the last tells the ledger's.
+    alerts = [r.json["text"] for r in telegram.requests if number in r.json["text"]]
+    assert len(alerts) in (1, 2) and shkeeper.told_amount(alerts) == "$374.40", alerts
     assert not [s for s in subjects(smtp) if s == f"Second payment for order {number}"]
 
 

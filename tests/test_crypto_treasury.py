@@ -133,15 +133,18 @@ async def test_partial_then_paid_then_overpaid(post, clock, telegram):
     order = FormationOrder.get()
     assert (order.payment_status, order.paid_at, order.stripe_session_id) == (
         "paid", paid_at, "crypto-tx-step-1")
+    # Each entry's status is the newest listing's.
     assert [e.provider_status for e in LedgerEntry.select().order_by(LedgerEntry.id)] == [
-        "PAID", "PAID", "OVERPAID"]
-    assert len(telegram.requests) == 1
+        "OVERPAID"] * 3
+    # The order alert, then the amount's change.
+    assert [alert.json["text"] for alert in telegram.requests][1].startswith(
+        "Crypto payment for order FO-1002 is now $374.40, was $326.40")
 
     # SHKeeper re-sends each callback every 60 s until it sees 202 (a lost answer, say).
     for callback in (partial, paid, overpaid):
         clock.advance(seconds=60)
         await send_signed(post, clock, callback)
-    assert ledger_of("FO-1002") == entries and len(telegram.requests) == 1
+    assert ledger_of("FO-1002") == entries and len(telegram.requests) == 2
     assert TreasuryJob.get().amount_coin == Decimal("0.0039")
     assert [e.event_type for e in WebhookEvent.select().order_by(WebhookEvent.id)] == [
         "PARTIAL", "PAID", "OVERPAID"]
@@ -389,7 +392,9 @@ async def test_shkeepers_own_bytes_for_an_invoice_paid_in_three_transactions(
     assert (job.amount_coin, job.amount_usd_cents, job.idempotency_key) == (
         Decimal("0.0039"), 37440, f"crypto-settle:CA-0042:{first_txid}")
     assert CrtcOrder.get().stripe_session_id == f"crypto-{first_txid}"
-    assert WebhookEvent.select().count() == 3 and len(telegram.requests) == 1
+    assert WebhookEvent.select().count() == 3
+    assert shkeeper.told_amount([r.json["text"] for r in telegram.requests]) == "$374.40"
+    assert CrtcOrder.get().payment_amount == 37440
 
 
 def test_the_test_callbacks_are_shaped_byte_for_byte_as_shkeepers():

@@ -2,6 +2,7 @@
 the same defaults a fresh database gets from 0001, and is a no-op where they are present;
 0010 adds reminders_sent to a database from before it."""
 import importlib
+import json
 import os
 import re
 
@@ -14,7 +15,7 @@ from playhouse.migrate import migrate as run
 import migrations
 from models import (
     ORDER_MODELS, POSTGRES_FIELD_TYPES, SQLITE_FIELD_TYPES, ComplianceOrder, CrtcOrder, LedgerEntry,
-    TreasuryJob, is_postgres, utcnow,
+    TreasuryJob, WebhookEvent, is_postgres, utcnow,
 )
 from tests.conftest import _postgres_scratch_database
 from tests.test_models import assert_documented_defaults, insert_order_number_only
@@ -191,6 +192,39 @@ def test_0021_gives_old_ledger_keys_the_order_and_leaves_new_ones_alone(scratch_
         LEDGER_KEYS.apply(scratch_db, migrator_for(scratch_db))
         assert sorted(e.idempotency_key for e in LedgerEntry.select()) == [
             "crypto-processor:CA-1:tx-old", "crypto-processor:CA-2:tx-new", "manual:tx-other"]
+
+
+LISTINGS = importlib.import_module("migrations.0025_invoice_listing_versions")
+
+
+def test_0025_places_stored_invoice_callbacks_by_their_listing(scratch_db):
+    """A callback handled before, placed by its arrival, would stand after every callback
+    of its invoice to come (and make each history): it takes its listing's place."""
+    from tests import shkeeper
+    partial, paid, _ = shkeeper.paid_in_steps("CA-1")
+
+    def event(event_type, body, version, stream="invoice:CA-1", source="crypto"):
+        return dict(source=source, event_type=event_type, dedup_key=f"{event_type}{version}",
+                    payload=json.dumps(body), status="processed", stream=stream,
+                    version=version)
+    with scratch_db.bind_ctx([WebhookEvent]):
+        WebhookEvent.insert_many([
+            event("PAID", paid, "2026-11-20 09:41:40.000000"),
+            event("PARTIAL", partial, ""),
+            event("unconfirmed", shkeeper.unconfirmed("CA-1"), "2026-11-20 09:00:01.000000"),
+            event("malformed", "not an object", "2026-11-20 09:00:02.000000"),
+            event("formation/submitted", {"transactions": []}, "2026-11-20T09:00:00",
+                  stream="formation:FO-1", source="workflow"),
+        ]).execute()
+        for _ in range(2):
+            LISTINGS.apply(scratch_db, migrator_for(scratch_db))
+        assert [(e.event_type, e.stream, e.version)
+                for e in WebhookEvent.select().order_by(WebhookEvent.id)] == [
+            ("PAID", "invoice:CA-1", "000002|2026-11-20 09:41:37"),
+            ("PARTIAL", "invoice:CA-1", "000001|2026-11-20 09:00:12"),
+            ("unconfirmed", None, None),
+            ("malformed", "invoice:CA-1", "2026-11-20 09:00:02.000000"),
+            ("formation/submitted", "formation:FO-1", "2026-11-20T09:00:00")]
 
 
 FIAT_CURRENCY = importlib.import_module("migrations.0014_fiat_currency")

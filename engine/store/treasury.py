@@ -9,7 +9,7 @@ from typing import TypedDict
 import peewee
 
 from models import LedgerEntry, TreasuryJob, is_postgres
-from engine.prepared import InsertOnce, InsertOrUpdate, Prepared, slot
+from engine.prepared import InsertOrUpdate, Prepared, slot
 
 
 class LedgerFields(TypedDict):
@@ -61,7 +61,12 @@ SAVE_TREASURY_JOB = InsertOrUpdate(
      TreasuryJob.amount_fiat_cents, TreasuryJob.amount_usd_cents,
      TreasuryJob.idempotency_key, TreasuryJob.fallback, TreasuryJob.updated_at),
     lambda: (TreasuryJob.state == slot(TreasuryJob.state)) & _not_older(TreasuryJob))
-NEW_LEDGER_ENTRY = InsertOnce(LedgerEntry)
+# An entry of a listed transaction: written once, its status (and the note naming it) the
+# newest listing's of its invoice.
+SAVE_LEDGER_ENTRY = InsertOrUpdate(
+    LedgerEntry, LedgerEntry.idempotency_key,
+    (LedgerEntry.provider_status, LedgerEntry.notes, LedgerEntry.updated_at),
+    lambda: LedgerEntry.provider_status != peewee.EXCLUDED.provider_status)
 # The order's one fallback entry: its balance as the newest callback listing no
 # transaction showed it, unless an entry of a listed transaction is stored.
 SAVE_FALLBACK_ENTRY = InsertOrUpdate(
@@ -96,10 +101,10 @@ class TreasuryStore:
             idempotency_key=idempotency_key, fallback=fallback, received_at=at,
             created_at=at, updated_at=at)
 
-    def add_ledger_entry(self, entry: LedgerFields) -> None:
-        """Write the entry unless one with its idempotency_key is stored (then nothing
-        changes)."""
-        NEW_LEDGER_ENTRY.run_later(**entry)
+    def save_ledger_entry(self, entry: LedgerFields) -> None:
+        """Write the entry; one with its idempotency_key stored already takes its status
+        and note (nothing else changes)."""
+        SAVE_LEDGER_ENTRY.run_later(**entry)
 
     def save_fallback_entry(self, entry: LedgerFields) -> None:
         """Write the order's fallback entry (`entry`, keyed by its idempotency_key), unless

@@ -1,7 +1,9 @@
 """One module per crypto-processor (SHKeeper) invoice status (BEHAVIOUR.md 4.3).
 
-An invoice's callbacks are one stream, handled one after another: each tells the invoice
-as SHKeeper has it then."""
+An invoice's callbacks are one stream, placed by their listing of its transactions
+(domain.treasury.Callback.version): every callback lists the invoice's transactions so
+far, so one listing fewer is older whenever it arrives, and is history once a longer one
+is handled. An `unconfirmed` notice, only logged, waits for nothing."""
 from typing import Any
 
 from domain import treasury
@@ -17,6 +19,13 @@ def _invoice(callback: dict[str, Any]) -> str | None:
     return None if external_id is None else f"invoice:{external_id}"
 
 
-# The callback's key is the receiver's (domain.treasury.Callback.dedup_key); its place is
-# its arrival among its invoice's callbacks.
-INVOICE_CALLBACK = Placement(same=_receiver_key, stream=_invoice, version=_receiver_key)
+def _listing(callback: dict[str, Any]) -> str:
+    return treasury.Callback.parse(callback).version
+
+
+# The callback's key is the receiver's (domain.treasury.Callback.dedup_key: one per state
+# of the invoice); its place, its listing among its invoice's callbacks.
+INVOICE_CALLBACK = Placement(same=_receiver_key, stream=_invoice, version=_listing)
+# A notice of a transaction not confirmed yet lists nothing: logged whenever it comes.
+UNCONFIRMED_NOTICE = Placement(same=_receiver_key, stream=_receiver_key,
+                               version=_receiver_key)

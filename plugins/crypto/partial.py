@@ -1,4 +1,5 @@
-"""PARTIAL: part of the invoice arrived; kept and logged, the order waits for the rest."""
+"""PARTIAL: part of the invoice arrived; kept and logged, the order waits for the rest
+(its administrator told when the listed transactions already pay it)."""
 from typing import Any
 
 from engine.contracts import EngineContext
@@ -10,4 +11,4 @@ from domain import treasury
 
 @crypto_status("PARTIAL", INVOICE_CALLBACK)
 def handle(ctx: EngineContext, callback: dict[str, Any], tx: Transaction) -> None:
-    treasury.log_notice(ctx, callback, tx)
+    treasury.receive_partial(ctx, callback, tx)

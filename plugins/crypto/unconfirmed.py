@@ -4,10 +4,10 @@ from typing import Any
 from engine.contracts import EngineContext
 from engine.transaction import Transaction
 from plugins.registry import crypto_status
-from plugins.crypto import INVOICE_CALLBACK
+from plugins.crypto import UNCONFIRMED_NOTICE
 from domain import treasury
 
 
-@crypto_status("unconfirmed", INVOICE_CALLBACK)
+@crypto_status("unconfirmed", UNCONFIRMED_NOTICE)
 def handle(ctx: EngineContext, callback: dict[str, Any], tx: Transaction) -> None:
     treasury.log_notice(ctx, callback, tx)
