@@ -104,7 +104,8 @@ async def test_awaiting_intake_starts_the_intake_reminders(report, clock, ctx, s
 async def test_a_report_before_its_order_exists_is_handled_once_the_order_is_there(
         report, clock, ctx, smtp):
     clock.set(2026, 11, 20, 9, 0)
-    assert await report("ready_to_file") == recorded("ready_to_file")
+    # Stored, not handled yet: the answer promises no approval request.
+    assert await report("ready_to_file") == (200, {"received": True, "action": "queued"})
     assert WebhookEvent.get().status == "failed"
     order()
     clock.advance(hours=1)
