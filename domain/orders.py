@@ -148,7 +148,8 @@ def complete_payment(ctx: EngineContext, tx: Transaction, order_id: str, order_t
 
     payment_state.merge_received(order, amount)
     order.paid_at = paid_at or now
-    order.stripe_session_id = reference
+    if by_checkout or not _checkout_kept(order, payment_intent_id):
+        order.stripe_session_id = reference
     order.stripe_payment_intent_id = payment_intent_id or order.stripe_payment_intent_id
     if isinstance(order, CrtcOrder) and payment_method:
         order.payment_method = payment_method
@@ -254,18 +255,27 @@ def _fill_in_missing(order: OrderBase, payment_intent_id: str | None,
     return changed
 
 
-def remember_payment_intent(ctx: EngineContext, tx: Transaction, order_id: str,
-                            order_type: str, payment_intent_id: str) -> None:
-    """The payment intent a checkout started for the order, kept before it is paid (a bank
-    debit clearing), so that its own events, and a dispute or refund of it, find the
-    order. OrderNotFound when the order is not stored yet."""
+def remember_checkout(ctx: EngineContext, tx: Transaction, order_id: str, order_type: str,
+                      session_id: str, payment_intent_id: str) -> None:
+    """The checkout session and the payment intent it started for the order, kept before
+    it is paid (a bank debit clearing), so that the intent's own events, and a dispute
+    or refund of it, find the order, and its reference is the session's. OrderNotFound
+    when the order is not stored yet."""
     order = tx.lock_order(order_type, order_id)
     if order is None:
         raise OrderNotFound(f"no {order_type} order {order_id}")
-    if not order.stripe_payment_intent_id:
+    if not order.stripe_payment_intent_id and not payment_state.received(order):
         order.stripe_payment_intent_id = payment_intent_id
+        order.stripe_session_id = session_id
         order.updated_at = ctx.clock()
         tx.save(order)
+
+
+def _checkout_kept(order: OrderBase, payment_intent_id: str | None) -> bool:
+    """Whether the order keeps the checkout session of this payment intent already (an
+    unpaid checkout's: `remember_checkout`)."""
+    return bool(order.stripe_session_id and payment_intent_id
+                and order.stripe_payment_intent_id == payment_intent_id)
 
 
 def email_admin(ctx: EngineContext, tx: Transaction, subject: str, template: str,

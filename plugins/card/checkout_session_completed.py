@@ -5,8 +5,8 @@ payment_intent.succeeded. Nothing to pay (`no_payment_required`: a 100 % discoun
 price, a subscription's trial; no payment intent): the order is completed as a paid
 checkout is, marked as free (`domain.orders.complete_payment`'s `free_because`). A
 subscription-mode session links its subscription to the compliance order, paid or not, so
-renewals and cancellation find the order; an unpaid one keeps its payment intent on the
-order. The facts that came before it (a dispute, a refund, a renewal, the intent's own
+renewals and cancellation find the order; an unpaid one keeps its session and payment
+intent on the order. The facts that came before it (a dispute, a refund, a renewal, the intent's own
 success), waiting for their order, are handled once these links are committed. The
 order is paid as of the event's `created`, and its reference is the session's id
 whichever of the payment's events came first.
@@ -27,7 +27,7 @@ from plugins.card import ONCE_PER_OBJECT
 from domain.card_events import (linked, metadata_of, method_of_payment, object_of,
                                 order_of_metadata, payment_method_used)
 from domain.money import Money
-from domain.orders import FREE, OrderNotFound, complete_payment, remember_payment_intent
+from domain.orders import FREE, OrderNotFound, complete_payment, remember_checkout
 from domain.payment_state import as_of
 from engine.contracts import EngineContext
 from engine.transaction import OrderRef, Transaction
@@ -121,7 +121,7 @@ def record(ctx: EngineContext, event: dict[str, Any], tx: Transaction,
         log.info("session %s for %s is %s; waiting for the payment to clear",
                  session["id"], order_id, session.get("payment_status"))
         if intent:
-            remember_payment_intent(ctx, tx, order_id, order_type, intent)
+            remember_checkout(ctx, tx, order_id, order_type, session["id"], intent)
     subscription = None
     if session.get("mode") == "subscription" and session.get("subscription"):
         subscription = session["subscription"]
