@@ -126,7 +126,8 @@ async def test_a_renewal_before_its_checkout_is_dispatched_once_the_checkout_lin
 
 
 @pytest.mark.gen_test
-async def test_a_bank_debits_success_before_its_unpaid_checkout_pays_the_order(send, ctx):
+async def test_a_bank_debits_success_before_its_unpaid_checkout_pays_the_order(send, ctx,
+                                                                                stripe_api):
     """The intent names no order (no payment_intent_data.metadata): the unpaid checkout
     keeps the intent on the order, and the waiting success pays it, as of its own time."""
     CrtcOrder.create(order_number="CA-1")
@@ -142,6 +143,15 @@ async def test_a_bank_debits_success_before_its_unpaid_checkout_pays_the_order(s
     assert (order.payment_status, order.paid_at, order.payment_method) == (
         "paid", at(PAID + 4 * 86400), "ach")
     assert order.stripe_session_id == "cs_test_ach"
+
+
+@pytest.mark.gen_test
+async def test_a_subscription_invoices_success_waits_for_nothing(send, stripe_api):
+    """The first invoice's intent names no order: Stripe says it paid an invoice, whose
+    own events tell of it."""
+    await subscription_paid(stripe_api, intent="pi_test_inv")
+    intent = {**se.payment_intent(None, None, intent_id="pi_test_inv"), "metadata": {}}
+    assert (await send("payment_intent.succeeded", intent)).status == "processed"
 
 
 @pytest.mark.gen_test

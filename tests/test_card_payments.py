@@ -92,7 +92,7 @@ async def test_an_unpaid_bank_debit_session_waits_then_the_intent_pays_it(send, 
 ])
 @pytest.mark.gen_test
 async def test_without_usable_order_metadata_nothing_happens(
-        send, telegram, metadata, event_type, build):
+        send, telegram, stripe_api, metadata, event_type, build):
     """A payment intent no order names may be one whose checkout has not come: it waits
     for a checkout to link it (tests/test_card_facts.py)."""
     FormationOrder.create(order_number="FO-1")

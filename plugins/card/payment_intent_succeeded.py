@@ -4,7 +4,8 @@ order is paid (its checkout session completed unpaid days ago).
 The order: the one the intent's metadata names, else the one that keeps the intent (its
 checkout, paid or not, recorded it). Found by neither (the intent carries no metadata and
 its checkout.session.completed has not come), it waits for its order with the intent's
-id, and is handled when the checkout links it. Paid as of the event's `created`.
+id, and is handled when the checkout links it; unless it paid a subscription's invoice
+(Stripe asked), whose own events tell of it. Paid as of the event's `created`.
 
 Async, because a CRTC order paid through a session that allowed several methods needs
 Stripe asked which one was used (settlement depends on it), and that call must not hold a
@@ -15,7 +16,7 @@ from typing import Any
 from plugins.registry import card_event
 from plugins.card import ONCE_PER_OBJECT
 from domain.card_events import (
-    ids_of, linked, metadata_of, method_of_payment, object_of, order_of_metadata)
+    ask_stripe, ids_of, linked, metadata_of, method_of_payment, object_of, order_of_metadata)
 from domain.money import Money
 from domain.orders import complete_payment
 from domain.payment_state import as_of
@@ -31,12 +32,25 @@ def _kept_by(tx: Transaction, intent_id: str) -> tuple[str, str] | None:
     return order.order_number, order.kind
 
 
+async def _pays_an_invoice(ctx: EngineContext, intent: dict[str, Any]) -> bool:
+    """Whether the intent paid an invoice (a subscription's): the intent names it in a
+    shape before 2025-03-31.basil, Stripe's invoice payments of it from then on."""
+    if intent.get("invoice"):
+        return True
+    paid = await ask_stripe(
+        ctx, f"invoice payments of {intent['id']}", lambda v1: v1.invoice_payments.list,
+        payment={"type": "payment_intent", "payment_intent": intent["id"]})
+    return bool((paid or {}).get("data"))
+
+
 @card_event("payment_intent.succeeded", ONCE_PER_OBJECT)
 async def handle(ctx: EngineContext, event: dict[str, Any], tx: Transaction) -> None:
     intent = object_of(event)
     named = order_of_metadata(intent) if metadata_of(intent).get("order_id") else None
     order = named or await ctx.db(functools.partial(_kept_by, tx, intent["id"]))
     if order is None:
+        if await _pays_an_invoice(ctx, intent):
+            return  # a subscription's invoice: its invoice events tell of it
         tx.wait_for_order(f"payment intent {intent['id']}: no order names it yet",
                           ids_of(payment_intent=intent["id"]))
         return
