@@ -273,9 +273,11 @@ class WebhookEvent(BaseModel):
     """The inbox: every accepted call, stored raw before it is handled.
 
     status: received (stored, not yet handled), processed, failed (handling raised; the
-    scheduler retries it), dead (given up: by the retry policy after too many failures,
-    or by an operator), rejected (malformed; kept with the reason), ignored (nothing to
-    do for it).
+    scheduler retries it), waiting (a fact whose order is not known yet: handled again
+    when one of `waiting_for` is linked to an order, or looked at again at
+    next_attempt_at), dead (given up: by the retry policy after too many failures, or by
+    an operator), rejected (malformed; kept with the reason), ignored (nothing to do for
+    it).
 
     reconciled: not delivered by its sender but found by reconciliation (a workflow state
     change whose webhook never came, domain/reconcile.py) and handled as if it had come.
@@ -306,6 +308,9 @@ class WebhookEvent(BaseModel):
     # arrival time). NULL stream: a fact that folds in any order and waits for nothing.
     stream = TextField(null=True)
     version = TextField(null=True)
+    # The ids that will find a waiting fact's order, `kind:id` separated by spaces
+    # (`payment_intent:pi_1 charge:ch_1`): the last wait's, kept once it is handled.
+    waiting_for = TextField(null=True)
     # Not columns: what it waits behind as the operator reads it (ops.operator.note_holds);
     # whether other events of its stream were unfinished when it was handed over
     # (engine.inbox.position).
@@ -338,6 +343,11 @@ WebhookEvent.add_index(
                        WebhookEvent.received_at, WebhookEvent.id,
                        name="webhook_events_unfinished_by_stream")
     .where(WebhookEvent.status.in_(["received", "failed"])))
+# The facts waiting for their order (engine.inbox.wake): "which of them wait for this id?"
+# and "which are to be looked at again?" read these rows only, however large the table.
+WebhookEvent.add_index(
+    WebhookEvent.index(WebhookEvent.next_attempt_at, name="webhook_events_waiting")
+    .where(WebhookEvent.status == "waiting"))
 # A stream's handled events by version: "was a later change of this stream handled?"
 WebhookEvent.add_index(
     WebhookEvent.index(WebhookEvent.source, WebhookEvent.stream, WebhookEvent.version,

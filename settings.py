@@ -211,6 +211,7 @@ POSITIVE_NUMBERS = {
     "CLAIM_LEASE_SECONDS": "claim_lease_seconds",
     "INBOX_MAX_ATTEMPTS": "inbox_max_attempts",
     "INBOX_HOLD_ALERT_MINUTES": "inbox_hold_alert_minutes",
+    "CARD_FACT_WAIT_ALERT_MINUTES": "card_fact_wait_alert_minutes",
     "OUTBOX_MAX_ATTEMPTS": "outbox_max_attempts",
     "STOP_TIMEOUT_SECONDS": "stop_timeout_seconds",
     "RETENTION_DAYS": "retention_days",
@@ -398,6 +399,9 @@ class Settings:
     # How long an order's events may wait behind an unfinished earlier one before the
     # administrator is told (once for each event that holds them).
     inbox_hold_alert_minutes: int = 60
+    # How often a card fact waiting for its order is looked at again, and how long it
+    # may wait before the administrator is told (once for each fact).
+    card_fact_wait_alert_minutes: int = 60
     # How long a stop may take in all, as systemd's TimeoutStopSec gives it (deploy/).
     stop_timeout_seconds: int = 30
     outbound_max_in_flight: int = 16

@@ -1,5 +1,6 @@
 """Backfill from Stripe's Events API: the events whose webhook delivery failed since a
-given time, fed through the same inbox as the webhook (same dedup keys), so an event
+given time, fed through the same inbox as the webhook under the same keys (each type's
+key of one fact, as its plugin declares it: domain.card_events.fact_key), so an event
 that did arrive, or that an earlier backfill stored, is not stored or handled again.
 
 Stripe keeps events for 30 days and lists them newest first; we handle them in the
@@ -60,7 +61,7 @@ async def backfill(ctx: EngineContext, since: datetime.datetime, client: Any = N
         if card_events.problem_with(event):
             counts.unreadable += 1
         elif await ctx.db(functools.partial(inbox.find, ctx, card_events.SOURCE,
-                                            card_events.dedup_key(event))):
+                                            card_events.fact_key(ctx, event))):
             counts.already += 1
         else:
             await card_events.accept(ctx, event, json.dumps(event).encode())

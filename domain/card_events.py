@@ -15,6 +15,7 @@ from clients.stripe_api import API_VERSION, stripe_client
 from models import ORDER_MODELS
 from engine import inbox
 from engine.contracts import EngineContext
+from engine.transaction import Transaction, wait_key
 # The plugins' vocabulary includes the admin e-mail, which the shared order steps use too.
 from domain.orders import email_admin, payment_method_of  # noqa: F401
 
@@ -22,30 +23,11 @@ log = logging.getLogger("receiver.card")
 
 SOURCE = "card"
 
-# BEHAVIOUR.md 4.2 handles these "in the background": after the answer is sent. The
-# disputes' and refunds' may ask Stripe which order the payment was for.
-BACKGROUND_TYPES = frozenset({
-    "payment_intent.payment_failed", "charge.dispute.created", "balance.available",
-    "charge.dispute.closed", "charge.dispute.funds_withdrawn",
-    "charge.dispute.funds_reinstated", "charge.refunded"})
 
-
-def dedup_key(event: dict[str, Any]) -> str:
-    """One key per thing that happened, not per delivery: Stripe may redeliver an event id,
-    and may send a second Event object for the same (object, type).
-
-    An invoice fails once per collection attempt, and each attempt matters (the customer
-    is nudged on the first only), so the attempt number is part of that key; a charge is
-    refunded once per refund, each adding to its amount refunded, which is part of its."""
-    obj = event.get("data", {}).get("object", {})
-    if not obj.get("id"):
-        return event["id"]
-    key = f"{event['type']}:{obj['id']}"
-    if event["type"] == "invoice.payment_failed":
-        key += f":{obj.get('attempt_count')}"
-    if event["type"] == "charge.refunded":
-        key += f":{obj.get('amount_refunded')}"
-    return key
+def fact_key(ctx: EngineContext, event: dict[str, Any]) -> str:
+    """The key under which deliveries of `event` are one fact, as its type's plugin
+    declares it (plugins.card); its Stripe id for a type with no plugin."""
+    return ctx.plugins[SOURCE].placed(event["type"], event).same or event["id"]
 
 
 def problem_with(event: Any) -> str | None:
@@ -59,8 +41,8 @@ def problem_with(event: Any) -> str | None:
             event["data"].get("object"), dict):
         return "no data.object"
     obj = object_of(event)
-    # Each goes into an indexed column: the event id, its type, the object's id (the
-    # dedup key), the order id of its metadata.
+    # Each goes into an indexed column: the event id, its type, the object's id (in the
+    # key of a fact that happens once per object), the order id of its metadata.
     for name, value in (("id", event["id"]), ("type", event["type"]),
                         ("data.object.id", obj.get("id")),
                         ("metadata.order_id", metadata_of(obj).get("order_id"))):
@@ -92,17 +74,18 @@ check_version = VersionWatch()
 
 async def accept(ctx: EngineContext, event: dict[str, Any], raw: bytes) -> None:
     """Store a verified event in the inbox and handle it: in the background for the types
-    BEHAVIOUR.md handles so, before returning for the others. A handling error is logged and
-    left on the inbox row for retry; it never raises."""
+    whose plugin declares so (BEHAVIOUR.md 4.2), before returning for the others. A
+    handling error is logged and left on the inbox row for retry; it never raises."""
     check_version(event)
-    in_background = event["type"] in BACKGROUND_TYPES
-    placed = ctx.plugins[SOURCE].placed(event["type"], event)
+    registry = ctx.plugins[SOURCE]
+    in_background = registry.in_background(event["type"])
+    placed = registry.placed(event["type"], event)
     await inbox.accept(
-        ctx, SOURCE, event["type"], placed.same or dedup_key(event), raw,
+        ctx, SOURCE, event["type"], placed.same or event["id"], raw,
         external_id=event["id"], stream=placed.stream, version=placed.version,
         order_number=metadata_of(object_of(event)).get("order_id"),
         in_background=in_background,
-        orders=() if in_background else ctx.plugins[SOURCE].orders_of(event["type"], event))
+        orders=() if in_background else registry.orders_of(event["type"], event))
 
 
 async def reject(ctx: EngineContext, raw: bytes, reason: str) -> None:
@@ -204,3 +187,21 @@ def subscription_of_invoice(invoice: dict[str, Any]) -> str | None:
     version (an endpoint or `stripe listen` on an older version) has it at the top."""
     details = (invoice.get("parent") or {}).get("subscription_details") or {}
     return details.get("subscription") or invoice.get("subscription")
+
+
+# --- facts waiting for their order ----------------------------------------------------------
+
+def ids_of(**ids: Any) -> list[str]:
+    """The ids that will find a fact's order (`payment_intent="pi_1"`, ...), as the inbox
+    keeps them (engine.store.intake.wait_key); those not given or not text left out."""
+    return [wait_key(kind, value) for kind, value in ids.items()
+            if isinstance(value, str) and value]
+
+
+def linked(ctx: EngineContext, tx: Transaction, **ids: Any) -> None:
+    """In a transaction: the ids now linked to an order (its payment intent, its
+    subscription, a renewal's invoice, a refunded charge, its number): the facts waiting
+    for one of them are due, and handled once this handling is committed."""
+    keys = ids_of(**ids)
+    if keys and tx.wake_facts(keys, ctx.clock()):
+        tx.woken.extend(keys)

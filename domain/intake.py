@@ -13,7 +13,8 @@ An order that arrives makes the calls that wait for it due now (`make_waiting_du
 failed events about it, or about an order that names it as its parent (a payment's
 re-dispatch of the parent), are retried at once rather than at their next backoff. The
 inbox then hands them to their plugins in its own order; nothing here orders them.
-Calls still waiting for an order not there yet (`waiting_calls`) are what the console's
+Calls still waiting for an order not there yet (`waiting_calls`), and the card facts
+waiting for the ids that will find their order (`facts_waiting`), are what the console's
 overview shows.
 
 Longer than most: the contract (its fields, their checks, the file formats) is one thing,
@@ -31,7 +32,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 from engine import inbox
 from engine.contracts import EngineContext
-from engine.transaction import CallsWaiting, Transaction
+from engine.transaction import CallsWaiting, FactsWaiting, Transaction
 from models import ORDER_MODELS, OrderBase
 
 log = logging.getLogger("receiver.orders")
@@ -284,6 +285,12 @@ def waiting_calls(tx: Transaction, limit: int = 20) -> CallsWaiting:
     (engine.inbox). How many, for how many orders, and the `limit` orders that wait
     longest (number, calls, since when)."""
     return tx.calls_waiting_for_orders(inbox.AWAITING_HANDLING, limit)
+
+
+def facts_waiting(tx: Transaction, limit: int = 10) -> FactsWaiting:
+    """The card facts waiting for their order (a unit of work): how many, and the `limit`
+    waiting longest, with the ids that will find their order (engine.inbox)."""
+    return tx.facts_waiting(limit)
 
 
 # --- what the shop is told -------------------------------------------------------------

@@ -106,8 +106,9 @@ def remember_order_name(ctx: EngineContext, tx: Transaction, order_number: str,
 def complete_payment(ctx: EngineContext, tx: Transaction, order_id: str, order_type: str,
                      reference: str, *, source: str, payment_intent_id: str | None = None,
                      payment_method: str | None = None, free_because: str | None = None,
-                     amount: Money | None = None,
-                     coins: str | None = None) -> tuple[OrderBase, bool]:
+                     amount: Money | None = None, coins: str | None = None,
+                     paid_at: datetime.datetime | None = None,
+                     by_checkout: bool = False) -> tuple[OrderBase, bool]:
     """Mark an order's payment received, once (BEHAVIOUR.md 4.2, "Completing a payment").
 
     A first completion keeps the fact (domain.payment_state), and with it paid_at, the
@@ -120,6 +121,9 @@ def complete_payment(ctx: EngineContext, tx: Transaction, order_id: str, order_t
     same, says why in a note line and in the alert, which does not call the order paid.
     An order whose payment was received already only gets a missing payment-intent id
     (or CRTC payment method) filled in; a different payment is told as a second one.
+    `paid_at`: when the sender says the payment was made (the earliest any of its events
+    says is kept; without one, now). `by_checkout`: `reference` is the payment's checkout
+    session, the order's reference whichever of the payment's events came first.
     Returns (order, newly_paid)."""
     if order_type not in ORDER_MODELS:
         raise ValueError(f"unknown order type {order_type!r}")
@@ -131,7 +135,8 @@ def complete_payment(ctx: EngineContext, tx: Transaction, order_id: str, order_t
         if not _same_payment(order, reference, payment_intent_id, source):
             _another_payment(ctx, tx, order, reference, source, amount)
             return order, False
-        if _fill_in_missing(order, payment_intent_id, payment_method, amount):
+        if _fill_in_missing(order, payment_intent_id, payment_method, amount, paid_at,
+                            reference if by_checkout else None):
             order.updated_at = now
             tx.save(order)
         log.info("%s order %s is already paid; nothing more to do", order_type, order_id)
@@ -142,8 +147,9 @@ def complete_payment(ctx: EngineContext, tx: Transaction, order_id: str, order_t
         return order, False
 
     payment_state.merge_received(order, amount)
-    order.paid_at = now
-    order.stripe_session_id = reference
+    order.paid_at = paid_at or now
+    if by_checkout or not _checkout_kept(order, payment_intent_id):
+        order.stripe_session_id = reference
     order.stripe_payment_intent_id = payment_intent_id or order.stripe_payment_intent_id
     if isinstance(order, CrtcOrder) and payment_method:
         order.payment_method = payment_method
@@ -225,11 +231,18 @@ def _check_payment_method(ctx: EngineContext, tx: Transaction, order: OrderBase)
 
 
 def _fill_in_missing(order: OrderBase, payment_intent_id: str | None,
-                     payment_method: str | None, amount: Money | None) -> bool:
+                     payment_method: str | None, amount: Money | None,
+                     paid_at: datetime.datetime | None, session_id: str | None) -> bool:
     """A later event of the same payment may know what the first did not: the payment
-    intent, the amount, or (on CRTC orders, where settlement depends on it) the payment
-    method."""
+    intent, the amount, (on CRTC orders, where settlement depends on it) the payment
+    method, an earlier time of the payment, or its checkout session (the reference)."""
     changed = False
+    if paid_at is not None and (order.paid_at is None or paid_at < order.paid_at):
+        order.paid_at = paid_at
+        changed = True
+    if session_id and order.stripe_session_id != session_id:
+        order.stripe_session_id = session_id
+        changed = True
     if amount is not None and amount.currency and order.payment_amount is None:
         order.payment_amount, order.payment_currency = amount.minor, amount.currency
         changed = True
@@ -240,6 +253,29 @@ def _fill_in_missing(order: OrderBase, payment_intent_id: str | None,
         order.payment_method = payment_method
         changed = True
     return changed
+
+
+def remember_checkout(ctx: EngineContext, tx: Transaction, order_id: str, order_type: str,
+                      session_id: str, payment_intent_id: str) -> None:
+    """The checkout session and the payment intent it started for the order, kept before
+    it is paid (a bank debit clearing), so that the intent's own events, and a dispute
+    or refund of it, find the order, and its reference is the session's. OrderNotFound
+    when the order is not stored yet."""
+    order = tx.lock_order(order_type, order_id)
+    if order is None:
+        raise OrderNotFound(f"no {order_type} order {order_id}")
+    if not order.stripe_payment_intent_id and not payment_state.received(order):
+        order.stripe_payment_intent_id = payment_intent_id
+        order.stripe_session_id = session_id
+        order.updated_at = ctx.clock()
+        tx.save(order)
+
+
+def _checkout_kept(order: OrderBase, payment_intent_id: str | None) -> bool:
+    """Whether the order keeps the checkout session of this payment intent already (an
+    unpaid checkout's: `remember_checkout`)."""
+    return bool(order.stripe_session_id and payment_intent_id
+                and order.stripe_payment_intent_id == payment_intent_id)
 
 
 def email_admin(ctx: EngineContext, tx: Transaction, subject: str, template: str,
@@ -294,7 +330,8 @@ def mark_payment_failed(ctx: EngineContext, tx: Transaction, order_number: str, 
                         failed_at: datetime.datetime) -> tuple[list[OrderBase], list[OrderBase]]:
     """BEHAVIOUR.md 4.2 payment_intent.payment_failed: the failure is kept on every order
     of any kind with that number (domain.payment_state.merge_failure), and those whose
-    payment was not received become `failed`, with a note line; one whose payment was
+    payment was not received become `failed`, with a note line (once per failure: a
+    failure told again at the same time adds none); one whose payment was
     received keeps its status (the failure was of an earlier or another attempt).
     Returns (the orders marked failed, the orders left as they were)."""
     now = ctx.clock()
@@ -308,8 +345,10 @@ def mark_payment_failed(ctx: EngineContext, tx: Transaction, order_number: str, 
                 tx.save(order)
             left.append(order)
             continue
-        order.append_note(f"Payment failed: {reason} ({now.isoformat(timespec='seconds')})")
-        settle_status(ctx, tx, order)
+        if newer:  # a copy of a failure kept already adds no line
+            order.append_note(f"Payment failed: {reason} "
+                              f"({failed_at.isoformat(timespec='seconds')})")
+            settle_status(ctx, tx, order)
         marked.append(order)
     return marked, left
 

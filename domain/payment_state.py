@@ -15,10 +15,11 @@ Each event tells a fact about the payment, kept on the order (models.OrderBase):
 `status_of` gives the status for any set of facts, and each `merge_*` keeps a fact only
 when it is newer than the one kept (an older fact never undoes a newer one), so the same
 facts told in any order give the same status, amounts and settlement decision. Two facts
-that cannot both be true (one dispute closed as won and as lost; a charge's refunded
-amount going down) are a CONFLICT: the caller asks Stripe for the object as it is now
-(domain.payment_events) and merges that; when Stripe cannot be asked, the fact the rule
-prefers (`by_rule`) is kept: a loss, or the larger amount refunded.
+that cannot both be true (one dispute closed as won and as lost, or told open after it
+closed; a charge's refunded amount going down) are a CONFLICT, whatever event types
+told them: the caller asks Stripe for the object as it is now (domain.payment_events)
+and merges that; when Stripe cannot be asked, the fact the rule prefers (`by_rule`) is
+kept: a loss, a closed dispute, or the larger amount refunded.
 
 These functions only read and set an order's columns; the caller holds the order locked
 and saves it.
@@ -200,10 +201,11 @@ def _kept_dispute(order: OrderBase) -> DisputeFact | None:
 def merge_dispute(order: OrderBase, fact: DisputeFact, asked: bool = False,
                   by_rule: bool = False) -> Change:
     """A fact about a dispute of the order's payment. Of one dispute a closed status is
-    final: an open one is older than it, whatever its time; two different closed
-    statuses are a CONFLICT. `asked`: the fact is Stripe's answer, the dispute as it is
-    now, and is kept. `by_rule`: a conflict is settled by `DisputeFact.rank` (a loss
-    stands), as facts of different disputes always are."""
+    final: an open one told before it is older than it; one told after it, or two
+    different closed statuses, are a CONFLICT. `asked`: the fact is Stripe's answer, the
+    dispute as it is now, and is kept. `by_rule`: a conflict is settled for the closed
+    status, or by `DisputeFact.rank` (a loss stands), as facts of different disputes
+    always are."""
     known(order)
     kept = _kept_dispute(order)
     # A dispute known only from a stored status (`known`) is whichever the events name.
@@ -215,7 +217,13 @@ def merge_dispute(order: OrderBase, fact: DisputeFact, asked: bool = False,
         if kept.closed and fact.closed and not by_rule:
             return Change.CONFLICT
         if kept.closed != fact.closed:
-            return _keep_dispute(order, fact) if fact.closed else Change.OLDER
+            if fact.closed:
+                return _keep_dispute(order, fact)
+            # Open again after it closed, as Stripe told it later (an inquiry turned into
+            # a chargeback, or a stale copy): Stripe's dispute as it is now decides.
+            if fact.as_of > kept.as_of and kept.dispute_id and not by_rule:
+                return Change.CONFLICT
+            return Change.OLDER
     if kept is not None and kept.rank() >= fact.rank():
         return Change.OLDER
     return _keep_dispute(order, fact)

@@ -56,7 +56,8 @@ class Registry(Protocol):
     """What the engine asks of a source's plugins (plugins.registry.Registry): the plugin
     for an event type (a function, plain or async, called with the context, the decoded
     payload and the event's effects), the payload decoded as the plugins receive it
-    (arbitrary JSON), and the orders a plugin's handling reads (engine.store.orders)."""
+    (arbitrary JSON), the orders a plugin's handling reads (engine.store.orders), where a
+    delivery stands in its sender's record, whether it is handled after the answer."""
 
     def get(self, key: str) -> Any: ...
 
@@ -65,6 +66,8 @@ class Registry(Protocol):
     def orders_of(self, key: str, payload: Any) -> Sequence[OrderRef]: ...
 
     def placed(self, key: str, payload: Any) -> Placed: ...
+
+    def in_background(self, key: str) -> bool: ...
 
     def keys(self) -> list[str]: ...
 

@@ -48,6 +48,10 @@ from engine.contracts import Accepted, EngineContext, Registry, Stored
 from engine.spool import Entry
 from engine.db import UNAVAILABLE, due_by, locked, why_unavailable
 from engine.prepared import InsertMany, InsertOnce, Prepared, slot
+# The status, and what `process` says, of a fact whose order is not known yet
+# (`Effects.wait_for_order`): neither finished nor due, it waits for a link to its order
+# (`_wait`).
+from engine.store.intake import WAITING, waits_for
 from engine.store.orders import OrderRef, ahead_of as orders_ahead
 from engine.transaction import Transaction
 
@@ -360,6 +364,7 @@ async def _handled_here(ctx: EngineContext, event: WebhookEvent, created: bool,
     outcome, effects, started = handled
     if effects is not None:
         await _deliver(ctx, effects.rows, send_within)
+        _hand_over_woken(ctx, effects)
     _report(ctx, event, outcome, started)
     await _release_after(ctx, event, outcome)
     return Accepted(event, created, outcome)
@@ -997,7 +1002,32 @@ async def _handle(ctx: EngineContext, event: WebhookEvent) -> str:
         await _fail(ctx, event, f"{type(exc).__name__}: {exc}")
         return "failed"
     await deliver_committed(ctx, tx.rows)
+    _hand_over_woken(ctx, tx)
     return outcome
+
+
+def _hand_over_woken(ctx: EngineContext, effects: outbox.Effects) -> None:
+    """The facts a committed handling woke (it linked their order to one of the ids they
+    wait for): handled now, in the background, not at the inbox retry's next run."""
+    if effects.woken:
+        ctx.background(handle_woken(ctx, list(effects.woken)))
+
+
+async def handle_woken(ctx: EngineContext, ids: Sequence[str]) -> int:
+    """Hand the due facts waiting for one of `ids` to their plugins, one after another;
+    how many. Never raises for the database: the inbox retry takes what is left."""
+    handled = 0
+    try:
+        while True:
+            events = await claim(ctx, WebhookEvent, _due(ctx) & waits_for(ids), limit=1)
+            if not events:
+                return handled
+            await _process(ctx, events[0])
+            handled += 1
+    except UNAVAILABLE as exc:
+        log.warning("facts woken for %s not handled, the database is unavailable: %s",
+                    ", ".join(ids), why_unavailable(exc))
+    return handled
 
 
 async def deliver_committed(ctx: EngineContext, rows: list[Outbox]) -> None:
@@ -1074,6 +1104,10 @@ def _conclude(ctx: EngineContext, event: WebhookEvent, effects: outbox.Effects,
                     event.event_type, effects.recorded_only)
         _finish(ctx, event.id, "ignored", effects.recorded_only, counted=stored_processed)
         return "ignored"
+    if effects.waiting_for is not None:
+        _wait(ctx, event, effects.waiting_reason or "its order is not known yet",
+              effects.waiting_for)
+        return WAITING
     if effects.retry_reason:
         log.warning("%s event #%s (%s) partly handled, retried later: %s", event.source,
                     event.id, event.event_type, effects.retry_reason)
@@ -1082,6 +1116,28 @@ def _conclude(ctx: EngineContext, event: WebhookEvent, effects: outbox.Effects,
     if not stored_processed:
         _finish(ctx, event.id, "processed")
     return "processed"
+
+
+def _wait(ctx: EngineContext, event: WebhookEvent, reason: str, ids: Sequence[str]) -> None:
+    """The fact waits for its order, with the ids that will find it: handled again when
+    one of them is linked to an order (engine.store.intake.wake_facts), or looked at
+    again after CARD_FACT_WAIT_ALERT_MINUTES, when the administrator is told, once, of a
+    fact that has waited longer. A wait is no failure: its attempts are not counted."""
+    now = ctx.clock()
+    minutes = ctx.settings.card_fact_wait_alert_minutes
+    waiting_for = " ".join(ids)
+    (WebhookEvent.update(status=WAITING, waiting_for=waiting_for, attempts=event.attempts,
+                         last_error=error_text(reason), processed_at=None, updated_at=now,
+                         next_attempt_at=now + datetime.timedelta(minutes=minutes))
+     .where(WebhookEvent.id == event.id).execute())
+    log.info("%s event #%s (%s) waits for its order (%s): %s", event.source, event.id,
+             event.event_type, waiting_for or "nothing to find it by", reason)
+    if now - event.received_at >= datetime.timedelta(minutes=minutes):
+        outbox.tell_admin(
+            ctx, f"fact-waiting-{event.id}", f"Event #{event.id} ({event.event_type}) waits "
+            f"for its order", "fact_waiting", event=event, reason=reason,
+            waiting_for=waiting_for, minutes=minutes,
+            since=event.received_at.isoformat(timespec="seconds"))
 
 
 def _finish(ctx: EngineContext, event_id: int, status: str, error: str | None = None,
@@ -1163,8 +1219,10 @@ async def retry_due(ctx: EngineContext) -> int:
     a slow one (balance.available's settlements, a Stripe lookup), and another process
     take them too. The one being handled keeps its lease however long it takes (`process`).
 
-    Due: as `_due` says."""
+    Due: as `_due` says; the waiting facts whose time to be looked at again has come are
+    made due first."""
     handled = 0
+    await ctx.db(functools.partial(Transaction(ctx).wake_facts_to_look_at, ctx.clock()))
     while handled < CLAIM_BATCH:
         events = await claim(ctx, WebhookEvent, _due(ctx), limit=1)
         if not events:

@@ -205,6 +205,13 @@ class Effects:
         # Set by the inbox before the plugin runs: a later event of the event's stream
         # handled already, which makes this one history to its plugin.
         self.overtaken_by: Overtaken | None = None
+        # Set by `wait_for_order`: the event is a fact whose order is not known yet, kept
+        # waiting with the ids that will find it, for this reason.
+        self.waiting_for: tuple[str, ...] | None = None
+        self.waiting_reason: str | None = None
+        # The ids of orders linked by this handling that waiting facts were woken for
+        # (engine.store.payments.wake_facts): the inbox handles those once committed.
+        self.woken: list[str] = []
 
     @contextlib.contextmanager
     def savepoint(self) -> Iterator[None]:
@@ -228,6 +235,7 @@ class Effects:
         recognised_before = set(self.recognised)
         retry_before, rejection_before = self.retry_reason, self.rejection
         recorded_before = self.recorded_only
+        waiting_before = self.waiting_for, self.waiting_reason, list(self.woken)
 
         def run_from_the_state_before() -> T:  # a unit may be run again (engine.commits)
             del self.rows[rows_before:]
@@ -235,6 +243,8 @@ class Effects:
             self.position, self.recognised = position_before, set(recognised_before)
             self.retry_reason, self.rejection = retry_before, rejection_before
             self.recorded_only = recorded_before
+            self.waiting_for, self.waiting_reason = waiting_before[:2]
+            self.woken = list(waiting_before[2])
             return work()
         try:
             return await self.ctx.commits.run(run_from_the_state_before)
@@ -259,6 +269,15 @@ class Effects:
         than one already handled): it ends `ignored` with the reason; what the handling
         asked for is kept (a notice to the administrator, say)."""
         self.recorded_only = reason
+
+    def wait_for_order(self, reason: str, ids: Iterable[str]) -> None:
+        """The event is a fact about an order not known yet: it ends `waiting`, with the
+        reason and the ids (`kind:id`, engine.store.payments.wait_key) whose link to an
+        order will find it, and is handled again when one of them is linked (`woken`),
+        or looked at again after CARD_FACT_WAIT_ALERT_MINUTES. What the handling asked
+        for is kept (a plugin that waits asks for nothing first)."""
+        self.waiting_reason = reason
+        self.waiting_for = tuple(dict.fromkeys(ids))
 
     def add(self, kind: str, payload: dict[str, Any], purpose: str | None = None,
             key: str | None = None, order_number: str | None = None) -> None:

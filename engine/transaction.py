@@ -29,14 +29,14 @@ from peewee import PeeweeException
 from engine.commits import raise_if_conflict
 from engine.outbox import Effects
 from engine.store.filings import FilingStore
-from engine.store.intake import CallsWaiting, IntakeStore
+from engine.store.intake import CallsWaiting, FactsWaiting, IntakeStore, wait_key
 from engine.store.orders import OrderRef, OrderStore
 from engine.store.payments import PaymentStore
 from engine.store.reconcile import DatabaseTimeSpent, ReconcileStore
 from engine.store.treasury import LedgerFields, TreasuryStore
 
-__all__ = ["CallsWaiting", "DatabaseTimeSpent", "LedgerFields", "OrderRef", "Part", "Refused",
-           "Transaction"]
+__all__ = ["CallsWaiting", "DatabaseTimeSpent", "FactsWaiting", "LedgerFields", "OrderRef",
+           "Part", "Refused", "Transaction", "wait_key"]
 
 log = logging.getLogger("receiver.transaction")
 

@@ -301,11 +301,13 @@ class LogoutHandler(ConsoleHandler):
 
 class OverviewHandler(ConsoleHandler):
     async def get(self) -> None:
-        overview, actions, waiting = await self.ctx.db(lambda: (
+        overview, actions, waiting, facts = await self.ctx.db(lambda: (
             console.overview(self.ctx, self.state.event_counts), console.recent_actions(10),
-            intake.waiting_calls(Transaction(self.ctx))))
+            intake.waiting_calls(Transaction(self.ctx)),
+            intake.facts_waiting(Transaction(self.ctx))))
         self.render_page("overview", overview=overview, chart=chart(overview.events_by_day),
-                         actions=actions, last_success=self.last_success, waiting=waiting)
+                         actions=actions, last_success=self.last_success, waiting=waiting,
+                         facts=facts)
 
     @staticmethod
     def last_success(timestamp: float | None) -> str:

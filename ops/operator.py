@@ -32,7 +32,8 @@ from engine.contracts import EngineContext
 from engine.destinations import DESTINATION_OF
 
 EVENT_SOURCES = ("workflow", "card", "crypto")
-EVENT_STATUSES = ("received", "processed", "failed", "dead", "rejected", "ignored")
+EVENT_STATUSES = ("received", "processed", "failed", "waiting", "dead", "rejected",
+                  "ignored")
 OUTBOX_STATUSES = ("pending", "waiting", "sent", "logged", "dead")
 # Where effects go, by the one name the operator meets everywhere (the console, this
 # command line, /metrics, /readyz, the settings WORKER_URL, WORKFLOW_URL, TELEGRAM_*,

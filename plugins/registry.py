@@ -61,10 +61,13 @@ class Registry:
         self.decode = decode
         self._plugins: dict[str, Plugin] = {}
         self._placements: dict[str, Placement] = {}
+        self._background: set[str] = set()
 
-    def register(self, key: str, placement: Placement) -> Callable[[P], P]:
+    def register(self, key: str, placement: Placement,
+                 background: bool = False) -> Callable[[P], P]:
         """A decorator that registers its plugin under `key` with its placement
-        (ValueError if the key is taken, TypeError without a placement)."""
+        (ValueError if the key is taken, TypeError without a placement); `background`:
+        its calls are handled after the answer is sent (`in_background`)."""
         if not isinstance(placement, Placement):
             raise TypeError(f"{self.what} {key!r}: a plugin declares its Placement")
 
@@ -73,6 +76,8 @@ class Registry:
                 raise ValueError(f"two plugins for {self.what} {key!r}")
             self._plugins[key] = plugin
             self._placements[key] = placement
+            if background:
+                self._background.add(key)
             return plugin
         return decorator
 
@@ -83,6 +88,10 @@ class Registry:
     def placement(self, key: str) -> Placement | None:
         """The placement the plugin under `key` declared, or None for no plugin."""
         return self._placements.get(key)
+
+    def in_background(self, key: str) -> bool:
+        """Whether the plugin under `key` declared its calls handled after the answer."""
+        return key in self._background
 
     def placed(self, key: str, payload: Any) -> Placed:
         """Where a delivery of `key` with `payload` stands (`Placement`): nothing for a
@@ -127,9 +136,12 @@ card_events = Registry("card event type")
 crypto_statuses = Registry("crypto invoice status", decode=exact_json)
 
 
-def card_event(event_type: str, placement: Placement) -> Callable[[P], P]:
-    """Register `handle(ctx, event, tx)` for one card-processor event type."""
-    return card_events.register(event_type, placement)
+def card_event(event_type: str, placement: Placement,
+               background: bool = False) -> Callable[[P], P]:
+    """Register `handle(ctx, event, tx)` for one card-processor event type: `placement`
+    says which deliveries are one fact (plugins.card), `background` that it is handled
+    after the answer is sent (one that may ask Stripe, or settles orders)."""
+    return card_events.register(event_type, placement, background)
 
 
 def crypto_status(status: str, placement: Placement) -> Callable[[P], P]:

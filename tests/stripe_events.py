@@ -2,6 +2,7 @@
 signer written from Stripe's documentation, independent of the service's verifier:
 Stripe-Signature: t=<unix>,v1=<hex HMAC-SHA256(secret, "<t>.<raw body>")>."""
 import dataclasses
+import datetime
 import hashlib
 import hmac
 import itertools
@@ -17,6 +18,9 @@ SECRET = "whsec_test_5f2b8c1e9a7d4630b1c2d3e4f5a6b7c8"
 SECRET_KEY = "sk_test_51Receiver0000000000000000"
 
 _serial = itertools.count(1)
+# When the events built here happened at Stripe, unless a test says otherwise (`created`).
+CREATED = 1795683600
+CREATED_AT = datetime.datetime.fromtimestamp(CREATED, datetime.timezone.utc)
 
 
 def _id(prefix):
@@ -28,7 +32,7 @@ def sign(raw, secret=SECRET, timestamp=0):
     return f"t={timestamp},v1={mac.hexdigest()}"
 
 
-def event(event_type, obj, event_id=None, created=1795683600, api_version=API_VERSION):
+def event(event_type, obj, event_id=None, created=CREATED, api_version=API_VERSION):
     return {
         "id": event_id or _id("evt"),
         "object": "event",
@@ -313,7 +317,7 @@ RECEIVED = (200, {"received": True})
 def send(post, ctx, clock):
     """Deliver a signed event and wait for any background handling to finish; returns
     the event's inbox row."""
-    async def send_event(event_type, obj, api_version=API_VERSION, created=1795683600):
+    async def send_event(event_type, obj, api_version=API_VERSION, created=CREATED):
         evt = event(event_type, obj, api_version=api_version, created=created)
         assert (await deliver(post, clock, evt))[:2] == RECEIVED
         await ctx.drain_background()

@@ -365,19 +365,19 @@ async def test_the_same_failure_ten_times_at_once_fails_and_mails_once(post, ctx
 
 # --- the contract the backfill relies on --------------------------------------------------------
 
-def test_dedup_key_is_the_type_and_object_id_or_else_the_event_id():
+def test_a_type_that_happens_once_per_object_is_one_fact_per_object(ctx):
     session = paid_session(session_id="cs_test_k")
-    assert card_events.dedup_key(session) == "checkout.session.completed:cs_test_k"
+    assert card_events.fact_key(ctx, session) == "checkout.session.completed:cs_test_k"
     balance = se.event("balance.available", se.balance(), event_id="evt_b")
-    assert card_events.dedup_key(balance) == "evt_b"
+    assert card_events.fact_key(ctx, balance) == "evt_b"
 
 
-def test_dedup_key_of_a_failed_invoice_counts_its_attempt():
+def test_each_failed_attempt_of_an_invoice_is_a_fact_of_its_own(ctx):
     first = se.event("invoice.payment_failed", se.invoice("sub_1", invoice_id="in_1"))
     second = se.event("invoice.payment_failed",
                       se.invoice("sub_1", invoice_id="in_1", attempt_count=2))
-    assert card_events.dedup_key(first) == "invoice.payment_failed:in_1:1"
-    assert card_events.dedup_key(second) == "invoice.payment_failed:in_1:2"
+    assert card_events.fact_key(ctx, first) == "invoice.payment_failed:in_1:1"
+    assert card_events.fact_key(ctx, second) == "invoice.payment_failed:in_1:2"
 
 
 @pytest.mark.gen_test

@@ -162,11 +162,11 @@ async def test_backfill_asks_stripe_for_undelivered_events_since_the_time_given(
 
 
 @pytest.mark.gen_test(timeout=90)
-async def test_an_event_the_webhook_already_stored_is_not_stored_again(env, stripe_api):
+async def test_an_event_the_webhook_already_stored_is_not_stored_again(env, ctx, stripe_api):
     undelivered(stripe_api)
     delivered = stripe_api.events[0]
     WebhookEvent.create(source="card", event_type=delivered["type"],
-                        dedup_key=card_events.dedup_key(delivered),
+                        dedup_key=card_events.fact_key(ctx, delivered),
                         external_id=delivered["id"], payload=json.dumps(delivered),
                         status="processed")
     result = await run_async(env, "backfill", "--since", "2026-11-20")

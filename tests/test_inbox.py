@@ -6,7 +6,7 @@ import pytest
 
 from models import Outbox, WebhookEvent
 from plugins import registries
-from plugins.card import CARD_FACT
+from plugins.card import EACH_EVENT
 from engine import inbox, spool
 from tests.door import through_the_door
 from tests.service_process import database_down
@@ -46,7 +46,7 @@ def card_plugin():
     added = []
 
     def register(event_type, plugin):
-        registry.register(event_type, CARD_FACT)(plugin)
+        registry.register(event_type, EACH_EVENT)(plugin)
         added.append(event_type)
     yield register
     for event_type in added:

@@ -63,3 +63,15 @@ def test_frappes_naming_rule_comes_before_the_steps_that_rely_on_it():
     frappe = [heading for heading, _ in sections(3) if heading.startswith("1.")]
     assert frappe[0] == "1.1 The Workflows the service assumes"
     assert frappe == sorted(frappe)
+
+
+def test_the_stripe_endpoint_and_the_cli_are_given_every_card_event_type_handled():
+    """The endpoint's list and `stripe listen --events` name each registered type: one
+    left out is never sent, and its facts never reach the service."""
+    registered = set(plugins.registries()["card"].keys())
+    stripe = dict(sections(2))["2. Card processor (Stripe)"]
+    [listed] = re.findall(r"--events (\S+)", stripe)
+    assert set(listed.split(",")) == registered
+    endpoint = stripe[:stripe.index("2. Copy the endpoint")]
+    named = set(re.findall(r"`([a-z_]+(?:\.[a-z_]+)+)`", endpoint))
+    assert registered <= named

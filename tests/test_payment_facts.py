@@ -387,32 +387,36 @@ async def test_the_paid_alert_and_a_second_payment_say_how_much_in_which_currenc
 
 
 @pytest.mark.gen_test
-async def test_an_unknown_dispute_is_told_with_its_amount(send, smtp, stripe_api):
-    await send("charge.dispute.created", {**se.dispute("pi_test_nowhere", amount=1234),
+async def test_a_dispute_found_late_is_told_with_its_amount(send, smtp, stripe_api):
+    """Told once its order is known (tests/test_card_facts.py), in its own currency."""
+    await send("charge.dispute.created", {**se.dispute("pi_test_late", amount=1234),
                                           "currency": "kwd"})
-    [(_, message)] = smtp.messages
-    assert message["Subject"] == "Dispute opened on order unknown"
+    assert smtp.messages == []
+    FormationOrder.create(order_number="FO-16")
+    await pay_by_checkout(send, "FO-16", kind="formation", intent="pi_test_late")
+    [(_, message)] = [m for m in smtp.messages if "Dispute" in m[1]["Subject"]]
+    assert message["Subject"] == "Dispute opened on order FO-16"
     assert "KWD 1.234" in parts(message)[0]
 
 
 # --- what cannot be done now, or at all -------------------------------------------------------
 
 @pytest.mark.gen_test
-async def test_a_dispute_of_an_order_stripe_names_but_not_stored_yet_is_retried(
+async def test_a_dispute_of_an_order_stripe_names_but_not_stored_yet_waits_for_it(
         send, stripe_api):
     stripe_api.charged(se.payment_intent("CA-404", "canada_crtc", intent_id="pi_test_404"),
                        "card")
     stored = await send("charge.dispute.created", se.dispute("pi_test_404"), created=DISPUTED)
-    assert stored.status == "failed" and "OrderNotFound" in stored.last_error
+    assert stored.status == "waiting" and "order:CA-404" in stored.waiting_for.split()
 
 
 @pytest.mark.gen_test
-async def test_a_refund_of_a_payment_no_order_of_ours_made_is_logged(send, smtp, stripe_api,
-                                                                    caplog):
+async def test_a_refund_of_a_payment_no_order_of_ours_made_waits_untold(send, smtp,
+                                                                       stripe_api):
     stored = await send("charge.refunded", se.charge("pi_test_elsewhere",
                                                      amount_refunded=49900))
-    assert stored.status == "processed" and smtp.messages == []
-    assert "no order of ours was paid by it" in caplog.text
+    assert stored.status == "waiting" and smtp.messages == []
+    assert "payment_intent:pi_test_elsewhere" in stored.waiting_for.split()
 
 
 @pytest.mark.gen_test

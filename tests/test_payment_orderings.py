@@ -98,8 +98,10 @@ def test_every_ordering_sent_to_the_webhook_gives_the_same_order_and_settlement(
 
     outcome, told_admin, order = io_loop.run_sync(run)
     assert outcome == SCENARIOS[scenario][3], ordering
+    # Paid when Stripe says, whichever of the payment's events came first.
     assert (order.paid_at, order.payment_amount, order.dispute_id) == (
-        HANDLED_AT, AMOUNT, f"dp_test_p{n}")
+        datetime.datetime.fromtimestamp(PAID, UTC), AMOUNT, f"dp_test_p{n}")
+    assert order.stripe_session_id == f"cs_test_p{n}"
     refund = SCENARIOS[scenario][1]
     closed_subject = {"won": "Dispute won on order #", "lost": "Dispute lost on order #"}
     assert told_admin == sorted([

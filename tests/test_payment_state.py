@@ -104,12 +104,27 @@ def test_one_dispute_closed_two_ways_is_a_conflict_either_way_round(first, secon
     assert order.dispute_status == "lost", "without Stripe's answer a loss stands"
 
 
-def test_an_open_status_told_after_the_dispute_closed_is_older_whatever_its_time():
+def test_an_open_status_told_before_the_dispute_closed_is_older():
+    order = fresh()
+    payment_state.merge_dispute(order, dispute("won", CLOSED))
+    assert payment_state.merge_dispute(order, dispute("under_review", CLOSED - 60)) \
+        is Change.OLDER
+    assert payment_state.status_of(order) == "paid"
+
+
+def test_an_open_status_told_after_the_dispute_closed_is_a_conflict_for_stripe():
+    """An inquiry closed and then escalated, or a stale update: Stripe's dispute as it is
+    now decides; without an answer the closed status stands."""
     order = fresh()
     payment_state.merge_dispute(order, dispute("won", CLOSED))
     assert payment_state.merge_dispute(order, dispute("under_review", CLOSED + 60)) \
-        is Change.OLDER
+        is Change.CONFLICT
+    assert payment_state.merge_dispute(order, dispute("under_review", CLOSED + 60),
+                                       by_rule=True) is Change.OLDER
     assert payment_state.status_of(order) == "paid"
+    assert payment_state.merge_dispute(order, dispute("needs_response", CLOSED + 120),
+                                       asked=True) is Change.NEWER
+    assert payment_state.status_of(order) == "disputed"
 
 
 def test_a_lost_dispute_stands_beside_a_later_dispute_of_the_same_order():

@@ -39,7 +39,9 @@ from tests.test_held_writes import (  # noqa: F401 (fixtures)
 # locked (engine.inbox.POSITION: whether it waits behind an earlier one, or a later one
 # was handled), and the UPDATE that finishes it. A card payment (checkout.session.
 # completed, of no stream: stored as processed, handled in the unit that stores it) costs
-# 9, a crypto payment 14, its background handling included (the DELETE of its order's
+# 10, the UPDATE that makes the card facts waiting for its payment intent due among them
+# (its count says whether any is to be handed over), a crypto payment 14, its background
+# handling included (the DELETE of its order's
 # fallback ledger entry among them, which a callback listing its transactions sends
 # whether or not there is one: held, it costs no round trip).
 WORKFLOW_BOUNDS = {"formation/submitted": 12, "formation/ready": 10}
@@ -195,7 +197,7 @@ async def test_a_card_payment_stays_within_its_statements(post, ctx, clock, tele
         assert (await se.deliver(post, clock, paid))[:2] == se.RECEIVED
         await ctx.drain_background()
     assert FormationOrder.get().payment_status == "paid"
-    within(count, database_url, 9, CARD_ROUND_TRIPS)
+    within(count, database_url, 10, CARD_ROUND_TRIPS)
 
 
 @pytest.mark.gen_test

@@ -1,6 +1,7 @@
 """What a customer sends us and what we remind them of: orders in from the shop (the
-orders API and the import), the calls that wait for an order, the compliance orders
-waiting for an intake form, reminders sent."""
+orders API and the import), the calls that wait for an order (a failed call retried, a
+card fact waiting for the ids that will find its order), the compliance orders waiting
+for an intake form, reminders sent."""
 import datetime
 import functools
 import operator
@@ -13,6 +14,44 @@ from engine.commits import raise_if_conflict, savepoint
 from engine.prepared import InsertOnce
 
 NEW_REMINDER = InsertOnce(SentReminder)
+# A card fact whose order is not known yet (engine.inbox, `Effects.wait_for_order`).
+WAITING = "waiting"
+# The waiting statuses as a literal, so that a statement reads the partial index of the
+# waiting events (models.WebhookEvent) whatever plan the database keeps for it.
+_WAITING = peewee.SQL(f"'{WAITING}'")
+
+
+def wait_key(kind: str, value: str) -> str:
+    """One id that will find a waiting fact's order: `payment_intent:pi_1`, `order:CO-1`."""
+    return f"{kind}:{value}"
+
+
+def _like_literal(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+
+
+def waits_for(keys: Sequence[str]) -> peewee.ColumnBase:
+    """The waiting event's `waiting_for` names one of `keys` (each a whole word of it)."""
+    padded = peewee.SQL("' '").concat(WebhookEvent.waiting_for).concat(peewee.SQL("' '"))
+    return functools.reduce(operator.or_, (
+        peewee.NodeList((padded, peewee.SQL("LIKE"), f"% {_like_literal(key)} %",
+                         peewee.SQL("ESCAPE '\\'")))
+        for key in keys))
+
+
+class FactWaiting(NamedTuple):
+    """A card fact waiting for its order: its event, what it is, since when, the ids
+    that will find its order."""
+    event_id: int
+    event_type: str
+    since: datetime.datetime
+    waiting_for: str
+
+
+class FactsWaiting(NamedTuple):
+    """The card facts waiting for their order: how many, the longest waiting first."""
+    facts: int
+    oldest: list[FactWaiting]
 
 
 class OrderWaitedFor(NamedTuple):
@@ -69,16 +108,49 @@ class IntakeStore:
 
     def make_calls_due(self, order_number: str, now: datetime.datetime) -> int:
         """The failed calls about the order `order_number`, or about an order naming it
-        as its parent, that are not due yet: made due `now`. Returns how many."""
+        as its parent, that are not due yet, and the card facts waiting for that order:
+        made due `now`. Returns how many."""
         children = functools.reduce(operator.or_, (
             model.select(model.order_number).where(model.parent_order_number == order_number)
             for model in ORDER_MODELS.values()))
         about = ((WebhookEvent.order_number == order_number)
                  | WebhookEvent.order_number.in_(children))
-        return int(WebhookEvent.update(next_attempt_at=now, updated_at=now)
-                   .where(about, WebhookEvent.status == "failed",
-                          WebhookEvent.next_attempt_at > now)
-                   .execute())
+        failed = int(WebhookEvent.update(next_attempt_at=now, updated_at=now)
+                     .where(about, WebhookEvent.status == "failed",
+                            WebhookEvent.next_attempt_at > now)
+                     .execute())
+        return failed + self.wake_facts([wait_key("order", order_number)], now,
+                                        order_number)
+
+    def wake_facts(self, keys: Sequence[str], now: datetime.datetime,
+                   order_number: str | None = None) -> int:
+        """The card facts waiting for one of `keys` (or, with `order_number`, about that
+        order), made due `now` to be handled again; how many."""
+        if not keys:
+            return 0
+        found_by = waits_for(keys)
+        if order_number is not None:
+            found_by = found_by | (WebhookEvent.order_number == order_number)
+        return int(WebhookEvent.update(status="received", next_attempt_at=now, updated_at=now)
+                   .where(WebhookEvent.status == _WAITING, found_by).execute())
+
+    def wake_facts_to_look_at(self, now: datetime.datetime) -> int:
+        """The waiting card facts whose time to be looked at again has come, made due;
+        how many (the inbox retry's run: a link to their order may have come without
+        waking them, its transaction and theirs committed side by side)."""
+        return int(WebhookEvent.update(status="received", updated_at=now)
+                   .where(WebhookEvent.status == _WAITING,
+                          WebhookEvent.next_attempt_at <= now).execute())
+
+    def facts_waiting(self, limit: int) -> FactsWaiting:
+        """The card facts waiting for their order: how many, and the `limit` waiting
+        longest (by arrival). Two reads of the waiting events' index."""
+        waiting = WebhookEvent.select().where(WebhookEvent.status == _WAITING)
+        oldest = [FactWaiting(event.id, event.event_type, event.received_at,
+                              event.waiting_for or "")
+                  for event in waiting.order_by(WebhookEvent.received_at, WebhookEvent.id)
+                  .limit(limit)]
+        return FactsWaiting(waiting.count(), oldest)
 
     def calls_waiting_for_orders(self, unhandled: Sequence[str], limit: int) -> CallsWaiting:
         """The calls not yet handled (in a status of `unhandled`: engine.inbox's

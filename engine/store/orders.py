@@ -280,6 +280,15 @@ class OrderStore:
                     return order
         return None
 
+    def order_refunded_by(self, charge_id: str) -> OrderBase | None:
+        """The order whose refunds kept are of that charge, across the four kinds; or
+        None. Not locked."""
+        for model in ORDER_MODELS.values():
+            order = model.select().where(model.refunded_charge == charge_id).first()
+            if order:
+                return order
+        return None
+
     def save(self, row: BaseModel) -> None:
         """Write the changed fields of a row read from the database (an UPDATE by its
         id); the write may reach the server with the transaction's next statement."""

@@ -7,10 +7,10 @@ from typing import Any
 from engine.contracts import EngineContext
 from engine.transaction import Transaction
 from plugins.registry import card_event
-from plugins.card import CARD_FACT
+from plugins.card import ONCE_PER_OBJECT
 from domain.payment_events import dispute_event
 
 
-@card_event("charge.dispute.created", CARD_FACT)
+@card_event("charge.dispute.created", ONCE_PER_OBJECT, background=True)
 async def handle(ctx: EngineContext, event: dict[str, Any], tx: Transaction) -> None:
     await dispute_event(ctx, event, tx)

@@ -8,10 +8,10 @@ from typing import Any
 from engine.contracts import EngineContext
 from engine.transaction import Transaction
 from plugins.registry import card_event
-from plugins.card import CARD_FACT
+from plugins.card import once_per_object_and
 from domain.payment_events import refund_event
 
 
-@card_event("charge.refunded", CARD_FACT)
+@card_event("charge.refunded", once_per_object_and("amount_refunded"), background=True)
 async def handle(ctx: EngineContext, event: dict[str, Any], tx: Transaction) -> None:
     await refund_event(ctx, event, tx)

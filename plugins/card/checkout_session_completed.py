@@ -5,7 +5,11 @@ payment_intent.succeeded. Nothing to pay (`no_payment_required`: a 100 % discoun
 price, a subscription's trial; no payment intent): the order is completed as a paid
 checkout is, marked as free (`domain.orders.complete_payment`'s `free_because`). A
 subscription-mode session links its subscription to the compliance order, paid or not, so
-renewals and cancellation find the order.
+renewals and cancellation find the order; an unpaid one keeps its session and payment
+intent on the order. The facts that came before it (a dispute, a refund, a renewal, the intent's own
+success), waiting for their order, are handled once these links are committed. The
+order is paid as of the event's `created`, and its reference is the session's id
+whichever of the payment's events came first.
 
 Async, because a CRTC session that allowed several methods needs Stripe asked which one
 was used (settlement depends on it), and that call must not hold a transaction open.
@@ -19,11 +23,12 @@ from typing import Any, Callable
 
 from models import ORDER_MODELS, ComplianceOrder
 from plugins.registry import card_event
-from plugins.card import CARD_FACT
-from domain.card_events import (metadata_of, method_of_payment, object_of, order_of_metadata,
-                                payment_method_used)
+from plugins.card import ONCE_PER_OBJECT
+from domain.card_events import (linked, metadata_of, method_of_payment, object_of,
+                                order_of_metadata, payment_method_used)
 from domain.money import Money
-from domain.orders import FREE, OrderNotFound, complete_payment
+from domain.orders import FREE, OrderNotFound, complete_payment, remember_checkout
+from domain.payment_state import as_of
 from engine.contracts import EngineContext
 from engine.transaction import OrderRef, Transaction
 
@@ -75,7 +80,7 @@ class CheckoutSessionCompleted:
         return (OrderRef(order_type, order_id),)
 
 
-card_event("checkout.session.completed", CARD_FACT)(CheckoutSessionCompleted())
+card_event("checkout.session.completed", ONCE_PER_OBJECT)(CheckoutSessionCompleted())
 
 
 def _paid(session: dict[str, Any]) -> bool:
@@ -100,19 +105,29 @@ def record(ctx: EngineContext, event: dict[str, Any], tx: Transaction,
     order_id, order_type = order
     free_because = _free_because(session)
     amount = Money.of_stripe(session.get("amount_total"), session.get("currency"))
+    paid_at = as_of(event.get("created"), ctx.clock())
+    intent = session.get("payment_intent") if isinstance(
+        session.get("payment_intent"), str) else None
     if _paid(session):
         complete_payment(ctx, tx, order_id, order_type, session["id"],
-                         source="card", payment_intent_id=session.get("payment_intent"),
-                         payment_method=method, amount=amount)
+                         source="card", payment_intent_id=intent,
+                         payment_method=method, amount=amount, paid_at=paid_at,
+                         by_checkout=True)
     elif free_because:
         complete_payment(ctx, tx, order_id, order_type, session["id"],
                          source="card", payment_method=FREE, free_because=free_because,
-                         amount=amount)
+                         amount=amount, paid_at=paid_at, by_checkout=True)
     else:
         log.info("session %s for %s is %s; waiting for the payment to clear",
                  session["id"], order_id, session.get("payment_status"))
+        if intent:
+            remember_checkout(ctx, tx, order_id, order_type, session["id"], intent)
+    subscription = None
     if session.get("mode") == "subscription" and session.get("subscription"):
-        link_subscription(ctx, tx, order_id, order_type, session["subscription"])
+        subscription = session["subscription"]
+        link_subscription(ctx, tx, order_id, order_type, subscription)
+    # The facts about this payment that came first, waiting for their order, find it now.
+    linked(ctx, tx, payment_intent=intent, subscription=subscription)
 
 
 def link_subscription(ctx: EngineContext, tx: Transaction, order_id: str, order_type: str,

@@ -8,7 +8,7 @@ from typing import Any
 
 from models import UTC
 from plugins.registry import card_event
-from plugins.card import CARD_FACT
+from plugins.card import EACH_EVENT
 from domain.card_events import email_admin, object_of, subscription_of_invoice
 from domain.money import stripe_money
 from domain.payment_state import DISPUTE_LOST
@@ -18,7 +18,7 @@ from engine.transaction import Transaction
 log = logging.getLogger("receiver.card")
 
 
-@card_event("invoice.upcoming", CARD_FACT)
+@card_event("invoice.upcoming", EACH_EVENT)
 def handle(ctx: EngineContext, event: dict[str, Any], tx: Transaction) -> None:
     invoice = object_of(event)
     subscription = subscription_of_invoice(invoice)

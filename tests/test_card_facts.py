@@ -1,0 +1,318 @@
+"""Stripe's facts, whatever order they reach us in (BEHAVIOUR.md 4.2, "Facts whose order is
+not known yet"): which deliveries are one fact is each type's own declaration; a fact
+whose order cannot be found yet waits with the ids that will find it, shows on the
+console, is told to the administrator past CARD_FACT_WAIT_ALERT_MINUTES, and is handled
+when its checkout (or its order) comes; every time kept is Stripe's; a conflict between
+two facts about one object is settled by asking Stripe. End to end through the signed
+webhook, events in Stripe's shapes, Stripe's API a loopback stand-in
+(tests/stripe_api.py), mail read back from a real SMTP server."""
+import dataclasses
+import datetime
+
+import pytest
+
+import plugins
+from models import UTC, ComplianceOrder, CrtcOrder, FormationOrder, SubscriptionCycle, WebhookEvent
+from domain import intake
+from domain.settlement import settle_crtc_orders
+from engine import inbox, outbox
+from engine.transaction import Transaction
+from tests import stripe_events as se
+from tests.console_helpers import console_settings, logged_in, operator, text  # noqa: F401
+from tests.stripe_api import stripe_api  # noqa: F401 (fixture)
+from tests.stripe_events import RECEIVED, deliver, send  # noqa: F401 (fixtures)
+
+# A Monday's payment, its dispute, an update of it, its close, a later look.
+PAID = int(datetime.datetime(2026, 11, 23, 9, 0, tzinfo=UTC).timestamp())
+DISPUTED, UPDATED, CLOSED, REOPENED = PAID + 86400, PAID + 2 * 86400, PAID + 20 * 86400, \
+    PAID + 21 * 86400
+
+
+def at(unix):
+    return datetime.datetime.fromtimestamp(unix, UTC)
+
+
+@pytest.fixture
+def settings(settings):
+    return dataclasses.replace(console_settings(se.with_payment_processors(settings)))
+
+
+def subjects(smtp):
+    return [message["Subject"] for _, message in smtp.messages]
+
+
+def stored(evt_id):
+    return WebhookEvent.get(WebhookEvent.external_id == evt_id)
+
+
+async def subscription_paid(stripe_api, intent="pi_test_first", invoice_id="in_test_first",
+                            subscription="sub_test_1"):
+    """Stripe knows the first invoice of a subscription, paid by `intent` (which, as an
+    invoice's intent, names no order)."""
+    invoice = se.invoice(subscription, billing_reason="subscription_create",
+                         invoice_id=invoice_id)
+    stripe_api.invoice_paid_by(invoice, intent)
+    return invoice
+
+
+def subscription_checkout(number="CO-1", subscription="sub_test_1"):
+    return se.checkout_session(number, "compliance", mode="subscription",
+                               subscription=subscription, payment_intent=None,
+                               session_id=f"cs_test_{number}")
+
+
+# --- a fact before its order ------------------------------------------------------------
+
+@pytest.mark.parametrize("dispute_first", [True, False], ids=["dispute first", "checkout first"])
+@pytest.mark.gen_test
+async def test_a_subscriptions_dispute_before_its_checkout_waits_and_is_told_on_its_order(
+        send, ctx, smtp, stripe_api, dispute_first):
+    """Stripe knows the dispute's intent paid the first invoice of a subscription no order
+    has yet: the dispute waits for it (no mail about order "unknown"), and once the
+    checkout links the subscription the order ends disputed and "Dispute opened on order
+    CO-1" is sent, whichever came first."""
+    ComplianceOrder.create(order_number="CO-1", service_name="Registered Agent")
+    await subscription_paid(stripe_api)
+    dispute = se.dispute("pi_test_first", amount=19900, dispute_id="dp_test_s",
+                         charge_id="ch_test_s")
+    steps = [("charge.dispute.created", dispute, DISPUTED),
+             ("checkout.session.completed", subscription_checkout(), PAID)]
+    for event_type, obj, created in steps if dispute_first else steps[::-1]:
+        row = await send(event_type, obj, created=created)
+        if dispute_first and event_type == "charge.dispute.created":
+            assert row.status == "waiting"
+            assert set(row.waiting_for.split()) == {
+                "payment_intent:pi_test_first", "charge:ch_test_s", "invoice:in_test_first",
+                "subscription:sub_test_1"}
+            assert smtp.messages == []
+    await ctx.drain_background()
+    order = ComplianceOrder.get()
+    assert (order.payment_status, order.dispute_id) == ("disputed", "dp_test_s")
+    assert subjects(smtp) == ["Dispute opened on order CO-1"]
+    assert WebhookEvent.get(WebhookEvent.event_type == "charge.dispute.created").status == \
+        "processed"
+
+
+@pytest.mark.gen_test
+async def test_a_refund_before_its_checkout_is_kept_once_the_checkout_links_the_intent(
+        send, ctx, smtp, stripe_api):
+    """Stripe does not know the refund's intent (the stand-in's 404): it waits for it."""
+    FormationOrder.create(order_number="FO-1")
+    refund = se.charge("pi_test_r", amount_refunded=49900, charge_id="ch_test_r")
+    assert (await send("charge.refunded", refund, created=PAID + 3600)).status == "waiting"
+    await send("checkout.session.completed",
+               se.checkout_session("FO-1", "formation", payment_intent="pi_test_r"),
+               created=PAID)
+    await ctx.drain_background()
+    order = FormationOrder.get()
+    assert (order.payment_status, order.refunded_amount, order.refunded_as_of) == (
+        "refunded", 49900, at(PAID + 3600))
+    assert f"({at(PAID + 3600).isoformat()})" in order.notes, "noted at Stripe's time"
+    assert subjects(smtp) == ["Refund in full on order FO-1: $499.00"]
+
+
+@pytest.mark.gen_test
+async def test_a_renewal_before_its_checkout_is_dispatched_once_the_checkout_links_it(
+        send, ctx, worker):
+    ComplianceOrder.create(order_number="CO-1", service_slug="registered-agent")
+    renewal = se.invoice("sub_test_1", invoice_id="in_test_renewal")
+    assert (await send("invoice.paid", renewal)).status == "waiting"
+    assert worker.requests == []
+    await send("checkout.session.completed", subscription_checkout(), created=PAID)
+    await ctx.drain_background()
+    [job] = worker.requests
+    assert (job.json["invoice_id"], job.json["recurring_cycle"]) == ("in_test_renewal", 1)
+    assert SubscriptionCycle.get().order_number == "CO-1"
+
+
+@pytest.mark.gen_test
+async def test_a_bank_debits_success_before_its_unpaid_checkout_pays_the_order(send, ctx,
+                                                                                stripe_api):
+    """The intent names no order (no payment_intent_data.metadata): the unpaid checkout
+    keeps the intent on the order, and the waiting success pays it, as of its own time."""
+    CrtcOrder.create(order_number="CA-1")
+    intent = {**se.payment_intent(None, None, intent_id="pi_test_ach",
+                                  payment_method_types=("us_bank_account",)), "metadata": {}}
+    assert (await send("payment_intent.succeeded", intent, created=PAID + 4 * 86400)
+            ).status == "waiting"
+    await send("checkout.session.completed", se.checkout_session(
+        "CA-1", "canada_crtc", payment_status="unpaid", payment_intent="pi_test_ach",
+        payment_method_types=("us_bank_account",), session_id="cs_test_ach"), created=PAID)
+    await ctx.drain_background()
+    order = CrtcOrder.get()
+    assert (order.payment_status, order.paid_at, order.payment_method) == (
+        "paid", at(PAID + 4 * 86400), "ach")
+    assert order.stripe_session_id == "cs_test_ach"
+
+
+@pytest.mark.gen_test
+async def test_a_subscription_invoices_success_waits_for_nothing(send, stripe_api):
+    """The first invoice's intent names no order: Stripe says it paid an invoice, whose
+    own events tell of it."""
+    await subscription_paid(stripe_api, intent="pi_test_inv")
+    intent = {**se.payment_intent(None, None, intent_id="pi_test_inv"), "metadata": {}}
+    assert (await send("payment_intent.succeeded", intent)).status == "processed"
+
+
+@pytest.mark.gen_test
+async def test_a_dispute_of_an_order_not_stored_yet_is_handled_when_the_order_comes(
+        send, ctx, post, smtp, stripe_api):
+    """Stripe names the order (the intent's metadata); the shop has not sent it yet."""
+    stripe_api.charged(se.payment_intent("CA-9", "canada_crtc", intent_id="pi_test_9"), "card")
+    row = await send("charge.dispute.created", se.dispute("pi_test_9"), created=DISPUTED)
+    assert row.status == "waiting"
+    stored_order = await intake.put(ctx, intake.parse("canada_crtc", "CA-9", {}))
+    assert stored_order.due == 1
+    assert await inbox.retry_due(ctx) == 1
+    assert CrtcOrder.get().payment_status == "disputed"
+    assert subjects(smtp) == ["Dispute opened on order CA-9"]
+
+
+# --- visible, and bounded -------------------------------------------------------------------
+
+@pytest.mark.gen_test
+async def test_a_waiting_fact_shows_on_the_console_and_is_told_once_past_the_setting(
+        send, ctx, clock, smtp, stripe_api, logged_in):
+    clock.set(2026, 11, 24, 9, 0)
+    row = await send("charge.dispute.created", se.dispute("pi_test_lost", charge_id="ch_x"),
+                     created=DISPUTED)
+    page = text(await logged_in.get("/console/"))
+    card = page[page.index('id="facts-waiting"'):]
+    card = card[:card.index("</div></div>")]
+    assert ">1</div>" in card and f'href="/console/events/{row.id}"' in card
+    assert "payment_intent:pi_test_lost" in card
+    event_page = text(await logged_in.get(f"/console/events/{row.id}"))
+    assert 'id="event-waiting"' in event_page and "waiting for its order" in event_page
+
+    minutes = ctx.settings.card_fact_wait_alert_minutes
+    clock.advance(minutes=minutes - 1)
+    await inbox.retry_due(ctx)
+    await outbox.send_due(ctx)
+    assert smtp.messages == []
+    clock.advance(minutes=1)
+    await inbox.retry_due(ctx)
+    await outbox.send_due(ctx)
+    assert subjects(smtp) == [f"Event #{row.id} (charge.dispute.created) waits for its order"]
+    assert "payment_intent:pi_test_lost" in smtp.messages[0][1].get_body(("plain",)).get_content()
+    clock.advance(minutes=minutes)
+    await inbox.retry_due(ctx)
+    await outbox.send_due(ctx)
+    assert len(smtp.messages) == 1, "told once"
+    assert WebhookEvent.get_by_id(row.id).status == "waiting"
+
+
+# --- what "the same" is, type by type ---------------------------------------------------------
+
+def test_every_registered_card_type_declares_its_placement():
+    registry = plugins.registries()["card"]
+    for event_type in registry.keys():
+        assert registry.placement(event_type) is not None, event_type
+    assert registry.in_background("charge.dispute.updated")
+    assert not registry.in_background("checkout.session.completed")
+
+
+@pytest.mark.gen_test
+async def test_a_second_failed_attempt_of_one_intent_is_a_fact_of_its_own(send, smtp):
+    FormationOrder.create(order_number="FO-1")
+    for created, message in ((PAID, "Your card was declined."), (PAID + 600, "Do not honor.")):
+        await send("payment_intent.payment_failed", se.payment_intent(
+            "FO-1", "formation", intent_id="pi_test_twice", status="requires_payment_method",
+            last_payment_error=se.card_declined(message)), created=created)
+    order = FormationOrder.get()
+    assert (order.payment_status, order.payment_failed_at) == ("failed", at(PAID + 600))
+    assert order.notes.count("Payment failed") == 2 and "Do not honor." in order.notes
+    assert subjects(smtp) == ["Payment failed for order FO-1"] * 2
+
+
+@pytest.mark.gen_test
+async def test_every_dispute_update_is_a_fact_of_its_own(send, stripe_api):
+    CrtcOrder.create(order_number="CA-1", payment_status="paid",
+                     stripe_payment_intent_id="pi_test_u")
+    await send("charge.dispute.created", se.dispute("pi_test_u", dispute_id="dp_test_u",
+                                                    status="warning_needs_response"),
+               created=DISPUTED)
+    for status, created in (("warning_under_review", UPDATED),
+                            ("needs_response", UPDATED + 3600)):
+        row = await send("charge.dispute.updated", se.dispute(
+            "pi_test_u", dispute_id="dp_test_u", status=status), created=created)
+        assert row.status == "processed"
+    order = CrtcOrder.get()
+    assert (order.dispute_status, order.dispute_as_of) == ("needs_response", at(UPDATED + 3600))
+    assert order.notes.count("Dispute updated") == 2
+
+
+# --- a conflict asks Stripe ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("first", ["won", "lost"])
+@pytest.mark.gen_test
+async def test_two_closes_with_different_outcomes_are_settled_by_stripe(
+        send, stripe_api, smtp, first):
+    """Whichever came first, the dispute as Stripe has it now (won) decides."""
+    CrtcOrder.create(order_number="CA-1", payment_status="paid",
+                     stripe_payment_intent_id="pi_test_c")
+    stripe_api.disputes["dp_test_c"] = se.dispute("pi_test_c", dispute_id="dp_test_c",
+                                                  status="won")
+    second = "lost" if first == "won" else "won"
+    for status, created in ((first, CLOSED), (second, CLOSED + 60)):
+        await send("charge.dispute.closed", se.dispute("pi_test_c", dispute_id="dp_test_c",
+                                                       status=status), created=created)
+    assert CrtcOrder.get().payment_status == "paid"
+    assert stripe_api.asked("disputes") == ["/v1/disputes/dp_test_c"]
+
+
+@pytest.mark.parametrize("now_at_stripe, status", [("needs_response", "disputed"),
+                                                   ("won", "paid")])
+@pytest.mark.gen_test
+async def test_a_dispute_updated_after_it_closed_is_settled_by_stripe(
+        send, stripe_api, now_at_stripe, status):
+    """An inquiry closed and then turned into a chargeback, or a stale update: Stripe's
+    dispute as it is now decides, whatever event types told the two."""
+    CrtcOrder.create(order_number="CA-1", payment_status="paid",
+                     stripe_payment_intent_id="pi_test_o")
+    stripe_api.disputes["dp_test_o"] = se.dispute("pi_test_o", dispute_id="dp_test_o",
+                                                  status=now_at_stripe)
+    await send("charge.dispute.funds_reinstated", se.dispute(
+        "pi_test_o", dispute_id="dp_test_o", status="won", reinstated=True), created=CLOSED)
+    await send("charge.dispute.updated", se.dispute(
+        "pi_test_o", dispute_id="dp_test_o", status="needs_response"), created=REOPENED)
+    assert CrtcOrder.get().payment_status == status
+    assert stripe_api.asked("disputes") == ["/v1/disputes/dp_test_o"]
+
+
+# --- every time is Stripe's -----------------------------------------------------------------
+
+@pytest.mark.gen_test
+async def test_a_monday_payment_handled_thursday_settles_on_friday(send, ctx, clock, frappe):
+    """Two business days from when Stripe took the money, not from when we heard of it."""
+    clock.set(2026, 11, 26, 9, 0)  # Thursday
+    CrtcOrder.create(order_number="CA-1")
+    await send("checkout.session.completed", se.checkout_session("CA-1", "canada_crtc"),
+               created=PAID)
+    assert CrtcOrder.get().paid_at == at(PAID)
+    clock.set(2026, 11, 27, 9, 0)  # Friday: two business days after Monday and more
+    counts = await settle_crtc_orders(ctx, Transaction(ctx))
+    assert counts["settled"] == 1
+
+
+@pytest.mark.gen_test
+async def test_the_reference_is_the_checkout_session_whichever_event_came_first(send):
+    FormationOrder.create(order_number="FO-1")
+    await send("payment_intent.succeeded",
+               se.payment_intent("FO-1", "formation", intent_id="pi_test_ref"),
+               created=PAID + 5)
+    await send("checkout.session.completed", se.checkout_session(
+        "FO-1", "formation", payment_intent="pi_test_ref", session_id="cs_test_ref"),
+        created=PAID)
+    order = FormationOrder.get()
+    assert (order.stripe_session_id, order.stripe_payment_intent_id, order.paid_at) == (
+        "cs_test_ref", "pi_test_ref", at(PAID))
+
+
+@pytest.mark.gen_test
+async def test_a_renewal_completing_a_pending_order_is_paid_at_the_invoices_time(send):
+    ComplianceOrder.create(order_number="CO-1", stripe_subscription_id="sub_test_1")
+    invoice = {**se.invoice("sub_test_1"),
+               "status_transitions": {"paid_at": PAID, "finalized_at": PAID - 60}}
+    await send("invoice.paid", invoice, created=PAID + 30)
+    order = ComplianceOrder.get()
+    assert (order.payment_status, order.paid_at) == ("paid", at(PAID))
