@@ -85,6 +85,12 @@ DRAIN_CONCURRENCY = 50
 # process: a lease after they were stored, the inbox retry takes them as it takes any.
 _PARKED: dict[str, set[int]] = {}
 
+# The claims whose handling the database cut short (`_fail`), by SPOOL_DIR: event id ->
+# the lease its claim wrote. Given back at the next inbox retry that reaches the database
+# (`_give_back`), so that the event, and its stream behind it, wait out the outage, not a
+# whole lease. Forgotten with the process: then the lease runs out, as after a crash.
+_CLAIMS_CUT_SHORT: dict[str, dict[int, datetime.datetime]] = {}
+
 # A SPOOL_DIR that cannot be used stays so until fixed: said every 10 minutes, not at
 # every tick of the drain.
 SPOOL_UNUSABLE = spool.LastingProblem(logging.getLogger("receiver.spool"),
@@ -1158,7 +1164,10 @@ async def _fail(ctx: EngineContext, event: WebhookEvent, error: str) -> None:
         return
     except UNAVAILABLE:
         log.warning("could not record the failure of event #%s, the database is "
-                    "unavailable; it is retried after its lease", event.id)
+                    "unavailable; it is retried once the database answers", event.id)
+        if event.next_attempt_at is not None:
+            _CLAIMS_CUT_SHORT.setdefault(ctx.settings.spool_dir, {})[event.id] = \
+                event.next_attempt_at
         return
     except Exception as refused:  # a driver refuses some values with its own errors
         log.exception("could not record the failure of event #%s", event.id)
@@ -1219,10 +1228,14 @@ async def retry_due(ctx: EngineContext) -> int:
     a slow one (balance.available's settlements, a Stripe lookup), and another process
     take them too. The one being handled keeps its lease however long it takes (`process`).
 
-    Due: as `_due` says; the waiting facts whose time to be looked at again has come are
-    made due first."""
+    Due: as `_due` says; the waiting facts whose time to be looked at again has come, and
+    the claims whose handling the database cut short (`_CLAIMS_CUT_SHORT`), are made due
+    first."""
     handled = 0
     await ctx.db(functools.partial(Transaction(ctx).wake_facts_to_look_at, ctx.clock()))
+    cut_short = _CLAIMS_CUT_SHORT.pop(ctx.settings.spool_dir, None)
+    if cut_short:
+        await ctx.db(functools.partial(_give_back, ctx, cut_short))
     while handled < CLAIM_BATCH:
         events = await claim(ctx, WebhookEvent, _due(ctx), limit=1)
         if not events:
@@ -1231,6 +1244,17 @@ async def retry_due(ctx: EngineContext) -> int:
         handled += 1 + await _release_after(ctx, events[0], outcome)
     await ctx.db(functools.partial(tell_of_long_holds, ctx))
     return handled
+
+
+def _give_back(ctx: EngineContext, claims: dict[int, datetime.datetime]) -> None:
+    """Make the events of `claims` due now, each only while its row still holds the lease
+    its claim wrote and awaits its handling: one another process has claimed since, or
+    whose handling has settled, is left as it is."""
+    now = ctx.clock()
+    for event_id, lease_until in claims.items():
+        WebhookEvent.update(next_attempt_at=now, updated_at=now).where(
+            WebhookEvent.id == event_id, WebhookEvent.next_attempt_at == lease_until,
+            WebhookEvent.status.in_(AWAITING_HANDLING)).execute()
 
 
 class Hold(NamedTuple):

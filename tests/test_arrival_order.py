@@ -230,6 +230,27 @@ async def test_a_failed_event_holds_the_later_events_of_its_order_until_it_is_fi
 
 
 @pytest.mark.gen_test
+async def test_a_claim_the_database_cut_short_goes_once_it_answers_not_a_lease_later(
+        post, ctx, clock, db):
+    """Two instances under load, a 7.6 s cut: events claimed as it began kept their claims
+    for the lease (60 s) and held their streams behind them (266-2,176 events 40-76 s).
+    A claim whose handling the database cut short is given back at the next retry that
+    reaches it: the event and the one held behind it go then."""
+    clock.set(2026, 11, 20, 9, 0)
+    await report(post, "authorization_required")  # fails: the order is not in yet
+    compliance_order()
+    await report(post, "authorization_signed")  # held behind it
+    clock.advance(hours=1)
+    [claimed] = await inbox.claim(ctx, WebhookEvent, inbox._due(ctx), limit=1)
+    with database_down(db):
+        assert await inbox.process(ctx, claimed) == "failed"
+    clock.advance(seconds=5)  # the database back, well within the claim's lease
+    assert await inbox.retry_due(ctx) == 2
+    assert events_by_status() == [("fulfillment/authorization_required", "processed"),
+                                  ("fulfillment/authorization_signed", "processed")]
+
+
+@pytest.mark.gen_test
 async def test_an_earlier_event_given_up_or_refused_lets_the_held_ones_go_in_turn(
         post, ctx, clock, smtp):
     """Given up by the retry policy (dead, the administrator told) or refused for good
