@@ -201,7 +201,8 @@ def ids_of(**ids: Any) -> list[str]:
 def linked(ctx: EngineContext, tx: Transaction, **ids: Any) -> None:
     """In a transaction: the ids now linked to an order (its payment intent, its
     subscription, a renewal's invoice, a refunded charge, its number): the facts waiting
-    for one of them are due, and handled once this handling is committed."""
+    for one of them are due, and handled once this handling is committed (in the
+    background, after the answer: the payment's own round trips stay as they were)."""
     keys = ids_of(**ids)
-    if keys and tx.wake_facts(keys, ctx.clock()):
-        tx.woken.extend(keys)
+    tx.wake_facts_later(keys, ctx.clock())
+    tx.woken.extend(keys)

@@ -11,7 +11,7 @@ import peewee
 
 from models import ORDER_MODELS, ComplianceOrder, OrderBase, SentReminder, WebhookEvent
 from engine.commits import raise_if_conflict, savepoint
-from engine.prepared import InsertOnce
+from engine.prepared import InsertOnce, write_later
 
 NEW_REMINDER = InsertOnce(SentReminder)
 # A card fact whose order is not known yet (engine.inbox, `Effects.wait_for_order`).
@@ -133,6 +133,14 @@ class IntakeStore:
             found_by = found_by | (WebhookEvent.order_number == order_number)
         return int(WebhookEvent.update(status="received", next_attempt_at=now, updated_at=now)
                    .where(WebhookEvent.status == _WAITING, found_by).execute())
+
+    def wake_facts_later(self, keys: Sequence[str], now: datetime.datetime) -> None:
+        """`wake_facts`, for a caller that does not read how many: the write goes with the
+        transaction's next statement (a turn's on PostgreSQL), no round trip of its own."""
+        if keys:
+            write_later(WebhookEvent.update(status="received", next_attempt_at=now,
+                                            updated_at=now)
+                        .where(WebhookEvent.status == _WAITING, waits_for(keys)))
 
     def wake_facts_to_look_at(self, now: datetime.datetime) -> int:
         """The waiting card facts whose time to be looked at again has come, made due;
