@@ -12,10 +12,11 @@ from typing import Any
 
 from engine.contracts import EngineContext
 from engine.transaction import Transaction
+from plugins.card import EACH_EVENT
 from plugins.registry import card_event
 
 
-@card_event("charge.refund.updated")
+@card_event("charge.refund.updated", EACH_EVENT, background=True)
 def handle(ctx: EngineContext, event: dict[str, Any], tx: Transaction) -> None:
     refund = event["data"]["object"]
     number = refund["metadata"]["order_id"]
