@@ -21,8 +21,8 @@ the save, so the save's `modified` lies between the comment before it and its ow
 is handled, and its effects' keys (the worker's Idempotency-Key, the action's) derive
 from it. Each change is placed among its document's by its save (`document_version`), and
 the inbox hands a document's changes over in that order whichever finder brought them;
-one older than a change already handled follows its path's rule for a state left
-(plugins.workflow.WorkflowWebhook.left_rule).
+one older than a change already handled is history: recorded, never handled
+(plugins.workflow.WorkflowWebhook).
 
 Frappe writes its times as naive text in its System Settings' time zone, which the
 service reads from Frappe (`site_zone`); a list that finds nothing while Frappe's newest
@@ -531,9 +531,11 @@ async def _reconcile_document(ctx: EngineContext, tx: Transaction, doctype: str,
 
 async def _hand_over(ctx: EngineContext, tx: Transaction, doctype: str, name: Any,
                      document: dict[str, Any], changes: list[dict[str, Any]],
-                     counts: Counts) -> None:
+                     counts: Counts, before_a_webhook: bool = False) -> None:
     """Hand each change found in the document's log (`_entries`) to the inbox, oldest
-    first, as its webhook would have come."""
+    first, as its webhook would have come. `before_a_webhook`: stop at the first the
+    database could not take (spooled): the spool drain matches no change against
+    another finder's, and the webhook that asked may be one of them."""
     for found in changes:
         path = found.pop("path")
         webhook = ctx.plugins[SOURCE].get(path)
@@ -551,6 +553,8 @@ async def _hand_over(ctx: EngineContext, tx: Transaction, doctype: str, name: An
             stream=placed.stream, version=placed.version,
             handled_by=functools.partial(same_stay, tx, path, name, body["order_number"],
                                          body))
+        if event is None and before_a_webhook:
+            return
         if _counted_as_done(counts, event, created, outcome):
             continue
         counts.handled += 1
@@ -585,14 +589,18 @@ async def predecessors_first(ctx: EngineContext, path: str, body: dict[str, Any]
         # spooled webhook as two changes. The run finds what is missing afterwards.
         return counts
     late = ctx.clock() - from_frappe_time(modified, site_zone(ctx)) >= LATE_AFTER
+    if not late and not webhook.after:
+        return counts
     tx = Transaction(ctx)
-    if not late:
-        try:
-            if not webhook.after or await ctx.db(lambda: tx.has_event_of_types(
-                    SOURCE, body["order_number"], webhook.after)):
-                return counts
-        except DatabaseDown:
-            return counts  # the call goes to the spool, and waits there behind the others
+    try:
+        # Read even for a late one: with the database down nothing is handed over, since
+        # the changes would be spooled beside this webhook and stored apart by the drain.
+        stored = await ctx.db(lambda: tx.has_event_of_types(
+            SOURCE, body["order_number"], webhook.after or (path,)))
+    except DatabaseDown:
+        return counts  # the call goes to the spool, and waits there behind the others
+    if not late and stored:
+        return counts
     try:
         document, entries = await asyncio.wait_for(
             _document_and_log(ctx, doctype, body["order_name"]),
@@ -611,7 +619,8 @@ async def predecessors_first(ctx: EngineContext, path: str, body: dict[str, Any]
         found = [change for change in _entries(
             document, entries, _Window("", modified, _states(ctx, doctype), ""))
             if change["entered_at"] != modified]
-    await _hand_over(ctx, tx, doctype, body["order_name"], document, found, counts)
+    await _hand_over(ctx, tx, doctype, body["order_name"], document, found, counts,
+                     before_a_webhook=True)
     return counts
 
 

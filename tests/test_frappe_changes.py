@@ -9,9 +9,10 @@ import pytest
 
 from clients.http import Result
 from domain import reconcile
-from engine import outbox
+from engine import inbox, outbox
 from models import Outbox, ReconcileRun, WebhookEvent
 from tests.conftest import WEBHOOK_SECRET
+from tests.service_process import database_down
 from tests.test_ops_endpoints import samples, value
 from tests.test_reconcile import (  # noqa: F401 (fixtures)
     CRTC, FORMATION, NOW, configure, local, rctx, reconciled, settings, site, submitted,
@@ -145,6 +146,25 @@ async def test_a_late_webhook_of_a_state_left_since_follows_its_paths_rule(
                                                      "generate_crtc_docs"]
     assert notices() == ["crtc/awaiting-funds of CRTC-00005 not handled"]
     assert WebhookEvent.select().count() == 3
+
+
+@pytest.mark.gen_test(timeout=30)
+async def test_a_late_webhook_while_the_database_is_down_hands_nothing_over_beside_it(
+        rctx, site, worker, post, db, clock):
+    """With the database down a late webhook's document is not read: its changes would be
+    spooled beside the webhook, and the drain, which matches no change against another
+    finder's, would store the webhook's change twice and send its job twice."""
+    document = incorporated(site, minutes_ago=20)
+    with database_down(db):
+        status, reply, _ = await post("/api/v1/webhooks/crtc/incorporated",
+                                      webhook_body(document, "incorporation_number"), AUTH)
+    assert (status, reply) == (200, {"received": True, "action": "queued"})
+    assert await inbox.drain_spool(rctx) == 1
+    clock.advance(minutes=5)
+    await reconcile.reconcile_workflow(rctx)
+    assert [action for action, _ in jobs(worker)] == ["generate_crtc_docs"]
+    assert [(e.event_type, e.status) for e in WebhookEvent.select().order_by(WebhookEvent.id)] \
+        == [("crtc/incorporated", "processed"), ("crtc/funds-available", "ignored")]
 
 
 @pytest.mark.gen_test(timeout=30)
