@@ -543,7 +543,7 @@ def _behind_the_spool(ctx: EngineContext, call: Entry) -> str | None:
     not handled until the spool is drained, so that the calls before it are stored
     first and it waits behind those of its order (`_store_now`). None when nothing
     waits."""
-    if not spool.backlog(ctx.settings.spool_dir):
+    if not spool_holds_calls(ctx):
         return None
     try:
         spool.append(ctx.settings.spool_dir,
@@ -593,7 +593,7 @@ async def drain_spool(ctx: EngineContext) -> int:
                 SPOOL_UNUSABLE.warn(ctx.clock(), str(exc))
                 return read
             read += now_read
-            if not spool.backlog(ctx.settings.spool_dir):
+            if not spool_holds_calls(ctx):
                 await _unpark(ctx)
                 return read
             if not now_read:

@@ -5,6 +5,7 @@ import datetime
 import json
 import logging
 import os
+import shutil
 import subprocess
 import tempfile
 import urllib.parse
@@ -15,7 +16,7 @@ import psycopg2
 import pytest
 from tornado.httpclient import AsyncHTTPClient
 
-from engine import lograte
+from engine import inbox, lograte
 import migrations
 from models import UTC
 from engine.connection import open_database
@@ -116,16 +117,31 @@ def statements(caplog):
                     if record.name == "peewee" and isinstance(record.msg, tuple)]
 
 
+def empty_tables(db):
+    """Every table but the migrations' emptied."""
+    tables = [t for t in db.get_tables() if t != "schema_migrations"]
+    if db.__class__.__name__.startswith("Reconnecting"):
+        db.execute_sql(f"TRUNCATE {', '.join(tables)} RESTART IDENTITY CASCADE")
+    else:
+        with db.atomic():
+            for table in tables:
+                db.execute_sql(f"DELETE FROM {table}")
+
+
+def start_afresh(ctx, db):
+    """Between a property test's examples: empty tables, an empty spool, and nothing the
+    inbox remembers in the process (calls parked, claims cut short)."""
+    empty_tables(db)
+    shutil.rmtree(ctx.settings.spool_dir, ignore_errors=True)
+    os.makedirs(ctx.settings.spool_dir)
+    inbox._PARKED.clear()
+    inbox._CLAIMS_CUT_SHORT.clear()
+
+
 @pytest.fixture(autouse=True)
 def db(migrated_db):
     """Every test starts with empty tables."""
-    tables = [t for t in migrated_db.get_tables() if t != "schema_migrations"]
-    if migrated_db.__class__.__name__.startswith("Reconnecting"):
-        migrated_db.execute_sql(f"TRUNCATE {', '.join(tables)} RESTART IDENTITY CASCADE")
-    else:
-        with migrated_db.atomic():
-            for table in tables:
-                migrated_db.execute_sql(f"DELETE FROM {table}")
+    empty_tables(migrated_db)
     yield migrated_db
     if not migrated_db.is_closed() and migrated_db.in_transaction():
         migrated_db.rollback()

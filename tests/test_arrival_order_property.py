@@ -12,8 +12,6 @@ plugin), one after it (an async one, as a card event that asks Stripe)."""
 import asyncio
 import contextlib
 import json
-import os
-import shutil
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -22,6 +20,7 @@ from engine import commits, inbox, spool
 from engine.claims import lease
 from models import WebhookEvent
 from plugins.registry import Placement, Registry
+from tests.conftest import start_afresh
 from tests.service_process import database_down
 
 SOURCE = "ordered"
@@ -145,13 +144,7 @@ def fresh(ctx, db, clock):
     ctx.plugins = {**ctx.plugins, SOURCE: recorder.registry}
 
     def reset():
-        tables = [t for t in db.get_tables() if t != "schema_migrations"]
-        with db.atomic():
-            for table in tables:
-                db.execute_sql(f"DELETE FROM {table}")
-        shutil.rmtree(ctx.settings.spool_dir, ignore_errors=True)
-        os.makedirs(ctx.settings.spool_dir)
-        inbox._PARKED.clear()
+        start_afresh(ctx, db)
         recorder.handled.clear()
         clock.set(2026, 11, 20, 9, 0)
         return recorder

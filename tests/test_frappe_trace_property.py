@@ -17,10 +17,10 @@ computed from the document's record and the deliveries alone says:
   acted on, each state left by its path's rule; the webhook is then a copy;
 - the run finds what is left, on every document: the current state acted on, a state
   left by its path's rule, a change older than one handled as history."""
+import dataclasses
 import datetime
 import json
 import os
-import shutil
 import zoneinfo
 
 import pytest
@@ -30,9 +30,9 @@ from domain import reconcile
 from engine import inbox, outbox
 from models import UTC, WebhookEvent
 from plugins.workflow import HANDLED
-from tests.conftest import WEBHOOK_SECRET
+from tests.conftest import WEBHOOK_SECRET, start_afresh
 from tests.frappe_site import FrappeSite
-from tests.test_reconcile import CRTC, FIELDS, FORMATION
+from tests.test_reconcile import FIELDS
 
 TRACES = os.path.join(os.path.dirname(__file__), "frappe_traces")
 SIGNING_SECRET = "site-signing-secret-abcdef"  # the site's, as its README says
@@ -85,7 +85,6 @@ def site(io_loop):
 
 @pytest.fixture
 def settings(settings, site):
-    import dataclasses
     return dataclasses.replace(settings, workflow_url=site.url,
                                workflow_webhook_signing_secret=SIGNING_SECRET)
 
@@ -156,12 +155,7 @@ def model(ctx, drawn):
 @given(deliveries=st.lists(delivery, min_size=1, max_size=14))
 def test_a_real_sites_webhooks_in_any_order_give_what_its_record_says(
         deliveries, ctx, db, clock, site, worker, post, io_loop):
-    tables = [t for t in db.get_tables() if t != "schema_migrations"]
-    with db.atomic():
-        for table in tables:
-            db.execute_sql(f"DELETE FROM {table}")
-    shutil.rmtree(ctx.settings.spool_dir, ignore_errors=True)
-    os.makedirs(ctx.settings.spool_dir)
+    start_afresh(ctx, db)
     worker.requests.clear()
     site.actions.clear()
     for trace in ORDERS.values():
