@@ -164,8 +164,8 @@ EVENT_BY_KEY = Prepared(lambda: WebhookEvent.select().where(
     WebhookEvent.dedup_key == slot(WebhookEvent.dedup_key)))
 # An event's status and its position in its stream, its row locked: what it waits behind,
 # the later event handled already (its id and type), whether others of its stream are
-# unfinished. Read in the unit that hands it over, after that unit's locks (its order's
-# row) are taken, so that a second process's commit before them is seen.
+# unfinished. Read in the unit that hands it over, after that unit's locks (a payment's
+# order row; the event's own row), so that a second process's commit before them is seen.
 POSITION = Prepared(lambda: locked(
     WebhookEvent.select(WebhookEvent.status, first_unfinished_before(),
                         _handled_later(_LATER.id), _handled_later(_LATER.event_type),
@@ -541,7 +541,7 @@ def _behind_the_spool(ctx: EngineContext, call: Entry) -> str | None:
     there, to be stored and handled after them (JOINED). When they wait there and the
     spool cannot take this one (a full disk), it is PARKED: stored in the database and
     not handled until the spool is drained, so that the calls before it are stored
-    first and it waits behind those of its order (`_store_now`). None when nothing
+    first and it waits behind those of its stream (`_store_now`). None when nothing
     waits."""
     if not spool_holds_calls(ctx):
         return None
@@ -560,7 +560,7 @@ async def _store_now(ctx: EngineContext, call: Entry, parked: bool) -> Stored:
     """Store the call; a `parked` one with a lease, so that the inbox retry leaves it to
     the spool drain, which lets it go once the spool is empty (`_unpark`). The drain may
     never come (the process stops): it is handled a lease later all the same, behind
-    whatever of its order the drain has stored by then."""
+    whatever of its stream the drain has stored by then."""
     if not parked:
         return await ctx.commits.run(functools.partial(_store, ctx, call))
     stored = await ctx.commits.run(functools.partial(
@@ -1258,7 +1258,7 @@ def _give_back(ctx: EngineContext, claims: dict[int, datetime.datetime]) -> None
 
 
 class Hold(NamedTuple):
-    """What a held event waits behind: the first unfinished event of its order before it,
+    """What a held event waits behind: the first unfinished event of its stream before it,
     that event's status and its last error (why it is not finished)."""
     behind: int
     status: str
@@ -1266,7 +1266,7 @@ class Hold(NamedTuple):
 
 
 def holds(event_ids: Sequence[int]) -> dict[int, Hold]:
-    """What each of `event_ids` that waits behind an earlier event of its order waits
+    """What each of `event_ids` that waits behind an earlier event of its stream waits
     behind (the console, the command line); the others are not in it. In a unit."""
     if not event_ids:
         return {}

@@ -52,7 +52,7 @@ class Metrics:
         self.events = Counter(
             "receiver_events", "Inbound events by source, type and outcome of handling "
             "(processed, ignored, rejected, failed, dead, duplicate; held: it waits behind an "
-            "earlier event of its order, and is counted again when handled).",
+            "earlier event of its stream, and is counted again when handled).",
             ["source", "type", "outcome"], registry=self.registry)
         self.handling = Histogram(
             "receiver_event_handling_seconds", "Time to handle one stored event, "

@@ -106,7 +106,7 @@ def get_event(event_id: int) -> WebhookEvent:
 
 def event_with_effects(event_id: int) -> tuple[WebhookEvent, list[Outbox]]:
     """(the event, with what it is held behind (`note_holds`) and whether later events
-    of its order overtook it (`overtaken`: a replay would be out of sequence), its
+    of its stream overtook it (`overtaken`: a replay would be out of sequence), its
     outbox rows); NotFound when there is no such event."""
     [event] = note_holds([get_event(event_id)])
     event.overtaken = event.status == "dead" and _overtaken(event)

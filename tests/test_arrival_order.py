@@ -1,6 +1,7 @@
-"""Arrival order, the inbox's invariant: an event is handed to its plugin only once every
-earlier event of its order is finished, whatever went before it (a failure, a spool that
-holds calls, a full spool disk). The same under a killed or cut drain and two processes:
+"""The sender's order, the inbox's invariant: an event is handed to its plugin only once
+every event placed before it in its stream is finished, whatever went before it (a
+failure, a spool that holds calls, a full spool disk). The same under a killed or cut
+drain and two processes:
 tests/test_arrival_order_faults.py; over every ordering: tests/test_arrival_order_property.py."""
 import asyncio
 import dataclasses
