@@ -40,6 +40,12 @@ class Placement:
     version: Callable[[Any], str | None]
 
 
+def undeclared(payload: Any) -> None:
+    """A part of a `Placement` its sender's record does not give: the receiver's own key
+    (`same`), no stream, or the arrival as the version."""
+    return None
+
+
 class PathPlugin(Protocol):
     """A plugin registered under its path (plugins.workflow.WorkflowWebhook)."""
     path: str

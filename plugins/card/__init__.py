@@ -12,11 +12,7 @@ for no other event. Each type says which deliveries are one fact (`Placement.sam
   refunded once per amount refunded so far, an invoice failing once per attempt)."""
 from typing import Any, Callable
 
-from plugins.registry import Placement
-
-
-def _no_stream(event: dict[str, Any]) -> None:
-    return None
+from plugins.registry import Placement, undeclared
 
 
 def _event_id(event: dict[str, Any]) -> str:
@@ -34,7 +30,7 @@ def _object_key(event: dict[str, Any], *more: object) -> str:
 
 def fact(same: Callable[[Any], str]) -> Placement:
     """The placement of a card fact whose deliveries are one under `same(event)`."""
-    return Placement(same=same, stream=_no_stream, version=_no_stream)
+    return Placement(same=same, stream=undeclared, version=undeclared)
 
 
 EACH_EVENT = fact(_event_id)

@@ -7,11 +7,7 @@ is handled. An `unconfirmed` notice, only logged, waits for nothing."""
 from typing import Any
 
 from domain import treasury
-from plugins.registry import Placement
-
-
-def _receiver_key(callback: dict[str, Any]) -> None:
-    return None
+from plugins.registry import Placement, undeclared
 
 
 def _invoice(callback: dict[str, Any]) -> str | None:
@@ -25,7 +21,6 @@ def _listing(callback: dict[str, Any]) -> str:
 
 # The callback's key is the receiver's (domain.treasury.Callback.dedup_key: one per state
 # of the invoice); its place, its listing among its invoice's callbacks.
-INVOICE_CALLBACK = Placement(same=_receiver_key, stream=_invoice, version=_listing)
+INVOICE_CALLBACK = Placement(same=undeclared, stream=_invoice, version=_listing)
 # A notice of a transaction not confirmed yet lists nothing: logged whenever it comes.
-UNCONFIRMED_NOTICE = Placement(same=_receiver_key, stream=_receiver_key,
-                               version=_receiver_key)
+UNCONFIRMED_NOTICE = Placement(same=undeclared, stream=undeclared, version=undeclared)

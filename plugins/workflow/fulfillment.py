@@ -13,19 +13,15 @@ from domain import fulfillment
 from domain.orders import email_admin
 from engine.contracts import EngineContext
 from engine.transaction import Transaction
-from plugins.registry import Placement, workflow_webhook
+from plugins.registry import Placement, undeclared, workflow_webhook
 from plugins.workflow import WorkflowWebhook
-
-
-def _receivers_key(body: dict[str, Any]) -> None:
-    return None
 
 
 # The worker's reports of one order are one stream, in the order they came: the worker
 # sends no version of its own, and its copies are told apart by the receiver's key.
 REPORTS_OF_AN_ORDER = Placement(
-    same=_receivers_key, stream=lambda body: f"fulfillment:{body['order_number']}",
-    version=_receivers_key)
+    same=undeclared, stream=lambda body: f"fulfillment:{body['order_number']}",
+    version=undeclared)
 
 
 class FulfillmentReport(WorkflowWebhook):
