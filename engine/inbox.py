@@ -32,6 +32,7 @@ import inspect
 import logging
 import operator
 import time
+import zlib
 from typing import (Any, Awaitable, Callable, Iterable, NamedTuple, Sequence, TypeAlias,
                     TypedDict, Unpack, cast)
 
@@ -39,7 +40,7 @@ import peewee
 
 from engine import lograte
 from clients.http import error_text
-from models import Outbox, WebhookEvent
+from models import Outbox, WebhookEvent, database, is_postgres
 from engine import commits, outbox, retry, spool
 from engine.outbox import Overtaken
 from engine.claims import CLAIM_BATCH, Kept, claim, lease
@@ -181,8 +182,32 @@ class Position(NamedTuple):
     others_unfinished: bool
 
 
+# The first key of a stream's advisory lock (`_lock_stream`): the two-key space, apart
+# from the scheduler's one-key job locks.
+STREAM_LOCKS = 0x5354
+
+
+def _lock_stream(event: WebhookEvent) -> None:
+    """On PostgreSQL, lock the event's stream until the unit's transaction ends. Two
+    processes storing events of one stream at the same moment would each read the
+    stream (`POSITION`) before the other's insert is committed, and each hand its event
+    over as if it were alone: the earlier change acted on after the later one. Locked,
+    the second waits for the first's commit and reads what it did. The unit that
+    finishes an async plugin's event takes it too, so that an event held behind it
+    meanwhile is committed as held before the finish looks for the next (`release`).
+    SQLite has one writer: its units never overlap."""
+    if event.stream is None or not is_postgres():
+        return
+    key = zlib.crc32(f"{event.source}\n{event.stream}".encode()) - 2 ** 31  # an int4
+    # Sent with the next statement, as a held write is (no round trip of its own): each
+    # statement of one query reads with a snapshot of its own, taken once the lock
+    # before it is granted.
+    database.write_later("SELECT pg_advisory_xact_lock(%s, %s)", (STREAM_LOCKS, key))
+
+
 def position(event: WebhookEvent) -> Position:
-    """`POSITION` of `event`, in a unit."""
+    """`POSITION` of `event`, its stream locked (`_lock_stream`), in a unit."""
+    _lock_stream(event)
     status, behind, later_id, later_type, others = POSITION.execute(id=event.id).fetchone()
     overtaken_by = None if later_id is None else Overtaken(later_id, later_type)
     # The flag is what the finishing process needs to know: `_release_after`.
@@ -995,7 +1020,8 @@ async def _handle(ctx: EngineContext, event: WebhookEvent) -> str:
                     return event.status if placed is None else HELD
                 tx.overtaken_by = placed.overtaken_by
             await plugin(ctx, payload, tx)
-            outcome = await ctx.commits.run(functools.partial(_conclude, ctx, event, tx))
+            outcome = await ctx.commits.run(functools.partial(_conclude_locked, ctx, event,
+                                                              tx))
         else:
             outcome, asked = await ctx.commits.run(
                 functools.partial(_handle_in_transaction, ctx, event, plugin, payload),
@@ -1092,6 +1118,14 @@ def _is_async(plugin: object) -> bool:
     """An async plugin waits on other systems between its steps, outside a transaction."""
     return inspect.iscoroutinefunction(plugin) or inspect.iscoroutinefunction(
         getattr(plugin, "__call__", None))
+
+
+def _conclude_locked(ctx: EngineContext, event: WebhookEvent,
+                     effects: outbox.Effects) -> str:
+    """`_conclude` an async plugin's handling, in a unit of its own: its stream locked
+    first (`_lock_stream`)."""
+    _lock_stream(event)
+    return _conclude(ctx, event, effects)
 
 
 def _conclude(ctx: EngineContext, event: WebhookEvent, effects: outbox.Effects,

@@ -251,3 +251,66 @@ async def test_two_instances_on_hot_orders_through_a_database_cut_lose_nothing(
         for service in services:
             service.stop_now()
         proxy.close()
+
+
+STREAMS = 40
+
+
+def change_of(number, modified):
+    """A Formation Order's `submitted` change as Frappe's webhook names it: its save's
+    `modified`, in the site's time zone (WORKFLOW_TIME_ZONE=UTC below)."""
+    return {**submitted(number), "modified": modified.strftime("%Y-%m-%d %H:%M:%S.%f")}
+
+
+@pytest.mark.gen_test(timeout=90)
+async def test_two_processes_handle_one_documents_changes_one_after_another(
+        database_url, worker, frappe, tmp_path, client):
+    """Two changes of one document (its second save after the first), the first sent to
+    one process and the second to the other at the same moment, for 40 documents: each
+    process may store its change before the other's is committed, so neither would see
+    the other's by reading alone. Whichever is handled first, the other is handled after
+    it has committed: the earlier change then acted on before the later one, or (the later
+    one handled first) recorded as history. Never both acted on as if alone, the earlier
+    change's job sent after the later one's."""
+    env = {"DATABASE_URL": database_url, "WORKER_URL": worker.url,
+           "WORKFLOW_URL": frappe.url, "SPOOL_DIR": tmp_path / "spool",
+           "WORKFLOW_TIME_ZONE": "UTC", "CLAIM_LEASE_SECONDS": 15}
+    services = [ServiceProcess(tmp_path / f"{name}.log", **env) for name in "ab"]
+    try:
+        await asyncio.gather(*(service.start() for service in services))
+        saved = datetime.datetime.now(datetime.timezone.utc)
+        for number in range(STREAMS):
+            first, second = services if number % 2 else services[::-1]
+            codes = await asyncio.gather(
+                send(client, first, "formation/submitted", change_of(number, saved)),
+                send(client, second, "formation/submitted",
+                     change_of(number, saved + datetime.timedelta(milliseconds=1))))
+            assert codes == [200, 200]
+        await eventually(lambda: not WebhookEvent.select().where(
+            WebhookEvent.status.in_(("received", "failed"))).exists())
+        await services[0].a_lease_later()
+
+        in_turn, history = 0, 0
+        for number in range(STREAMS):
+            earlier, later = WebhookEvent.select().where(
+                WebhookEvent.order_number == f"FO-{number}").order_by(WebhookEvent.version)
+            jobs = list(Outbox.select().where(Outbox.order_number == f"FO-{number}",
+                                              Outbox.kind == "job").order_by(Outbox.id))
+            if earlier.status == "ignored":
+                # The later change handled first: the earlier one is history, after it.
+                assert "older than the state change" in earlier.last_error, number
+                assert later.status == "processed" and len(jobs) == 1, number
+                assert earlier.processed_at > later.processed_at, number
+                history += 1
+            else:
+                assert (earlier.status, later.status) == ("processed", "processed"), number
+                assert earlier.processed_at < later.processed_at, number
+                assert [job.event_id for job in jobs] == [earlier.id, later.id], number
+                in_turn += 1
+        sent = [r.json["order_number"] for r in worker.requests]
+        figures("one document's two changes in two processes", documents=STREAMS,
+                in_turn=in_turn, history=history, jobs=len(sent))
+        assert len(sent) == 2 * in_turn + history
+    finally:
+        for service in services:
+            service.stop_now()
