@@ -389,7 +389,7 @@ async def _look_at_page(ctx: EngineContext, tx: Transaction, doctype: str,
     """Handle the state changes of a page's documents, up to the run's cap; stop at the
     first whose log Frappe does not show (`seen.unread`)."""
     for document in documents[:MAX_DOCUMENTS_PER_RUN - seen.looked_at]:
-        seen.unread = await _reconcile_document(ctx, tx, doctype, document, window, counts)
+        seen.unread = await _reconcile_document(ctx, doctype, document, window, counts)
         if seen.unread:
             return
         seen.looked_at += 1
@@ -515,7 +515,7 @@ def _entries(document: dict[str, Any], log_entries: list[dict[str, Any]],
     return found
 
 
-async def _reconcile_document(ctx: EngineContext, tx: Transaction, doctype: str,
+async def _reconcile_document(ctx: EngineContext, doctype: str,
                              document: dict[str, Any], window: _Window,
                              counts: Counts) -> str | None:
     """Handle the document's state changes in the window, oldest first; what went wrong
@@ -525,17 +525,17 @@ async def _reconcile_document(ctx: EngineContext, tx: Transaction, doctype: str,
     if not history.ok:
         return f"{doctype} {name}: {history.error}"
     found = _entries(document, cast(list[dict[str, Any]], history.body), window)
-    await _hand_over(ctx, tx, doctype, name, document, found, counts)
+    await _hand_over(ctx, doctype, name, document, found, counts)
     return None
 
 
-async def _hand_over(ctx: EngineContext, tx: Transaction, doctype: str, name: Any,
+async def _hand_over(ctx: EngineContext, doctype: str, name: Any,
                      document: dict[str, Any], changes: list[dict[str, Any]],
                      counts: Counts, before_a_webhook: bool = False) -> None:
     """Hand each change found in the document's log (`_entries`) to the inbox, oldest
     first, as its webhook would have come. `before_a_webhook`: stop at the first the
-    database could not take (spooled): the spool drain matches no change against
-    another finder's, and the webhook that asked may be one of them."""
+    database could not take (spooled): the webhook that asked joins it in the spool, and
+    a run finds the rest once the spool is drained."""
     for found in changes:
         path = found.pop("path")
         webhook = ctx.plugins[SOURCE].get(path)
@@ -550,9 +550,7 @@ async def _hand_over(ctx: EngineContext, tx: Transaction, doctype: str, name: An
         event, created, outcome = await inbox.accept(
             ctx, SOURCE, path, entered_key(path, name, body["workflow_entry"]),
             json.dumps(body).encode(), order_number=body["order_number"], reconciled=True,
-            stream=placed.stream, version=placed.version,
-            handled_by=functools.partial(same_stay, tx, path, name, body["order_number"],
-                                         body))
+            stream=placed.stream, version=placed.version)
         if event is None and before_a_webhook:
             return
         if _counted_as_done(counts, event, created, outcome):
@@ -584,9 +582,9 @@ async def predecessors_first(ctx: EngineContext, path: str, body: dict[str, Any]
     doctype = _doctype_of(ctx.settings, path)
     if (modified is None or doctype is None or not ctx.settings.workflow_url
             or inbox.spool_holds_calls(ctx)):
-        # While calls wait in the spool this one joins them: the log's entries handed
-        # over now would join them too, and the drain would store an entry and its own
-        # spooled webhook as two changes. The run finds what is missing afterwards.
+        # While calls wait in the spool this one joins them, and so would the log's
+        # entries handed over now: nothing is placed by reading Frappe before the drain.
+        # The run finds what is missing afterwards.
         return counts
     late = ctx.clock() - from_frappe_time(modified, site_zone(ctx)) >= LATE_AFTER
     if not late and not webhook.after:
@@ -619,7 +617,7 @@ async def predecessors_first(ctx: EngineContext, path: str, body: dict[str, Any]
         found = [change for change in _entries(
             document, entries, _Window("", modified, _states(ctx, doctype), ""))
             if change["entered_at"] != modified]
-    await _hand_over(ctx, tx, doctype, body["order_name"], document, found, counts,
+    await _hand_over(ctx, doctype, body["order_name"], document, found, counts,
                      before_a_webhook=True)
     return counts
 

@@ -4,7 +4,7 @@ one come to, what a send comes to. A unit of work is engine.commits.Unit."""
 import asyncio
 import datetime
 import zoneinfo
-from typing import Any, Coroutine, NamedTuple, Protocol, Sequence, TypeAlias, TypeVar
+from typing import Any, Callable, Coroutine, NamedTuple, Protocol, Sequence, TypeAlias, TypeVar
 
 import jinja2
 
@@ -66,6 +66,9 @@ class Registry(Protocol):
     def orders_of(self, key: str, payload: Any) -> Sequence[OrderRef]: ...
 
     def placed(self, key: str, payload: Any) -> Placed: ...
+
+    def found_otherwise(self, key: str,
+                        payload: str) -> Callable[[Any], WebhookEvent | None] | None: ...
 
     def in_background(self, key: str) -> bool: ...
 

@@ -133,11 +133,18 @@ def first_unfinished_before(row: Any = WebhookEvent) -> peewee.Select:
         .order_by(_EARLIER.version, _EARLIER.received_at, _EARLIER.id).limit(peewee.SQL("1")))
 
 
+# What a later change's handling may end as and the row still be history: acted on, or
+# recorded by its path's rule for a state its document had left when it was found (a
+# Frappe change the workflow log found late). An ignored change of its own is history
+# of a later processed one: counting it changes nothing.
+HANDLED_LATER = ("processed", "ignored")
+
+
 def _handled_later(column: peewee.Field) -> peewee.Select:
-    """`column` of the latest-placed event of the row's stream handled (processed) with a
-    later version than the row's: what makes the row history."""
+    """`column` of the latest-placed event of the row's stream handled (HANDLED_LATER) with
+    a later version than the row's: what makes the row history."""
     return (_LATER.select(column).where(
-        _of_its_stream(_LATER, WebhookEvent), _LATER.status == peewee.SQL("'processed'"),
+        _of_its_stream(_LATER, WebhookEvent), _LATER.status.in_(_literals(HANDLED_LATER)),
         _LATER.version > WebhookEvent.version)
         .order_by(_LATER.version.desc(), _LATER.id.desc()).limit(peewee.SQL("1")))
 
@@ -307,7 +314,6 @@ def store(ctx: EngineContext, source: str, event_type: str, dedup_key: str,
 async def accept(ctx: EngineContext, source: str, event_type: str, dedup_key: str,
                  payload: str | bytes, in_background: bool = False,
                  send_within: float | None = None,
-                 handled_by: Callable[[], WebhookEvent | None] | None = None,
                  orders: Sequence[OrderRef] = (),
                  **fields: Unpack[CallFields]) -> Accepted:
     """The request path's way in: store the call as `record` does and, when it is new,
@@ -322,10 +328,10 @@ async def accept(ctx: EngineContext, source: str, event_type: str, dedup_key: st
     storing: one transaction, one turn of the loop. Should the plugin raise, the event
     stays stored and is recorded as failed, in that transaction too.
 
-    `handled_by`: run in the storing's transaction when no key of the call is stored, it
-    returns an event that already handled what the call asks for under another key (a
-    late workflow webhook, domain.reconcile.same_stay); the call is then that event's
-    duplicate. A call spooled meanwhile is stored by the drain without it.
+    A call whose fact another finder may have stored under a key of its own (its
+    plugin's `Placement.found_otherwise`: a workflow change its document's log found
+    first) is looked for so too, in the storing's transaction when no key of the call is
+    stored: it is then that event's copy, as it is when the spool drain stores it.
 
     `orders`: the orders its plugin's handling reads (a plugin's `orders_of`), read for
     the turn's units together, beside its event's insert (engine.store.orders)."""
@@ -335,6 +341,7 @@ async def accept(ctx: EngineContext, source: str, event_type: str, dedup_key: st
         return Accepted(None, False, None)
     if where is PARKED:
         return await _accept_parked(ctx, call)
+    handled_by = _found_otherwise(ctx, call)
     new_event = (_NewEvent(ctx, call, handle_now=not in_background)
                  if handled_by is None and not call["also_known_as"] else None)
     try:
@@ -557,7 +564,7 @@ PARKED = "parked"
 
 def spool_holds_calls(ctx: EngineContext) -> bool:
     """Whether calls wait in the spool: a call accepted now joins them (`_behind_the_spool`),
-    and is stored by the drain, which matches no call against another finder's."""
+    to be stored and handled by the drain after them."""
     return spool.backlog(ctx.settings.spool_dir)
 
 
@@ -701,8 +708,23 @@ def store_spooled(ctx: EngineContext, call: Entry) -> Stored:
     """Store a call read back from the spool; the database errors propagate.
 
     Its received_at may be older than a lease (the outage lasted): leased from now, so
-    the inbox retry leaves it to the drain that handles it next."""
-    return _store(ctx, call, next_attempt_at=ctx.clock() + lease(ctx))
+    the inbox retry leaves it to the drain that handles it next. A copy of a fact another
+    finder stored meanwhile (`_found_otherwise`) is that fact's duplicate, as on the
+    request path."""
+    return _store(ctx, call, next_attempt_at=ctx.clock() + lease(ctx),
+                  handled_by=_found_otherwise(ctx, call))
+
+
+def _found_otherwise(ctx: EngineContext, call: Entry) -> Callable[[], WebhookEvent | None] | None:
+    """What finds, in the storing's transaction, the event another finder stored for the
+    call's fact under a key of its own, as its plugin declares it
+    (`Placement.found_otherwise`); None when only the call's keys find it."""
+    registry = ctx.plugins.get(call["source"])
+    finder = (None if registry is None
+              else registry.found_otherwise(call["event_type"], call["payload"]))
+    if finder is None:
+        return None
+    return functools.partial(finder, Transaction(ctx))
 
 
 def _store(ctx: EngineContext, call: Entry,
@@ -711,8 +733,8 @@ def _store(ctx: EngineContext, call: Entry,
            handled_by: Callable[[], WebhookEvent | None] | None = None,
            ahead: "_NewEvent | None" = None) -> Stored:
     """`as_processed`: the caller handles the call in this same transaction, and stored
-    so it needs no UPDATE when that goes well (`_store_and_handle`). `handled_by`: see
-    `accept`. `ahead`: the call's event, inserted with the turn's others when it is
+    so it needs no UPDATE when that goes well (`_store_and_handle`). `handled_by`: what
+    finds the event another finder stored for the call's fact (`_found_otherwise`). `ahead`: the call's event, inserted with the turn's others when it is
     done."""
     source, event_type = call["source"], call["event_type"]
     known = _EarlierKeys(call["also_known_as"], call.get("also_known_between"))

@@ -12,7 +12,6 @@ from typing import Any, NoReturn
 from handlers.base import ApiHandler, same_secret
 from domain import reconcile
 from engine import inbox
-from engine.transaction import Transaction
 from models import WebhookEvent
 
 log = logging.getLogger("receiver.workflow")
@@ -112,7 +111,6 @@ class WorkflowWebhookHandler(ApiHandler):
             self.fail(400, f"Idempotency-Key too long (at most {inbox.MAX_KEY_LENGTH} "
                            "characters)")
         earlier: inbox.CallFields = {}
-        handled_by = None
         # Its place in Frappe's record, as its plugin declares it: the change (the save
         # that made it) and the document whose changes it waits among.
         placed = self.ctx.plugins["workflow"].placed(path, body)
@@ -126,13 +124,10 @@ class WorkflowWebhookHandler(ApiHandler):
             first, last = hour - self.ctx.settings.workflow_dedup_hours, hour - 1
             if change:
                 # The body's own key too: a copy stored before state changes had keys.
+                # (A run, or a later change's webhook reading the workflow log first, may
+                # have found this change under that log entry's key: the inbox asks the
+                # plugin's Placement.found_otherwise.)
                 dedup_key, last = change, hour
-                # A run, or a later change's webhook reading the workflow log first
-                # (reconcile.predecessors_first), may have found this change first under
-                # that log entry's key, however soon this webhook comes: one lookup more.
-                handled_by = functools.partial(
-                    reconcile.same_stay, Transaction(self.ctx), path, body["order_name"],
-                    body["order_number"], body)
             earlier = hourly_keys(f"{path}:{digest}", first, last)
         # The earlier hours are looked up by the inbox, or by the spool drain when the
         # database is down now.
@@ -143,6 +138,6 @@ class WorkflowWebhookHandler(ApiHandler):
                                     "stream": placed.stream, "version": placed.version}
         event, _created, outcome = await inbox.accept(
             self.ctx, "workflow", path, dedup_key, self.raw_body, **fields,
-            handled_by=handled_by, send_within=self.ctx.settings.workflow_answer_budget_seconds,
+            send_within=self.ctx.settings.workflow_answer_budget_seconds,
             orders=self.ctx.plugins["workflow"].orders_of(path, body))
         return event, outcome

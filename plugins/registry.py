@@ -11,6 +11,7 @@ from typing import Any, Awaitable, Callable, Iterable, Protocol, TypeVar
 from engine.contracts import EngineContext, Placed
 from engine.payload import exact_json, read_json
 from engine.transaction import OrderRef, Transaction
+from models import WebhookEvent
 
 log = logging.getLogger("receiver.plugins")
 
@@ -18,6 +19,8 @@ Payload = dict[str, Any]
 Plugin = Callable[[EngineContext, Payload, Transaction], Awaitable[None] | None]
 OrdersOf = Callable[[Payload], Iterable[OrderRef]]
 P = TypeVar("P", bound=Plugin)
+# What finds a stored event that is this delivery's fact under another finder's key.
+FoundOtherwise = Callable[[Transaction], WebhookEvent | None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,12 +35,18 @@ class Placement:
       that folds in any order and waits for nothing (a Stripe event).
     - `version(payload)`: its place in its stream, as text that sorts in the sender's
       order (Frappe's `modified`); None: its arrival.
+    - `found_otherwise(payload)`: for a fact another finder may have stored under a key of
+      its own (a Frappe change its document's workflow log found first, or the other
+      way), what finds that event in the storing's transaction: the delivery is then its
+      copy, whichever way it came (the request, the spool drain). None, and for a type
+      that declares none: only its keys find it.
 
     Each function gets the decoded payload and may raise on one it cannot read: the call
     is then placed by its arrival alone, and its handling says why it failed."""
     same: Callable[[Any], str | None]
     stream: Callable[[Any], str | None]
     version: Callable[[Any], str | None]
+    found_otherwise: Callable[[Any], FoundOtherwise | None] | None = None
 
 
 def undeclared(payload: Any) -> None:
@@ -94,6 +103,20 @@ class Registry:
     def placement(self, key: str) -> Placement | None:
         """The placement the plugin under `key` declared, or None for no plugin."""
         return self._placements.get(key)
+
+    def found_otherwise(self, key: str, payload: str) -> FoundOtherwise | None:
+        """What finds the event another finder stored for the fact a delivery of `key`
+        with the stored `payload` brings (`Placement.found_otherwise`); None when only
+        its keys find it, or its payload cannot be read (its handling says why)."""
+        placement = self._placements.get(key)
+        if placement is None or placement.found_otherwise is None:
+            return None
+        try:
+            return placement.found_otherwise(self.decode(payload))
+        except Exception as unreadable:
+            log.warning("%s %s: matched by its keys alone (%s: %.200s)", self.what, key,
+                        type(unreadable).__name__, unreadable)
+            return None
 
     def in_background(self, key: str) -> bool:
         """Whether the plugin under `key` declared its calls handled after the answer."""

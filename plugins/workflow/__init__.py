@@ -7,9 +7,10 @@ one stream (`formation:FO-1`, `crtc:CA-1`: a path's group and the order), handle
 order of the saves that made them, the document's `modified` (or, for a change found in
 its workflow log, when the log entry was written); two deliveries of one save are one
 change (`reconcile.change_key`)."""
+import functools
 from typing import Any
 
-from plugins.registry import Placement, workflow_webhook
+from plugins.registry import FoundOtherwise, Placement, workflow_webhook
 from domain import reconcile
 from domain.orders import remember_order_name
 from engine.contracts import EngineContext
@@ -53,7 +54,17 @@ class WorkflowWebhook:
             same=lambda body: reconcile.change_key(self.path, body["order_name"],
                                                    body.get("modified")),
             stream=lambda body: f"{group}:{body['order_number']}",
-            version=reconcile.document_version)
+            version=reconcile.document_version, found_otherwise=self._found_otherwise)
+
+    def _found_otherwise(self, body: dict[str, Any]) -> FoundOtherwise | None:
+        """A change naming its save (a webhook's `modified`, a log entry's time) is the
+        same whether its webhook or its document's workflow log found it first
+        (`reconcile.same_stay`): each finder has its own key."""
+        if reconcile.document_version(body) is None:
+            return None
+        return functools.partial(reconcile.same_stay, path=self.path,
+                                 order_name=body["order_name"],
+                                 order_number=body["order_number"], body=body)
 
     @property
     def left_rule(self) -> str:
