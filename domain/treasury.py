@@ -4,7 +4,9 @@ Reading a callback: amounts are Decimal end to end (strings or JSON numbers, eve
 kept), fiat amounts are kept in their currency's ISO 4217 minor unit (domain.money),
 rounded half up, the order type comes from the order number's prefix. Recording a paid
 one: the treasury job and the ledger entries are written together in a savepoint, then
-the order's payment is completed.
+the order's payment is completed. Its times are SHKeeper's: each entry is acquired when
+SHKeeper stored its transaction, the order paid when it stored the newest one, whenever
+the callback is handled; without a date SHKeeper wrote, when the callback reached us.
 
 Callbacks may come in any order (SHKeeper re-sends, the spool, a retry), and one may list
 no transaction (the fallback txid). Every callback lists the invoice's transactions so
@@ -23,6 +25,7 @@ import datetime
 import decimal
 import hashlib
 import logging
+import re
 from typing import Any
 
 from models import OrderBase
@@ -51,6 +54,10 @@ MAX_TXID_LENGTH = 256
 # and part of its dedup key, both indexed.
 MAX_STATUS_LENGTH = 64
 EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
+# A transaction's `date` as SHKeeper writes it: `str()` of its Transaction.created_at,
+# which SQLite's CURRENT_TIMESTAMP filled in, in UTC and without a zone
+# ("2026-11-20 09:00:12"; `str()` adds microseconds to a time that has them).
+SHKEEPER_DATE = re.compile(r"\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}(\.\d{6})?")
 
 
 class MalformedCallback(ValueError):
@@ -139,8 +146,8 @@ class InvoiceTransaction:
     amount_coin: decimal.Decimal
     amount_fiat: decimal.Decimal
     fee_fiat: decimal.Decimal
-    # When SHKeeper stored it, as it writes it ("2026-11-20 09:00:12", its server's
-    # clock): text that sorts as time among one invoice's transactions.
+    # When SHKeeper stored it, as it writes it (SHKEEPER_DATE, UTC): text that sorts as
+    # time among one invoice's transactions.
     date: str = ""
 
     @classmethod
@@ -152,6 +159,19 @@ class InvoiceTransaction:
                    amount_coin=amount(item, "amount_crypto"),
                    amount_fiat=amount(item, "amount_fiat"),
                    fee_fiat=amount(item, "fee_fiat"), date=_text(item, "date"))
+
+    def stored_at(self, arrived_at: datetime.datetime) -> datetime.datetime:
+        """When SHKeeper stored the transaction (its `date`), as aware UTC. A date not
+        written as SHKeeper writes it, or none (the fallback's), or one later than the
+        callback's arrival (SHKeeper's clock ahead of ours: no transaction is stored
+        after the callback listing it reached us) gives that arrival instead."""
+        if not SHKEEPER_DATE.fullmatch(self.date):
+            return arrived_at
+        try:
+            stored = datetime.datetime.fromisoformat(self.date)
+        except ValueError:  # shaped like a date, yet none: a 31st of November
+            return arrived_at
+        return min(stored.replace(tzinfo=datetime.timezone.utc), arrived_at)
 
 
 def _transactions(body: dict[str, Any],
@@ -290,6 +310,13 @@ class Callback:
         return Money.of(sum(self.fiat_minor(transaction.amount_fiat)
                             for transaction in self.received(arrived_at)), self.fiat_currency)
 
+    def paid_at(self, arrived_at: datetime.datetime) -> datetime.datetime:
+        """When the invoice was paid, as SHKeeper tells it: the newest received
+        transaction's time (`stored_at`), for a PAID callback the transaction that paid
+        it; for a callback listing none, its arrival."""
+        return max(transaction.stored_at(arrived_at)
+                   for transaction in self.received(arrived_at))
+
     def received(self, arrived_at: datetime.datetime) -> tuple[InvoiceTransaction, ...]:
         """The transactions the ledger records: every one listed with a txid (SHKeeper
         lists the invoice's whole history, oldest first). A callback that lists none is
@@ -304,7 +331,8 @@ class Callback:
 
 def receive_payment(ctx: EngineContext, payload: dict[str, Any], tx: Transaction) -> None:
     """PAID and OVERPAID: record the treasury job and ledger entries, then complete the
-    payment (with what the ledger records and the invoice's coins), and tell the
+    payment (with what the ledger records, the invoice's coins and SHKeeper's time of
+    the newest transaction, `Callback.paid_at`), and tell the
     administrator of an invoice paid more or less than expected. A callback older than a
     listing handled already is history; anything else, or paid not true, is only logged
     (BEHAVIOUR.md 4.3 rules 3 and 10)."""
@@ -326,7 +354,8 @@ def receive_payment(ctx: EngineContext, payload: dict[str, Any], tx: Transaction
         with tx.undone_on_failure():
             order, newly_paid = complete_payment(
                 ctx, tx, callback.external_id, callback.order_type, reference,
-                source=CRYPTO_SOURCE, payment_method="crypto", amount=received, coins=coins)
+                source=CRYPTO_SOURCE, payment_method="crypto", amount=received, coins=coins,
+                paid_at=callback.paid_at(arrival))
     except OrderNotFound as missing:
         # The coins arrived: their treasury job and ledger entry stay recorded, and only
         # the completion is tried again.
@@ -538,9 +567,9 @@ def record_receipt(ctx: EngineContext, tx: Transaction, callback: Callback,
         if callback.listed:
             tx.drop_ledger_entry(fallback_key(callback.external_id))
             for transaction in callback.received(arrival):
-                _add_ledger_entry(ctx, tx, callback, transaction)
+                _add_ledger_entry(ctx, tx, callback, transaction, arrival)
         else:
-            _save_fallback_entry(ctx, tx, callback, callback.received(arrival)[0])
+            _save_fallback_entry(ctx, tx, callback, callback.received(arrival)[0], arrival)
     return not part.failed
 
 
@@ -573,24 +602,29 @@ def fallback_key(order_id: str) -> str:
 
 
 def _add_ledger_entry(ctx: EngineContext, tx: Transaction, callback: Callback,
-                      transaction: InvoiceTransaction) -> None:
+                      transaction: InvoiceTransaction, arrival: datetime.datetime) -> None:
     """One entry per transaction of the order (`ledger_key`): the entries of an order sum
     to the invoice. An entry already recorded (an earlier listing had it) takes this
-    listing's status: the callback handled is the newest listing of its invoice."""
+    listing's status, and keeps its acquired_at: the callback handled is the newest
+    listing of its invoice, and the transaction's time is SHKeeper's in every listing."""
     tx.save_ledger_entry(_entry(ctx, callback, transaction, ledger_key(
-        callback.external_id, transaction.txid), fallback=False))
+        callback.external_id, transaction.txid), fallback=False, arrival=arrival))
 
 
 def _save_fallback_entry(ctx: EngineContext, tx: Transaction, callback: Callback,
-                         transaction: InvoiceTransaction) -> None:
+                         transaction: InvoiceTransaction, arrival: datetime.datetime) -> None:
     """The order's fallback entry: the invoice's balance under the fallback txid, written
-    unless an entry of a listed transaction is stored, updated to a larger balance."""
+    unless an entry of a listed transaction is stored, updated to a larger balance (and
+    the arrival of the callback that told it)."""
     tx.save_fallback_entry(_entry(ctx, callback, transaction,
-                                  fallback_key(callback.external_id), fallback=True))
+                                  fallback_key(callback.external_id), fallback=True,
+                                  arrival=arrival))
 
 
 def _entry(ctx: EngineContext, callback: Callback, transaction: InvoiceTransaction,
-           key: str, fallback: bool) -> LedgerFields:
+           key: str, fallback: bool, arrival: datetime.datetime) -> LedgerFields:
+    """The entry's columns; acquired_at is when SHKeeper stored the transaction (the
+    callback's arrival for the fallback entry), not when the callback is handled."""
     now = ctx.clock()
     return LedgerFields(
         order_id=callback.external_id, order_type=callback.order_type, coin=transaction.coin,
@@ -599,7 +633,7 @@ def _entry(ctx: EngineContext, callback: Callback, transaction: InvoiceTransacti
         amount_fiat_cents=callback.fiat_minor(transaction.amount_fiat),
         amount_usd_cents=callback.usd_cents(transaction.amount_fiat), provider=PROVIDER,
         provider_ref=transaction.txid, provider_status=callback.status, state="confirmed",
-        idempotency_key=key, fallback=fallback, acquired_at=now,
+        idempotency_key=key, fallback=fallback, acquired_at=transaction.stored_at(arrival),
         notes=(f"{callback.status}: received {transaction.amount_coin} {transaction.coin} "
                f"({transaction.amount_fiat} {callback.fiat_currency}, "
                f"fee {transaction.fee_fiat})"),

@@ -36,6 +36,8 @@ async def test_a_paid_invoice_leaves_a_job_an_entry_and_a_paid_order(post, clock
     await send(post, shkeeper.paid("CA-1001", txid="0x518a10b1", balance_crypto="7.80000000",
                                    balance_fiat="7.80", crypto="ETH-USDT"))
     now = datetime.datetime(2026, 11, 20, 9, 30, tzinfo=UTC)
+    # The transaction's date: when SHKeeper stored it, before it sent the callback.
+    stored = datetime.datetime(2026, 11, 20, 9, 0, tzinfo=UTC)
 
     job = TreasuryJob.get()
     assert (job.order_id, job.order_type, job.state, job.coin) == (
@@ -48,12 +50,12 @@ async def test_a_paid_invoice_leaves_a_job_an_entry_and_a_paid_order(post, clock
     assert dataclasses.astuple(_ledger(entry)) == (
         "CA-1001", "canada_crtc", "ETH-USDT", "receive", Decimal("7.8"), 780,
         "crypto-processor", "0x518a10b1", "PAID", "confirmed",
-        "crypto-processor:CA-1001:0x518a10b1", now)
+        "crypto-processor:CA-1001:0x518a10b1", stored)
     assert entry.notes == "PAID: received 7.8 ETH-USDT (7.8 USD, fee 0.1529411765)"
 
     order = CrtcOrder.get()
     assert (order.payment_status, order.paid_at, order.stripe_session_id,
-            order.payment_method) == ("paid", now, "crypto-0x518a10b1", "crypto")
+            order.payment_method) == ("paid", stored, "crypto-0x518a10b1", "crypto")
     [alert] = telegram.requests
     assert "CA-1001" in alert.json["text"] and "crypto" in alert.json["text"]
     assert "CRYPTO10" in alert.json["text"]
