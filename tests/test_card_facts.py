@@ -168,6 +168,38 @@ async def test_a_dispute_of_an_order_not_stored_yet_is_handled_when_the_order_co
     assert subjects(smtp) == ["Dispute opened on order CA-9"]
 
 
+@pytest.mark.gen_test
+@pytest.mark.parametrize("event_type", ["checkout.session.completed",
+                                        "payment_intent.succeeded"])
+async def test_a_payment_naming_an_order_not_stored_yet_pays_it_when_it_comes(
+        event_type, send, ctx, clock, smtp, stripe_api):
+    """The customer paid before the shop sent the order: the payment waits for the
+    order's number, however long (once retried to its end and given up), and pays the
+    order once it is stored, as of Stripe's time."""
+    if event_type == "checkout.session.completed":
+        payment = se.checkout_session("FO-77", "formation", session_id="cs_test_77",
+                                      payment_intent="pi_test_77")
+    else:
+        payment = se.payment_intent("FO-77", "formation", intent_id="pi_test_77")
+    stripe_api.charged(se.payment_intent("FO-77", "formation", intent_id="pi_test_77"),
+                       "card")
+    row = await send(event_type, payment, created=PAID)
+    assert row.status == "waiting" and "order:FO-77" in row.waiting_for.split()
+    clock.advance(days=3)  # past every retry the inbox would have made
+    await inbox.retry_due(ctx)  # looked at again: still waiting, the administrator told
+    assert stored(row.external_id).status == "waiting"
+    await outbox.send_due(ctx)
+    assert [s for s in subjects(smtp) if "waits for its order" in s] == [
+        f"Event #{row.id} ({event_type}) waits for its order"]
+
+    stored_order = await intake.put(ctx, intake.parse("formation", "FO-77", {}))
+    assert stored_order.due == 1
+    assert await inbox.retry_due(ctx) == 1
+    order = FormationOrder.get()
+    assert (order.payment_status, order.paid_at) == ("paid", at(PAID))
+    assert stored(row.external_id).status == "processed"
+
+
 # --- visible, and bounded -------------------------------------------------------------------
 
 @pytest.mark.gen_test

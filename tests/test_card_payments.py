@@ -219,12 +219,13 @@ async def test_a_subscription_on_another_kind_of_order_is_not_kept(send):
 
 
 @pytest.mark.gen_test
-async def test_a_trial_subscription_for_an_order_not_yet_written_is_retried(send):
+async def test_a_trial_subscription_for_an_order_not_yet_written_waits_for_it(send):
     session = se.checkout_session("CO-404", "compliance", mode="subscription",
                                   payment_status="no_payment_required",
                                   subscription="sub_test_late")
     stored = await send("checkout.session.completed", session)
-    assert stored.status == "failed" and "CO-404" in stored.last_error
+    assert stored.status == "waiting" and "CO-404" in stored.last_error
+    assert set(stored.waiting_for.split()) == {"order:CO-404", "subscription:sub_test_late"}
 
 
 def several_methods_paid(order_number):
@@ -333,9 +334,9 @@ async def test_an_intent_without_a_session_is_its_own_reference(send, telegram):
 
 
 @pytest.mark.gen_test
-async def test_an_intent_for_an_unknown_order_is_retried(send):
+async def test_an_intent_for_an_order_not_stored_waits_for_it(send):
     stored = await send("payment_intent.succeeded", se.payment_intent("FO-404", "formation"))
-    assert stored.status == "failed" and "OrderNotFound" in stored.last_error
+    assert stored.status == "waiting" and "order:FO-404" in stored.waiting_for.split()
 
 
 # --- payment_intent.payment_failed ------------------------------------------------------------

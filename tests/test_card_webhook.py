@@ -262,11 +262,26 @@ async def test_an_unknown_event_type_is_stored_and_ignored(post, clock):
 
 @pytest.mark.gen_test
 async def test_a_handling_error_is_answered_200_and_left_failed_for_retry(post, clock, telegram):
-    assert (await deliver(post, clock, paid_session("FO-NOT-YET")))[:2] == RECEIVED
+    FormationOrder.create(order_number="FO-ODD")
+    evt = paid_session("FO-ODD")
+    evt["data"]["object"]["amount_total"] = "not cents"
+    assert (await deliver(post, clock, evt))[:2] == RECEIVED
     stored = WebhookEvent.get()
     assert stored.status == "failed" and stored.next_attempt_at is not None
-    assert stored.last_error == "OrderNotFound: no formation order FO-NOT-YET"
-    assert stored.order_number == "FO-NOT-YET"
+    assert stored.last_error.startswith("ValueError")
+    assert stored.order_number == "FO-ODD"
+    assert FormationOrder.get().payment_status != "paid"
+    assert telegram.requests == []
+
+
+@pytest.mark.gen_test
+async def test_a_checkout_for_an_order_not_stored_yet_waits_for_it(post, clock, telegram):
+    """The shop sends its order after the customer paid: the session is kept, waiting
+    for the order's number, never retried to its end and given up."""
+    assert (await deliver(post, clock, paid_session("FO-NOT-YET")))[:2] == RECEIVED
+    stored = WebhookEvent.get()
+    assert (stored.status, stored.waiting_for) == ("waiting", "order:FO-NOT-YET")
+    assert "no formation order FO-NOT-YET yet" in stored.last_error
     assert telegram.requests == []
 
 

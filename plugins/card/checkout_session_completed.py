@@ -7,7 +7,8 @@ checkout is, marked as free (`domain.orders.complete_payment`'s `free_because`).
 subscription-mode session links its subscription to the compliance order, paid or not, so
 renewals and cancellation find the order; an unpaid one keeps its session and payment
 intent on the order. The facts that came before it (a dispute, a refund, a renewal, the intent's own
-success), waiting for their order, are handled once these links are committed. The
+success), waiting for their order, are handled once these links are committed. A session
+naming an order not stored yet waits for it, as those facts do. The
 order is paid as of the event's `created`, and its reference is the session's id
 whichever of the payment's events came first.
 
@@ -24,7 +25,7 @@ from typing import Any, Callable
 from models import ORDER_MODELS, ComplianceOrder
 from plugins.registry import card_event
 from plugins.card import ONCE_PER_OBJECT
-from domain.card_events import (linked, metadata_of, method_of_payment, object_of,
+from domain.card_events import (ids_of, linked, metadata_of, method_of_payment, object_of,
                                 order_of_metadata, payment_method_used)
 from domain.money import Money
 from domain.orders import FREE, OrderNotFound, complete_payment, remember_checkout
@@ -97,12 +98,28 @@ def _free_because(session: dict[str, Any]) -> str | None:
 def record(ctx: EngineContext, event: dict[str, Any], tx: Transaction,
            method: str | None) -> None:
     """In a transaction: the order paid (with `method`), completed as free, or left to
-    wait for its payment to clear; a subscription linked to its order."""
+    wait for its payment to clear; a subscription linked to its order. An order not stored
+    yet (the shop sends it later): the event waits for it (BEHAVIOUR.md 4.2 rule 7),
+    nothing written, and is handled when it is stored."""
     session = object_of(event)
     order = order_of_metadata(session)
     if order is None:
         return
     order_id, order_type = order
+    try:
+        _record_for(ctx, event, tx, method, order_id, order_type)
+    except OrderNotFound:
+        subscription = session.get("subscription")
+        tx.wait_for_order(f"checkout session {session['id']}: no {order_type} order "
+                          f"{order_id} yet", ids_of(order=order_id,
+                                                    subscription=subscription))
+
+
+def _record_for(ctx: EngineContext, event: dict[str, Any], tx: Transaction,
+                method: str | None, order_id: str, order_type: str) -> None:
+    """`record` for the order the session names; OrderNotFound, nothing written, when it
+    is not stored."""
+    session = object_of(event)
     free_because = _free_because(session)
     amount = Money.of_stripe(session.get("amount_total"), session.get("currency"))
     paid_at = as_of(event.get("created"), ctx.clock())

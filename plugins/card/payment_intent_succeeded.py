@@ -5,7 +5,9 @@ The order: the one the intent's metadata names, else the one that keeps the inte
 checkout, paid or not, recorded it). Found by neither (the intent carries no metadata and
 its checkout.session.completed has not come), it waits for its order with the intent's
 id, and is handled when the checkout links it; unless it paid a subscription's invoice
-(Stripe asked), whose own events tell of it. Paid as of the event's `created`.
+(Stripe asked), whose own events tell of it. Named and not stored yet, it waits for the
+order's number, and is handled when the shop sends the order. Paid as of the event's
+`created`.
 
 Async, because a CRTC order paid through a session that allowed several methods needs
 Stripe asked which one was used (settlement depends on it), and that call must not hold a
@@ -18,7 +20,7 @@ from plugins.card import ONCE_PER_OBJECT
 from domain.card_events import (
     ask_stripe, ids_of, linked, metadata_of, method_of_payment, object_of, order_of_metadata)
 from domain.money import Money
-from domain.orders import complete_payment
+from domain.orders import OrderNotFound, complete_payment
 from domain.payment_state import as_of
 from engine.contracts import EngineContext
 from engine.transaction import Transaction
@@ -59,11 +61,19 @@ async def handle(ctx: EngineContext, event: dict[str, Any], tx: Transaction) -> 
     reference = metadata_of(intent).get("checkout_session_id") or intent["id"]
 
     def complete() -> None:
-        complete_payment(ctx, tx, order_id, order_type, reference, source="card",
-                         payment_intent_id=intent["id"], payment_method=method,
-                         amount=Money.of_stripe(intent.get("amount_received")
-                                                or intent.get("amount"), intent.get("currency")),
-                         paid_at=as_of(event.get("created"), ctx.clock()),
-                         by_checkout=reference != intent["id"])
+        try:
+            complete_payment(ctx, tx, order_id, order_type, reference, source="card",
+                             payment_intent_id=intent["id"], payment_method=method,
+                             amount=Money.of_stripe(intent.get("amount_received")
+                                                    or intent.get("amount"),
+                                                    intent.get("currency")),
+                             paid_at=as_of(event.get("created"), ctx.clock()),
+                             by_checkout=reference != intent["id"])
+        except OrderNotFound:
+            # The order its metadata names is not stored yet: handled when it is.
+            tx.wait_for_order(f"payment intent {intent['id']}: no {order_type} order "
+                              f"{order_id} yet", ids_of(order=order_id,
+                                                        payment_intent=intent["id"]))
+            return
         linked(ctx, tx, payment_intent=intent["id"])
     await tx.transaction(complete)
