@@ -7,9 +7,13 @@ transactions already pay the invoice is told to the administrator once.
 
 Callbacks as SHKeeper sends them (tests/shkeeper.py), signed with its API key and its
 signature headers, over loopback; the property test draws an invoice's transactions and
-delivers its callbacks in any order, with copies, late copies and the order created after
-some of them, and holds the outcome to what the final listing alone gives."""
+delivers its callbacks in any order, with copies, late copies, the order created after
+some of them, and some sent while the database is down (spooled, the spool drained at
+any point), and holds the outcome to what the final listing alone gives, every time in
+it SHKeeper's."""
+import contextlib
 import dataclasses
+import datetime
 import decimal
 import itertools
 from decimal import Decimal
@@ -20,6 +24,7 @@ from hypothesis import HealthCheck, given, settings as hypothesis_settings, stra
 from models import CrtcOrder, FormationOrder, LedgerEntry, Outbox, TreasuryJob, WebhookEvent
 from engine import inbox
 from tests import shkeeper
+from tests.service_process import database_down
 from tests.shkeeper import API_KEY, URL
 
 # SHKeeper's wallet limits (its Wallet.llimit, ulimit): PAID from 95 % of the invoice's
@@ -43,6 +48,11 @@ async def send(post, ctx, clock, callback):
     assert status == 202 and reply in ({"received": True},
                                        {"received": True, "error": "internal"})
     await ctx.drain_background()
+
+
+def shkeeper_time(moment):
+    """An aware time as SHKeeper writes its transactions' dates (UTC, to the second)."""
+    return moment.astimezone(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def ledger_of(number):
@@ -314,7 +324,9 @@ deliveries = st.tuples(
     st.permutations(range(4)),
     st.lists(st.integers(min_value=0, max_value=3), max_size=3),  # copies, anywhere
     st.lists(st.integers(min_value=0, max_value=3), max_size=2),  # late copies, at the end
-    st.integers(min_value=0, max_value=8))                         # when the order is created
+    st.integers(min_value=0, max_value=8),                         # when the order is created
+    st.sets(st.integers(min_value=0, max_value=9), max_size=4),    # sent with the database down
+    st.sets(st.integers(min_value=0, max_value=9), max_size=2))    # the spool drained before
 
 
 @hypothesis_settings(max_examples=80, deadline=None, database=None,
@@ -322,9 +334,9 @@ deliveries = st.tuples(
                                             HealthCheck.too_slow])
 @given(invoice=invoices(), delivery=deliveries, with_total=st.booleans(), data=st.data())
 def test_any_delivery_of_an_invoices_callbacks_gives_what_its_final_listing_says(
-        io_loop, post, ctx, clock, smtp, telegram, invoice, delivery, with_total, data):
+        io_loop, post, ctx, db, clock, smtp, telegram, invoice, delivery, with_total, data):
     number = f"CA-L{next(_example)}"
-    order, copies, late, created_after = delivery
+    order, copies, late, created_after, down, drained_before = delivery
     sent = invoice.callbacks(number)
     ordering = [n for n in order if n < len(sent)]
     for copy in copies:
@@ -335,11 +347,15 @@ def test_any_delivery_of_an_invoices_callbacks_gives_what_its_final_listing_says
     async def run():
         clock.set(2026, 11, 20, 10, 0)
         for place, n in enumerate(ordering):
+            if place in drained_before:
+                await inbox.drain_spool(ctx)
             if place == created_after:
                 CrtcOrder.create(order_number=number,
                                  total_cents=invoice.total * 100 if with_total else None)
             clock.advance(seconds=61)
-            await send(post, ctx, clock, sent[n])
+            with database_down(db) if place in down else contextlib.nullcontext():
+                await send(post, ctx, clock, sent[n])
+        await inbox.drain_spool(ctx)
         if created_after >= len(ordering):
             CrtcOrder.create(order_number=number,
                              total_cents=invoice.total * 100 if with_total else None)
@@ -351,8 +367,13 @@ def test_any_delivery_of_an_invoices_callbacks_gives_what_its_final_listing_says
     io_loop.run_sync(run)
 
     ledger, amount, job, mails = expected(invoice, number, with_total)
-    shown = (invoice, ordering, created_after, with_total)
+    shown = (invoice, ordering, created_after, with_total, sorted(down), sorted(drained_before))
     assert ledger_of(number) == ledger, shown
+    # Every time is SHKeeper's, whenever the callback was handled.
+    dates = {t["txid"]: t["date"] for t in invoice.transactions(number)}
+    assert {entry.provider_ref: shkeeper_time(entry.acquired_at)
+            for entry in LedgerEntry.select().where(LedgerEntry.order_id == number)} == {
+        txid: dates[txid] for txid, *_ in ledger}, shown
     saved = CrtcOrder.get(CrtcOrder.order_number == number)
     jobs = [(j.amount_coin, j.amount_fiat_cents, j.idempotency_key)
             for j in TreasuryJob.select().where(TreasuryJob.order_id == number)]
@@ -362,6 +383,7 @@ def test_any_delivery_of_an_invoices_callbacks_gives_what_its_final_listing_says
             "pending_payment", None, [], []), shown
     else:
         assert (saved.payment_status, saved.payment_amount) == ("paid", amount), shown
+        assert shkeeper_time(saved.paid_at) in dates.values(), shown
         assert jobs == [job], shown
         assert len([t for t in told if " is now " not in t]) == 1, (told, shown)
         assert shkeeper.told_amount(told) == f"${Decimal(amount) / 100:.2f}", (told, shown)
