@@ -3,12 +3,14 @@ alone give (BEHAVIOUR.md 3.3, 4.2): hypothesis draws which facts happened (an ea
 attempt declined, the intent's success, a dispute created, updated and closed, a second
 close with the other outcome, a refund), a delivery order of their events, copies of
 them (one delivered again late, some told again in a new Event object), when the shop's order arrives (before any of them, or
-after some: a fact before its order), and a Stripe stand-in that does not know the
+after some: a fact before its order), some sent while the database is down (spooled, the
+spool drained at any point), and a Stripe stand-in that does not know the
 payment's order (the intent has no metadata there); each event is sent signed through
 the webhook. The final order (payment status, dispute, refund, paid_at, failed_at, the
 session reference) is checked against a model computed from the facts alone, nothing is
 left waiting or failed, and the administrator is told of the dispute once, on the
 order, never on order "unknown"."""
+import contextlib
 import dataclasses
 import datetime
 import itertools
@@ -19,6 +21,7 @@ from models import UTC, ORDER_MODELS, WebhookEvent
 from domain import intake
 from engine import inbox
 from tests import stripe_events as se
+from tests.service_process import database_down
 from tests.stripe_api import stripe_api  # noqa: F401 (fixture)
 from tests.stripe_events import RECEIVED, deliver, settings  # noqa: F401 (fixture)
 
@@ -45,6 +48,10 @@ class World:
     # Told again late in a new Event object (a new id): the same fact, whatever its type.
     resent: frozenset[str]
     order_after: int
+    # The deliveries (by place) sent while the database is down: spooled, then drained
+    # before the deliveries at `drained_before` and at the end.
+    down: frozenset[int]
+    drained_before: frozenset[int]
 
 
 @st.composite
@@ -65,7 +72,9 @@ def worlds(draw):
         copies=frozenset(draw(st.sets(st.sampled_from(events)))),
         late_copy=draw(st.none() | st.sampled_from(events)),
         resent=frozenset(draw(st.sets(st.sampled_from(events), max_size=2))),
-        order_after=draw(st.integers(0, len(events))))
+        order_after=draw(st.integers(0, len(events))),
+        down=frozenset(draw(st.sets(st.integers(0, 2 * len(events)), max_size=4))),
+        drained_before=frozenset(draw(st.sets(st.integers(0, 2 * len(events)), max_size=2))))
 
 
 def model(world):
@@ -140,7 +149,7 @@ def stripe_events(world, n, stripe_api):
                                             HealthCheck.too_slow])
 @given(world=worlds())
 def test_any_delivery_of_one_payments_facts_gives_the_order_its_facts_give(
-        io_loop, post, ctx, clock, smtp, stripe_api, world):
+        io_loop, post, ctx, db, clock, smtp, stripe_api, world):
     n = next(_example)
 
     async def run():
@@ -154,10 +163,16 @@ def test_any_delivery_of_one_payments_facts_gives_the_order_its_facts_give(
             deliveries.append(world.late_copy)
         order_at = min(world.order_after, len(deliveries))
         for index, name in enumerate(deliveries):
+            if index in world.drained_before:
+                await inbox.drain_spool(ctx)
+                await ctx.drain_background()
             if index == order_at:
                 await intake.put(ctx, intake.parse(kind, number, {}))
-            assert (await deliver(post, clock, events[name]))[:2] == RECEIVED
+            with database_down(db) if index in world.down else contextlib.nullcontext():
+                assert (await deliver(post, clock, events[name]))[:2] == RECEIVED
             await ctx.drain_background()
+        await inbox.drain_spool(ctx)
+        await ctx.drain_background()
         if order_at == len(deliveries):
             await intake.put(ctx, intake.parse(kind, number, {}))
         for name in sorted(world.resent):
