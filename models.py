@@ -316,6 +316,9 @@ class WebhookEvent(BaseModel):
     # (engine.inbox.position).
     held: str | None
     others_unfinished: bool
+    # Not a column: when its handling in this process began, on the monotonic clock
+    # (engine.inbox._wait: a link committed since may have come too late for it).
+    handling_began: float
     # Not a column: whether later events of its stream are finished (a dead one; read by
     # ops.operator.event_with_effects for the console's replay).
     overtaken: bool

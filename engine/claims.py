@@ -15,7 +15,7 @@ import asyncio
 import datetime
 import functools
 import logging
-from typing import Any, Iterable, TypeVar
+from typing import Any, Callable, Iterable, TypeVar
 
 import peewee
 
@@ -41,13 +41,19 @@ def lease(ctx: EngineContext) -> datetime.timedelta:
 
 
 async def claim(ctx: EngineContext, model: type[Claimable], due: peewee.Expression,
-                limit: int = CLAIM_BATCH) -> list[Claimable]:
-    """Claim up to `limit` rows of `model` matching `due`, oldest first; return them."""
-    return await ctx.commits.run(functools.partial(_claim, ctx, model, due, limit))
+                limit: int = CLAIM_BATCH,
+                making_due: Callable[[], None] | None = None) -> list[Claimable]:
+    """Claim up to `limit` rows of `model` matching `due`, oldest first; return them.
+    `making_due`: a write run first in the claim's unit (one that makes rows due), so
+    that what it makes due is claimed with it."""
+    return await ctx.commits.run(functools.partial(_claim, ctx, model, due, limit,
+                                                   making_due))
 
 
 def _claim(ctx: EngineContext, model: type[Claimable], due: peewee.Expression,
-           limit: int) -> list[Claimable]:
+           limit: int, making_due: Callable[[], None] | None = None) -> list[Claimable]:
+    if making_due is not None:
+        making_due()
     now = ctx.clock()
     query = model.select().where(due).order_by(model.id).limit(limit)
     if is_postgres():

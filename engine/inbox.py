@@ -30,6 +30,7 @@ import functools
 import hashlib
 import inspect
 import logging
+import math
 import operator
 import time
 import zlib
@@ -52,7 +53,7 @@ from engine.prepared import InsertMany, InsertOnce, Prepared, slot
 # The status, and what `process` says, of a fact whose order is not known yet
 # (`Effects.wait_for_order`): neither finished nor due, it waits for a link to its order
 # (`_wait`).
-from engine.store.intake import WAITING, waits_for
+from engine.store.intake import LINKS, WAITING, wait_key, waits_for
 from engine.store.orders import OrderRef, ahead_of as orders_ahead
 from engine.transaction import Transaction
 
@@ -451,7 +452,7 @@ def _store_and_handle(ctx: EngineContext, call: Entry, handle_now: bool,
                             handled_by=handled_by, ahead=ahead)
     if not created or handling is None:
         return event, created, None
-    started = time.monotonic()
+    started = event.handling_began = time.monotonic()
     overtaken_by = None
     if event.stream is not None:
         placed = position(event)
@@ -998,7 +999,7 @@ async def release(ctx: EngineContext, source: str, stream: str) -> int:
 
 async def _process(ctx: EngineContext, event: WebhookEvent, kept: Kept | None = None) -> str:
     """`process` without `release`."""
-    started = time.monotonic()
+    started = event.handling_began = time.monotonic()
     if kept is None:
         async with _kept(ctx, event):
             outcome = await _handle(ctx, event)
@@ -1069,11 +1070,20 @@ def _hand_over_woken(ctx: EngineContext, effects: outbox.Effects) -> None:
 
 async def handle_woken(ctx: EngineContext, ids: Sequence[str]) -> int:
     """Hand the due facts waiting for one of `ids` to their plugins, one after another;
-    how many. Never raises for the database: the inbox retry takes what is left."""
+    how many. Never raises for the database: the inbox retry takes what is left.
+
+    Those waiting for one of them are made due again first, now that the link is
+    committed: one whose wait was written in the linking turn after the wake in it, which
+    could not see it, is found so."""
     handled = 0
+    # Held, it goes with the claim's read: no round trip of its own.
+    wake: Callable[[], None] | None = functools.partial(
+        Transaction(ctx).wake_facts_later, ids, ctx.clock())
     try:
         while True:
-            events = await claim(ctx, WebhookEvent, _due(ctx) & waits_for(ids), limit=1)
+            events = await claim(ctx, WebhookEvent, _due(ctx) & waits_for(ids), limit=1,
+                                 making_due=wake)
+            wake = None
             if not events:
                 return handled
             await _process(ctx, events[0])
@@ -1168,7 +1178,7 @@ def _conclude(ctx: EngineContext, event: WebhookEvent, effects: outbox.Effects,
         return "ignored"
     if effects.waiting_for is not None:
         _wait(ctx, event, effects.waiting_reason or "its order is not known yet",
-              effects.waiting_for)
+              effects.waiting_for, effects)
         return WAITING
     if effects.retry_reason:
         log.warning("%s event #%s (%s) partly handled, retried later: %s", event.source,
@@ -1180,14 +1190,29 @@ def _conclude(ctx: EngineContext, event: WebhookEvent, effects: outbox.Effects,
     return "processed"
 
 
-def _wait(ctx: EngineContext, event: WebhookEvent, reason: str, ids: Sequence[str]) -> None:
+def _wait(ctx: EngineContext, event: WebhookEvent, reason: str, ids: Sequence[str],
+          effects: outbox.Effects) -> None:
     """The fact waits for its order, with the ids that will find it: handled again when
     one of them is linked to an order (engine.store.intake.wake_facts), or looked at
     again after CARD_FACT_WAIT_ALERT_MINUTES, when the administrator is told, once, of a
-    fact that has waited longer. A wait is no failure: its attempts are not counted."""
+    fact that has waited longer. A wait is no failure: its attempts are not counted.
+
+    One of them linked by this process while the fact was handled (`LINKS`): its handling
+    may have looked before the link was committed, and the link's wake before this wait
+    was written. It is due at once instead, handed over again once this is committed."""
     now = ctx.clock()
     minutes = ctx.settings.card_fact_wait_alert_minutes
     waiting_for = " ".join(ids)
+    keys = [*ids, *([wait_key("order", event.order_number)] if event.order_number else [])]
+    if LINKS.since(keys, getattr(event, "handling_began", math.inf)):
+        (WebhookEvent.update(status="received", waiting_for=waiting_for,
+                             attempts=event.attempts, last_error=error_text(reason),
+                             processed_at=None, updated_at=now, next_attempt_at=now)
+         .where(WebhookEvent.id == event.id).execute())
+        effects.woken.extend(ids)
+        log.info("%s event #%s (%s): its order was linked while it was handled (%s); "
+                 "handled again", event.source, event.id, event.event_type, waiting_for)
+        return
     (WebhookEvent.update(status=WAITING, waiting_for=waiting_for, attempts=event.attempts,
                          last_error=error_text(reason), processed_at=None, updated_at=now,
                          next_attempt_at=now + datetime.timedelta(minutes=minutes))

@@ -4,13 +4,16 @@ card fact waiting for the ids that will find its order), the compliance orders w
 for an intake form, reminders sent."""
 import datetime
 import functools
+import math
 import operator
+import threading
+import time
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence, cast
 
 import peewee
 
 from models import ORDER_MODELS, ComplianceOrder, OrderBase, SentReminder, WebhookEvent
-from engine.commits import raise_if_conflict, savepoint
+from engine.commits import on_commit, raise_if_conflict, savepoint
 from engine.prepared import InsertOnce, write_later
 
 NEW_REMINDER = InsertOnce(SentReminder)
@@ -19,6 +22,39 @@ WAITING = "waiting"
 # The waiting statuses as a literal, so that a statement reads the partial index of the
 # waiting events (models.WebhookEvent) whatever plan the database keeps for it.
 _WAITING = peewee.SQL(f"'{WAITING}'")
+
+
+class Links:
+    """When this process last committed a link of each id to an order (`wake_facts`), on
+    the monotonic clock. A fact whose handling began before such a commit, and which ends
+    waiting for that id, may have looked for its order before the link was committed and
+    written its wait after the wake looked for it (two handlings side by side: a spool
+    drain's, the request path's): it is handed over again at once (engine.inbox._wait)
+    rather than lost until its next look. Another process's links are not here: a fact it
+    missed so is looked at again after CARD_FACT_WAIT_ALERT_MINUTES."""
+
+    # Long enough for any handling that looks for an order and then waits.
+    KEPT_SECONDS = 900.0
+
+    def __init__(self) -> None:
+        self._at: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def committed(self, keys: Sequence[str]) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if len(self._at) > 10_000:
+                self._at = {key: at for key, at in self._at.items()
+                            if now - at < self.KEPT_SECONDS}
+            self._at.update(dict.fromkeys(keys, now))
+
+    def since(self, keys: Sequence[str], moment: float) -> bool:
+        """Whether one of `keys` was linked at `moment` (monotonic) or after."""
+        with self._lock:
+            return any(self._at.get(key, -math.inf) >= moment for key in keys)
+
+
+LINKS = Links()
 
 
 def wait_key(kind: str, value: str) -> str:
@@ -128,6 +164,7 @@ class IntakeStore:
         order), made due `now` to be handled again; how many."""
         if not keys:
             return 0
+        on_commit(functools.partial(LINKS.committed, list(keys)))
         found_by = waits_for(keys)
         if order_number is not None:
             found_by = found_by | (WebhookEvent.order_number == order_number)
@@ -138,6 +175,7 @@ class IntakeStore:
         """`wake_facts`, for a caller that does not read how many: the write goes with the
         transaction's next statement (a turn's on PostgreSQL), no round trip of its own."""
         if keys:
+            on_commit(functools.partial(LINKS.committed, list(keys)))
             write_later(WebhookEvent.update(status="received", next_attempt_at=now,
                                             updated_at=now)
                         .where(WebhookEvent.status == _WAITING, waits_for(keys)))
