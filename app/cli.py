@@ -179,14 +179,15 @@ def _add_event_replay(events: Commands) -> None:
                        help="every failed event, and every dead one (given up on)")
     replay.add_argument("--force", action="store_true",
                         help="also an event already processed (its effects are not "
-                             "sent twice)")
+                             "sent twice); a fact waiting for its order needs none")
     replay.set_defaults(run=events_replay)
 
 
 def _add_event_give_up(events: Commands) -> None:
     give_up = events.add_parser(
-        "give-up", help="give up events whose handling failed: dead and final, with your "
-                        "reason (kept with each, and who and when)")
+        "give-up", help="give up events whose handling failed, or a fact waiting for an "
+                        "order that will never come: dead and final, with your reason "
+                        "(kept with each, and who and when)")
     which = give_up.add_mutually_exclusive_group(required=True)
     which.add_argument("id", type=int, nargs="?", help="the event's id")
     which.add_argument("--failed", action="store_true",
@@ -416,6 +417,8 @@ async def events_show(ctx: Context, args: argparse.Namespace) -> int:
             ("processed", operator.format_time(event.processed_at)),
             ("next attempt", operator.format_time(event.next_attempt_at)),
             ("held", event.held or "-"),
+            *([("waiting for", event.waiting_for or "-")]
+              if event.status == inbox.WAITING else []),
             ("last error", event.last_error or "-")):
         print(f"{label + ':':<14}{value}")
     if event.given_up_at:
@@ -446,12 +449,18 @@ async def events_replay(ctx: Context, args: argparse.Namespace) -> int:
               + (f", {held} held behind an earlier call of their stream" if held else ""))
         return 1 if still_failing or held else 0
     outcome = await operator.replay(ctx, args.id, force=args.force)
-    print(f"event #{args.id}: {outcome}")
+    if outcome == inbox.WAITING:
+        event = await ctx.db(functools.partial(operator.get_event, args.id))
+        print(f"event #{args.id}: waiting (its order is still not known: it waits again for "
+              f"{event.waiting_for or 'nothing to find it by'}, and is handled as soon as "
+              "one of them is linked to an order)")
+    else:
+        print(f"event #{args.id}: {outcome}")
     return 1 if outcome in NOT_DONE else 0
 
 
 # A replay's outcomes that leave the event to be handled still.
-NOT_DONE = ("failed", inbox.HELD)
+NOT_DONE = ("failed", inbox.HELD, inbox.WAITING)
 
 
 async def events_give_up(ctx: Context, args: argparse.Namespace) -> int:

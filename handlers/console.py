@@ -37,6 +37,7 @@ from handlers.html import HtmlHandler
 from handlers.addresses import client_key, peer_address
 from handlers.ratelimit import LoginThrottle
 from engine.claims import CLAIM_BATCH
+from engine.inbox import WAITING
 from engine.transaction import Transaction
 from ops import console, operator, sessions
 from ops.passwords import verify_password
@@ -348,10 +349,10 @@ class EventFilterHandler(ConsoleHandler):
     """A page or action that takes the events page's filter."""
 
     def bulk_filter(self) -> console.EventFilter:
-        """The filter of a bulk action: by one of the two statuses of failure, as the
-        events page offers it."""
+        """The filter of a bulk action: by one of the two statuses of failure, or by
+        `waiting` (the facts waiting for their order), as the events page offers it."""
         filters = self.event_filter()
-        if filters.status not in operator.FAILURES:
+        if filters.status not in operator.GIVEN_UP_FROM:
             raise tornado.web.HTTPError(400)
         return filters
 
@@ -380,7 +381,7 @@ class EventFilterHandler(ConsoleHandler):
 class EventsHandler(EventFilterHandler):
     async def get(self) -> None:
         filters = self.event_filter()
-        bulk = filters.status in operator.FAILURES
+        bulk = filters.status in operator.GIVEN_UP_FROM
         try:
             page, awaiting = await self.ctx.db(lambda: (
                 console.event_page(filters, self.text_argument("after") or None),
@@ -400,11 +401,22 @@ class RetryEventsHandler(EventFilterHandler):
 
     async def post(self) -> None:
         filters = self.bulk_filter()
+        waiting = filters.status == WAITING
         count = await self.ctx.db(functools.partial(
             operator.retry_events, self.ctx, filters.conditions(),
-            (self.current_user, peer_address(self.request))))
+            (self.current_user, peer_address(self.request)), waiting=waiting))
         await self.record("retry events", self.events_page(), f"{count} back in line")
         tick = self.ctx.settings.scheduler_tick_seconds
+        if waiting:
+            if count:
+                intake.run_waiting_calls(self.ctx)
+            self.redirect_with(self.events_page(), (
+                f"{count} waiting fact(s) looked for again, due now: the scheduler handles "
+                f"them at its next runs (up to {CLAIM_BATCH} a run, every {tick} s); each "
+                "whose order is found now is handled, the others wait again.") if count else (
+                "No fact looked for again: none of those this filter finds waits for its "
+                "order."), refused=not count)
+            return
         self.redirect_with(self.events_page(), (
             f"{count} event(s) back in line, due now: the scheduler handles them at its "
             f"next runs, oldest first (up to {CLAIM_BATCH} a run, every {tick} s); each "
@@ -419,10 +431,19 @@ class GiveUpEventsHandler(EventFilterHandler):
     async def post(self) -> None:
         filters = self.bulk_filter()
         reason = self.required_reason()
+        waiting = filters.status == WAITING
         count = await self.ctx.db(functools.partial(
             operator.give_up_events, self.ctx, filters.conditions(), reason,
-            (self.current_user, peer_address(self.request))))
+            (self.current_user, peer_address(self.request)), waiting=waiting))
         await self.record("give up events", self.events_page(), f"{count} given up: {reason}")
+        if waiting:
+            self.redirect_with(self.events_page(), (
+                f"{count} waiting fact(s) given up, with your reason: they are dead and "
+                "final, and their order's arrival no longer handles them (a forced replay "
+                "of one would).") if count else (
+                "No fact given up: none of those this filter finds waits for its order."),
+                refused=not count)
+            return
         if count:
             # The calls of their orders held behind them go now, each in its turn.
             intake.run_waiting_calls(self.ctx)
@@ -448,9 +469,10 @@ class EventHandler(ConsoleHandler):
         except operator.NotFound:
             raise tornado.web.HTTPError(404) from None
         self.render_page("event", event=event, payload=console.shown_payload(event),
-                         effects=effects, failures=operator.FAILURES,
+                         effects=effects, given_up_from=operator.GIVEN_UP_FROM,
                          needs_confirmation=event.given_up_at is not None or event.overtaken
-                         or event.status not in (*operator.UNFINISHED, *operator.FAILURES))
+                         or event.status not in (*operator.UNFINISHED,
+                                                 *operator.GIVEN_UP_FROM))
 
 
 class GiveUpEventHandler(GiveUpEventsHandler):
@@ -460,6 +482,7 @@ class GiveUpEventHandler(GiveUpEventsHandler):
         page = f"/console/events/{event_id}"
         reason = self.required_reason()
         try:
+            was = await self.ctx.db(functools.partial(operator.get_event, event_id))
             await self.ctx.db(functools.partial(
                 operator.give_up_event, self.ctx, event_id, reason,
                 (self.current_user, peer_address(self.request))))
@@ -469,6 +492,11 @@ class GiveUpEventHandler(GiveUpEventsHandler):
             await self.record("give up event", event_id, f"refused: {refused}")
             self.redirect_with(page, f"Event #{event_id} not given up: {refused}.",
                                refused=True)
+            return
+        if was.status == WAITING:
+            self.redirect_with(page, (
+                f"Event #{event_id} given up, with your reason: it is dead and final, and "
+                "its order's arrival no longer handles it (a forced replay would)."))
             return
         intake.run_waiting_calls(self.ctx)
         self.redirect_with(page, (
@@ -514,6 +542,8 @@ REPLAYED_NEXT = {
     "ignored": "Nothing handles events of its type.",
     "held": "It waits behind an earlier call of its order that is not finished (below): "
             "it goes when that one is handled or given up.",
+    WAITING: "Its order is still not known: it waits again for the ids below, and is "
+             "handled as soon as one of them is linked to an order.",
 }
 
 

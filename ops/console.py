@@ -21,10 +21,11 @@ import peewee
 from clients.http import JSON_HEADERS
 from domain import orders, reconcile, settlement
 from domain.money import money
-from engine import outbox
+from engine import inbox, outbox
 from engine.claims import claim, lease
 from engine.contracts import EngineContext
 from engine.destinations import ORDERED_KINDS
+from engine.store.intake import waiting_for_an_id
 from engine.transaction import Transaction
 from models import (
     Attempt, ConsoleAction, CrtcOrder, LedgerEntry, OrderBase, Outbox,
@@ -208,7 +209,8 @@ class EventFilter:
     source: str = ""
     event_type: str = ""
     status: str = ""
-    # An order number or an external id: either matches.
+    # An order number, an external id, or an id a fact waits for (engine.inbox's
+    # `waiting_for`): any matches.
     search: str = ""
     since: datetime.datetime | None = None
     until: datetime.datetime | None = None
@@ -220,7 +222,8 @@ class EventFilter:
             (WebhookEvent.status, self.status)) if value]
         if self.search:
             found.append((WebhookEvent.order_number == self.search)
-                         | (WebhookEvent.external_id == self.search))
+                         | (WebhookEvent.external_id == self.search)
+                         | waiting_for_an_id(self.search))
         if self.since:
             found.append(WebhookEvent.received_at >= self.since)
         if self.until:
@@ -265,9 +268,12 @@ def event_page(filters: EventFilter, after: str | None = None, limit: int = PAGE
 def awaiting_an_operator(filters: EventFilter) -> int:
     """How many of the events `filters` finds await an operator: what the events page's
     bulk retry and give-up act on, offered when it filters by one of the two statuses
-    (failed; dead, given up by the retries)."""
-    return (filters.apply(WebhookEvent.select())
-            .where(operator.awaiting_an_operator(filters.status)).count())
+    (failed; dead, given up by the retries), or by `waiting` (every fact the filter finds
+    waits for its order)."""
+    found = filters.apply(WebhookEvent.select())
+    if filters.status == inbox.WAITING:
+        return found.count()
+    return found.where(operator.awaiting_an_operator(filters.status)).count()
 
 
 def cursor_of(event: WebhookEvent) -> str:

@@ -5,6 +5,9 @@ Replay runs an event through `engine.inbox.process` again, the same path a webho
 takes. What it can and cannot redo:
 - a `received` or `failed` event is handled as if it had just arrived, and so is a `dead`
   one (given up after too many failures) with its attempts counted afresh;
+- a fact `waiting` for its order is looked for again now (the operator imported the
+  order, or fixed its link): handled if its order is found, waiting again, for the same
+  ids, if not;
 - a `processed`, `ignored` or `rejected` event, or one an operator gave up (final, with
   who, when and why: `give_up_events`), is handled again only when forced; its
   database changes are made again (the order operations are idempotent: a paid order
@@ -44,9 +47,13 @@ KIND_OF = {destination: kind for kind, destination in DESTINATION_OF.items()}
 # What `outbox retry --STATUS` may put back in line, due now.
 RETRYABLE_OUTBOX_STATUSES = ("dead", "waiting", "pending")
 # Handled without --force: the event never got through. A dead or forced one is reopened
-# first, since handling skips events in a final status.
+# first, since handling skips events in a final status; so is a waiting fact
+# (`_look_again`), which handling skips too.
 UNFINISHED = ("received", "failed")
 FAILURES = ("failed", "dead")
+# What an operator may give up: a failure, or a fact whose order will never come (a
+# test-mode event, an order deleted in the shop).
+GIVEN_UP_FROM = (*FAILURES, inbox.WAITING)
 
 
 class NotFound(Exception):
@@ -121,6 +128,8 @@ async def replay(ctx: EngineContext, event_id: int, force: bool = False) -> str:
 
 def _to_replay(ctx: EngineContext, event_id: int, force: bool) -> WebhookEvent:
     event = get_event(event_id)
+    if event.status == inbox.WAITING:
+        event = _look_again(ctx, event)
     if event.status not in UNFINISHED:
         if not force and event.given_up_at:
             raise Refused(f"event #{event.id} was given up by {event.given_up_by} at "
@@ -147,6 +156,18 @@ def _reopen(ctx: EngineContext, event: WebhookEvent) -> WebhookEvent:
     (WebhookEvent.update(status="received", attempts=0, next_attempt_at=None, updated_at=now,
                          given_up_by=None, given_up_at=None, given_up_reason=None)
      .where(WebhookEvent.id == event.id).execute())
+    return get_event(event.id)
+
+
+def _look_again(ctx: EngineContext, event: WebhookEvent) -> WebhookEvent:
+    """A waiting fact, reopened to be handled now: received, and claimed for a lease as
+    the inbox retry claims one, since a fact that came more than a lease ago would be due
+    to the retry at once (engine.inbox._due) and handled twice side by side; its attempts
+    kept (a wait counts none). One that its order's arrival woke since it was read is
+    received already, and left as that wake made it."""
+    now = ctx.clock()
+    (WebhookEvent.update(status="received", next_attempt_at=now + lease(ctx), updated_at=now)
+     .where(WebhookEvent.id == event.id, WebhookEvent.status == inbox.WAITING).execute())
     return get_event(event.id)
 
 
@@ -206,17 +227,20 @@ def failures_awaiting_an_operator() -> dict[str, int]:
 
 
 def give_up_events(ctx: EngineContext, conditions: Sequence[peewee.Expression], reason: str,
-                   given_up_by: tuple[str, str]) -> int:
+                   given_up_by: tuple[str, str], waiting: bool = False) -> int:
     """The events matching every one of `conditions` that await an operator
-    (`awaiting_an_operator`) and that no handling holds (`not_in_flight`), given up: dead,
-    as the retry policy leaves one it gives up, and final (handled again only by a forced
-    replay); who, when and `reason` kept on each, and in the record of actions, in one
-    statement each however many. Returns how many. `given_up_by`: (operator, address)."""
+    (`awaiting_an_operator`), or with `waiting` the facts waiting for their order, and
+    that no handling holds (`not_in_flight`), given up: dead, as the retry policy leaves
+    one it gives up, and final (handled again only by a forced replay; a waiting fact's
+    wake, which looks for waiting ones only, passes it over); who, when and `reason` kept
+    on each, and in the record of actions, in one statement each however many. Returns
+    how many. `given_up_by`: (operator, address)."""
     if not reason.strip():
         raise ValueError("a give-up needs its reason")
     now = ctx.clock()
     operator_name = given_up_by[0]
-    chosen = (*conditions, awaiting_an_operator(), not_in_flight(ctx, WebhookEvent))
+    among = WebhookEvent.status == inbox.WAITING if waiting else awaiting_an_operator()
+    chosen = (*conditions, among, not_in_flight(ctx, WebhookEvent))
     _record_each(WebhookEvent, chosen, given_up_by, "give up event", reason, now)
     return (WebhookEvent.update(status="dead", next_attempt_at=None, updated_at=now,
                                 given_up_by=operator_name, given_up_at=now,
@@ -226,34 +250,43 @@ def give_up_events(ctx: EngineContext, conditions: Sequence[peewee.Expression], 
 
 def give_up_event(ctx: EngineContext, event_id: int, reason: str,
                   given_up_by: tuple[str, str]) -> WebhookEvent:
-    """One event given up (`give_up_events`); NotFound, or Refused when it is not one that
-    awaits an operator, or a handling may hold it."""
+    """One event given up (`give_up_events`); NotFound, or Refused when it is neither one
+    that awaits an operator nor a fact waiting for its order, or a handling may hold it."""
     event = get_event(event_id)
     if event.given_up_at:
         raise Refused(f"event #{event.id} was given up already, by {event.given_up_by} at "
                       f"{format_time(event.given_up_at)} UTC")
-    if event.status not in FAILURES:
-        raise Refused(f"event #{event.id} is {event.status}: only a failed event, or one "
-                      "the retries gave up, is given up")
-    if not give_up_events(ctx, [WebhookEvent.id == event_id], reason, given_up_by):
+    if event.status not in GIVEN_UP_FROM:
+        raise Refused(f"event #{event.id} is {event.status}: only a failed event, one the "
+                      "retries gave up, or a fact waiting for its order, is given up")
+    if not give_up_events(ctx, [WebhookEvent.id == event_id], reason, given_up_by,
+                          waiting=event.status == inbox.WAITING):
         raise in_flight_refusal(ctx, event)
     return get_event(event_id)
 
 
 def retry_events(ctx: EngineContext, conditions: Sequence[peewee.Expression],
-                 retried_by: tuple[str, str]) -> int:
+                 retried_by: tuple[str, str], waiting: bool = False) -> int:
     """The events matching every one of `conditions` that await an operator, that no
     handling holds and that no later event of their order has overtaken
     (engine.inbox.overtaken: one is replayed alone, forced), back in line: failed, due
     now, attempts counted afresh; the scheduler
-    handles them at its next runs, oldest first (engine.inbox.retry_due). Each retry kept
-    in the record of actions. Returns how many."""
+    handles them at its next runs, oldest first (engine.inbox.retry_due). With `waiting`,
+    the facts waiting for their order instead, made due now as their order's arrival
+    makes them (received, their attempts kept): each is handled if its order is found
+    now, and waits again if not. Each retry kept in the record of actions. Returns how
+    many."""
     now = ctx.clock()
-    chosen = (*conditions, awaiting_an_operator(), not_in_flight(ctx, WebhookEvent),
-              ~inbox.overtaken())
+    if waiting:
+        chosen: tuple[peewee.Expression, ...] = (*conditions,
+                                                 WebhookEvent.status == inbox.WAITING)
+        changes: dict[str, Any] = {"status": "received"}
+    else:
+        chosen = (*conditions, awaiting_an_operator(), not_in_flight(ctx, WebhookEvent),
+                  ~inbox.overtaken())
+        changes = {"status": "failed", "attempts": 0}
     _record_each(WebhookEvent, chosen, retried_by, "retry event", "back in line", now)
-    return (WebhookEvent.update(status="failed", attempts=0, next_attempt_at=now,
-                                updated_at=now)
+    return (WebhookEvent.update(next_attempt_at=now, updated_at=now, **changes)
             .where(*chosen).execute())
 
 

@@ -6,7 +6,7 @@ GET /v1/payment_intents/<id> (the charge expanded when asked), /v1/disputes/<id>
 payment_intent&payment[payment_intent]=<id> (the invoice expanded when asked: from
 2025-03-31.basil on the only way from a payment to its invoice). An object it does not
 know is Stripe's 404 (`resource_missing`); a wrong key, its 401. `failing` makes every
-answer a 500, as Stripe unwell."""
+answer a 500, as Stripe unwell; `hold` keeps them back, as Stripe slow."""
 import dataclasses
 import json
 import urllib.parse
@@ -23,8 +23,10 @@ class _Objects(tornado.web.RequestHandler):
     def initialize(self, stripe, kind):
         self.stripe, self.kind = stripe, kind
 
-    def get(self, object_id=None):
+    async def get(self, object_id=None):
         self.stripe.requests.append(self.request)
+        if self.stripe.hold is not None:
+            await self.stripe.hold.wait()
         self.set_header("Content-Type", "application/json")
         if self.stripe.failing:
             self.set_status(500)
@@ -61,6 +63,8 @@ class StripeApi:
         self.paid_invoices = {}
         self.requests = []
         self.failing = False
+        # An asyncio.Event: every answer is kept back until the test sets it.
+        self.hold = None
         sock, port = tornado.testing.bind_unused_port()
         self.url = f"http://127.0.0.1:{port}"
         routes = [(rf"/v1/{kind}/([^/]+)", _Objects, {"stripe": self, "kind": kind})

@@ -6,19 +6,27 @@ when its checkout (or its order) comes; every time kept is Stripe's; a conflict 
 two facts about one object is settled by asking Stripe. End to end through the signed
 webhook, events in Stripe's shapes, Stripe's API a loopback stand-in
 (tests/stripe_api.py), mail read back from a real SMTP server."""
+import asyncio
 import dataclasses
 import datetime
 
 import pytest
 
 import plugins
-from models import UTC, ComplianceOrder, CrtcOrder, FormationOrder, SubscriptionCycle, WebhookEvent
+from models import (
+    UTC, ComplianceOrder, ConsoleAction, CrtcOrder, FormationOrder, Outbox, SubscriptionCycle,
+    WebhookEvent,
+)
 from domain import intake
 from domain.settlement import settle_crtc_orders
 from engine import inbox, outbox
 from engine.transaction import Transaction
+from ops import operator as ops_operator
 from tests import stripe_events as se
-from tests.console_helpers import console_settings, logged_in, operator, text  # noqa: F401
+from tests.console_helpers import (  # noqa: F401 (fixtures)
+    console_settings, logged_in, notice, operator, refused, text,
+)
+from tests.test_cli import cli_env, run_async
 from tests.stripe_api import stripe_api  # noqa: F401 (fixture)
 from tests.stripe_events import RECEIVED, deliver, send  # noqa: F401 (fixtures)
 
@@ -231,6 +239,223 @@ async def test_a_waiting_fact_shows_on_the_console_and_is_told_once_past_the_set
     await outbox.send_due(ctx)
     assert len(smtp.messages) == 1, "told once"
     assert WebhookEvent.get_by_id(row.id).status == "waiting"
+
+
+# --- the operator's hand on a waiting fact -----------------------------------------------------
+
+def waiting_record(event_id):
+    event = WebhookEvent.get_by_id(event_id)
+    return event.status, set((event.waiting_for or "").split()), event.attempts
+
+
+@pytest.mark.gen_test
+async def test_a_waiting_dispute_replayed_once_its_link_is_fixed_leaves_the_order_disputed(
+        send, ctx, clock, smtp, stripe_api, logged_in):
+    """The operator replays a waiting fact without confirming anything: while its order is
+    still unknown it waits again for the same ids (its alert not sent twice); once the
+    operator has fixed the order's link to its subscription, the next replay handles it."""
+    clock.set(2026, 11, 24, 9, 0)
+    ComplianceOrder.create(order_number="CO-1", service_name="Registered Agent")
+    await subscription_paid(stripe_api)
+    row = await send("charge.dispute.created", se.dispute(
+        "pi_test_first", amount=19900, dispute_id="dp_test_s", charge_id="ch_test_s"),
+        created=DISPUTED)
+    waited = waiting_record(row.id)
+    assert waited[0] == "waiting"
+    page = text(await logged_in.get(f"/console/events/{row.id}"))
+    assert 'id="event-look-again"' in page and 'name="confirm"' not in page
+    assert f'action="/console/events/{row.id}/give-up"' in page
+    minutes = ctx.settings.card_fact_wait_alert_minutes
+    clock.advance(minutes=minutes)
+    await inbox.retry_due(ctx)
+    await outbox.send_due(ctx)
+    assert subjects(smtp) == [f"Event #{row.id} (charge.dispute.created) waits for its order"]
+
+    clock.advance(minutes=5)
+    _, page = await logged_in.act(f"/console/events/{row.id}/replay")
+    assert not refused(page)
+    assert notice(page) == (f"Event #{row.id} replayed: it is now waiting. Its order is still "
+                            "not known: it waits again for the ids below, and is handled as "
+                            "soon as one of them is linked to an order.")
+    assert waiting_record(row.id) == waited
+    assert WebhookEvent.get_by_id(row.id).next_attempt_at == clock() + datetime.timedelta(
+        minutes=minutes)
+    await outbox.send_due(ctx)
+    assert len(smtp.messages) == 1 and Outbox.select().count() == 1, "its alert not twice"
+
+    # The operator links the subscription by hand: nothing wakes the fact.
+    ComplianceOrder.update(stripe_subscription_id="sub_test_1").execute()
+    _, page = await logged_in.act(f"/console/events/{row.id}/replay")
+    assert notice(page).startswith(f"Event #{row.id} replayed: it is now processed.")
+    await ctx.drain_background()
+    order = ComplianceOrder.get()
+    assert (order.payment_status, order.dispute_id) == ("disputed", "dp_test_s")
+    assert subjects(smtp)[1:] == ["Dispute opened on order CO-1"]
+    assert [(a.operator, a.action, a.outcome) for a in ConsoleAction.select().where(
+        ConsoleAction.action == "replay event").order_by(ConsoleAction.id)] == [
+        ("Dana", "replay event", "waiting"), ("Dana", "replay event", "processed")]
+    # Handled, it is a processed event like any: replayed again only when confirmed.
+    _, page = await logged_in.act(f"/console/events/{row.id}/replay")
+    assert refused(page) and "it was handled already (processed)" in notice(page)
+
+
+@pytest.mark.gen_test(timeout=60)
+async def test_a_waiting_fact_being_replayed_is_left_to_that_replay(
+        send, ctx, clock, smtp, stripe_api, logged_in):
+    """The replay claims the fact as the inbox retry claims one: a retry that runs while
+    the replay waits on Stripe passes it over (it came long ago, and would otherwise be
+    due at once), and the fact is handled once."""
+    clock.set(2026, 11, 24, 9, 0)
+    ComplianceOrder.create(order_number="CO-1", service_name="Registered Agent")
+    await subscription_paid(stripe_api)
+    row = await send("charge.dispute.created", se.dispute("pi_test_first",
+                                                          dispute_id="dp_test_s"),
+                     created=DISPUTED)
+    assert row.status == "waiting"
+    clock.advance(minutes=10)
+    ComplianceOrder.update(stripe_subscription_id="sub_test_1").execute()
+    asked_before = len(stripe_api.requests)
+    stripe_api.hold = asyncio.Event()
+    replay = asyncio.ensure_future(logged_in.act(f"/console/events/{row.id}/replay"))
+    for _ in range(200):
+        if len(stripe_api.requests) > asked_before or replay.done():
+            break
+        await asyncio.sleep(0.05)
+    assert not replay.done(), "the replay waits on Stripe"
+    assert ops_operator.in_flight(ctx, WebhookEvent.get_by_id(row.id))
+    assert await asyncio.wait_for(inbox.retry_due(ctx), 10) == 0
+    stripe_api.hold.set()
+    _, page = await replay
+    assert notice(page).startswith(f"Event #{row.id} replayed: it is now processed.")
+    await ctx.drain_background()
+    assert ComplianceOrder.get().payment_status == "disputed"
+    assert subjects(smtp) == ["Dispute opened on order CO-1"]
+
+
+@pytest.mark.gen_test
+async def test_a_waiting_fact_given_up_stays_dead_when_its_order_comes(
+        send, ctx, clock, smtp, stripe_api, logged_in):
+    clock.set(2026, 11, 24, 9, 0)
+    ComplianceOrder.create(order_number="CO-1", service_name="Registered Agent")
+    await subscription_paid(stripe_api)
+    row = await send("charge.dispute.created", se.dispute("pi_test_first",
+                                                          dispute_id="dp_test_s"),
+                     created=DISPUTED)
+    assert (await logged_in.post(f"/console/events/{row.id}/give-up")).code == 400
+    _, page = await logged_in.act(f"/console/events/{row.id}/give-up",
+                                  {"reason": "a test-mode dispute"})
+    assert notice(page) == (f"Event #{row.id} given up, with your reason: it is dead and "
+                            "final, and its order's arrival no longer handles it (a forced "
+                            "replay would).")
+    event = WebhookEvent.get_by_id(row.id)
+    assert (event.status, event.given_up_by, event.given_up_at, event.given_up_reason,
+            event.next_attempt_at) == ("dead", "Dana", clock(), "a test-mode dispute", None)
+    assert f'action="/console/events/{row.id}/give-up"' not in text(page)
+    assert [(a.action, a.target, a.outcome) for a in ConsoleAction.select().where(
+        ConsoleAction.action == "give up event")] == [
+        ("give up event", str(row.id), "a test-mode dispute")]
+
+    await send("checkout.session.completed", subscription_checkout(), created=PAID)
+    await ctx.drain_background()
+    clock.advance(minutes=2 * ctx.settings.card_fact_wait_alert_minutes)
+    assert await inbox.retry_due(ctx) == 0
+    await outbox.send_due(ctx)
+    assert WebhookEvent.get_by_id(row.id).status == "dead"
+    assert ComplianceOrder.get().payment_status == "paid" and smtp.messages == []
+    _, page = await logged_in.act(f"/console/events/{row.id}/replay")
+    assert refused(page) and "it was given up by Dana" in notice(page)
+    _, page = await logged_in.act(f"/console/events/{row.id}/give-up", {"reason": "again"})
+    assert refused(page) and "was given up already, by Dana" in notice(page)
+
+
+def renewal(subscription, invoice_id):
+    return se.invoice(subscription, invoice_id=invoice_id)
+
+
+@pytest.mark.gen_test
+async def test_the_waiting_list_is_filtered_and_looked_at_again_or_given_up_at_once(
+        send, ctx, clock, worker, logged_in):
+    clock.set(2026, 11, 24, 9, 0)
+    ComplianceOrder.create(order_number="CO-1", service_slug="registered-agent")
+    first = await send("invoice.paid", renewal("sub_test_1", "in_test_r1"))
+    second = await send("invoice.paid", renewal("sub_test_2", "in_test_r2"))
+    done = await send("invoice.paid", {**renewal("sub_test_3", "in_test_r3"),
+                                       "billing_reason": "subscription_create"})
+    assert {first.status, second.status, done.status} == {"waiting", "processed"}
+    overview = text(await logged_in.get("/console/"))
+    assert 'href="/console/events?status=waiting" id="facts-waiting-list"' in overview
+
+    page = text(await logged_in.get("/console/events?status=waiting"))
+    assert "<strong>2</strong> fact(s) waiting for their order" in page
+    assert "Look again at 2</button>" in page and "Give up 2</button>" in page
+    # An id a fact waits for finds it (any kind: here a subscription's).
+    page = text(await logged_in.get("/console/events?status=waiting&q=sub_test_2"))
+    assert "<strong>1</strong> fact(s) waiting" in page
+    assert f'href="/console/events/{second.id}"' in page
+    assert f'href="/console/events/{first.id}"' not in page
+    page = text(await logged_in.get("/console/events?q=sub_test"))
+    assert "No events." in page, "a whole id, not a part of one"
+
+    ComplianceOrder.update(stripe_subscription_id="sub_test_1").execute()
+    response, page = await logged_in.act("/console/events/retry", {"status": "waiting"})
+    assert response.headers["Location"] == "/console/events?status=waiting"
+    assert notice(page).startswith("2 waiting fact(s) looked for again, due now")
+    assert {WebhookEvent.get_by_id(e.id).status for e in (first, second)} == {"received"}
+    assert await inbox.retry_due(ctx) == 2
+    assert WebhookEvent.get_by_id(first.id).status == "processed"
+    assert waiting_record(second.id) == ("waiting", {"subscription:sub_test_2"}, 0)
+    await outbox.send_due(ctx)
+    assert [job.json["invoice_id"] for job in worker.requests] == ["in_test_r1"]
+
+    response, page = await logged_in.act("/console/events/give-up", {
+        "status": "waiting", "q": "sub_test_2", "reason": "order deleted in the shop"})
+    assert response.headers["Location"] == "/console/events?status=waiting&q=sub_test_2"
+    assert notice(page).startswith("1 waiting fact(s) given up, with your reason")
+    event = WebhookEvent.get_by_id(second.id)
+    assert (event.status, event.given_up_by, event.given_up_reason) == (
+        "dead", "Dana", "order deleted in the shop")
+    for action in ("/console/events/retry", "/console/events/give-up"):
+        _, page = await logged_in.act(action, {"status": "waiting", "reason": "x"})
+        assert refused(page) and notice(page).startswith("No fact"), action
+    assert sorted((a.action, a.target) for a in ConsoleAction.select().where(
+        ConsoleAction.action.in_(["retry event", "give up event"]))) == sorted([
+            ("retry event", str(first.id)), ("retry event", str(second.id)),
+            ("give up event", str(second.id))])
+
+
+@pytest.mark.gen_test(timeout=60)
+async def test_the_command_line_replays_and_gives_up_a_waiting_fact(
+        send, ctx, settings, database_url, worker):
+    ComplianceOrder.create(order_number="CO-1", service_slug="registered-agent")
+    row = await send("invoice.paid", renewal("sub_test_1", "in_test_r1"))
+    lost = await send("invoice.paid", renewal("sub_test_9", "in_test_r9"))
+    env = cli_env(database_url, settings)
+    shown = await run_async(env, "events", "show", str(row.id))
+    assert "waiting for:  subscription:sub_test_1\n" in shown.stdout
+
+    again = await run_async(env, "events", "replay", str(row.id))
+    assert (again.returncode, again.stdout) == (1, (
+        f"event #{row.id}: waiting (its order is still not known: it waits again for "
+        "subscription:sub_test_1, and is handled as soon as one of them is linked to an "
+        "order)\n"))
+    assert waiting_record(row.id) == ("waiting", {"subscription:sub_test_1"}, 0)
+    assert worker.requests == [] and Outbox.select().count() == 0
+
+    ComplianceOrder.update(stripe_subscription_id="sub_test_1").execute()
+    handled = await run_async(env, "events", "replay", str(row.id))
+    assert (handled.returncode, handled.stdout) == (0, f"event #{row.id}: processed\n")
+    assert [job.json["invoice_id"] for job in worker.requests] == ["in_test_r1"]
+
+    given_up = await run_async(env, "events", "give-up", str(lost.id), "--reason",
+                               "order deleted in the shop")
+    assert (given_up.returncode, given_up.stdout) == (
+        0, f"event #{lost.id} given up: dead and final\n")
+    event = WebhookEvent.get_by_id(lost.id)
+    assert (event.status, event.given_up_reason) == ("dead", "order deleted in the shop")
+    assert event.given_up_by.endswith("(command line)")
+    refused_replay = await run_async(env, "events", "replay", str(lost.id))
+    assert refused_replay.returncode == 1 and "add --force" in refused_replay.stderr
+    assert WebhookEvent.get_by_id(lost.id).status == "dead"
 
 
 # --- what "the same" is, type by type ---------------------------------------------------------

@@ -5,6 +5,7 @@ the test database, the worker stand-in on loopback.
 Selenium's calls block, so each runs in a thread while this test's event loop serves the
 stand-ins. Screenshots at a phone and a desktop width go to tests/artifacts/console/."""
 import datetime
+import json
 import os
 import re
 import struct
@@ -14,7 +15,10 @@ import pytest
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select
 
-from models import ConsoleAction, CrtcOrder, FormationOrder, Outbox, TreasuryJob, WebhookEvent
+from models import (
+    ComplianceOrder, ConsoleAction, CrtcOrder, FormationOrder, Outbox, TreasuryJob, WebhookEvent,
+)
+from tests import stripe_events as se
 from tests.browser_helpers import browser, needs_selenium_chromium  # noqa: F401 (a fixture)
 from tests.console_helpers import COOKIE_SECRET, PASSWORD, PASSWORD_HASH
 from tests.public_helpers import compliance_order
@@ -109,6 +113,63 @@ async def test_an_operator_replays_a_failed_event_and_retries_a_dead_effect(
             screenshot, width = await save_screenshot(browser, f"{page}-{device}", size)
             assert png_size(screenshot)[0] == size[0]
             assert width <= size[0], f"{page} is {width} px wide on a {size[0]} px {device}"
+
+
+def waiting_renewal(subscription, invoice_id):
+    """A renewal stored waiting for the order of its subscription, looked at again in an
+    hour: no scheduler run takes it while the operator acts."""
+    later = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(hours=1)
+    evt = se.event("invoice.paid", se.invoice(subscription, invoice_id=invoice_id))
+    return WebhookEvent.create(
+        source="card", event_type="invoice.paid", dedup_key=f"invoice.paid:{invoice_id}",
+        external_id=evt["id"], payload=json.dumps(evt), status="waiting",
+        waiting_for=f"subscription:{subscription}", next_attempt_at=later,
+        received_at=datetime.datetime.now(datetime.timezone.utc),
+        last_error=f"invoice {invoice_id}: no compliance order has subscription "
+                   f"{subscription} yet")
+
+
+@pytest.mark.gen_test(timeout=180)
+async def test_an_operator_looks_again_for_a_waiting_facts_order_or_gives_it_up(
+        service, browser, client, worker):
+    await service.start()
+    await service.wait_ready(client)
+    compliance_order("CO-1", service_slug="registered-agent")
+    renewal = waiting_renewal("sub_test_1", "in_test_r1")
+    lost = waiting_renewal("sub_test_9", "in_test_r9")
+
+    await browser.open(service.url + "/console/")
+    await browser.arrive("console/login")
+    await browser.fill_and_submit("main form", name="Dana", password=PASSWORD)
+    await browser.arrive("console/")
+    await browser.click("#facts-waiting-list")
+    await browser.arrive("console/events")
+    assert "2 fact(s) waiting for their order" in await browser.text("#bulk")
+    await shots_of(browser, "waiting-facts")
+
+    await browser.open(f"{service.url}/console/events/{renewal.id}")
+    assert await browser.text("#event-status") == "waiting"
+    assert not await browser.do(lambda d: d.find_elements(By.NAME, "confirm"))
+    await shots_of(browser, "waiting-fact")
+    await browser.click('form[action$="/replay"] button')
+    assert "it is now waiting. Its order is still not known" in await browser.text("#notice")
+    assert await browser.text("#event-status") == "waiting"
+    # The operator links the subscription to its order by hand, and looks again.
+    ComplianceOrder.update(stripe_subscription_id="sub_test_1").execute()
+    await browser.click('form[action$="/replay"] button')
+    assert f"Event #{renewal.id} replayed: it is now processed." in await browser.text(
+        "#notice")
+    assert await browser.text("#event-status") == "processed"
+    assert [r.json["invoice_id"] for r in worker.requests] == ["in_test_r1"]
+
+    await browser.open(f"{service.url}/console/events/{lost.id}")
+    await browser.fill_and_submit("form.give-up", reason="order deleted in the shop")
+    await browser.arrive(f"console/events/{lost.id}")
+    assert "given up, with your reason" in await browser.text("#notice")
+    assert await browser.text("#event-status") == "dead"
+    assert "order deleted in the shop" in await browser.text("#event-given-up")
+    await shots_of(browser, "waiting-fact-given-up", reload=False)
+    assert WebhookEvent.get_by_id(lost.id).given_up_by == "Dana"
 
 
 # What must be in sight on a phone: each list's labels, and the buttons.

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import strategies as st
 
 from engine import inbox
+from engine.transaction import Transaction
 from models import ConsoleAction, Outbox, WebhookEvent
 from ops import console
 from ops import operator as ops_operator
@@ -106,6 +107,43 @@ async def test_an_event_a_handling_may_hold_is_left_as_it_is(logged_in, clock):
     _, page = await logged_in.act(f"/console/events/{processed.id}/give-up", {"reason": "x"})
     assert refused(page) and "is processed: only a failed event" in notice(page)
     assert (await logged_in.post("/console/events/999999/give-up", {"reason": "x"})).code == 404
+
+
+def waiting_fact(waiting_for):
+    fact = stored_event(source="card", event_type="invoice.paid", status="waiting",
+                        received=at(2026, 11, 23, 9, 0), order_number=None)
+    WebhookEvent.update(waiting_for=waiting_for, next_attempt_at=at(2026, 11, 23, 13, 0)).where(
+        WebhookEvent.id == fact.id).execute()
+    return fact
+
+
+def test_a_fact_its_order_woke_since_it_was_read_is_not_given_up(ctx, clock, monkeypatch):
+    """Between the give-up's read of a waiting fact and its write, its order comes: the
+    wake made it due, to be handled; the give-up leaves it so, and says what it is now.
+    Another fact, still waiting, is given up."""
+    clock.set(*NOW)
+    woken, still = waiting_fact("subscription:sub_test_1"), waiting_fact("invoice:in_test_2")
+    through_the_door(Transaction(ctx).wake_facts, ["subscription:sub_test_1"], clock())
+    read, stale = ops_operator.get_event, ["waiting"]
+
+    def read_before_the_wake(event_id):
+        """The give-up's first read of the fact, as it was before its wake committed."""
+        event = read(event_id)
+        if stale:
+            event.status = stale.pop()
+        return event
+
+    monkeypatch.setattr(ops_operator, "get_event", read_before_the_wake)
+    with pytest.raises(ops_operator.Refused, match=f"event #{woken.id} is received: only"):
+        through_the_door(ops_operator.give_up_event, ctx, woken.id, "test mode",
+                         ("Dana", "127.0.0.1"))
+    assert stale == [] and given_up_record(woken.id) == ("received", None, None, None)
+    assert ConsoleAction.select().count() == 0
+    through_the_door(ops_operator.give_up_event, ctx, still.id, "test mode",
+                     ("Dana", "127.0.0.1"))
+    assert given_up_record(still.id) == ("dead", "Dana", clock(), "test mode")
+    assert [(a.action, a.target) for a in ConsoleAction.select()] == [
+        ("give up event", str(still.id))]
 
 
 @pytest.mark.parametrize("status,next_try,received,held", [

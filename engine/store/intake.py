@@ -75,6 +75,15 @@ def waits_for(keys: Sequence[str]) -> peewee.ColumnBase:
         for key in keys))
 
 
+def waiting_for_an_id(value: str) -> peewee.ColumnBase:
+    """A waiting event whose `waiting_for` names `value` as an id of any kind (`pi_1`
+    finds `payment_intent:pi_1`, `CO-1` finds `order:CO-1`): what an operator who has the
+    id at hand looks a waiting fact up by. Reads the waiting events only."""
+    padded = peewee.SQL("' '").concat(WebhookEvent.waiting_for).concat(peewee.SQL("' '"))
+    return (WebhookEvent.status == _WAITING) & peewee.NodeList((
+        padded, peewee.SQL("LIKE"), f"% %:{_like_literal(value)} %", peewee.SQL("ESCAPE '\\'")))
+
+
 class FactWaiting(NamedTuple):
     """A card fact waiting for its order: its event, what it is, since when, the ids
     that will find its order."""
