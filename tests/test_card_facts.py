@@ -208,6 +208,36 @@ async def test_a_payment_naming_an_order_not_stored_yet_pays_it_when_it_comes(
     assert stored(row.external_id).status == "processed"
 
 
+@pytest.mark.gen_test
+async def test_a_fact_that_waits_just_after_its_checkout_linked_it_is_handled_at_once(
+        post, ctx, clock, smtp, stripe_api):
+    """The dispute looks for its order before the checkout is committed and writes its
+    wait after the checkout's wake looked for waiting facts (Stripe slow to say it does
+    not know the intent): it is handed over again at once, not an hour later."""
+    FormationOrder.create(order_number="FO-R")
+    stripe_api.hold = asyncio.Event()
+    asked = len(stripe_api.requests)
+    dispute = se.event("charge.dispute.created", se.dispute("pi_test_r", dispute_id="dp_r"),
+                       created=DISPUTED)
+    assert (await deliver(post, clock, dispute))[:2] == RECEIVED
+    for _ in range(200):  # its handling, in the background, waits on Stripe
+        if len(stripe_api.requests) > asked:
+            break
+        await asyncio.sleep(0.05)
+    assert len(stripe_api.requests) > asked
+    checkout = se.event("checkout.session.completed", se.checkout_session(
+        "FO-R", "formation", payment_intent="pi_test_r"), created=PAID)
+    assert (await deliver(post, clock, checkout))[:2] == RECEIVED
+    assert FormationOrder.get().payment_status == "paid"
+    stripe_api.hold.set()
+    await ctx.drain_background()
+    await ctx.drain_background()  # and what it handed over again
+    assert stored(dispute["id"]).status == "processed"
+    assert FormationOrder.get().payment_status == "disputed"
+    await outbox.send_due(ctx)
+    assert subjects(smtp) == ["Dispute opened on order FO-R"]
+
+
 # --- visible, and bounded -------------------------------------------------------------------
 
 @pytest.mark.gen_test
