@@ -31,6 +31,7 @@ role: read on the doctypes, no System Manager):
   System Settings set when saved; a fresh site, whose System Settings name none, answers
   Asia/Kolkata already (and writes its times in it); null is read as Asia/Kolkata too.
 """
+import asyncio
 import itertools
 import datetime
 import json
@@ -58,8 +59,10 @@ class _Handler(tornado.web.RequestHandler):
     def initialize(self, site):
         self.site = site
 
-    def prepare(self):
+    async def prepare(self):
         self.site.requests.append(self.request)
+        if self.site.delay:
+            await asyncio.sleep(self.site.delay)  # a site slow to answer, on purpose
         self.set_header("Content-Type", "application/json")
         if self.site.down_with is not None:
             status, exc_type = self.site.down_with
@@ -85,8 +88,8 @@ class _Method(_Handler):
 
 
 class _List(_Handler):
-    def prepare(self):
-        super().prepare()
+    async def prepare(self):
+        await super().prepare()
         if (self.site.down_with is None and
                 self.request.headers.get("Authorization") != f"token {API_KEY}:{API_SECRET}"):
             _error(self, 401, "AuthenticationError", "frappe.exceptions.AuthenticationError")
@@ -158,7 +161,8 @@ def _shown(value):
 class FrappeSite:
     """`add(doctype, name, state, modified, **fields)` puts a document on the site
     (`modified` a naive local time); `down_with = (status, exc_type)` makes every list
-    call fail so; `requests` and `actions` record what came."""
+    call fail so; `delay` holds every answer back that long; `requests` and `actions`
+    record what came."""
 
     def __init__(self, fields):
         self.fields = fields  # {doctype: the doctype's own fields}
@@ -171,6 +175,8 @@ class FrappeSite:
         self.requests = []
         self.actions = []
         self.down_with = None
+        # Seconds every answer is held back: a site slow to answer.
+        self.delay = 0
         sock, self.port = tornado.testing.bind_unused_port()
         self.server = tornado.httpserver.HTTPServer(tornado.web.Application([
             (r"/api/resource/([^/]+)", _List, {"site": self}),
