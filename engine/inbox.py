@@ -81,6 +81,8 @@ HELD = "held"
 MAX_KEY_LENGTH = 255
 # Orders whose drained calls are handled at once (each order's one after another).
 DRAIN_CONCURRENCY = 50
+# How many streams the inbox retry hands over side by side (`retry_due`).
+RETRY_CONCURRENCY = DRAIN_CONCURRENCY
 
 # The events stored while the spool held calls it could not add them to, by SPOOL_DIR:
 # let go by this process's drain once the spool is empty (`_unpark`). Forgotten with the
@@ -1301,30 +1303,62 @@ def _give_up(ctx: EngineContext, event: WebhookEvent, attempts: int, error: str)
 
 
 async def retry_due(ctx: EngineContext) -> int:
-    """Claim the events due for handling one at a time, and handle each once; returns how
-    many (CLAIM_BATCH at most per run).
+    """Claim the events due for handling one at a time, CLAIM_BATCH at most per run, and
+    hand each over at once, with the events of its stream waiting behind it (`release`),
+    up to RETRY_CONCURRENCY side by side; returns how many were handled.
 
     One at a time, so that each lease covers the one handling it was taken for: events
     claimed together and handled one after another would see their leases run out behind
     a slow one (balance.available's settlements, a Stripe lookup), and another process
     take them too. The one being handled keeps its lease however long it takes (`process`).
 
+    Side by side: each event claimed is the first unfinished one of its stream (`_due`),
+    so no two of one stream are handled at once, and a backlog held behind a cut, over
+    many streams, drains at the pace the group commit takes their units rather than one
+    stream after another (as the spool drain does, `_handle_drained`).
+
     Due: as `_due` says; the waiting facts whose time to be looked at again has come, and
     the claims whose handling the database cut short (`_CLAIMS_CUT_SHORT`), are made due
     first."""
-    handled = 0
     await ctx.db(functools.partial(Transaction(ctx).wake_facts_to_look_at, ctx.clock()))
     cut_short = _CLAIMS_CUT_SHORT.pop(ctx.settings.spool_dir, None)
     if cut_short:
         await ctx.db(functools.partial(_give_back, ctx, cut_short))
-    while handled < CLAIM_BATCH:
-        events = await claim(ctx, WebhookEvent, _due(ctx), limit=1)
-        if not events:
-            break
-        outcome = await _process(ctx, events[0])
-        handled += 1 + await _release_after(ctx, events[0], outcome)
+    room = asyncio.Semaphore(RETRY_CONCURRENCY)
+    handing: list[asyncio.Future[int]] = []
+
+    async def hand_over(event: WebhookEvent) -> int:
+        try:
+            outcome = await _process(ctx, event)
+            return 1 + await _release_after(ctx, event, outcome)
+        finally:
+            room.release()
+    try:
+        while len(handing) < CLAIM_BATCH:
+            await room.acquire()
+            try:
+                events = await claim(ctx, WebhookEvent, _due(ctx), limit=1)
+            except BaseException:
+                room.release()
+                raise
+            if events:
+                handing.append(asyncio.ensure_future(hand_over(events[0])))
+                continue
+            room.release()
+            under_way = [future for future in handing if not future.done()]
+            if not under_way:
+                break
+            # An event that ends failed or dead lets the next of its stream be due: looked
+            # for again once one of those under way ends.
+            await asyncio.wait(under_way, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        # What was handed over is finished, whatever stopped the claims.
+        done = await asyncio.gather(*handing, return_exceptions=True)
+    failures = [result for result in done if isinstance(result, BaseException)]
+    if failures:
+        raise failures[0]
     await ctx.db(functools.partial(tell_of_long_holds, ctx))
-    return handled
+    return sum(cast(list[int], done))
 
 
 def _give_back(ctx: EngineContext, claims: dict[int, datetime.datetime]) -> None:

@@ -210,6 +210,37 @@ def due_event(ctx, clock, event_type):
     return event
 
 
+@pytest.mark.gen_test(timeout=30)
+async def test_the_inbox_retry_hands_events_over_while_an_earlier_one_is_slow(
+        ctx, card_plugin, clock):
+    """Two due events that wait for nothing of each other (of no stream, or of two): the
+    first one's handling waits (Stripe slow); the second is handled meanwhile, in the same
+    run, not after it. A backlog over many streams drains side by side."""
+    clock.set(2026, 11, 23, 9, 0, 0)
+    let_go, handled = asyncio.Event(), []
+
+    async def slow(ctx, event, effects):
+        await let_go.wait()
+        handled.append("slow")
+
+    async def quick(ctx, event, effects):
+        handled.append("quick")
+    card_plugin("test.waits", slow)
+    card_plugin("test.goes", quick)
+    due_event(ctx, clock, "test.waits")
+    due_event(ctx, clock, "test.goes")
+    run = asyncio.ensure_future(inbox.retry_due(ctx))
+    for _ in range(200):
+        if handled or run.done():
+            break
+        await asyncio.sleep(0.05)
+    assert handled == ["quick"]
+    let_go.set()
+    assert await run == 2
+    assert handled == ["quick", "slow"]
+    assert {e.status for e in WebhookEvent.select()} == {"processed"}
+
+
 @pytest.mark.gen_test(timeout=60)
 async def test_an_event_handled_for_longer_than_a_lease_keeps_its_lease(ctx, card_plugin, clock):
     """An async plugin slower than a whole lease (a Stripe lookup on a bad day): its
