@@ -8,6 +8,8 @@ WORKFLOW_RECONCILE_MINUTES (and once at start): the reconciliation with Frappe.
 Several processes may share one PostgreSQL: each run of a job first takes a
 PostgreSQL advisory lock named after the job, and a process that does not get it skips
 that run, so a job runs in one process at a time. On SQLite one process is assumed.
+A run that stops with work left (`Job.again`: the inbox retry's full batch) is followed
+by the next at once.
 The spool drain takes none: each process drains its own spool, whatever another holds
 (processes that share a SPOOL_DIR on one host take each file in turn, under its flock:
 engine.spool). A lock is taken and given back in a thread of its own, on a session of
@@ -68,6 +70,10 @@ def nothing_refused(result: object) -> bool:
     return False
 
 
+def never_again(result: object) -> bool:
+    return False
+
+
 def frappe_refused(counts: reconcile.Counts) -> bool:
     """A reconciliation run Frappe did not answer or refused (a doctype not listed) ran
     to its end without doing its work: a failed run to the console and /metrics."""
@@ -87,6 +93,9 @@ class Job:
     # Whether a run that returned `result` was refused by what it depends on: counted
     # failed, as a run that raised.
     refused: Callable[[Any], bool] = nothing_refused
+    # Whether a run that returned `result` stopped with work left due (a whole batch
+    # done): the next run follows at once, not a tick later.
+    again: Callable[[Any], bool] = never_again
 
     @property
     def lock_id(self) -> int:
@@ -95,7 +104,8 @@ class Job:
 
 JOBS = (
     Job("outbox", outbox.send_due, lambda s: s.scheduler_tick_seconds),
-    Job("inbox", inbox.retry_due, lambda s: s.scheduler_tick_seconds),
+    Job("inbox", inbox.retry_due, lambda s: s.scheduler_tick_seconds,
+        again=inbox.stopped_at_its_batch),
     Job("spool", inbox.drain_spool, lambda s: s.scheduler_tick_seconds, one_process=False),
     Job("settlement", settle, lambda s: 60 * s.settlement_interval_minutes),
     Job("reminders", reminders.send_reminders, lambda s: HOURLY),
@@ -238,13 +248,17 @@ class Scheduler:
 
     async def _scheduled_run(self, job: Job) -> Any:
         """`run`, as APScheduler starts it in a task of its own: a run asked for while it
-        went on (`run_soon`) follows once APScheduler counts this one ended, after its
-        own callback on the task (sooner, it would refuse it as a second instance)."""
+        went on (`run_soon`), or one the job asks for by what this one returned
+        (`Job.again`), follows once APScheduler counts this one ended, after its own
+        callback on the task (sooner, it would refuse it as a second instance)."""
         task = asyncio.current_task()
         assert task is not None
         loop = asyncio.get_running_loop()
         task.add_done_callback(lambda _: loop.call_soon(self._after_run, job.name))
-        return await self.run(job)
+        result = await self.run(job)
+        if result is not None and job.again(result):
+            self.run_again.add(job.name)
+        return result
 
     def _after_run(self, name: str) -> None:
         """A run of job `name` has ended and APScheduler counts it ended: the run asked for

@@ -1230,7 +1230,8 @@ async def retry_due(ctx: EngineContext) -> int:
 
     Due: as `_due` says; the waiting facts whose time to be looked at again has come, and
     the claims whose handling the database cut short (`_CLAIMS_CUT_SHORT`), are made due
-    first."""
+    first. A run that stops at CLAIM_BATCH is followed by the next at once
+    (`stopped_at_its_batch`), in whichever process takes the job's lock then."""
     handled = 0
     await ctx.db(functools.partial(Transaction(ctx).wake_facts_to_look_at, ctx.clock()))
     cut_short = _CLAIMS_CUT_SHORT.pop(ctx.settings.spool_dir, None)
@@ -1244,6 +1245,15 @@ async def retry_due(ctx: EngineContext) -> int:
         handled += 1 + await _release_after(ctx, events[0], outcome)
     await ctx.db(functools.partial(tell_of_long_holds, ctx))
     return handled
+
+
+def stopped_at_its_batch(handled: int) -> bool:
+    """Whether a run of `retry_due` that handled `handled` events stopped at its batch,
+    with events likely still due: the scheduler runs it again at once. A run hands over
+    whole streams (`release`), so a backlog held behind a cut is a few streams a run; a
+    tick between runs left the last streams' first events due for minutes at the
+    default tick (docs/PERFORMANCE.md, "The held backlog after a cut")."""
+    return handled >= CLAIM_BATCH
 
 
 def _give_back(ctx: EngineContext, claims: dict[int, datetime.datetime]) -> None:
