@@ -397,23 +397,29 @@ def jobs_out_of_order(worker):
             arrivals.append(key)
     jobs = {row.idempotency_key: row.event_id for row in Outbox.select(
         Outbox.idempotency_key, Outbox.event).where(Outbox.kind == "job")}
-    places = {event.id: (event.stream, (event.version or "", event.received_at, event.id))
-              for event in WebhookEvent.select(
-                  WebhookEvent.id, WebhookEvent.stream, WebhookEvent.version,
-                  WebhookEvent.received_at).where(WebhookEvent.id.in_(
-                      [event_id for event_id in jobs.values() if event_id is not None]))}
+    events = {event.id: event for event in WebhookEvent.select(
+        WebhookEvent.id, WebhookEvent.stream, WebhookEvent.version, WebhookEvent.received_at,
+        WebhookEvent.event_type, WebhookEvent.reconciled).where(WebhookEvent.id.in_(
+            [event_id for event_id in jobs.values() if event_id is not None]))}
     latest, late, streams = {}, [], set()
     for key in arrivals:
-        stream, place = places.get(jobs.get(key), (None, None))
-        if stream is None:
+        event = events.get(jobs.get(key))
+        if event is None or event.stream is None:
             continue
-        if stream in latest and place < latest[stream]:
-            late.append({"stream": stream, "event": place[2], "version": place[0],
-                         "after_event": latest[stream][2], "after_version": latest[stream][0]})
-            streams.add(stream)
+        place = (event.version or "", event.received_at, event.id)
+        if event.stream in latest and place < latest[event.stream][0]:
+            late.append({"stream": event.stream, "late": described(event),
+                         "after": described(latest[event.stream][1])})
+            streams.add(event.stream)
         else:
-            latest[stream] = place
+            latest[event.stream] = (place, event)
     return len(late), len(streams), sum(1 for count in seen.values() if count > 1), late[:5]
+
+
+def described(event):
+    """An event as a late job's example names it: what it was, and when it was stored."""
+    return {"event": event.id, "type": event.event_type, "version": event.version,
+            "stored_at": event.received_at.isoformat(), "found_in_the_log": event.reconciled}
 
 
 def jobs_unsent():
@@ -654,6 +660,8 @@ def figures_of(calls, sent, sampler, worker, times):
         "stored_twice": sum(1 for count in stored.values() if count > 1),
         "stored_twice_examples": [list(identity) for identity, count in stored.items()
                                   if count > 1][:5],
+        "started_at": datetime.datetime.fromtimestamp(
+            started, datetime.timezone.utc).isoformat(),
         "seconds": {"load": round(load_end - started, 1),
                     "cut_from": round(cut_from - started, 1),
                     "cut_to": round(cut_to - started, 1)},
@@ -706,8 +714,13 @@ def summary(run, figures, window):
 
 
 def commit():
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+    """The checkout's commit, marked when its tracked files differ from it (the figures
+    are then of something no commit holds)."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                           capture_output=True, text=True).stdout.strip()
+    changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                             cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    return f"{head} with changes" if changed else head
 
 
 def parser():
