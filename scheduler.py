@@ -8,6 +8,10 @@ WORKFLOW_RECONCILE_MINUTES (and once at start): the reconciliation with Frappe.
 Several processes may share one PostgreSQL: each run of a job first takes a
 PostgreSQL advisory lock named after the job, and a process that does not get it skips
 that run, so a job runs in one process at a time. On SQLite one process is assumed.
+A run that lasts far longer than its job's interval is warned of, once, with where it
+waits (`look_at_runs`), and each run's time so far is on /metrics: a stuck run keeps its
+lock, and the other processes skip the job meanwhile. A run that stops with work left
+(`Job.again`: the inbox retry's full batch) is followed by the next at once.
 The spool drain takes none: each process drains its own spool, whatever another holds
 (processes that share a SPOOL_DIR on one host take each file in turn, under its flock:
 engine.spool). A lock is taken and given back in a thread of its own, on a session of
@@ -19,6 +23,7 @@ import concurrent.futures
 import dataclasses
 import datetime
 import logging
+import os
 import zlib
 from typing import Any, Awaitable, Callable, Protocol, Sequence
 
@@ -41,6 +46,14 @@ log = logging.getLogger("receiver.scheduler")
 REPEATS = lograte.Repeats(log)
 
 HOURLY = 3600
+# A run lasting this many of its job's intervals, and LONG_RUN_SECONDS at least, is warned
+# of once, with what it waits on: that far past its tick it is most likely stuck, and it
+# keeps its lock meanwhile, so the other processes skip the job (said only at DEBUG).
+LONG_RUN_TICKS = 10
+LONG_RUN_SECONDS = 60
+# How often the runs under way are looked at (their time on /metrics, a long one warned).
+WATCH_EVERY_SECONDS = 1.0
+ROOT = os.path.dirname(os.path.abspath(__file__))
 # How long a stop waits for job runs in progress before cancelling them, at most: less
 # when the requests in flight took most of the stop budget (app.server, STOP_TIMEOUT_SECONDS).
 STOP_GRACE_SECONDS = 5
@@ -68,6 +81,10 @@ def nothing_refused(result: object) -> bool:
     return False
 
 
+def never_again(result: object) -> bool:
+    return False
+
+
 def frappe_refused(counts: reconcile.Counts) -> bool:
     """A reconciliation run Frappe did not answer or refused (a doctype not listed) ran
     to its end without doing its work: a failed run to the console and /metrics."""
@@ -87,6 +104,12 @@ class Job:
     # Whether a run that returned `result` was refused by what it depends on: counted
     # failed, as a run that raised.
     refused: Callable[[Any], bool] = nothing_refused
+    # Whether a run that returned `result` stopped with work left due (a whole batch
+    # done): the next run follows at once, not a tick later.
+    again: Callable[[Any], bool] = never_again
+    # A run goes on while work is due (a backlog sent in one run): a long one is its way,
+    # shown on /metrics but not warned of.
+    drains: bool = False
 
     @property
     def lock_id(self) -> int:
@@ -94,8 +117,9 @@ class Job:
 
 
 JOBS = (
-    Job("outbox", outbox.send_due, lambda s: s.scheduler_tick_seconds),
-    Job("inbox", inbox.retry_due, lambda s: s.scheduler_tick_seconds),
+    Job("outbox", outbox.send_due, lambda s: s.scheduler_tick_seconds, drains=True),
+    Job("inbox", inbox.retry_due, lambda s: s.scheduler_tick_seconds,
+        again=inbox.stopped_at_its_batch),
     Job("spool", inbox.drain_spool, lambda s: s.scheduler_tick_seconds, one_process=False),
     Job("settlement", settle, lambda s: 60 * s.settlement_interval_minutes),
     Job("reminders", reminders.send_reminders, lambda s: HOURLY),
@@ -175,6 +199,25 @@ class AdvisoryLock:
             session.close()
 
 
+def waiting_on(task: "asyncio.Task[Any]") -> str:
+    """Where a task waits: each coroutine of its chain of awaits, the outermost first,
+    with its file and line (the innermost is what it waits on: a unit of work for its
+    turn, a send, a lock)."""
+    steps = []
+    awaited: Any = task.get_coro()
+    while awaited is not None:
+        frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "ag_frame", None)
+        if frame is None:
+            break  # a future, or a generator's iterator: the chain ends in what it awaits
+        path = frame.f_code.co_filename
+        # The service's files by their place in it, a library's by its last two parts.
+        where = os.path.relpath(path, ROOT) if path.startswith(ROOT + os.sep) else \
+            os.path.join(*path.split(os.sep)[-2:])
+        steps.append(f"{frame.f_code.co_qualname} ({where}:{frame.f_lineno})")
+        awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "ag_await", None)
+    return " > ".join(steps) or "nothing: it is not suspended"
+
+
 def _still_running(record: logging.LogRecord) -> bool:
     """APScheduler warns of every tick that finds the job's last run still going on. The
     outbox's run lasts as long as a backlog drains, on purpose: not worth a warning."""
@@ -192,6 +235,11 @@ class Scheduler:
         self.running_jobs: set[str] = set()
         # Jobs asked to run while a run of theirs went on (`run_soon`).
         self.run_again: set[str] = set()
+        # The runs under way: each job's task and when it began (the context's clock),
+        # and those warned of already (`look_at_runs`).
+        self.runs: dict[str, tuple[asyncio.Task[Any], datetime.datetime]] = {}
+        self.warned: set[str] = set()
+        self.watching: asyncio.Task[None] | None = None
         ctx.metrics.jobs_scheduled(job.name for job in jobs)
 
     @property
@@ -223,7 +271,33 @@ class Scheduler:
             def send_the_backlog() -> None:
                 loop.call_soon(self.run_soon, "outbox")
             self.ctx.destinations.when_recovered(send_the_backlog)
+        self.watching = asyncio.create_task(self._watch())
         log.info("scheduler started: %s", ", ".join(job.name for job in self.jobs))
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH_EVERY_SECONDS)
+            self.look_at_runs()
+
+    def look_at_runs(self) -> None:
+        """Each job's run under way, for how long (/metrics); one that has lasted far
+        longer than its tick (LONG_RUN_TICKS, LONG_RUN_SECONDS) warned of, once, with
+        where it waits, unless its job `drains`."""
+        now = self.ctx.clock()
+        for job in self.jobs:
+            under_way = self.runs.get(job.name)
+            seconds = 0.0 if under_way is None else (now - under_way[1]).total_seconds()
+            self.ctx.metrics.job_running(job.name, seconds)
+            if under_way is None or job.drains or job.name in self.warned:
+                continue
+            every = job.every(self.ctx.settings)
+            if seconds >= max(LONG_RUN_SECONDS, LONG_RUN_TICKS * every):
+                self.warned.add(job.name)
+                kept_from = ("; the other processes skip it meanwhile"
+                             if job.one_process and is_postgres() else "")
+                log.warning("job %s has run for %d s (it runs every %g s)%s; it waits on: "
+                            "%s", job.name, seconds, every, kept_from,
+                            waiting_on(under_way[0]))
 
     def run_soon(self, name: str) -> None:
         """Run job `name` now; when a run of it is going on, once more as soon as that run
@@ -238,13 +312,17 @@ class Scheduler:
 
     async def _scheduled_run(self, job: Job) -> Any:
         """`run`, as APScheduler starts it in a task of its own: a run asked for while it
-        went on (`run_soon`) follows once APScheduler counts this one ended, after its
-        own callback on the task (sooner, it would refuse it as a second instance)."""
+        went on (`run_soon`), or one the job asks for by what this one returned
+        (`Job.again`), follows once APScheduler counts this one ended, after its own
+        callback on the task (sooner, it would refuse it as a second instance)."""
         task = asyncio.current_task()
         assert task is not None
         loop = asyncio.get_running_loop()
         task.add_done_callback(lambda _: loop.call_soon(self._after_run, job.name))
-        return await self.run(job)
+        result = await self.run(job)
+        if result is not None and job.again(result):
+            self.run_again.add(job.name)
+        return result
 
     def _after_run(self, name: str) -> None:
         """A run of job `name` has ended and APScheduler counts it ended: the run asked for
@@ -261,6 +339,9 @@ class Scheduler:
 
         Paused first, shut down last: APScheduler's shutdown cancels the runs in progress
         at once, which would leave no grace at all."""
+        if self.watching is not None:
+            self.watching.cancel()
+            await asyncio.gather(self.watching, return_exceptions=True)
         if self.apscheduler.running:
             self.apscheduler.pause()
         if self.in_progress:
@@ -285,6 +366,7 @@ class Scheduler:
         assert task is not None  # a coroutine the loop runs is in a task
         self.in_progress.add(task)
         self.running_jobs.add(job.name)
+        self.runs[job.name] = (task, self.ctx.clock())
         try:
             # Never a call's budget, though a run asked for by a call (`run_soon`) starts
             # in a copy of that call's context.
@@ -293,6 +375,9 @@ class Scheduler:
         finally:
             self.in_progress.discard(task)
             self.running_jobs.discard(job.name)
+            self.runs.pop(job.name, None)
+            self.warned.discard(job.name)
+            self.ctx.metrics.job_running(job.name, 0.0)
 
     async def _run_locked(self, job: Job) -> Any:
         lock = AdvisoryLock(job.lock_id)

@@ -14,7 +14,8 @@ against 1; with --scale, the per-event cost of a card payment and a dispute with
 with 1M rows (--scale-rows) in the order and ledger tables; with --memory N, the
 service's RSS over N events; with --console, the operator console's pages with 1M
 (--console-rows) events, outbox rows and send attempts, and what recording the attempts
-costs (bench/console.py).
+costs (bench/console.py); with --drain-cut, on PostgreSQL, the held backlog after a
+database cut under two instances (bench/drain.py).
 
 It is one module so that `make bench` reads top to bottom as the run it makes, one
 method a scenario; that is why it is longer than the others.
@@ -715,7 +716,7 @@ class Bench:
                         ("backlog", "found_back", "drain", "live_", "jobs_", "outage", "vs_"))}
                     out.write(f"\n{row['scenario']} ({row['database']}): "
                               f"`{json.dumps(details)}`\n")
-            for name in ("scale", "memory", "console"):
+            for name in ("scale", "memory", "console", "drain_cut"):
                 if name in self.extra:
                     out.write(f"\n{name}: `{json.dumps(self.extra[name])}`\n")
         print(f"results: {args.results}/latest.json and latest.md")
@@ -748,6 +749,9 @@ def main(argv=None):
                         help="also time the operator console's pages (bench/console.py)")
     parser.add_argument("--console-rows", type=int, default=1_000_000,
                         help="events and outbox rows seeded for the console's pages")
+    parser.add_argument("--drain-cut", action="store_true",
+                        help="also the held backlog after a database cut, two instances on "
+                        "PostgreSQL, at the default tick (bench/drain.py; about 7 minutes)")
     parser.add_argument("--results", default=RESULTS, help="folder for latest.json/.md")
     args = parser.parse_args(argv)
 
@@ -768,6 +772,8 @@ def main(argv=None):
             if label == "postgres":
                 with scratch() as url:
                     bench.measure_instances(label, url)
+                if args.drain_cut:
+                    bench.extra["drain_cut"] = measure_drain_cut(args.results)
             if args.scale:
                 bench.measure_scale(label, scratch)
             if args.memory:
@@ -781,6 +787,18 @@ def main(argv=None):
         bench.processes.stop_all()
     bench.write_results()
     return 0
+
+
+def measure_drain_cut(results):
+    """bench/drain.py's run with its defaults: where its figures are, and each run's
+    headline (its samples stay in its own file)."""
+    # Imported here: bench.drain builds on this module.
+    from bench import drain
+    report = drain.run_all(drain.parser().parse_args(["--results", results]))
+    return {"results": report["path"], "stalled": report["stalled"],
+            "not_empty": report["not_empty"],
+            "runs": [{key: value for key, value in run.items() if key != "samples"}
+                     for run in report["runs"]]}
 
 
 if __name__ == "__main__":

@@ -1319,7 +1319,8 @@ async def retry_due(ctx: EngineContext) -> int:
 
     Due: as `_due` says; the waiting facts whose time to be looked at again has come, and
     the claims whose handling the database cut short (`_CLAIMS_CUT_SHORT`), are made due
-    first."""
+    first. A run that handled a whole batch is followed by the next at once
+    (`stopped_at_its_batch`), in whichever process takes the job's lock then."""
     await ctx.db(functools.partial(Transaction(ctx).wake_facts_to_look_at, ctx.clock()))
     cut_short = _CLAIMS_CUT_SHORT.pop(ctx.settings.spool_dir, None)
     if cut_short:
@@ -1359,6 +1360,14 @@ async def retry_due(ctx: EngineContext) -> int:
         raise failures[0]
     await ctx.db(functools.partial(tell_of_long_holds, ctx))
     return sum(cast(list[int], done))
+
+
+def stopped_at_its_batch(handled: int) -> bool:
+    """Whether a run of `retry_due` that handled `handled` events may have stopped at its
+    batch, with events still due: the scheduler runs it again at once. A tick between
+    runs left the last streams' first events of a backlog held behind a cut due for
+    minutes at the default tick (docs/PERFORMANCE.md, "The held backlog after a cut")."""
+    return handled >= CLAIM_BATCH
 
 
 def _give_back(ctx: EngineContext, claims: dict[int, datetime.datetime]) -> None:

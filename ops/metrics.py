@@ -71,6 +71,11 @@ class Metrics:
             "receiver_job_last_success_timestamp_seconds", "Unix time of the job's last "
             "run that succeeded in this process (0: none yet).", ["job"],
             registry=self.registry)
+        self.job_running_seconds = Gauge(
+            "receiver_job_running_seconds", "How long the job's run under way in this "
+            "process has lasted (0: none). One far past its tick is also logged, once, at "
+            "WARNING with what it waits on; it keeps the job from the other processes.",
+            ["job"], registry=self.registry)
         self.login_failures = Counter(
             "receiver_console_login_failures", "Console logins refused: wrong_password "
             "(checked), unchecked (the budget of wrong passwords was spent).", ["reason"],
@@ -85,11 +90,15 @@ class Metrics:
             for result in JOB_RESULTS:
                 self.job_runs.labels(name, result)
             self.job_last_success.labels(name)
+            self.job_running_seconds.labels(name)
 
     def job_ran(self, name: str, result: str, at: datetime.datetime) -> None:
         self.job_runs.labels(name, result).inc()
         if result == "ok":
             self.job_last_success.labels(name).set(at.timestamp())
+
+    def job_running(self, name: str, seconds: float) -> None:
+        self.job_running_seconds.labels(name).set(seconds)
 
     def job_status(self) -> dict[str, tuple[float | None, int, int]]:
         """{job: (last success as a Unix time or None, runs ok, runs failed)} of this

@@ -7,10 +7,13 @@ import asyncio
 import collections
 import json
 import sqlite3
+import time
 import urllib.parse
 
 import pytest
 
+from engine.claims import CLAIM_BATCH
+from models import WebhookEvent
 from tests.service_process import ON_POSTGRES, TcpProxy
 from tests.test_faults import (  # noqa: F401  (fixtures)
     eventually, figures, send, service_env, services, submitted)
@@ -22,6 +25,12 @@ STEPS = [("formation/submitted", "name_search", "Start Name Check"),
 # Longer than the faults take: the calls the drain stored and did not handle are still
 # leased to it when the next calls of their orders come.
 LEASE_SECONDS = 10
+# A backlog of more calls than one run of the inbox retry takes (CLAIM_BATCH), over more
+# orders than such a run gets through: each run hands over whole streams.
+BACKLOG_ORDERS = range(1, 5)
+BACKLOG_STEPS = 35
+# Far longer than the test waits for the backlog: it is not the ticks that hand it over.
+LONG_TICK_SECONDS = 300
 
 
 class DatabaseAway:
@@ -143,4 +152,48 @@ async def test_a_drain_whose_database_is_cut_while_it_handles_its_calls_reorders
     jobs = await third_step_then_all_handled(client, service, worker, frappe)
     figures("drain's database cut mid-handling", orders=len(jobs), calls=3 * len(ORDERS),
             reordered=0)
+    assert await service.terminate() == 0
+
+
+def change(number, step):
+    """Order `number`'s `step`-th state change, each a save of its own."""
+    return {**submitted(number), "modified": f"2026-11-20 09:{step:02d}:00.{number:06d}"}
+
+
+@pytest.mark.gen_test(timeout=180)
+async def test_a_backlog_left_to_the_inbox_retry_is_handed_over_run_after_run_not_a_tick_apart(
+        services, service_env, away, client, worker):
+    """A drain killed while it handles its calls leaves them stored and leased to it: more
+    than one run of the inbox retry takes. Once their leases are over, the restarted
+    service's retry hands them all over, a run following the one that stopped at its
+    batch at once, not a scheduler tick later (at the default tick such a backlog of
+    thousands took about one stream per tick, its streams' first events due and waiting
+    for minutes)."""
+    assert len(BACKLOG_ORDERS) * (BACKLOG_STEPS - 1) > CLAIM_BATCH
+    env = {**service_env, "DATABASE_URL": away.url, "CLAIM_LEASE_SECONDS": LEASE_SECONDS,
+           "SCHEDULER_TICK_SECONDS": LONG_TICK_SECONDS}
+    service = await services("a", **env).start()
+    away.cut()
+    for step in range(BACKLOG_STEPS):
+        for number in BACKLOG_ORDERS:
+            assert await send(client, service, "formation/submitted",
+                              change(number, step)) == 200
+    worker.hold = asyncio.Event()
+    away.restore()
+    # Every call stored, the first of each order handled, its job held by the worker.
+    await eventually(lambda: len(worker.requests) == len(BACKLOG_ORDERS), timeout=60)
+    assert await service.kill() == -9
+    worker.hold.set()
+    worker.hold = None
+    stored = len(BACKLOG_ORDERS) * BACKLOG_STEPS
+    assert WebhookEvent.select().count() == stored
+    await asyncio.sleep(LEASE_SECONDS + 1)  # the dead drain's leases run out: its own clock
+
+    restarted = time.monotonic()
+    await service.start()
+    await eventually(lambda: WebhookEvent.select().where(
+        WebhookEvent.status == "processed").count() == stored, timeout=60)
+    figures("backlog left to the inbox retry", events=stored,
+            handed_over_in_s=round(time.monotonic() - restarted, 1),
+            tick_s=LONG_TICK_SECONDS)
     assert await service.terminate() == 0

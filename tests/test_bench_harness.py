@@ -1,6 +1,7 @@
 """The benchmark harness runs end to end on a tiny load, on the database of the test run
-(so the PostgreSQL-only `2 instances` is run too). Speed is not asserted here: this
-machine is shared; figures belong in docs/PERFORMANCE.md, from `make bench`."""
+(so the PostgreSQL-only `2 instances` is run too), and so does the held-backlog bench
+(bench/drain.py, PostgreSQL only). Speed is not asserted here: this machine is shared;
+figures belong in docs/PERFORMANCE.md, from `make bench`."""
 import json
 import os
 import socket
@@ -10,8 +11,9 @@ import time
 
 import pytest
 
+from bench.drain import Sample, Sampler
 from bench.run import Bench, Processes, free_port
-from tests.service_process import ON_POSTGRES
+from tests.service_process import ON_POSTGRES, postgres_only
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -102,3 +104,40 @@ def test_a_stand_in_that_cannot_start_is_reported_at_once_with_why():
                              "--smtp-port", str(smtp_port)], http_port)
         processes.stop_all()
     assert time.monotonic() - started < 20, "it waited for a port that would never answer"
+
+
+@postgres_only
+def test_the_drain_bench_runs_on_a_tiny_load_through_a_cut(tmp_path):
+    env = {**os.environ, "BENCH_POSTGRES_URL": os.environ["TEST_DATABASE_URL"]}
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.drain", "--tick", "1", "--lease", "3", "--rate", "30",
+         "--duration", "4", "--cut-from", "1.5", "--cut-to", "2.5", "--window", "60",
+         "--results", str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    [path] = tmp_path.glob("drain-*.json")
+    with open(path) as results:
+        report = json.load(results)
+    [run] = report["runs"]
+    assert run["calls"] == run["acknowledged"] == 120, run["answers"]
+    assert run["lost"] == 0 and run["refused_statements"] == []
+    assert run["stall"] is None and "not_empty" not in run
+    assert run["empty_after_cut_end_s"] is not None
+    assert run["samples"] and report["settings"]["cut_mode"] == "cut"
+    assert "backlog empty" in result.stdout
+
+
+def sample(at, finished, due_heads):
+    return Sample(at, held=0, unfinished=5, spooled=0, finished=finished,
+                  due_heads=due_heads, oldest_due=at - 1 if due_heads else None)
+
+
+def test_the_drain_bench_calls_it_a_stall_when_nothing_finishes_while_a_head_is_due():
+    sampler = Sampler(spools=[])
+    sampler.samples = [sample(0, 10, 1), *(sample(at, 11, 1) for at in range(10, 41))]
+    assert sampler.stalled_since(30) == 10
+    assert sampler.stalled_since(31) is None  # not that long yet
+    sampler.samples.append(sample(41, 12, 1))
+    assert sampler.stalled_since(30) is None  # one finished: it moves
+    sampler.samples = [sample(at, 11, 0) for at in range(0, 60)]
+    assert sampler.stalled_since(30) is None  # nothing due: nothing to take

@@ -85,6 +85,52 @@ async def test_a_run_another_process_holds_counts_as_skipped(ctx, database_url):
     assert runs(found, "inbox", "skipped") == 1 and runs(found, "inbox", "ok") == 0
 
 
+def running_seconds(found, job):
+    return found.get(("receiver_job_running_seconds", frozenset({"job": job}.items())))
+
+
+@pytest.mark.gen_test(timeout=30)
+async def test_a_run_far_past_its_tick_is_warned_of_once_with_where_it_waits(
+        http_server, base_url, client, ctx, clock, caplog):
+    """A run that does not end (here: waiting for what never comes) keeps its job's lock
+    from the other processes, which only skip it: it is warned of, once, after ten of its
+    ticks, with where it waits, and its time shows on /metrics. A job whose runs drain
+    a backlog (the outbox sender) is not warned of."""
+    go_on = asyncio.Event()
+
+    async def waits(ctx):
+        await go_on.wait()  # a unit whose turn never comes, say: the behaviour under test
+
+    stuck = Job("stuck", waits, lambda s: 10)
+    draining = Job("draining", waits, lambda s: 10, drains=True)
+    scheduler = Scheduler(ctx, jobs=(stuck, draining))
+    clock.set(2026, 11, 20, 9, 0, 0)
+    underway = [asyncio.ensure_future(scheduler.run(job)) for job in (stuck, draining)]
+    await eventually(lambda: len(scheduler.runs) == 2, interval=0.01)
+    clock.advance(seconds=99)
+    scheduler.look_at_runs()
+    assert "has run for" not in caplog.text
+    clock.advance(seconds=1)
+    scheduler.look_at_runs()
+    scheduler.look_at_runs()
+    [warning] = [record for record in caplog.records if "has run for" in record.getMessage()]
+    said = warning.getMessage()
+    assert warning.levelname == "WARNING" and said.startswith(
+        "job stuck has run for 100 s (it runs every 10 s)")
+    # The run's own coroutine, then the one it awaits: where it waits, line by line.
+    assert said.split("it waits on: ")[1].startswith(
+        "Scheduler.run (scheduler.py:"), said
+    assert (f"waits (tests/test_scheduler_metrics.py:{waits.__code__.co_firstlineno + 1})"
+            " > Event.wait (asyncio/locks.py:") in said, said
+    found = samples((await client.fetch(base_url + "/metrics")).body)
+    assert running_seconds(found, "stuck") == running_seconds(found, "draining") == 100
+
+    go_on.set()
+    await asyncio.gather(*underway)
+    found = samples((await client.fetch(base_url + "/metrics")).body)
+    assert running_seconds(found, "stuck") == running_seconds(found, "draining") == 0
+
+
 @pytest.mark.gen_test(timeout=30)
 async def test_stop_cancels_a_run_still_busy_after_its_grace(ctx, caplog):
     started, cancelled = asyncio.Event(), asyncio.Event()
