@@ -197,18 +197,20 @@ class Position(NamedTuple):
 STREAM_LOCKS = 0x5354
 
 
-def _lock_stream(event: WebhookEvent) -> None:
-    """On PostgreSQL, lock the event's stream until the unit's transaction ends. Two
-    processes storing events of one stream at the same moment would each read the
-    stream (`POSITION`) before the other's insert is committed, and each hand its event
-    over as if it were alone: the earlier change acted on after the later one. Locked,
-    the second waits for the first's commit and reads what it did. The unit that
-    finishes an async plugin's event takes it too, so that an event held behind it
-    meanwhile is committed as held before the finish looks for the next (`release`).
-    SQLite has one writer: its units never overlap."""
-    if event.stream is None or not is_postgres():
+def _lock_stream(source: str, stream: str | None) -> None:
+    """On PostgreSQL, lock the stream until the unit's transaction ends. Two processes
+    storing events of one stream at the same moment would each read the stream
+    (`POSITION`) before the other's insert is committed, and each hand its event over as
+    if it were alone: the earlier change acted on after the later one. Locked, the second
+    waits for the first's commit and reads what it did. The unit that finishes an async
+    plugin's event takes it too, so that an event held behind it meanwhile is committed
+    as held before the finish looks for the next (`release`); and so does a unit that
+    looks for the call's fact under another finder's key (`_found_otherwise`) before it
+    stores it, so that the other process's copy is committed or not yet begun. SQLite has
+    one writer: its units never overlap."""
+    if stream is None or not is_postgres():
         return
-    key = zlib.crc32(f"{event.source}\n{event.stream}".encode()) - 2 ** 31  # an int4
+    key = zlib.crc32(f"{source}\n{stream}".encode()) - 2 ** 31  # an int4
     # Sent with the next statement, as a held write is (no round trip of its own): each
     # statement of one query reads with a snapshot of its own, taken once the lock
     # before it is granted.
@@ -217,7 +219,7 @@ def _lock_stream(event: WebhookEvent) -> None:
 
 def position(event: WebhookEvent) -> Position:
     """`POSITION` of `event`, its stream locked (`_lock_stream`), in a unit."""
-    _lock_stream(event)
+    _lock_stream(event.source, event.stream)
     status, behind, later_id, later_type, others = POSITION.execute(id=event.id).fetchone()
     overtaken_by = None if later_id is None else Overtaken(later_id, later_type)
     # The flag is what the finishing process needs to know: `_release_after`.
@@ -743,6 +745,7 @@ def _store(ctx: EngineContext, call: Entry,
     known = _EarlierKeys(call["also_known_as"], call.get("also_known_between"))
     existing = None
     if handled_by is not None:  # asked only when no key of the call is stored
+        _lock_stream(source, call.get("stream"))
         existing = known.first_stored(source) or handled_by()
     if existing is None:
         if ahead is not None and ahead.done:
@@ -1158,7 +1161,7 @@ def _conclude_locked(ctx: EngineContext, event: WebhookEvent,
                      effects: outbox.Effects) -> str:
     """`_conclude` an async plugin's handling, in a unit of its own: its stream locked
     first (`_lock_stream`)."""
-    _lock_stream(event)
+    _lock_stream(event.source, event.stream)
     return _conclude(ctx, event, effects)
 
 
