@@ -118,8 +118,10 @@ class Job:
 
 JOBS = (
     Job("outbox", outbox.send_due, lambda s: s.scheduler_tick_seconds, drains=True),
+    # A run hands each stream's held events over behind its first: a backlog held behind
+    # a cut drains in one run, for as long as it takes.
     Job("inbox", inbox.retry_due, lambda s: s.scheduler_tick_seconds,
-        again=inbox.stopped_at_its_batch),
+        again=inbox.stopped_at_its_batch, drains=True),
     Job("spool", inbox.drain_spool, lambda s: s.scheduler_tick_seconds, one_process=False),
     Job("settlement", settle, lambda s: 60 * s.settlement_interval_minutes),
     Job("reminders", reminders.send_reminders, lambda s: HOURLY),
