@@ -316,6 +316,9 @@ class WebhookEvent(BaseModel):
     # (engine.inbox.position).
     held: str | None
     others_unfinished: bool
+    # Not a column: whether its stream was another process's when it was placed
+    # (engine.inbox.position), so that it is handed over again a moment later.
+    stream_was_busy: bool
     # Not a column: when its handling in this process began, on the monotonic clock
     # (engine.inbox._wait: a link committed since may have come too late for it).
     handling_began: float

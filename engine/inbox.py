@@ -33,7 +33,6 @@ import logging
 import math
 import operator
 import time
-import zlib
 from typing import (Any, Awaitable, Callable, Iterable, NamedTuple, Sequence, TypeAlias,
                     TypedDict, Unpack, cast)
 
@@ -41,7 +40,7 @@ import peewee
 
 from engine import lograte
 from clients.http import error_text
-from models import Outbox, WebhookEvent, database, is_postgres
+from models import Outbox, WebhookEvent, is_postgres
 from engine import commits, outbox, retry, spool
 from engine.outbox import Overtaken
 from engine.claims import CLAIM_BATCH, Kept, claim, lease
@@ -83,6 +82,9 @@ MAX_KEY_LENGTH = 255
 DRAIN_CONCURRENCY = 50
 # How many streams the inbox retry hands over side by side (`retry_due`).
 RETRY_CONCURRENCY = DRAIN_CONCURRENCY
+# How long an event whose stream another process's transaction had waits before it is
+# handed over again (`_release_after`): longer than a turn takes to commit.
+BUSY_STREAM_SECONDS = 0.2
 
 # The events stored while the spool held calls it could not add them to, by SPOOL_DIR:
 # let go by this process's drain once the spool is empty (`_unpark`). Forgotten with the
@@ -177,54 +179,59 @@ EVENT_BY_KEY = Prepared(lambda: WebhookEvent.select().where(
 # the later event handled already (its id and type), whether others of its stream are
 # unfinished. Read in the unit that hands it over, after that unit's locks (a payment's
 # order row; the event's own row), so that a second process's commit before them is seen.
-POSITION = Prepared(lambda: locked(
-    WebhookEvent.select(WebhookEvent.status, first_unfinished_before(),
-                        _handled_later(_LATER.id), _handled_later(_LATER.event_type),
-                        _others_unfinished())
-    .where(WebhookEvent.id == slot(WebhookEvent.id))))
-
-
-class Position(NamedTuple):
-    """Where an event stands in its stream when it is handed over (`POSITION`)."""
-    status: str
-    behind: int | None
-    overtaken_by: Overtaken | None
-    others_unfinished: bool
-
-
-# The first key of a stream's advisory lock (`_lock_stream`): the two-key space, apart
+# The first key of a stream's advisory lock (`_stream_taken`): the two-key space, apart
 # from the scheduler's one-key job locks.
 STREAM_LOCKS = 0x5354
 
 
-def _lock_stream(source: str, stream: str | None) -> None:
-    """On PostgreSQL, lock the stream until the unit's transaction ends. Two processes
-    storing events of one stream at the same moment would each read the stream
-    (`POSITION`) before the other's insert is committed, and each hand its event over as
-    if it were alone: the earlier change acted on after the later one. Locked, the second
-    waits for the first's commit and reads what it did. The unit that finishes an async
-    plugin's event takes it too, so that an event held behind it meanwhile is committed
-    as held before the finish looks for the next (`release`); and so does a unit that
-    looks for the call's fact under another finder's key (`_found_otherwise`) before it
-    stores it, so that the other process's copy is committed or not yet begun. SQLite has
-    one writer: its units never overlap."""
-    if stream is None or not is_postgres():
-        return
-    key = zlib.crc32(f"{source}\n{stream}".encode()) - 2 ** 31  # an int4
-    # Sent with the next statement, as a held write is (no round trip of its own): each
-    # statement of one query reads with a snapshot of its own, taken once the lock
-    # before it is granted.
-    database.write_later("SELECT pg_advisory_xact_lock(%s, %s)", (STREAM_LOCKS, key))
+def _stream_taken() -> peewee.ColumnBase:
+    """On PostgreSQL, whether the row's stream is taken by another transaction; taken for
+    this one's otherwise, until it ends. Two processes storing events of one stream at
+    the same moment would each read the stream before the other's insert is committed,
+    and each hand its event over as if it were alone: the earlier change acted on after
+    the later one. Tried, not waited for: a turn takes the streams of its units one
+    after another, and two processes' turns waiting for each other's would be deadlocks
+    under load (one turn in two, undone and run again: the held backlog's bench stopped
+    handling). The event whose stream is taken waits, held, and is handed over again a
+    moment later (`_release_after`). SQLite has one writer: never taken."""
+    if not is_postgres():
+        return peewee.SQL("0")
+    stream = peewee.fn.hashtext(WebhookEvent.source.concat("\n").concat(WebhookEvent.stream))
+    return ~peewee.fn.pg_try_advisory_xact_lock(STREAM_LOCKS, stream)
+
+
+POSITION = Prepared(lambda: locked(
+    WebhookEvent.select(WebhookEvent.status, first_unfinished_before(),
+                        _handled_later(_LATER.id), _handled_later(_LATER.event_type),
+                        _others_unfinished(), _stream_taken())
+    .where(WebhookEvent.id == slot(WebhookEvent.id))))
+
+
+class Position(NamedTuple):
+    """Where an event stands in its stream when it is handed over (`POSITION`): `behind`
+    an unfinished earlier event of its stream, or its stream `busy` in another process's
+    transaction (`_stream_taken`); either way it waits (`waits`)."""
+    status: str
+    behind: int | None
+    overtaken_by: Overtaken | None
+    others_unfinished: bool
+    busy: bool
+
+    @property
+    def waits(self) -> bool:
+        return self.behind is not None or self.busy
 
 
 def position(event: WebhookEvent) -> Position:
-    """`POSITION` of `event`, its stream locked (`_lock_stream`), in a unit."""
-    _lock_stream(event.source, event.stream)
-    status, behind, later_id, later_type, others = POSITION.execute(id=event.id).fetchone()
+    """`POSITION` of `event`, in a unit; its stream taken for the unit's transaction, or
+    found taken by another process's (`_stream_taken`)."""
+    status, behind, later_id, later_type, others, busy = POSITION.execute(
+        id=event.id).fetchone()
     overtaken_by = None if later_id is None else Overtaken(later_id, later_type)
+    event.stream_was_busy = bool(busy)
     # The flag is what the finishing process needs to know: `_release_after`.
     event.others_unfinished = bool(others)
-    return Position(status, behind, overtaken_by, bool(others))
+    return Position(status, behind, overtaken_by, bool(others), bool(busy))
 
 
 # A held event: stored, unhandled, and due as soon as it is the first unfinished event
@@ -460,7 +467,7 @@ def _store_and_handle(ctx: EngineContext, call: Entry, handle_now: bool,
     overtaken_by = None
     if event.stream is not None:
         placed = position(event)
-        if placed.behind is not None:
+        if placed.waits:
             _hold(ctx, event)
             return event, created, (HELD, None, started)
         overtaken_by = placed.overtaken_by
@@ -745,7 +752,6 @@ def _store(ctx: EngineContext, call: Entry,
     known = _EarlierKeys(call["also_known_as"], call.get("also_known_between"))
     existing = None
     if handled_by is not None:  # asked only when no key of the call is stored
-        _lock_stream(source, call.get("stream"))
         existing = known.first_stored(source) or handled_by()
     if existing is None:
         if ahead is not None and ahead.done:
@@ -973,7 +979,14 @@ async def _release_after(ctx: EngineContext, event: WebhookEvent, outcome: str) 
     """`release` the stream of an event just finished when others of its stream wait
     (`Position.others_unfinished`, read when it was handed over; unknown: looked at);
     how many it handled. Whichever process held them, the one that finishes the event
-    before them hands them over, at once. Never raises for the database."""
+    before them hands them over, at once. Never raises for the database.
+
+    An event held because another process's transaction had its stream
+    (`Position.busy`) is handed over again a moment later, once that one is committed,
+    here: the other could not see it to release it."""
+    if outcome == HELD and getattr(event, "stream_was_busy", False):
+        ctx.background(_release_soon(ctx, event))
+        return 0
     if (outcome in FINAL_STATUSES and event.stream is not None
             and getattr(event, "others_unfinished", True)):
         try:
@@ -983,6 +996,16 @@ async def _release_after(ctx: EngineContext, event: WebhookEvent, outcome: str) 
             log.warning("the events after event #%s not handed over, the database is "
                         "unavailable: %s", event.id, why_unavailable(exc))
     return 0
+
+
+async def _release_soon(ctx: EngineContext, event: WebhookEvent) -> None:
+    await asyncio.sleep(BUSY_STREAM_SECONDS)
+    assert event.stream is not None  # only an event of a stream is held
+    try:
+        await release(ctx, event.source, event.stream)
+    except UNAVAILABLE as exc:
+        log.warning("event #%s not handed over again, the database is unavailable: %s",
+                    event.id, why_unavailable(exc))
 
 
 async def release(ctx: EngineContext, source: str, stream: str) -> int:
@@ -1044,12 +1067,11 @@ async def _handle(ctx: EngineContext, event: WebhookEvent) -> str:
             if event.stream is not None:
                 placed = await ctx.commits.run(functools.partial(_placed_for_handling, ctx,
                                                                  event))
-                if placed is None or placed.behind is not None:
+                if placed is None or placed.waits:
                     return event.status if placed is None else HELD
                 tx.overtaken_by = placed.overtaken_by
             await plugin(ctx, payload, tx)
-            outcome = await ctx.commits.run(functools.partial(_conclude_locked, ctx, event,
-                                                              tx))
+            outcome = await ctx.commits.run(functools.partial(_conclude, ctx, event, tx))
         else:
             outcome, asked = await ctx.commits.run(
                 functools.partial(_handle_in_transaction, ctx, event, plugin, payload),
@@ -1120,7 +1142,7 @@ def _handle_in_transaction(ctx: EngineContext, event: WebhookEvent, plugin: Plug
     placed = _placed_for_handling(ctx, event)
     if placed is None:
         return event.status, None
-    if placed.behind is not None:
+    if placed.waits:
         return HELD, None
     return _run_plain(ctx, event, plugin, payload, overtaken_by=placed.overtaken_by)
 
@@ -1133,7 +1155,7 @@ def _placed_for_handling(ctx: EngineContext, event: WebhookEvent) -> Position | 
     if placed.status in FINAL_STATUSES:
         event.status = placed.status
         return None
-    if placed.behind is not None:
+    if placed.waits:
         _hold(ctx, event)
     return placed
 
@@ -1155,14 +1177,6 @@ def _is_async(plugin: object) -> bool:
     """An async plugin waits on other systems between its steps, outside a transaction."""
     return inspect.iscoroutinefunction(plugin) or inspect.iscoroutinefunction(
         getattr(plugin, "__call__", None))
-
-
-def _conclude_locked(ctx: EngineContext, event: WebhookEvent,
-                     effects: outbox.Effects) -> str:
-    """`_conclude` an async plugin's handling, in a unit of its own: its stream locked
-    first (`_lock_stream`)."""
-    _lock_stream(event.source, event.stream)
-    return _conclude(ctx, event, effects)
 
 
 def _conclude(ctx: EngineContext, event: WebhookEvent, effects: outbox.Effects,

@@ -56,14 +56,6 @@ WORKFLOW_BOUNDS = {"formation/submitted": 12, "formation/ready": 10}
 # the outcome's UPDATE with its BEGIN and COMMIT; formation/submitted the same, its
 # workflow action and job in one INSERT and their outcomes in one round trip.
 WORKFLOW_ROUND_TRIPS = {"formation/submitted": 5, "formation/ready": 5}
-# An event of a stream locks its stream on PostgreSQL (engine.inbox._lock_stream): one
-# statement more there, sent with its place's read in one round trip.
-
-
-def stream_lock(database_url):
-    return 1 if database_url.startswith("postgres") else 0
-
-
 # A card payment's 4 on the request path, and the 2 of its background claim (above).
 CARD_ROUND_TRIPS, CRYPTO_ROUND_TRIPS = 6, 5
 WEBHOOKS = 8
@@ -92,8 +84,7 @@ async def test_a_workflow_webhook_stays_within_its_statements(path, stored, post
         status, _, _ = await post(f"/api/v1/webhooks/{path}", frappe_body(body),
                                   FRAPPE_HEADERS)
     assert status == 200
-    within(count, database_url, WORKFLOW_BOUNDS[path] + stream_lock(database_url),
-           WORKFLOW_ROUND_TRIPS[path])
+    within(count, database_url, WORKFLOW_BOUNDS[path], WORKFLOW_ROUND_TRIPS[path])
 
 
 @pytest.mark.gen_test
@@ -118,10 +109,7 @@ async def test_a_webhook_naming_its_change_pays_for_its_predecessors_and_its_sam
         status, _, _ = await post("/api/v1/webhooks/formation/ready", frappe_body(body),
                                   FRAPPE_HEADERS)
     assert status == 200
-    # Its stream locked twice on PostgreSQL: before the look for the same change under
-    # another finder's key, and before its place's read (engine.inbox._lock_stream).
-    within(count, database_url,
-           WORKFLOW_BOUNDS["formation/ready"] + 5 + 2 * stream_lock(database_url),
+    within(count, database_url, WORKFLOW_BOUNDS["formation/ready"] + 5,
            WORKFLOW_ROUND_TRIPS["formation/ready"] + 5)
 
 
