@@ -727,7 +727,8 @@ def store_spooled(ctx: EngineContext, call: Entry) -> Stored:
                   handled_by=_found_otherwise(ctx, call))
 
 
-def _found_otherwise(ctx: EngineContext, call: Entry) -> Callable[[], WebhookEvent | None] | None:
+def _found_otherwise(ctx: EngineContext,
+                     call: Entry) -> Callable[[], WebhookEvent | None] | None:
     """What finds, in the storing's transaction, the event another finder stored for the
     call's fact under a key of its own, as its plugin declares it
     (`Placement.found_otherwise`); None when only the call's keys find it."""
@@ -746,8 +747,8 @@ def _store(ctx: EngineContext, call: Entry,
            ahead: "_NewEvent | None" = None) -> Stored:
     """`as_processed`: the caller handles the call in this same transaction, and stored
     so it needs no UPDATE when that goes well (`_store_and_handle`). `handled_by`: what
-    finds the event another finder stored for the call's fact (`_found_otherwise`). `ahead`: the call's event, inserted with the turn's others when it is
-    done."""
+    finds the event another finder stored for the call's fact (`_found_otherwise`).
+    `ahead`: the call's event, inserted with the turn's others when it is done."""
     source, event_type = call["source"], call["event_type"]
     known = _EarlierKeys(call["also_known_as"], call.get("also_known_between"))
     existing = None
@@ -1021,6 +1022,8 @@ async def release(ctx: EngineContext, source: str, stream: str) -> int:
             return handled
         handled += 1
         outcome = await _process(ctx, events[0])
+        if outcome == HELD and getattr(events[0], "stream_was_busy", False):
+            ctx.background(_release_soon(ctx, events[0]))  # another process had it
         if outcome not in FINAL_STATUSES or not events[0].others_unfinished:
             return handled
 
