@@ -9,6 +9,7 @@ import struct
 
 import pytest
 import tornado.web
+from selenium.common.exceptions import WebDriverException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.expected_conditions import staleness_of
 from selenium.webdriver.support.ui import WebDriverWait
@@ -173,9 +174,15 @@ async def test_the_customer_presses_the_button_and_the_filing_is_recorded(
         [button] = driver.find_elements(By.CSS_SELECTOR, "form button[type=submit]")
         label = button.text
         button.click()
-        # The click returns before the next page is in: wait until the question is gone.
+        # The click returns before the next page is in: wait until the question is gone,
+        # and the next page's heading is read from the page once it is loaded (one read
+        # while the old document goes finds a node no longer in it).
         WebDriverWait(driver, WAIT_SECONDS).until(staleness_of(button))
-        heading = driver.find_element(By.CSS_SELECTOR, "h1").text
+        WebDriverWait(driver, WAIT_SECONDS).until(
+            lambda d: d.execute_script("return document.readyState") == "complete")
+        heading = WebDriverWait(driver, WAIT_SECONDS, ignored_exceptions=(
+            WebDriverException,)).until(
+                lambda d: d.find_element(By.CSS_SELECTOR, "h1").text)
         driver.save_screenshot(os.path.join(SCREENSHOTS, f"confirmation-{device}.png"))
         return label, heading, driver.find_element(By.CSS_SELECTOR, "body").text, \
             driver.execute_script("return document.documentElement.scrollWidth")

@@ -93,6 +93,8 @@ delivery = st.tuples(st.sampled_from(sorted(ORDERS)), st.integers(min_value=0, m
                      st.sampled_from((0, 0, 0.02, 0.2)))
 # At most this many deliveries come at one moment.
 TOGETHER = 3
+# What the model is told of a drain of the spool.
+DRAIN = ("drain",)
 
 
 def moments(deliveries):
@@ -153,9 +155,11 @@ def model(ctx, drawn):
                 place(order, index, "act")
         spooled.clear()
 
-    for order, index, frappe_answers, late, joins_the_spool, drained_first in drawn:
-        if drained_first:
+    for told in drawn:
+        if told == DRAIN:
             drain()
+            continue
+        order, index, frappe_answers, late, joins_the_spool = told
         if joins_the_spool or spooled:
             spooled.append((order, index))
             continue
@@ -216,7 +220,7 @@ def test_a_real_sites_webhooks_in_any_order_give_what_its_record_says(
     drawn = []  # per moment, per delivery of it, what the model is told of each copy
     clock.set(2026, 12, 3, 7, 29)
 
-    async def deliver(delivery, copies, frappe_answers, down, drain_first):
+    async def deliver(delivery, copies, frappe_answers, down):
         """Send one delivery (its copies one after another); what the model is told of
         each."""
         order, attempt = delivery[:2]
@@ -235,8 +239,7 @@ def test_a_real_sites_webhooks_in_any_order_give_what_its_record_says(
             assert status == 200
             if joins_the_spool:  # spooled: nothing it causes is promised yet
                 assert reply == {"received": True, "action": "queued"}, reply
-            told.append((order, index, frappe_answers, late, down, drain_first))
-            drain_first = False
+            told.append((order, index, frappe_answers, late, down))
         return told
 
     async def scenario():
@@ -245,6 +248,7 @@ def test_a_real_sites_webhooks_in_any_order_give_what_its_record_says(
             frappe_answers, down, drain_first = first[3], first[4], first[5]
             if drain_first:
                 await inbox.drain_spool(ctx)
+                drawn.append([[DRAIN]])  # before all of the moment's deliveries
             sent_at = max(datetime.datetime.fromisoformat(
                 ORDERS[d[0]]["webhooks"][d[1] % len(ORDERS[d[0]]["webhooks"])]["sent_at"])
                 for d in moment).astimezone(UTC)
@@ -253,8 +257,8 @@ def test_a_real_sites_webhooks_in_any_order_give_what_its_record_says(
             site.delay = worker.delay = max(d[7] for d in moment)
             with database_down(db) if down else contextlib.nullcontext():
                 told = await asyncio.gather(*(
-                    deliver(d, d[2] if len(moment) == 1 else 1, frappe_answers, down,
-                            drain_first) for d in moment))
+                    deliver(d, d[2] if len(moment) == 1 else 1, frappe_answers, down)
+                    for d in moment))
             drawn.append(told)
         site.delay = worker.delay = 0
         site.down_with = None
