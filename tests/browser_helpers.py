@@ -17,7 +17,9 @@ WAIT_SECONDS = 20
 
 try:
     from selenium import webdriver
+    from selenium.common.exceptions import WebDriverException
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.expected_conditions import staleness_of
     from selenium.webdriver.support.ui import WebDriverWait
 except ImportError:  # pragma: no cover - requirements-dev.txt installs it
     webdriver = None
@@ -70,6 +72,23 @@ class Browser:
 
     async def click(self, css):
         await self.do(lambda d: d.find_element(By.CSS_SELECTOR, css).click())
+
+    async def click_and_leave(self, css):
+        """Click what sends the page away (a form's button), and wait until the page it
+        was on is gone: a read right after the click may find the old page's elements."""
+        def run(driver):
+            element = driver.find_element(By.CSS_SELECTOR, css)
+            element.click()
+            WebDriverWait(driver, WAIT_SECONDS).until(staleness_of(element))
+        await self.do(run)
+
+    async def shows(self, css, text):
+        """Wait until the element at `css` says `text` (the page that says it may still be
+        on its way: the old one's element goes stale, or is not there yet)."""
+        def run(driver):
+            WebDriverWait(driver, WAIT_SECONDS, ignored_exceptions=(WebDriverException,)).until(
+                lambda d: text in d.find_element(By.CSS_SELECTOR, css).text)
+        await self.do(run)
 
     async def text(self, css="body"):
         return await self.do(lambda d: d.find_element(By.CSS_SELECTOR, css).text)

@@ -151,12 +151,12 @@ async def test_an_operator_looks_again_for_a_waiting_facts_order_or_gives_it_up(
     assert await browser.text("#event-status") == "waiting"
     assert not await browser.do(lambda d: d.find_elements(By.NAME, "confirm"))
     await shots_of(browser, "waiting-fact")
-    await browser.click('form[action$="/replay"] button')
+    await browser.click_and_leave('form[action$="/replay"] button')
     assert "it is now waiting. Its order is still not known" in await browser.text("#notice")
     assert await browser.text("#event-status") == "waiting"
     # The operator links the subscription to its order by hand, and looks again.
     ComplianceOrder.update(stripe_subscription_id="sub_test_1").execute()
-    await browser.click('form[action$="/replay"] button')
+    await browser.click_and_leave('form[action$="/replay"] button')
     assert f"Event #{renewal.id} replayed: it is now processed." in await browser.text(
         "#notice")
     assert await browser.text("#event-status") == "processed"
@@ -165,7 +165,7 @@ async def test_an_operator_looks_again_for_a_waiting_facts_order_or_gives_it_up(
     await browser.open(f"{service.url}/console/events/{lost.id}")
     await browser.fill_and_submit("form.give-up", reason="order deleted in the shop")
     await browser.arrive(f"console/events/{lost.id}")
-    assert "given up, with your reason" in await browser.text("#notice")
+    await browser.shows("#notice", "given up, with your reason")
     assert await browser.text("#event-status") == "dead"
     assert "order deleted in the shop" in await browser.text("#event-given-up")
     await shots_of(browser, "waiting-fact-given-up", reload=False)
