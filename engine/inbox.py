@@ -985,8 +985,7 @@ async def _release_after(ctx: EngineContext, event: WebhookEvent, outcome: str) 
     An event held because another process's transaction had its stream
     (`Position.busy`) is handed over again a moment later, once that one is committed,
     here: the other could not see it to release it."""
-    if outcome == HELD and getattr(event, "stream_was_busy", False):
-        ctx.background(_release_soon(ctx, event))
+    if _again_soon(ctx, event, outcome):
         return 0
     if (outcome in FINAL_STATUSES and event.stream is not None
             and getattr(event, "others_unfinished", True)):
@@ -997,6 +996,15 @@ async def _release_after(ctx: EngineContext, event: WebhookEvent, outcome: str) 
             log.warning("the events after event #%s not handed over, the database is "
                         "unavailable: %s", event.id, why_unavailable(exc))
     return 0
+
+
+def _again_soon(ctx: EngineContext, event: WebhookEvent, outcome: str) -> bool:
+    """Whether `event` was held because another process's transaction had its stream
+    (`Position.busy`): then it is handed over again a moment later (`_release_soon`)."""
+    if outcome != HELD or not getattr(event, "stream_was_busy", False):
+        return False
+    ctx.background(_release_soon(ctx, event))
+    return True
 
 
 async def _release_soon(ctx: EngineContext, event: WebhookEvent) -> None:
@@ -1022,8 +1030,7 @@ async def release(ctx: EngineContext, source: str, stream: str) -> int:
             return handled
         handled += 1
         outcome = await _process(ctx, events[0])
-        if outcome == HELD and getattr(events[0], "stream_was_busy", False):
-            ctx.background(_release_soon(ctx, events[0]))  # another process had it
+        _again_soon(ctx, events[0], outcome)
         if outcome not in FINAL_STATUSES or not events[0].others_unfinished:
             return handled
 

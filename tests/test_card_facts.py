@@ -63,6 +63,26 @@ async def subscription_paid(stripe_api, intent="pi_test_first", invoice_id="in_t
     return invoice
 
 
+async def asked_since(stripe_api, asked, unless=None):
+    """Wait, 10 s at most, until Stripe's stand-in is asked more than `asked` times (or
+    the `unless` future is done): the test's assertions say what did not happen."""
+    for _ in range(200):
+        if len(stripe_api.requests) > asked or (unless is not None and unless.done()):
+            return
+        await asyncio.sleep(0.05)
+
+
+async def waiting_dispute(send, clock, stripe_api):
+    """A dispute of CO-1's subscription's first payment, come before CO-1 is linked to
+    the subscription: its event, waiting."""
+    clock.set(2026, 11, 24, 9, 0)
+    ComplianceOrder.create(order_number="CO-1", service_name="Registered Agent")
+    await subscription_paid(stripe_api)
+    return await send("charge.dispute.created", se.dispute("pi_test_first",
+                                                           dispute_id="dp_test_s"),
+                      created=DISPUTED)
+
+
 def subscription_checkout(number="CO-1", subscription="sub_test_1"):
     return se.checkout_session(number, "compliance", mode="subscription",
                                subscription=subscription, payment_intent=None,
@@ -220,10 +240,7 @@ async def test_a_fact_that_waits_just_after_its_checkout_linked_it_is_handled_at
     dispute = se.event("charge.dispute.created", se.dispute("pi_test_r", dispute_id="dp_r"),
                        created=DISPUTED)
     assert (await deliver(post, clock, dispute))[:2] == RECEIVED
-    for _ in range(200):  # its handling, in the background, waits on Stripe
-        if len(stripe_api.requests) > asked:
-            break
-        await asyncio.sleep(0.05)
+    await asked_since(stripe_api, asked)  # its handling, in the background, waits on Stripe
     assert len(stripe_api.requests) > asked
     checkout = se.event("checkout.session.completed", se.checkout_session(
         "FO-R", "formation", payment_intent="pi_test_r"), created=PAID)
@@ -335,22 +352,14 @@ async def test_a_waiting_fact_being_replayed_is_left_to_that_replay(
     """The replay claims the fact as the inbox retry claims one: a retry that runs while
     the replay waits on Stripe passes it over (it came long ago, and would otherwise be
     due at once), and the fact is handled once."""
-    clock.set(2026, 11, 24, 9, 0)
-    ComplianceOrder.create(order_number="CO-1", service_name="Registered Agent")
-    await subscription_paid(stripe_api)
-    row = await send("charge.dispute.created", se.dispute("pi_test_first",
-                                                          dispute_id="dp_test_s"),
-                     created=DISPUTED)
+    row = await waiting_dispute(send, clock, stripe_api)
     assert row.status == "waiting"
     clock.advance(minutes=10)
     ComplianceOrder.update(stripe_subscription_id="sub_test_1").execute()
     asked_before = len(stripe_api.requests)
     stripe_api.hold = asyncio.Event()
     replay = asyncio.ensure_future(logged_in.act(f"/console/events/{row.id}/replay"))
-    for _ in range(200):
-        if len(stripe_api.requests) > asked_before or replay.done():
-            break
-        await asyncio.sleep(0.05)
+    await asked_since(stripe_api, asked_before, unless=replay)
     assert not replay.done(), "the replay waits on Stripe"
     assert ops_operator.in_flight(ctx, WebhookEvent.get_by_id(row.id))
     assert await asyncio.wait_for(inbox.retry_due(ctx), 10) == 0
@@ -365,12 +374,7 @@ async def test_a_waiting_fact_being_replayed_is_left_to_that_replay(
 @pytest.mark.gen_test
 async def test_a_waiting_fact_given_up_stays_dead_when_its_order_comes(
         send, ctx, clock, smtp, stripe_api, logged_in):
-    clock.set(2026, 11, 24, 9, 0)
-    ComplianceOrder.create(order_number="CO-1", service_name="Registered Agent")
-    await subscription_paid(stripe_api)
-    row = await send("charge.dispute.created", se.dispute("pi_test_first",
-                                                          dispute_id="dp_test_s"),
-                     created=DISPUTED)
+    row = await waiting_dispute(send, clock, stripe_api)
     assert (await logged_in.post(f"/console/events/{row.id}/give-up")).code == 400
     _, page = await logged_in.act(f"/console/events/{row.id}/give-up",
                                   {"reason": "a test-mode dispute"})
