@@ -27,6 +27,24 @@ from tests.door import ThreadCheck, service_refusals
 from tests.peers import HttpPeer, SmtpPeer
 
 WEBHOOK_SECRET = "test-webhook-secret"
+# Of a failed test's service logs, the last lines shown with its report, requests' lines
+# left out: what the service did is often the only account of why (CI prints the report,
+# not the files).
+LOG_LINES_SHOWN = 120
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    tmp_path = item.funcargs.get("tmp_path") if hasattr(item, "funcargs") else None
+    if not report.failed or tmp_path is None:
+        return
+    for log_path in sorted(tmp_path.glob("*.log")):
+        lines = [line for line in log_path.read_text(encoding="utf-8", errors="replace")
+                 .splitlines() if " receiver.access " not in line]
+        report.sections.append((f"service log {log_path.name} (last {LOG_LINES_SHOWN} of "
+                                f"{len(lines)} lines)", "\n".join(lines[-LOG_LINES_SHOWN:])))
 
 
 @contextlib.contextmanager
