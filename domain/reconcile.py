@@ -183,16 +183,16 @@ def _stays_of(events: Iterable[WebhookEvent],
 
 
 def same_stay(tx: Transaction, path: str, order_name: str, order_number: str,
-              body: dict[str, Any]) -> WebhookEvent | None:
-    """The stored event that found this same state change (the same save entering the
-    state) under another key: a webhook's against a log entry's, or the other way. Run
-    in the storing's transaction (`inbox.accept`'s `handled_by`): indexed reads."""
+              body: dict[str, Any]) -> list[WebhookEvent]:
+    """The stored events that found this same state change (the same save entering the
+    state), newest first, whichever key each was stored under: a webhook's and a log
+    entry's. Run in the storing's transaction and in the handling's (engine.inbox's
+    `_found_otherwise`, `_copy_handled`): one indexed read."""
     ours = _stay(body)
     if ours is None:
-        return None
+        return []
     events = tx.newest_events_of_type(SOURCE, order_number, path, STAYS_LOOKED_AT)
-    return next((event for event, span in _stays_of(events, order_name)
-                 if _same(ours, span)), None)
+    return [event for event, span in _stays_of(events, order_name) if _same(ours, span)]
 
 
 def document_version(body: dict[str, Any]) -> str | None:

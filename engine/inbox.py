@@ -470,6 +470,12 @@ def _store_and_handle(ctx: EngineContext, call: Entry, handle_now: bool,
         if placed.waits:
             _hold(ctx, event)
             return event, created, (HELD, None, started)
+        # SQLite's unit holds the one write lock from its store's look on (BEGIN
+        # IMMEDIATE): nothing committed between. PostgreSQL's may have met another's
+        # commit of a copy since that look, before its stream was taken.
+        copy = _copy_handled(ctx, event) if is_postgres() and handled_by else None
+        if copy is not None:
+            return event, created, (_finish_as_copy(ctx, event, copy), None, started)
         overtaken_by = placed.overtaken_by
     plugin, payload = handling
     # The row counts the attempt under way; should it fail, `_record_failure` counts it
@@ -737,7 +743,32 @@ def _found_otherwise(ctx: EngineContext,
               else registry.found_otherwise(call["event_type"], call["payload"]))
     if finder is None:
         return None
-    return functools.partial(finder, Transaction(ctx))
+    return lambda: next(iter(finder(Transaction(ctx))), None)
+
+
+def _copy_handled(ctx: EngineContext, event: WebhookEvent) -> WebhookEvent | None:
+    """Another event of `event`'s fact, stored under a key of its own and handled already
+    (`Placement.found_otherwise`), read in the unit that hands `event` over, its stream
+    taken (`POSITION`). Two processes may each store their copy of one fact before the
+    other's is committed (a Frappe change's webhook in one, its workflow log's entry in
+    the other), neither finding the other's: the one handled second is then a copy,
+    whose effects went out with the first."""
+    registry = ctx.plugins.get(event.source)
+    finder = None if registry is None else registry.found_otherwise(event.event_type,
+                                                                    event.payload)
+    if finder is None:
+        return None
+    return next((copy for copy in finder(Transaction(ctx, event))
+                 if copy.id != event.id and copy.status in HANDLED_LATER), None)
+
+
+def _finish_as_copy(ctx: EngineContext, event: WebhookEvent, copy: WebhookEvent) -> str:
+    """`event` finished as `copy`'s duplicate: recorded, nothing sent, nobody told."""
+    reason = f"the same fact as event #{copy.id}, handled first: nothing sent again"
+    log.info("%s event #%s (%s): %s", event.source, event.id, event.event_type, reason)
+    _finish(ctx, event.id, "ignored", reason)
+    event.status = "ignored"
+    return "ignored"
 
 
 def _store(ctx: EngineContext, call: Entry,
@@ -1159,14 +1190,20 @@ def _handle_in_transaction(ctx: EngineContext, event: WebhookEvent, plugin: Plug
 
 def _placed_for_handling(ctx: EngineContext, event: WebhookEvent) -> Position | None:
     """The event's position (`POSITION`), held so (`_hold`) when it waits behind an
-    earlier one of its stream; None when another handling has finished it meanwhile
-    (`event.status` says how)."""
+    earlier one of its stream; None when another handling has finished it meanwhile, or
+    it is finished now as the copy of a fact handled already (`_copy_handled`):
+    `event.status` says how."""
     placed = position(event)
     if placed.status in FINAL_STATUSES:
         event.status = placed.status
         return None
     if placed.waits:
         _hold(ctx, event)
+        return placed
+    copy = _copy_handled(ctx, event)
+    if copy is not None:
+        _finish_as_copy(ctx, event, copy)
+        return None
     return placed
 
 

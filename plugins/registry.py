@@ -20,7 +20,7 @@ Plugin = Callable[[EngineContext, Payload, Transaction], Awaitable[None] | None]
 OrdersOf = Callable[[Payload], Iterable[OrderRef]]
 P = TypeVar("P", bound=Plugin)
 # What finds a stored event that is this delivery's fact under another finder's key.
-FoundOtherwise = Callable[[Transaction], WebhookEvent | None]
+FoundOtherwise = Callable[[Transaction], list[WebhookEvent]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,9 +37,11 @@ class Placement:
       order (Frappe's `modified`); None: its arrival.
     - `found_otherwise(payload)`: for a fact another finder may have stored under a key of
       its own (a Frappe change its document's workflow log found first, or the other
-      way), what finds that event in the storing's transaction: the delivery is then its
-      copy, whichever way it came (the request, the spool drain). None, and for a type
-      that declares none: only its keys find it.
+      way), what finds the stored events of that fact, newest first: in the storing's
+      transaction, the delivery is then the first one's copy, whichever way it came (the
+      request, the spool drain); in the handling's, a copy handled already makes this one
+      a copy too (two processes may each store theirs before seeing the other's). None,
+      and for a type that declares none: only its keys find it.
 
     Each function gets the decoded payload and may raise on one it cannot read: the call
     is then placed by its arrival alone, and its handling says why it failed."""
@@ -105,8 +107,8 @@ class Registry:
         return self._placements.get(key)
 
     def found_otherwise(self, key: str, payload: str) -> FoundOtherwise | None:
-        """What finds the event another finder stored for the fact a delivery of `key`
-        with the stored `payload` brings (`Placement.found_otherwise`); None when only
+        """What finds the events stored for the fact a delivery of `key` with the stored
+        `payload` brings (`Placement.found_otherwise`); None when only
         its keys find it, or its payload cannot be read (its handling says why)."""
         placement = self._placements.get(key)
         if placement is None or placement.found_otherwise is None:

@@ -128,6 +128,34 @@ async def test_a_webhook_older_than_the_state_handled_is_history_however_soon_it
 
 
 @pytest.mark.gen_test(timeout=30)
+async def test_one_change_stored_twice_by_two_processes_is_handled_once(rctx, site, worker):
+    """Two instances on one PostgreSQL: a run in one stored Incorporated's change from the
+    workflow log while the other stored its webhook, each before the other's commit, so
+    that neither store found the other's copy (a real two-instance run: up to 49 such
+    pairs). Whichever is handled second is the first's copy: recorded, nothing sent
+    again, nobody told."""
+    document = incorporated(site)
+    await reconcile.reconcile_workflow(rctx)
+    from_the_log = WebhookEvent.get(WebhookEvent.event_type == "crtc/incorporated")
+    body = webhook_body(document, "incorporation_number")
+    placed = rctx.plugins["workflow"].placed("crtc/incorporated", json.loads(body))
+    # Stored as the other instance's store left it, its keys and place its own: `record`
+    # looks for no other finder's copy.
+    stored = await inbox.record(rctx, "workflow", "crtc/incorporated", placed.same, body,
+                                order_number="CA-3005", stream=placed.stream,
+                                version=placed.version)
+    assert stored is not None and stored.created
+
+    assert await inbox.process(rctx, stored.event) == "ignored"
+    copy = WebhookEvent.get_by_id(stored.event.id)
+    assert copy.last_error == (f"the same fact as event #{from_the_log.id}, handled first: "
+                               "nothing sent again")
+    assert [action for action, _ in jobs(worker)] == ["file_bc_incorporation",
+                                                     "generate_crtc_docs"]
+    assert notices() == []
+
+
+@pytest.mark.gen_test(timeout=30)
 async def test_a_late_webhook_of_a_state_left_since_follows_its_paths_rule(
         rctx, site, worker, post, clock):
     """The real site after an 8 s stop: Frappe's queue delivered Awaiting Funds' webhook

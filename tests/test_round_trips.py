@@ -99,7 +99,9 @@ async def test_a_webhook_naming_its_change_pays_for_its_predecessors_and_its_sam
     later change's webhook found its change first in the workflow log
     (domain.reconcile.same_stay), asked only when no key of the call is stored, which is
     then read apart from the INSERT. On PostgreSQL that INSERT goes in a statement of its
-    own, not with its order's name read ahead: three round trips more."""
+    own, not with its order's name read ahead: three round trips more; and the same
+    change's copies are read again once its stream is taken, one more, since another
+    process may have committed one between (engine.inbox._copy_handled)."""
     # Frappe's local time: Asia/Kolkata when its System Settings name none.
     modified = (clock() - datetime.timedelta(minutes=minutes_late)).astimezone(
         zoneinfo.ZoneInfo("Asia/Kolkata"))
@@ -109,8 +111,9 @@ async def test_a_webhook_naming_its_change_pays_for_its_predecessors_and_its_sam
         status, _, _ = await post("/api/v1/webhooks/formation/ready", frappe_body(body),
                                   FRAPPE_HEADERS)
     assert status == 200
-    within(count, database_url, WORKFLOW_BOUNDS["formation/ready"] + 5,
-           WORKFLOW_ROUND_TRIPS["formation/ready"] + 5)
+    more = 6 if database_url.startswith("postgres") else 5
+    within(count, database_url, WORKFLOW_BOUNDS["formation/ready"] + more,
+           WORKFLOW_ROUND_TRIPS["formation/ready"] + more)
 
 
 @pytest.mark.gen_test(timeout=30)
