@@ -33,8 +33,13 @@ PASSWORD_HASH = re.compile(
     r"\$(?P<salt>[A-Za-z0-9_-]{22,})\$(?P<key>[A-Za-z0-9_-]{43,})")
 # Below this cost a stolen hash is cheap to guess from: production refuses it.
 MIN_PASSWORD_LOG_N = 14
-# A signing key for the console's session cookies: 32 random bytes or more.
-MIN_COOKIE_SECRET_LENGTH = 32
+# Every secret the shop makes for the service (the workflow's webhook secret and signing
+# secret, the orders API key, the links' and the console cookies' signing keys), as
+# production wants it: random, this long or more (python3 -c 'import secrets;
+# print(secrets.token_urlsafe(32))' gives 43 characters). The keys a processor issues
+# (Stripe's, SHKeeper's) are taken as issued.
+MIN_SECRET_LENGTH = 32
+MAKE_A_SECRET = "python3 -c 'import secrets; print(secrets.token_urlsafe(32))'"
 
 DEFAULT_DATABASE_URL = "sqlite:///var/receiver.sqlite3"
 
@@ -52,9 +57,6 @@ SENDER_KEYS = {
 # The three senders there were before the orders API: a deployment from before SENDERS
 # starts as it did.
 DEFAULT_SENDERS = ("workflow", "card", "crypto")
-# The orders API key guards the making of orders: production wants a random one this long
-# (python3 -c 'import secrets; print(secrets.token_urlsafe(32))' gives 43 characters).
-MIN_ORDERS_API_KEY_LENGTH = 32
 
 
 class ConfigurationError(Exception):
@@ -543,14 +545,28 @@ class Settings:
             raise ConfigurationError(
                 f"RECEIVER_ENV=production needs real secrets for the senders in use "
                 f"(SENDERS={','.join(self.senders)}); not set: " + ", ".join(missing))
-        # Set, the key opens the orders API whatever SENDERS says: a weak one never does.
-        if (("orders" in self.senders or self.orders_api_key)
-                and (_placeholder(self.orders_api_key)
-                     or len(self.orders_api_key) < MIN_ORDERS_API_KEY_LENGTH)):
+        weak = [name for name, value in self._shop_made_secrets().items()
+                if _placeholder(value) or len(value) < MIN_SECRET_LENGTH]
+        if weak:
             raise ConfigurationError(
-                f"RECEIVER_ENV=production needs an ORDERS_API_KEY of "
-                f"{MIN_ORDERS_API_KEY_LENGTH} random characters or more (python3 -c 'import "
-                "secrets; print(secrets.token_urlsafe(32))')")
+                f"RECEIVER_ENV=production needs each secret the shop makes to be "
+                f"{MIN_SECRET_LENGTH} random characters or more, not a placeholder ({MAKE_A_SECRET}"
+                f" makes one); too short: " + ", ".join(weak))
+
+    def _shop_made_secrets(self) -> dict[str, str]:
+        """The secrets the shop makes that open something in this deployment: a set one
+        opens its endpoint whatever SENDERS says (the orders API key, Frappe's signing
+        secret), a sender in use needs its own."""
+        made = {"LINK_SECRET": self.link_secret}
+        if "workflow" in self.senders:
+            made["WEBHOOK_SECRET"] = self.webhook_secret
+        if "orders" in self.senders or self.orders_api_key:
+            made["ORDERS_API_KEY"] = self.orders_api_key
+        if self.workflow_webhook_signing_secret:
+            made["WORKFLOW_WEBHOOK_SIGNING_SECRET"] = self.workflow_webhook_signing_secret
+        if self.console_enabled:
+            made["COOKIE_SECRET"] = self.cookie_secret
+        return made
 
     @property
     def workflow_secret(self) -> str:
@@ -575,11 +591,6 @@ class Settings:
                 "RECEIVER_ENV=production refuses a weak CONSOLE_PASSWORD_HASH (made with a "
                 "cost below the default); make a new one with `receiver.py console "
                 "hash-password`")
-        if (len(self.cookie_secret) < MIN_COOKIE_SECRET_LENGTH
-                or self.cookie_secret.lower().startswith("change-me")):
-            raise ConfigurationError(
-                f"RECEIVER_ENV=production with the console on needs COOKIE_SECRET: "
-                f"{MIN_COOKIE_SECRET_LENGTH} random characters or more, not a placeholder")
 
     def warn_about_link_secret(self) -> None:
         """Said by serve and by the commands that sign links (`link`, `reminders run`):

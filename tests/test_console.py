@@ -598,7 +598,7 @@ def test_hash_password_refuses_a_mismatch_or_a_short_password(stdin, problem):
 
 
 PRODUCTION = {
-    "RECEIVER_ENV": "production", "WEBHOOK_SECRET": "s1", "LINK_SECRET": "s2",
+    "RECEIVER_ENV": "production", "WEBHOOK_SECRET": "workflow-secret-for-the-tests-0123456789", "LINK_SECRET": "link-secret-for-the-tests-0123456789abc",
     "ADMIN_EMAIL": "ops@example.com",
     "STRIPE_SECRET_KEY": "sk_live_a", "STRIPE_WEBHOOK_SECRET": "whsec_a",
     "CRYPTO_PROCESSOR_API_KEY": "k", "CONSOLE_PASSWORD_HASH": PASSWORD_HASH,

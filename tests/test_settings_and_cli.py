@@ -21,7 +21,7 @@ from tests.service_process import postgres_only
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PRODUCTION = {
-    "RECEIVER_ENV": "production", "WEBHOOK_SECRET": "s1", "LINK_SECRET": "s2",
+    "RECEIVER_ENV": "production", "WEBHOOK_SECRET": "workflow-secret-for-the-tests-0123456789", "LINK_SECRET": "link-secret-for-the-tests-0123456789abc",
     "ADMIN_EMAIL": "ops@example.com",
     "STRIPE_SECRET_KEY": "sk_live_a", "STRIPE_WEBHOOK_SECRET": "whsec_a",
     "CRYPTO_PROCESSOR_API_KEY": "k",
@@ -130,7 +130,7 @@ def test_the_settings_repr_shows_no_secret():
                                   "DATABASE_URL": "postgresql://u:dbpass@h/d",
                                   "TELEGRAM_BOT_TOKEN": "123:bot", "WORKFLOW_API_SECRET": "wfs"})
     shown = repr(settings)
-    for secret in ("s1", "s2", "sk_live_a", "whsec_a", "mailpass", "dbpass", "123:bot", "wfs"):
+    for secret in (PRODUCTION["WEBHOOK_SECRET"], PRODUCTION["LINK_SECRET"], "sk_live_a", "whsec_a", "mailpass", "dbpass", "123:bot", "wfs"):
         assert f"'{secret}" not in shown and f"{secret}'" not in shown, secret
 
 
