@@ -54,6 +54,10 @@ PASSWORD_CHECKS = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="p
 SESSION_COOKIE = "console_session"
 # What an action did, shown once by the page it redirects to.
 NOTICE_COOKIE = "console_notice"
+# A browser that has logged in: its login tries have a budget of their own
+# (handlers.ratelimit.LoginThrottle). A random name, signed; it opens nothing.
+KNOWN_BROWSER_COOKIE = "console_browser"
+KNOWN_BROWSER_DAYS = 90
 # A notice not shown within this long (the redirect was not followed) is dropped.
 NOTICE_MAX_AGE_DAYS = 1 / 24 / 12
 SESSION_LENGTH = datetime.timedelta(hours=12)
@@ -250,11 +254,14 @@ class LoginHandler(ConsoleHandler):
                            problem="Give your name (up to 64 characters): it goes in the "
                                    "record of what was done.")
         throttle = self.state.login_throttle
-        wait = throttle.take_a_check()
+        known = self.known_browser()
+        wait = throttle.take_a_check(known)
         if wait:
             self.ctx.metrics.login_failed("unchecked")
-            REPEATS.warning("unchecked", "console: the budget of wrong passwords is spent; "
-                            "logins refused unchecked for a while")
+            if known is None:
+                REPEATS.warning("unchecked", "console: the budget of wrong passwords is "
+                                "spent; logins refused unchecked for a while (browsers "
+                                "that have logged in before have their own)")
             self.refuse_login(wait)
         # scrypt takes a tenth of a second (and 32 MiB) on purpose: off the event loop,
         # one at a time.
@@ -267,11 +274,13 @@ class LoginHandler(ConsoleHandler):
             client = client_key(peer_address(self.request))
             REPEATS.warning(("wrong password", client), "console: wrong password from %s",
                             client)
-            wait = throttle.wrong(client)
+            wait = throttle.wrong(client, known)
             if wait:
                 self.refuse_login(wait)
             self.stop_with("login", 403, next=self.next_path(), problem="Wrong password.")
-        throttle.right()
+        throttle.right(known)
+        self.set_signed_cookie(KNOWN_BROWSER_COOKIE, known or secrets.token_urlsafe(16),
+                               expires_days=KNOWN_BROWSER_DAYS)
         now = self.ctx.clock()
         token = await self.ctx.db(functools.partial(
             sessions.open_session, name, self.ctx.settings.console_password_hash, now,
@@ -279,6 +288,11 @@ class LoginHandler(ConsoleHandler):
         self.set_signed_cookie(SESSION_COOKIE, token, expires=now + SESSION_LENGTH)
         await self.record("login", outcome="ok", who=name)
         self.redirect(self.next_path())
+
+    def known_browser(self) -> str | None:
+        """This browser's name, when it has logged in before (signed by this console)."""
+        value = self.get_signed_cookie(KNOWN_BROWSER_COOKIE, max_age_days=KNOWN_BROWSER_DAYS)
+        return value.decode("ascii", "replace") if value else None
 
     def refuse_login(self, wait: int) -> NoReturn:
         self.set_header("Retry-After", str(wait))

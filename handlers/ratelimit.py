@@ -106,7 +106,11 @@ class LoginThrottle:
       `window`, a wrong one is answered 429 instead of "wrong password", as a wrong
       webhook secret is. A right one still logs in: whoever shares the operator's
       address (every local process, behind a proxy not in TRUSTED_PROXIES) cannot lock
-      the operator out by failing."""
+      the operator out by failing.
+    - A browser that has logged in before (`known`: the console's signed cookie for it)
+      has a budget of its own, `per_address` tries per `window`, a right one given back,
+      and spends none of the total: a crowd of strangers spending the total cannot lock
+      out an operator's browser, and a copied cookie buys a guesser a handful of tries."""
 
     ALL = "all"
 
@@ -114,17 +118,25 @@ class LoginThrottle:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.addresses = RateLimiter(per_address, window_seconds, clock)
         self.total = RateLimiter(total, window_seconds, clock)
+        self.browsers = RateLimiter(per_address, window_seconds, clock)
 
-    def take_a_check(self) -> int:
-        """0 when a password may be checked now (its place in the budget taken), else
-        the seconds to wait."""
+    def take_a_check(self, known: str | None = None) -> int:
+        """0 when a password may be checked now (its place in the budget taken: the
+        known browser's own, else the total), else the seconds to wait."""
+        if known is not None:
+            return self.browsers.acquire(known)
         return self.total.acquire(self.ALL)
 
-    def right(self) -> None:
+    def right(self, known: str | None = None) -> None:
         """The password checked was right: its place in the budget is given back."""
-        self.total.give_back(self.ALL)
+        if known is not None:
+            self.browsers.give_back(known)
+        else:
+            self.total.give_back(self.ALL)
 
-    def wrong(self, client: str) -> int:
+    def wrong(self, client: str, known: str | None = None) -> int:
         """The password checked was wrong: 0, or the seconds `client` is to wait (it is
-        past its own allowance)."""
+        past its own allowance). A known browser's try was counted when it was taken."""
+        if known is not None:
+            return 0
         return self.addresses.acquire(client)

@@ -87,6 +87,40 @@ async def test_wrong_passwords_from_many_addresses_spend_a_total_budget(ctx, cli
 
 
 @pytest.mark.gen_test(timeout=60)
+async def test_strangers_spending_the_total_budget_do_not_lock_out_a_browser_that_logged_in(
+        ctx, client, monkeypatch):
+    """Wrong passwords from about 30 addresses a minute behind the trusted proxy spent the
+    total budget, and the right password was refused unchecked too: every operator locked
+    out for as long as the guessing went on. A browser that has logged in before
+    (its signed cookie) has a budget of its own; a new or forged one waits with the
+    strangers; a known one's wrong passwords spend only its own."""
+    monkeypatch.setattr(console_handlers, "LOGIN_FAILURES_TOTAL", 3)
+    settings = dataclasses.replace(ctx.settings, trusted_proxies=LOCAL_PROXY)
+    app = make_app(dataclasses.replace(ctx, settings=settings))
+    with served(app, settings) as base:
+        dana = Operator(client, base)
+        assert (await dana.log_in(**{"X-Real-IP": "192.0.2.7"})).code == 302
+        assert (await dana.post("/console/logout")).code == 302
+        strangers = Operator(client, base)
+        codes = [(await strangers.log_in(password="guess", **{"X-Real-IP": f"203.0.113.{n}"}))
+                 .code for n in range(5)]
+        assert codes == [403, 403, 403, 429, 429]
+        newcomer = Operator(client, base)
+        assert (await newcomer.log_in(**{"X-Real-IP": "192.0.2.8"})).code == 429
+        forged = Operator(client, base)
+        forged.cookies[console_handlers.KNOWN_BROWSER_COOKIE] = "forged"
+        assert (await forged.log_in(**{"X-Real-IP": "192.0.2.9"})).code == 429
+
+        assert (await dana.log_in(**{"X-Real-IP": "192.0.2.7"})).code == 302
+        assert (await dana.get("/console/")).code == 200
+        assert (await dana.post("/console/logout")).code == 302
+        codes = [(await dana.log_in(password=f"guess {n}", **{"X-Real-IP": "192.0.2.7"}))
+                 .code for n in range(6)]
+    assert codes == [403] * 5 + [429]
+    assert failures(ctx, "wrong_password") == 3 + 5
+
+
+@pytest.mark.gen_test(timeout=60)
 async def test_concurrent_guesses_cannot_overdraw_the_budget(ctx, client, monkeypatch):
     monkeypatch.setattr(console_handlers, "LOGIN_FAILURES_TOTAL", 3)
     settings = dataclasses.replace(ctx.settings, trusted_proxies=LOCAL_PROXY)
