@@ -4,7 +4,10 @@ delivered or lost, copies, late copies, orders interleaved, Frappe's list answer
 not when a webhook comes; some sent while the database is down (spooled, answered
 `queued`), the spool drained at any later point; some at the same moment as others,
 handled side by side (any order of theirs is one the model allows), Frappe and the worker
-taking a drawn time to answer while they are handled; then the reconciliation run Frappe's
+taking a drawn time to answer while they are handled; a drain killed once it has stored
+its calls, before it hands any over, the process restarted (its memory lost, its spool
+file read again, what it stored handled by the retry once its leases are over); then the
+reconciliation run Frappe's
 lost webhooks leave to the service. Whatever hypothesis draws, each document's state changes are handled once each,
 their jobs and workflow actions in the order of the document's saves, as a model
 computed from the document's record and the deliveries alone says:
@@ -30,6 +33,7 @@ import dataclasses
 import datetime
 import itertools
 import json
+import logging
 import os
 import zoneinfo
 
@@ -83,18 +87,57 @@ def changes(trace):
 
 # One delivery: (order, which try of Frappe's, copies of it that reach us, whether
 # Frappe's list answers while it is handled, whether the database is down when it comes,
-# whether the spool is drained before it comes, whether it comes at the same moment as
+# whether the spool is drained before it comes (or the drain KILLED once it has stored
+# the calls, and the process restarted), whether it comes at the same moment as
 # the delivery before it, how long Frappe and the worker take to answer while it is
 # handled: its handling time).
 delivery = st.tuples(st.sampled_from(sorted(ORDERS)), st.integers(min_value=0, max_value=6),
                      st.integers(min_value=1, max_value=2), st.booleans(),
-                     st.sampled_from((False, False, True)), st.booleans(),
+                     st.sampled_from((False, False, True)),
+                     st.sampled_from((False, True, False, True, "killed")),
                      st.sampled_from((False, False, True)),
                      st.sampled_from((0, 0, 0.02, 0.2)))
 # At most this many deliveries come at one moment.
 TOGETHER = 3
 # What the model is told of a drain of the spool.
 DRAIN = ("drain",)
+
+
+KILLED = "killed"
+
+
+async def drain_killed_and_restarted(ctx, clock):
+    """A drain killed once it has stored its spool file's calls, before it hands any over
+    (the moment acknowledged steps were dropped): the process's memory is lost with it,
+    the restarted process drains its spool at start (the file, not deleted, read again:
+    every call a duplicate) and, once the dead drain's leases are over, the retry hands
+    what it stored over, each document's in the order of its saves."""
+    drain = asyncio.ensure_future(inbox.drain_spool(ctx))
+
+    class KillOnceStored(logging.Handler):
+        def emit(self, record):
+            if record.getMessage().startswith("spool file drained"):
+                drain.cancel()
+
+    spool_log = logging.getLogger("receiver.spool")
+    killer, level = KillOnceStored(), spool_log.level
+    spool_log.addHandler(killer)
+    spool_log.setLevel(logging.INFO)  # the line is INFO's
+    try:
+        await asyncio.gather(drain, return_exceptions=True)
+    finally:
+        spool_log.removeHandler(killer)
+        spool_log.setLevel(level)
+    for task in list(ctx.background_tasks):
+        task.cancel()
+    await asyncio.gather(*ctx.background_tasks, return_exceptions=True)
+    inbox._PARKED.clear()
+    inbox._CLAIMS_CUT_SHORT.clear()
+    await inbox.drain_spool(ctx)
+    clock.advance(seconds=ctx.settings.claim_lease_seconds + 1)
+    while await inbox.retry_due(ctx):
+        pass
+    await ctx.drain_background()
 
 
 def moments(deliveries):
@@ -246,7 +289,10 @@ def test_a_real_sites_webhooks_in_any_order_give_what_its_record_says(
         for moment in moments(deliveries):
             first = moment[0]
             frappe_answers, down, drain_first = first[3], first[4], first[5]
-            if drain_first:
+            if drain_first == KILLED:
+                await drain_killed_and_restarted(ctx, clock)
+                drawn.append([[DRAIN]])
+            elif drain_first:
                 await inbox.drain_spool(ctx)
                 drawn.append([[DRAIN]])  # before all of the moment's deliveries
             sent_at = max(datetime.datetime.fromisoformat(
