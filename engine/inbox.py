@@ -85,6 +85,8 @@ RETRY_CONCURRENCY = DRAIN_CONCURRENCY
 # How long an event whose stream another process's transaction had waits before it is
 # handed over again (`_release_after`): longer than a turn takes to commit.
 BUSY_STREAM_SECONDS = 0.2
+# Of a call stored not to be handled, the bytes of its body kept (`kept_of`).
+KEPT_OF_UNHANDLED = 16 * 1024
 
 # The events stored while the spool held calls it could not add them to, by SPOOL_DIR:
 # let go by this process's drain once the spool is empty (`_unpark`). Forgotten with the
@@ -552,6 +554,8 @@ def _call(ctx: EngineContext, source: str, event_type: str, dedup_key: str,
     found by the reconciliation with Frappe, not delivered (domain/reconcile.py).
     `stream`, `version`: its place (CallFields); a call of a stream without a version of
     its sender's is placed by its arrival, stamped now and kept in the spool line."""
+    if status != "received":
+        payload = kept_of(payload)
     if isinstance(payload, bytes):
         payload = payload.decode("utf-8", "replace")
     received_at = ctx.clock()
@@ -567,6 +571,20 @@ def _call(ctx: EngineContext, source: str, event_type: str, dedup_key: str,
             "last_error": last_error and error_text(last_error),
             "payload": _storable(payload), "notice": notice,
             "received_at": received_at}
+
+
+def kept_of(payload: str | bytes) -> str | bytes:
+    """What is kept of a call stored not to be handled (rejected, or ignored as it came):
+    the body whole up to KEPT_OF_UNHANDLED bytes, else that much of it with its size and
+    SHA-256, enough to tell what came and to match it to the sender's own log. A sender
+    posting large bodies that are never handled (500 malformed callbacks of 200 KB, each
+    with the right key) would otherwise fill the database at the rate it can post."""
+    raw = payload.encode("utf-8") if isinstance(payload, str) else payload
+    if len(raw) <= KEPT_OF_UNHANDLED:
+        return payload
+    head = raw[:KEPT_OF_UNHANDLED].decode("utf-8", "ignore")
+    return (f"{head}\n[cut: the first {KEPT_OF_UNHANDLED} of {len(raw)} bytes kept; "
+            f"sha256 {hashlib.sha256(raw).hexdigest()}]")
 
 
 def _storable(text: str | None) -> str | None:

@@ -1,6 +1,7 @@
 """BEHAVIOUR.md 4.3 at the HTTP boundary: SHKeeper's callbacks, authenticated the way SHKeeper
 authenticates them, against a real database and real peers."""
 import dataclasses
+import hashlib
 import json
 from decimal import Decimal
 import logging
@@ -436,6 +437,27 @@ async def test_a_body_that_is_not_a_json_object_is_rejected(post, telegram, smtp
     event = WebhookEvent.get()
     assert (event.status, event.event_type, event.last_error) == ("rejected", "malformed", reason)
     assert smtp.messages == [] and telegram.requests == []
+
+
+@pytest.mark.gen_test
+async def test_a_large_rejected_callback_is_kept_as_its_beginning_its_size_and_its_hash(
+        post, smtp):
+    """500 malformed callbacks of 200 KB each, sent with the right key, made a 101 MB
+    database: a call never handled is kept whole up to 16 KiB, past that as its first
+    16 KiB, its size and its SHA-256. A small one is kept whole."""
+    raw = shkeeper.encode({**shkeeper.paid("CA-1001"), "balance_fiat": "abc",
+                           "padding": "p" * 200_000})
+    small = shkeeper.encode({**shkeeper.paid("CA-1002"), "balance_fiat": "abc"})
+    for body in (raw, small):
+        status, _, _ = await post(URL, body, key_headers())
+        assert status == 202
+    large, whole = WebhookEvent.select().order_by(WebhookEvent.id)
+    assert large.status == whole.status == "rejected"
+    head, note = large.payload.rsplit("\n", 1)
+    assert raw.decode().startswith(head) and len(head) == inbox.KEPT_OF_UNHANDLED
+    assert note == (f"[cut: the first {inbox.KEPT_OF_UNHANDLED} of {len(raw)} bytes kept; "
+                    f"sha256 {hashlib.sha256(raw).hexdigest()}]")
+    assert whole.payload == small.decode()
 
 
 @pytest.mark.gen_test
