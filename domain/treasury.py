@@ -343,8 +343,6 @@ def receive_payment(ctx: EngineContext, payload: dict[str, Any], tx: Transaction
         log.info("crypto %s callback for %s with paid=%s: logged only",
                  callback.status, callback.external_id, callback.paid)
         return
-    if callback.fiat_currency != "USD":
-        tell_not_in_usd(ctx, tx, callback)
     arrival = arrived_at(ctx, tx)
     reference = CRYPTO_REFERENCE + callback.txid(arrival)
     received = callback.received_amount(arrival)
@@ -366,6 +364,7 @@ def receive_payment(ctx: EngineContext, payload: dict[str, Any], tx: Transaction
         return
     if not newly_paid and (order.stripe_session_id or "").startswith(CRYPTO_REFERENCE):
         follow_listing(ctx, tx, callback, order, reference, received, coins)
+    tell_other_currency(ctx, tx, callback, order)
     tell_mispaid(ctx, tx, callback, order)
 
 
@@ -455,15 +454,22 @@ def orders_of(payload: dict[str, Any]) -> tuple[OrderRef, ...]:
     return (OrderRef(callback.order_type, callback.external_id),)
 
 
-def tell_not_in_usd(ctx: EngineContext, tx: Transaction, callback: Callback) -> None:
-    """The treasury job sizes its off-ramp in USD: one in another currency needs a person.
+def tell_other_currency(ctx: EngineContext, tx: Transaction, callback: Callback,
+                        order: OrderBase) -> None:
+    """An invoice in another currency than its order's price: its amount cannot be set
+    against the order's total, and a person must look. One in the order's own currency
+    is the normal case, whatever that currency (most orders of a CRTC shop are in CAD).
     Once per order (the mail's key)."""
-    log.warning("crypto invoice %s is in %s, not USD: its treasury job has no USD amount",
-                callback.external_id, callback.fiat_currency)
-    email_admin(ctx, tx, f"Treasury job for order {callback.external_id} is in "
-                f"{callback.fiat_currency}, not USD", "treasury_not_usd", callback.external_id,
-                key=f"email-treasury-not-usd-{callback.external_id}",
-                currency=callback.fiat_currency,
+    priced_in = getattr(order, "currency", None) or "USD"
+    if callback.fiat_currency == priced_in:
+        return
+    log.warning("crypto invoice %s is in %s; its order is priced in %s",
+                callback.external_id, callback.fiat_currency, priced_in)
+    email_admin(ctx, tx, f"Crypto invoice for order {callback.external_id} is in "
+                f"{callback.fiat_currency}; the order is priced in {priced_in}",
+                "crypto_other_currency", callback.external_id,
+                key=f"email-crypto-other-currency-{callback.external_id}",
+                currency=callback.fiat_currency, order_currency=priced_in,
                 amount=f"{callback.amount_fiat} {callback.fiat_currency}",
                 amount_coin=f"{callback.amount_coin} {callback.coin}")
 

@@ -146,7 +146,8 @@ async def test_an_invoice_paid_past_the_tolerance_against_the_orders_total_is_to
 @pytest.mark.parametrize("total_cents,currency,fiat,subject", [
     (4896, "JPY", "JPY", None),  # ¥4,896 asked, ¥4,896 paid: yen have no minor unit
     (4000, "JPY", "JPY", "Crypto invoice for order CA-8 overpaid by 22.4 %"),
-    (4896, "CAD", "USD", None),  # priced in CAD, invoiced in USD: not compared
+    # Priced in CAD, invoiced in USD: not compared, the mismatch told.
+    (4896, "CAD", "USD", "Crypto invoice for order CA-8 is in USD; the order is priced in CAD"),
 ])
 @pytest.mark.gen_test
 async def test_an_orders_total_is_read_in_its_own_currency(

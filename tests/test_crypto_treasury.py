@@ -250,8 +250,9 @@ async def test_an_invoice_in_euros_is_kept_in_euros_and_the_administrator_told(
     assert CrtcOrder.get().payment_status == "paid"
     [notice] = [row for row in Outbox.select() if row.kind == "email"]
     mail = json.loads(notice.payload)
-    assert mail["subject"] == "Treasury job for order CA-2001 is in EUR, not USD"
-    assert "101.99 EUR" in mail["text"] and "USD" not in mail["text"].split("Order:")[1]
+    assert mail["subject"] == ("Crypto invoice for order CA-2001 is in EUR; the order is "
+                               "priced in USD")
+    assert "101.99 EUR" in mail["text"] and "Order priced in: USD" in mail["text"]
     # SHKeeper's OVERPAID top-up of the same invoice: the administrator was told already.
     await send(post, shkeeper.invoice(
         "CA-2001", "OVERPAID",
@@ -260,6 +261,21 @@ async def test_an_invoice_in_euros_is_kept_in_euros_and_the_administrator_told(
         "0.00117", "111.52", fiat="EUR", overpaid_fiat="4.42"))
     assert [row.kind for row in Outbox.select()].count("email") == 1
     assert TreasuryJob.get().amount_fiat_cents == 11152
+
+
+@pytest.mark.gen_test
+async def test_an_invoice_in_the_orders_own_currency_is_normal_whatever_the_currency(
+        post, telegram, smtp):
+    """Every CAD crypto payment mailed "is in CAD, not USD": most orders of a CRTC shop.
+    An invoice in its order's currency is told nothing; its job keeps it in that currency."""
+    CrtcOrder.create(order_number="CA-2002", currency="CAD", total_cents=10199)
+    await send(post, shkeeper.paid("CA-2002", txid="tx-cad-1", balance_crypto="0.00107",
+                                   balance_fiat="101.99", fiat="CAD"))
+    job = TreasuryJob.get()
+    assert (job.fiat_currency, job.amount_fiat_cents, job.amount_usd_cents) == (
+        "CAD", 10199, None)
+    assert CrtcOrder.get().payment_status == "paid"
+    assert [row for row in Outbox.select() if row.kind == "email"] == []
 
 
 @pytest.mark.gen_test(timeout=30)
