@@ -221,6 +221,10 @@ def describe(exc: BaseException) -> str:
     name = type(exc).__name__
     if isinstance(exc, TimeoutError):
         return f"{name}: no answer in time"
+    if (isinstance(exc, aiohttp.ClientConnectorError)
+            and isinstance(exc.os_error, ConnectionRefusedError)):
+        # aiohttp's text says only "Connect call failed": a peer down, not a slow one.
+        return f"{name}: connection refused by {exc.host}:{exc.port}"
     if isinstance(exc, (OSError, aiohttp.ServerDisconnectedError)):
         return f"{name}: {exc}"
     return name

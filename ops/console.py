@@ -416,14 +416,34 @@ def retries_of(row_ids: list[int]) -> dict[int, list[ConsoleAction]]:
 
 
 def attempt_summary(attempt: Attempt) -> str:
-    """`HTTP 503 in 120 ms, will retry: <error>`, as one line."""
-    said = f"HTTP {attempt.status_code}" if attempt.status_code else "no answer"
+    """`HTTP 503 in 120 ms, will retry: <error>`, as one line; without an HTTP answer, what
+    came instead (`connection refused in 2 ms, will retry: <error>`)."""
+    said = (f"HTTP {attempt.status_code}" if attempt.status_code
+            else without_an_answer(attempt.error))
     took = f" in {attempt.duration_ms} ms" if attempt.duration_ms is not None else ""
     outcome = ATTEMPT_OUTCOMES.get(attempt.outcome, attempt.outcome)
     error = f": {attempt.error}" if attempt.error and not attempt.status_code else ""
     return f"{said}{took}, {outcome}{error}"
 
 
+def without_an_answer(error: str | None) -> str:
+    """What an attempt met that no HTTP answer came to, in words, from its error's text
+    (clients.http.describe): a refused connection is no silence, and the operator fixing
+    it looks elsewhere (the peer is down) than for a timeout (the peer is slow)."""
+    text = (error or "").lower()
+    for words, said in WITHOUT_AN_ANSWER:
+        if any(word in text for word in words):
+            return said
+    return "failed"
+
+
+WITHOUT_AN_ANSWER = (
+    (("connection refused",), "connection refused"),
+    (("in time", "timeout"), "no answer in time"),
+    (("name or service not known", "nodename", "getaddrinfo", "name resolution"),
+     "address not found"),
+    (("disconnected", "reset by peer"), "connection closed without an answer"),
+)
 ATTEMPT_OUTCOMES = {"sent": "sent", "pending": "will retry", "dead": "given up",
                     "logged": "logged, not sent", "waiting": "waits for its configuration"}
 EFFECT_ACTIONS = ("retry effect", "give up effect")

@@ -8,7 +8,7 @@ import pytest
 from engine import outbox, retention
 from engine.outbox import Effects
 from models import Attempt, Outbox
-from ops import operator
+from ops import console as operator_console, operator
 from tests.door import new_row_id, through_the_door
 
 
@@ -52,6 +52,21 @@ async def test_a_connection_error_is_an_attempt_without_a_status_code(ctx, clock
     (attempt,) = attempts_of(row_id)
     assert attempt.status_code is None and attempt.reply is None
     assert attempt.error.startswith("Client") and attempt.outcome == "pending"
+    # Said as what it was: a refused connection, not a silence.
+    assert operator_console.attempt_summary(attempt).startswith("connection refused in ")
+
+
+@pytest.mark.parametrize("error,said", [
+    ("ConnectionTimeoutError: no answer in time", "no answer in time"),
+    ("ClientConnectorDNSError: Cannot connect to host worker.invalid:80 ssl:default "
+     "[Name or service not known]", "address not found"),
+    ("ServerDisconnectedError: Server disconnected", "connection closed without an answer"),
+    ("SMTPRecipientsRefused: {'x@example.com': (550, b'no such user')}", "failed"),
+    ("SSLError", "failed"),
+])
+def test_an_attempt_without_an_http_answer_says_what_came_instead(error, said):
+    attempt = Attempt(status_code=None, duration_ms=3, outcome="pending", error=error)
+    assert operator_console.attempt_summary(attempt) == f"{said} in 3 ms, will retry: {error}"
 
 
 @pytest.mark.gen_test
