@@ -214,7 +214,11 @@ async def test_a_state_left_before_it_was_found_is_recorded_and_told_where_its_a
     await outbox.send_due(rctx)
     [(_, mail)] = smtp.messages
     assert mail["Subject"] == "formation/submitted of FORM-00001 not handled"
-    assert "Now in:    Name Check" in mail.get_body(("plain",)).get_content()
+    # Each on a line of its own (the two ran together: "(Frappe's time)Now in:").
+    lines = mail.get_body(("plain",)).get_content().splitlines()
+    assert "Now in:    Name Check" in lines
+    assert [line for line in lines if line.startswith("Changed:")][0].endswith(
+        "(Frappe's time)")
 
 
 @pytest.mark.gen_test(timeout=30)
