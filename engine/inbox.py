@@ -817,8 +817,11 @@ def _store(ctx: EngineContext, call: Entry,
         # The insert found a key taken, in this transaction: the row is there to read.
         assert existing is not None
     ctx.metrics.event_duplicate(source, event_type)
-    log.info("duplicate %s event %s (%s) ignored; first stored as #%s",
-             source, event_type, call["external_id"] or call["dedup_key"], existing.id)
+    # A run of the reconciliation finds every change of its window again, each run: its
+    # own count says so (`reconcile.Counts.already`), not a line per change.
+    log.log(logging.DEBUG if call.get("reconciled") else logging.INFO,
+            "duplicate %s event %s (%s) ignored; first stored as #%s",
+            source, event_type, call["external_id"] or call["dedup_key"], existing.id)
     return Stored(existing, False)
 
 
