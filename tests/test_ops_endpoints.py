@@ -2,6 +2,7 @@
 import contextlib
 import json
 import os
+import re
 
 import pytest
 from prometheus_client import generate_latest
@@ -346,3 +347,34 @@ async def test_metrics_count_the_group_commit_turns(get, post):
     code, _, _ = await post("/api/v1/webhooks/formation/submitted", SUBMITTED, AUTH)
     assert code == 200
     assert await turns() - before >= 1
+
+
+DEPLOY_MD = os.path.join(os.path.dirname(os.path.dirname(__file__)), "deploy", "DEPLOY.md")
+
+
+def documented_families():
+    """The metric families deploy/DEPLOY.md's table names (a row may name two)."""
+    with open(DEPLOY_MD, encoding="utf-8") as doc:
+        rows = [line for line in doc if line.startswith("| `receiver_")]
+    return {name for row in rows for name in re.findall(r"`(receiver_\w+)", row.split(" | ")[0])}
+
+
+@pytest.mark.gen_test
+async def test_deploy_md_names_every_family_metrics_serves_and_no_other(get):
+    """Its table lacked 13 of the families /metrics serves."""
+    code, response = await get("/metrics")
+    # (`_created`: the client library's own gauge of when each counter was made.)
+    served = {family.name for family in text_string_to_metric_families(response.body.decode())
+              if family.name.startswith("receiver_") and not family.name.endswith("_created")}
+    # A counter's family is named without its `_total`; the table names its sample.
+    documented = {name.removesuffix("_total") for name in documented_families()}
+    assert (sorted(served - documented), sorted(documented - served)) == ([], [])
+    # And each with the labels the table gives it.
+    labelled = {}
+    for family in text_string_to_metric_families(response.body.decode()):
+        for sample in family.samples:
+            labelled.setdefault(family.name, set()).update(sample.labels)
+    with open(DEPLOY_MD, encoding="utf-8") as doc:
+        for name, labels in re.findall(r"`(receiver_\w+?)(?:_total)?\{([^}]*)\}`", doc.read()):
+            if labelled.get(name):
+                assert labelled[name] - {"le"} == set(labels.split(",")), name
