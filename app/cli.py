@@ -18,6 +18,7 @@ import stripe
 
 import migrations
 import scheduler
+from app import VERSION
 from app.context import Context
 from app.logs import configure_logging
 from app.progress import TerminalProgress
@@ -43,6 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="receiver.py",
         description="Order-fulfilment webhook receiver. Settings come from the environment.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {VERSION}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.add_parser("serve", help="apply migrations, then serve (the default)")
     commands.add_parser("migrate", help="apply pending database migrations and exit")

@@ -430,3 +430,12 @@ def test_a_sqlite_url_with_two_slashes_is_refused_not_read_as_a_host(tmp_path, c
         "(sqlite:///var/receiver.sqlite3, relative to the working folder) or four "
         "(sqlite:////srv/receiver.sqlite3)\n")
     assert os.listdir(tmp_path) == []
+
+
+def test_the_version_is_the_changelogs_latest():
+    result = subprocess.run([sys.executable, "receiver.py", "--version"], cwd=ROOT, text=True,
+                            capture_output=True)
+    with open(os.path.join(ROOT, "CHANGELOG.md"), encoding="utf-8") as changelog:
+        latest = re.search(r"^## (\S+) \(\d{4}-\d{2}-\d{2}\)$", changelog.read(), re.M)
+    assert result.returncode == 0 and latest is not None
+    assert result.stdout.strip() == f"receiver.py {latest.group(1)}"
