@@ -129,8 +129,13 @@ async def test_the_log_has_one_line_per_event_and_no_secret(service, client, fra
         ("card", "payment_intent.payment_failed", "processed")}
     assert len({e["event_id"] for e in events}) == len(events)
     assert all(isinstance(e["ms"], float) and e["time"].endswith("+00:00") for e in events)
-    access = [line["message"] for line in lines if line["logger"] == "receiver.access"]
-    assert any(m.startswith("403 GET /api/v1/ifta/filed ") for m in access)
+    access = [line for line in lines if line["logger"] == "receiver.access"]
+    assert any(line["message"].startswith("403 GET /api/v1/ifta/filed ") for line in access)
+    # Each access line's parts are fields of their own too (it was only a message).
+    assert any((line["status"], line["method"], line["path"]) == (403, "GET",
+                                                                  "/api/v1/ifta/filed")
+               for line in access)
+    assert all(isinstance(line["ms"], float) for line in access)
 
 
 def record_with_exception(message):
