@@ -141,6 +141,7 @@ async def test_an_invoice_paid_past_the_tolerance_against_the_orders_total_is_to
     if subject:
         text = smtp.messages[-1][1].get_body(("plain",)).get_content()
         assert "$320.00" in text and "$326.40" in text
+        assert f"Order total: ${total_cents // 100}.{total_cents % 100:02}" in text
 
 
 @pytest.mark.parametrize("total_cents,currency,fiat,subject", [
@@ -168,6 +169,13 @@ async def test_an_overpaid_invoice_without_an_order_total_is_told_by_shkeepers_m
     await send(post, ctx, overpaid)
     assert [s for s in subjects(smtp) if s.startswith("Crypto invoice")] == [
         "Crypto invoice for order FO-6 overpaid by 11.4 %"]
+    # SHKeeper's upper limit is what it counts as paid within it, not what was expected
+    # (the mail called it "Expected").
+    [mail] = [m for _, m in smtp.messages if m["Subject"].startswith("Crypto invoice")]
+    text = mail.get_body(("plain",)).get_content()
+    assert "Expected" not in text
+    assert "Paid within SHKeeper's upper limit: $336.00" in text
+    assert "Paid beyond it:                     $38.40" in text
 
 
 @pytest.mark.gen_test
