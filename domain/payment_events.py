@@ -276,7 +276,19 @@ def _tell_dispute_closed(ctx: EngineContext, tx: Transaction, order: OrderBase,
                 lost=fact.lost, amount=str(fact.amount), dispute=fact.dispute_id,
                 reason=fact.reason, payment_intent=fact.payment_intent,
                 payment_status=order.payment_status, commission=commission,
-                subscription=_renewing_subscription(order) if fact.lost else None)
+                subscription=_renewing_subscription(order) if fact.lost else None,
+                **settled_before(ctx, order))
+
+
+def settled_before(ctx: EngineContext, order: OrderBase) -> dict[str, Any]:
+    """For a mail of money taken back: whether the settlement had advanced the order
+    already (a CRTC order's funds marked available, its workflow action asked of Frappe),
+    when, and the action; the mail then says what the operator must undo in Frappe
+    instead of that the order "will not be settled or advanced"."""
+    if not (isinstance(order, CrtcOrder) and order.funds_available):
+        return {"settled_at": None, "funds_action": None}
+    return {"settled_at": order.funds_available_at and order.funds_available_at.isoformat(
+        timespec="seconds"), "funds_action": ctx.settings.crtc_funds_action}
 
 
 def _renewing_subscription(order: OrderBase) -> str | None:
@@ -330,6 +342,6 @@ def record_refund(ctx: EngineContext, tx: Transaction, found: Found, fact: Refun
                 refunded=str(fact.refunded), charged=str(fact.charged), complete=fact.complete,
                 charge=fact.charge_id, payment_status=order.payment_status,
                 commission=commission, customer_name=order.customer_name,
-                customer_email=order.customer_email)
+                customer_email=order.customer_email, **settled_before(ctx, order))
     return change
 

@@ -147,6 +147,34 @@ async def test_a_crtc_order_refunded_in_full_is_not_settled_and_its_admin_told_o
         assert "CAD 1234.56" in body and "$" not in body and "withheld" in body
 
 
+@pytest.mark.parametrize("taken_back", ["refunded in full", "dispute lost"])
+@pytest.mark.gen_test
+async def test_money_taken_back_after_the_settlement_tells_what_to_undo_in_frappe(
+        send, ctx, clock, smtp, frappe, taken_back):
+    """A CRTC order refunded or lost after the settlement advanced it was told it "will not
+    be settled or advanced", while its funds were marked available and Frappe had moved
+    it on: the mail says it was settled, when, and what to undo in Frappe."""
+    CrtcOrder.create(order_number="CA-6")
+    await pay_by_checkout(send, "CA-6")
+    assert (await settle(ctx, clock))["settled"] == 1 and len(confirmed(frappe)) == 1
+    later = int((SETTLING_DAY + datetime.timedelta(days=3)).timestamp())
+    if taken_back == "refunded in full":
+        await send("charge.refunded", se.charge("pi_test_1", amount=49900,
+                                                amount_refunded=49900), created=later)
+    else:
+        await send("charge.dispute.closed", se.dispute(
+            "pi_test_1", amount=49900, status="lost", dispute_id="dp_test_6"), created=later)
+    order = CrtcOrder.get()
+    assert order.funds_available
+    [mail] = [m for _, m in smtp.messages if "CA-6" in m["Subject"]
+              and not m["Subject"].startswith("Dispute opened")]
+    for body in parts(mail):
+        assert "will not be settled" not in body
+        assert f"settled already ({order.funds_available_at.isoformat(timespec='seconds')})" \
+            in body.replace("\n", " ")
+        assert '"Confirm Funds" was asked of Frappe' in body.replace("\n", " ")
+
+
 @pytest.mark.gen_test
 async def test_a_partial_refund_is_an_amount_kept_on_a_paid_order_that_still_settles(
         send, ctx, clock, smtp, frappe):
