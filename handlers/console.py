@@ -406,6 +406,7 @@ class EventsHandler(EventFilterHandler):
         next_query = {**{k: v for k, v in query.items() if v}, "after": page.after}
         self.render_page("events", page=page, query=query, sources=sorted(self.ctx.plugins),
                          statuses=operator.EVENT_STATUSES, awaiting=awaiting,
+                         meanings=operator.EVENT_STATUS_MEANINGS,
                          next_link="/console/events?" + tornado.httputil.urlencode(next_query)
                          if page.after else None)
 

@@ -218,8 +218,10 @@ class EventFilter:
     def conditions(self) -> list[peewee.Expression]:
         """The filter as conditions on WebhookEvent, all to hold."""
         found = [column == value for column, value in (
-            (WebhookEvent.source, self.source), (WebhookEvent.event_type, self.event_type),
-            (WebhookEvent.status, self.status)) if value]
+            (WebhookEvent.source, self.source), (WebhookEvent.event_type, self.event_type))
+            if value]
+        if self.status:
+            found.append(operator.status_is(self.status))
         if self.search:
             found.append((WebhookEvent.order_number == self.search)
                          | (WebhookEvent.external_id == self.search)

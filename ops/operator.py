@@ -35,8 +35,27 @@ from engine.contracts import EngineContext
 from engine.destinations import DESTINATION_OF
 
 EVENT_SOURCES = ("workflow", "card", "crypto")
-EVENT_STATUSES = ("received", "processed", "failed", "waiting", "dead", "rejected",
+EVENT_STATUSES = ("received", "held", "processed", "failed", "waiting", "dead", "rejected",
                   "ignored")
+# What each status says, for the lists' legend (the console's events page).
+EVENT_STATUS_MEANINGS = {
+    "received": "stored, its handling under way or due now",
+    "held": "stored, waiting behind an earlier event of its order that is not finished: "
+            "handled when that one is handled or given up",
+    "processed": "handled: its effects are in the outbox",
+    "failed": "its handling failed; tried again at its next attempt, with a growing wait",
+    "waiting": "a payment fact whose order is not known yet: handled as soon as one of "
+               "its ids is linked to an order",
+    "dead": "given up, by the retries or by an operator (who, when and why on its page)",
+    "rejected": "refused as it came (malformed, or a move its order cannot make): final, "
+                "the reason is its last error",
+    "ignored": "kept, not acted on: no handler for its type, history older than a change "
+               "handled, or a copy of one handled; the reason is its last error",
+}
+# An event as the operator reads it: stored and awaiting its handling behind an unfinished
+# earlier event of its stream (`note_holds`). No status of the row's: it ends when that one
+# does, with no write.
+HELD = "held"
 OUTBOX_STATUSES = ("pending", "waiting", "sent", "logged", "dead")
 # Where effects go, by the one name the operator meets everywhere (the console, this
 # command line, /metrics, /readyz, the settings WORKER_URL, WORKFLOW_URL, TELEGRAM_*,
@@ -80,6 +99,17 @@ def held_text(hold: inbox.Hold) -> str:
     return f"held behind event #{hold.behind} ({why})"
 
 
+def status_is(status: str) -> peewee.Expression:
+    """Events of `status` as the lists show it: `held` ones (HELD) apart from the received
+    and failed ones they are rows of."""
+    behind = peewee.fn.EXISTS(inbox.first_unfinished_before())
+    if status == HELD:
+        return WebhookEvent.status.in_(inbox.AWAITING_HANDLING) & behind
+    if status in inbox.AWAITING_HANDLING:
+        return (WebhookEvent.status == status) & ~behind
+    return WebhookEvent.status == status
+
+
 def list_events(source: str | None = None, status: str | None = None,
                 since: datetime.datetime | None = None,
                 until: datetime.datetime | None = None,
@@ -90,7 +120,7 @@ def list_events(source: str | None = None, status: str | None = None,
     if source:
         query = query.where(WebhookEvent.source == source)
     if status:
-        query = query.where(WebhookEvent.status == status)
+        query = query.where(status_is(status))
     if since:
         query = query.where(WebhookEvent.received_at >= since)
     if until:

@@ -7,6 +7,7 @@ import pytest
 
 from engine import inbox, outbox
 from models import WebhookEvent
+from ops import operator as ops_operator
 from tests.console_helpers import (  # noqa: F401 (fixtures)
     console_settings, logged_in, operator, text)
 from tests.test_arrival_order import report
@@ -60,6 +61,37 @@ def test_the_command_line_says_what_an_event_is_held_behind(held, database_url):
     assert " held " in line and f"held behind event #{first.id} (failed" in line
     shown = run(database_url, "events", "show", str(second.id))
     assert f"held:         {why(first)}" in shown.stdout
+
+
+@pytest.mark.gen_test
+async def test_held_is_a_status_to_filter_on_and_the_event_page_says_it(held, logged_in,
+                                                                        database_url):
+    """Lists said "held", the event's page "received", and neither the console nor the
+    command line could filter on it."""
+    first, second = held
+    page = text(await logged_in.get(f"/console/events/{second.id}"))
+    assert '<dd id="event-status" class="">held</dd>' in page
+    shown = text(await logged_in.get("/console/events?status=held"))
+    assert f'href="/console/events/{second.id}"' in shown
+    assert f'href="/console/events/{first.id}"' not in shown
+    received = text(await logged_in.get("/console/events?status=received"))
+    assert f'href="/console/events/{second.id}"' not in received
+    listing = run(database_url, "events", "list", "--status", "held")
+    assert listing.returncode == 0, listing.stderr
+    assert [line.split()[0] for line in listing.stdout.splitlines()[1:]] == [str(second.id)]
+
+
+def test_every_status_the_inbox_writes_has_its_meaning_in_the_legend():
+    assert set(ops_operator.EVENT_STATUSES) == {*inbox.FINAL_STATUSES, *inbox.AWAITING_HANDLING,
+                                            inbox.WAITING, ops_operator.HELD}
+    assert list(ops_operator.EVENT_STATUS_MEANINGS) == list(ops_operator.EVENT_STATUSES)
+
+
+@pytest.mark.gen_test
+async def test_the_events_page_has_the_legend_of_every_status(logged_in):
+    page = text(await logged_in.get("/console/events"))
+    for status, meaning in ops_operator.EVENT_STATUS_MEANINGS.items():
+        assert f"<dt>{status}</dt><dd>{meaning.replace(chr(39), '&#39;')}</dd>" in page, status
 
 
 @pytest.mark.gen_test

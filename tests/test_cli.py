@@ -124,7 +124,7 @@ def test_a_bad_time_is_a_usage_error(database_url):
 
 @pytest.mark.parametrize("option,value,choices", [
     ("--source", "nonsense", "'workflow', 'card', 'crypto'"),
-    ("--status", "done", "'received', 'processed', 'failed'"),
+    ("--status", "done", "'received', 'held', 'processed', 'failed'"),
 ])
 def test_an_unknown_source_or_status_is_bad_usage_naming_the_choices(database_url, option,
                                                                      value, choices):
