@@ -112,6 +112,8 @@ class Overview:
     given_up_events: int
     # One line on the last reconciliation with the workflow system, once it runs.
     last_reconciliation: str | None = None
+    # What the failures awaiting an operator failed of, most first (`failures_by_cause`).
+    causes: list = dataclasses.field(default_factory=list)
 
     @property
     def last_day(self) -> dict[str, int]:
@@ -149,7 +151,59 @@ def overview(ctx: ConsoleContext, counts: "EventCounts") -> Overview:
         destinations=list(ctx.destinations),
         in_holdback=holdback_orders().where(CrtcOrder.commission_released_at.is_null(),
                                             CrtcOrder.commission_forfeited_at.is_null())
-        .count(), last_reconciliation=last_reconciliation(Transaction(ctx), ctx.settings))
+        .count(), last_reconciliation=last_reconciliation(Transaction(ctx), ctx.settings),
+        causes=failures_by_cause())
+
+
+@dataclasses.dataclass(frozen=True)
+class Cause:
+    """Failures of one kind of thing (`events` of a source, `effects` to a destination)
+    that failed of one cause, and where the list of them is."""
+    what: str
+    where: str
+    cause: str
+    count: int
+    link: str
+
+
+# The failures read to group them: the newest, so that a flood of one cause costs one
+# bounded read (its count is then "at least").
+CAUSES_READ = 2000
+CAUSES_SHOWN = 10
+
+
+def cause_of(error: str | None) -> str:
+    """An error's cause, without what differs from one failure to the next: its first
+    part (`OrderNotFound`, `HTTP 503`, `ClientConnectorError`), up to 60 characters."""
+    if not error:
+        return "no error recorded"
+    return error.split(": ", 1)[0].strip()[:60] or "no error recorded"
+
+
+def failures_by_cause() -> list[Cause]:
+    """The events and effects awaiting an operator (failed, or dead and not given up;
+    effects dead, or pending after a failed try), grouped by source or destination and
+    cause, most first: what Sidekiq's and Hookdeck's failure views lead with."""
+    grouped: dict[tuple[str, str, str], int] = {}
+    events = (WebhookEvent.select(WebhookEvent.source, WebhookEvent.status,
+                                  WebhookEvent.last_error)
+              .where(operator.awaiting_an_operator())
+              .order_by(WebhookEvent.id.desc()).limit(CAUSES_READ))
+    for event in events:
+        key = ("events", event.source, cause_of(event.last_error))
+        grouped[key] = grouped.get(key, 0) + 1
+    effects = (Outbox.select(Outbox.kind, Outbox.last_error)
+               .where((Outbox.status == "dead")
+                      | ((Outbox.status == "pending") & (Outbox.attempts > 0)))
+               .order_by(Outbox.id.desc()).limit(CAUSES_READ))
+    for effect in effects:
+        key = ("effects", operator.destination_of(effect), cause_of(effect.last_error))
+        grouped[key] = grouped.get(key, 0) + 1
+    causes = [Cause(what, where, cause, count,
+                    f"/console/events?source={where}" if what == "events"
+                    else f"/console/outbox?destination={where}")
+              for (what, where, cause), count in grouped.items()]
+    return sorted(causes, key=lambda c: (-c.count, c.what, c.where, c.cause))[:CAUSES_SHOWN]
 
 
 class EventCounts:

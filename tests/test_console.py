@@ -263,6 +263,31 @@ async def test_the_overview_counts_what_needs_attention(logged_in, clock, tmp_pa
     assert '<meta http-equiv="refresh" content="60">' in page
 
 
+@pytest.mark.gen_test(timeout=60)
+async def test_the_overview_groups_the_failures_by_cause_most_first(logged_in, ctx):
+    """Sidekiq's, Svix's and Hookdeck's failure views lead with the causes and their
+    counts; the overview had only the totals."""
+    for n in range(3):
+        stored_event(status="failed", order_number=f"CO-{n}",
+                     last_error=f"OrderNotFound: no compliance order CO-{n}")
+    stored_event(status="dead", last_error="KeyError: 'order_number'")
+    given_up = stored_event(status="dead", last_error="KeyError: 'x'")
+    WebhookEvent.update(given_up_at=at(2026, 11, 23, 9, 0)).where(
+        WebhookEvent.id == given_up.id).execute()
+    stored_event(status="processed")
+    outbox_row(status="dead", key="d1")
+    outbox_row(status="dead", key="d2")
+    causes = through_the_door(console.failures_by_cause)
+    assert [(c.what, c.where, c.cause, c.count) for c in causes] == [
+        ("events", "workflow", "OrderNotFound", 3),
+        ("effects", "worker", "HTTP 400", 2),
+        ("events", "workflow", "KeyError", 1)]
+    page = text(await logged_in.get("/console/"))
+    assert ('<a href="/console/events?source=workflow">events of workflow</a></td>\n'
+            '      <td class="error"><span class="cell-label">Cause: </span>OrderNotFound</td>'
+            ) in page
+
+
 def test_the_chart_counts_its_older_windows_once_an_hour(ctx, clock):
     counts = console.EventCounts()
     clock.set(2026, 11, 23, 12, 10)
