@@ -24,7 +24,7 @@ from engine.commits import GroupCommit, Unit, without_budget
 from handlers.budget import BodyBudget
 from handlers.ratelimit import RateLimiter
 from engine.destinations import Destinations
-from engine.outbox import tell_credentials_refused
+from engine.outbox import tell_credentials_refused, tell_destination_went
 from ops.metrics import Metrics
 from plugins import registries
 from settings import Settings
@@ -71,6 +71,7 @@ class Context:
     def __post_init__(self) -> None:
         self.destinations = Destinations(self)
         self.destinations.when_refused(functools.partial(tell_credentials_refused, self))
+        self.destinations.when_went(functools.partial(tell_destination_went, self))
 
     @classmethod
     def create(cls, settings: Settings,

@@ -100,11 +100,16 @@ class Destination:
         self.probe_at: datetime.datetime | None = None
         self.probing = False
         self.down_since: datetime.datetime | None = None
+        # The failure that took it down.
+        self.down_because: str | None = None
         self.in_flight = 0
         # What the peer said when it refused our credentials, or named our settings wrong.
         self.credentials_refused: str | None = None
         self.misconfigured: str | None = None
         self.refused_credentials = lambda destination: None
+        # Told when it goes down (`up` False) and when it is back (True, with when it went).
+        self.went: Callable[[Destination, bool, datetime.datetime | None], None] = \
+            lambda destination, up, since: None
         # The configuration check: its client's `check()`, when it has one.
         self.checked_at: datetime.datetime | None = None
         self.checking: asyncio.Future | None = None
@@ -168,10 +173,8 @@ class Destination:
                 self.credentials_refused = None
                 log.warning("destination %s takes our credentials again", self.name)
             if not self.up:
-                self.up, self.probing, self.down_since = True, False, None
-                self.back = True
+                self._come_back()
                 log.warning("destination %s is up again: sending its effects", self.name)
-                self.recovered()
             return
         self.failures += 1
         self.failing_since = self.failing_since or self.clock()
@@ -194,23 +197,30 @@ class Destination:
         if not self.up and not self.credentials_refused:
             self.failures, self.failing_since = 0, None
             self.failing_effects.clear()
-            self.up, self.probing, self.down_since = True, False, None
-            self.back = True
+            self._come_back()
             log.warning("destination %s answers again: sending its effects", self.name)
-            self.recovered()
 
     def _failing_too_long(self) -> bool:
         return (self.failing_since is not None and len(self.failing_effects) >= 2
                 and self.clock() - self.failing_since >= self.down_after_time)
 
+    def _come_back(self) -> None:
+        went_at = self.down_since
+        self.up, self.probing, self.down_since = True, False, None
+        self.back = True
+        self.recovered()
+        self.went(self, True, went_at)
+
     def _go_down(self, error: str) -> None:
         self.up, self.probing, self.down_since = False, False, self.clock()
+        self.down_because = error
         self.failed_probes = 0
         self.probe_wait = self.probes.delay(1)
         log.error("destination %s is down after %d failed send(s) in a row over %d s (%s): "
                   "its effects wait, one is tried every %s s or so", self.name,
                   self.failures, (self.clock() - (self.failing_since or self.clock()))
                   .total_seconds(), error, int(self.probe_wait.total_seconds()))
+        self.went(self, False, None)
 
     def down_if_failing_too_long(self) -> None:
         """Down once every send for OUTBOUND_DOWN_AFTER_SECONDS has failed, for two effects
@@ -291,8 +301,11 @@ class Destinations:
                         for name, client in clients.items()}
         self._when_recovered: list[Callable[[], None]] = []
         self._when_refused: list[Callable[[Destination], None]] = []
+        self._when_went: list[Callable[[Destination, bool, datetime.datetime | None],
+                                       None]] = []
         for destination in self:
             destination.refused_credentials = self._refused
+            destination.went = self._went
 
     async def check(self, within: float | None = None) -> None:
         """Every destination's configuration check (`Destination.check`), at once."""
@@ -306,6 +319,18 @@ class Destinations:
     def _refused(self, destination: Destination) -> None:
         for callback in self._when_refused:
             callback(destination)
+
+    def when_went(self, callback: Callable[[Destination, bool, datetime.datetime | None],
+                                           None]) -> None:
+        """Call `callback(destination, up, down_since)` whenever a destination goes down
+        (`up` False) and when it is found back (True, with when it went down): the
+        operator is told of both."""
+        self._when_went.append(callback)
+
+    def _went(self, destination: Destination, up: bool,
+              since: datetime.datetime | None) -> None:
+        for callback in self._when_went:
+            callback(destination, up, since)
 
     def when_recovered(self, callback: Callable[[], None]) -> None:
         """Call `callback()` whenever a destination that was down is found up again (the

@@ -873,6 +873,39 @@ def tell_admin(ctx: EngineContext, key: str, subject: str, template: str,
                                            **variables)
 
 
+# An outage is told once however many processes saw it: keyed by when it began, to this.
+OUTAGE_KEY_MINUTES = 10
+
+
+def tell_destination_went(ctx: EngineContext, destination: Destination, up: bool,
+                          down_since: datetime.datetime | None) -> None:
+    """An alert and an e-mail to the administrator when a destination goes down, and
+    when it is back: whichever of the two does not go to the one down reaches them (a
+    Telegram down is told by mail, a mail server down on Telegram). Written in the
+    background; keyed by the outage's start to OUTAGE_KEY_MINUTES, so that the
+    processes that each saw it go tell it once."""
+    began = down_since if up else destination.down_since
+    if began is None:
+        return
+    bucket = began.replace(minute=began.minute - began.minute % OUTAGE_KEY_MINUTES,
+                           second=0, microsecond=0)
+    name = destination.name
+    if up:
+        minutes = max(1, round((ctx.clock() - began).total_seconds() / 60))
+        subject = (f"Destination {name} is up again after {minutes} min: its waiting "
+                   "effects are being sent")
+    else:
+        subject = f"Destination {name} is down: its effects wait"
+    key = f"destination-{'up' if up else 'down'}-{name}-{bucket:%Y%m%dT%H%M}"
+
+    def tell() -> None:
+        tell_admin(ctx, key, subject, "destination_went", destination=name, up=up,
+                   since=began.isoformat(timespec="seconds"),
+                   reason=destination.down_because or "")
+        Effects(ctx, for_scheduler=True).alert(subject, key=f"alert-{key}")
+    ctx.background(ctx.db(tell))
+
+
 def tell_credentials_refused(ctx: EngineContext, destination: Destination) -> None:
     """One e-mail to the administrator each time a destination starts refusing our
     credentials (engine.destinations), written in the background."""

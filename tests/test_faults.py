@@ -427,6 +427,16 @@ def worker(io_loop):
     peer.stop()
 
 
+def told_went():
+    """The notices of a destination down or back (engine.outbox.tell_destination_went)."""
+    return Outbox.select().where(Outbox.idempotency_key.contains("destination-"))
+
+
+def effects():
+    """The outbox rows but those notices."""
+    return Outbox.select().where(~Outbox.idempotency_key.contains("destination-"))
+
+
 @pytest.mark.gen_test(timeout=60)
 async def test_downstreams_down_then_back_every_effect_once_in_order_per_order(
         post, ctx, clock, worker, frappe, smtp):
@@ -443,7 +453,14 @@ async def test_downstreams_down_then_back_every_effect_once_in_order_per_order(
         ComplianceOrder.create(order_number=f"CO-{number}", fulfillment_status="awaiting_intake",
                                customer_email=f"customer{number}@example.test")
     await send_reminders(ctx)
-    assert Outbox.select().where(Outbox.status == "pending").count() == 32
+    await ctx.drain_background()
+    # Each destination found down is told to the administrator, by mail and by alert
+    # (the mail server refused one mail: not down).
+    assert sorted((row.kind, row.idempotency_key) for row in told_went()) == [
+        (kind, f"{prefix}destination-down-{name}-20261120T0900")
+        for kind, prefix in (("alert", "alert-"), ("email", "admin-notice-"))
+        for name in ("worker", "workflow")]
+    assert effects().where(Outbox.status == "pending").count() == 32
     assert worker.requests == [] and smtp.messages == []
 
     worker.up()
@@ -474,8 +491,8 @@ async def test_downstreams_down_then_back_every_effect_once_in_order_per_order(
             action for _, _, action in STEPS]
     mail = collections.Counter(rcpt[0] for rcpt, _ in smtp.messages)
     assert mail == {"customer1@example.test": 1, "customer2@example.test": 1,
-                    "admin@example.test": 1}
-    sent = Outbox.select().where(Outbox.status == "sent").count()
+                    "admin@example.test": 1 + 4}  # and each destination down, then up
+    sent = effects().where(Outbox.status == "sent").count()
     assert sent == 32  # 31 effects and the admin's mail
     figures("downstreams down then back", events_sent=15, acknowledged=15, handled=15,
             effects=32, delivered=sent - 1, dead=1, admin_mails=1, duplicated=0, lost=0)

@@ -291,6 +291,15 @@ async def test_a_worker_down_is_left_alone_but_for_one_probe_on_a_backoff(
     changes = [r.getMessage() for r in caplog.records if r.getMessage().startswith(
         "destination worker is")]
     assert len(changes) == 2 and "down" in changes[0] and "up again" in changes[1]
+    # The operator is told of both, by mail and by alert (a Telegram down is told by
+    # mail, a mail server by Telegram); once each, whoever saw it.
+    await ctx.drain_background()
+    told = [(row.kind, json.loads(row.payload).get("subject") or json.loads(row.payload)["text"])
+            for row in Outbox.select().where(Outbox.kind.in_(("email", "alert")))
+            .order_by(Outbox.id)]
+    down, up = "Destination worker is down: its effects wait", \
+        "Destination worker is up again after 1 min: its waiting effects are being sent"
+    assert told == [("email", down), ("alert", down), ("email", up), ("alert", up)]
 
 
 @pytest.mark.gen_test
