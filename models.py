@@ -10,7 +10,7 @@ kept, on SQLite too).
 """
 import datetime
 import decimal
-from typing import overload
+from typing import Any, overload
 
 from peewee import (
     AutoField, BigIntegerField, BooleanField, Database, DatabaseProxy, DateTimeField, Field,
@@ -156,6 +156,24 @@ class OrderBase(BaseModel):
 
     def append_note(self, line: str) -> None:
         self.notes = f"{self.notes}\n{line}" if self.notes else line
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A column's value as read, kept at its first change since the row was read (or
+        # since its changes were last taken): what the order's history records as the
+        # old value when the row is saved (engine.store.orders). A row being built from
+        # what the database gave has the column not yet in __data__, and keeps nothing.
+        data = self.__dict__.get("__data__")
+        if data is not None and name in data and name not in self.__dict__.get("_dirty", ()):
+            self.__dict__.setdefault("_before", {}).setdefault(name, data[name])
+        super().__setattr__(name, value)
+
+    def take_changes(self) -> dict[str, tuple[Any, Any]]:
+        """{column: (as read, as now)} of the columns changed since the row was read or
+        since the last call; a column set back to what it was is none. The row's own
+        updated_at is not a change of the order."""
+        before = self.__dict__.pop("_before", {})
+        return {name: (old, self.__data__.get(name)) for name, old in before.items()
+                if name != "updated_at" and old != self.__data__.get(name)}
 
     class Meta:
         # save() writes only the columns this instance changed, so two writers that change
@@ -589,6 +607,34 @@ class SentReminder(BaseModel):
 
 
 REMINDER_MODELS = [SentReminder]
+
+
+# An order's history (issue 48).
+
+class OrderChange(BaseModel):
+    """One change of an order, kept for good, written in the transaction of the change:
+    `field` the column changed, `old_value` and `new_value` its values before and after
+    as JSON text (`null` for none, amounts as integers, times as ISO 8601 UTC); or, with
+    `field` "order", its creation, `new_value` the shop's fields it was created with
+    (old_value null). `changed_by`: who (the orders API and the caller's address, an
+    import with its file and line, an event, a scheduled job); `event_id` the event whose
+    handling changed it, if one did; `changed_at` when (aware UTC)."""
+
+    kind = TextField()
+    order_number = TextField()
+    field = TextField()
+    old_value = TextField(null=True)
+    new_value = TextField(null=True)
+    changed_by = TextField()
+    event_id = BigIntegerField(null=True)
+    changed_at = UTCDateTimeField()
+
+    class Meta:
+        table_name = "order_changes"
+        indexes = ((("order_number", "changed_at"), False),)
+
+
+HISTORY_MODELS = [OrderChange]
 
 
 # Reconciliation with the workflow system (issue 25).

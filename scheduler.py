@@ -68,7 +68,7 @@ class SchedulerContext(EngineContext, Protocol):
 async def settle(ctx: SchedulerContext) -> Any:
     from domain.settlement import settle_crtc_orders
     from engine.transaction import Transaction
-    return await settle_crtc_orders(ctx, Transaction(ctx))
+    return await settle_crtc_orders(ctx, Transaction(ctx, by="the settlement job"))
 
 
 async def prune(ctx: SchedulerContext) -> tuple[int, int]:

@@ -267,6 +267,10 @@ def _add_order_intake_commands(commands: Commands) -> None:
                        "<field>...) or a JSON-lines file; every row is checked, the good ones "
                        "stored, each bad one named by its line (exit 1)")
     importing.add_argument("file", help="the file; - for standard input")
+    importing.add_argument("--amend-paid", action="store_true",
+                           help="change a paid order's total_cents, amb_annual_price_cents "
+                                "or currency as its row says (without it such a row is "
+                                "refused, named by its line)")
     importing.set_defaults(run=orders_import)
     fill = commands.add_parser(
         "backfill", help="fetch card events whose webhook delivery failed from Stripe's "
@@ -533,7 +537,8 @@ async def spool_quarantined(ctx: Context, args: argparse.Namespace) -> int:
 
 
 async def settle(ctx: Context, args: argparse.Namespace) -> int:
-    counts = await settlement.settle_crtc_orders(ctx, Transaction(ctx))
+    counts = await settlement.settle_crtc_orders(ctx,
+                                                 Transaction(ctx, by="receiver.py settle"))
     print(", ".join(f"{name.replace('_', ' ')}: {count}" for name, count in counts.items()))
     return 1 if counts["failed"] else 0
 
@@ -603,9 +608,13 @@ async def orders_import(ctx: Context, args: argparse.Namespace) -> int:
         print(f"receiver: {args.file}: {exc}; nothing stored", file=sys.stderr)
         return 1
     with TerminalProgress("importing", "order") as progress:
-        counts = await intake.import_rows(ctx, rows, progress)
+        counts = await intake.import_rows(
+            ctx, rows, progress, "stdin" if args.file == "-" else args.file,
+            args.amend_paid)
     for line, why in counts.bad:
         print(f"line {line}: {why}", file=sys.stderr)
+    for line, what in counts.amended:
+        print(f"line {line}: {what}")
     waiting = (f"; {counts.due} waiting call(s) due now (the running service handles them "
                "within SCHEDULER_TICK_SECONDS)" if counts.due else "")
     print(f"{len(rows)} row(s): {counts.created} created, {counts.updated} updated, "

@@ -93,7 +93,7 @@ async def release_due(ctx: EngineContext) -> Released:
     jobs. Returns the counts."""
     now = ctx.clock()
     counts = Released()
-    tx = Transaction(ctx)
+    tx = Transaction(ctx, by="the holdback job")
     for order in await ctx.db(functools.partial(holding, tx)):
         if order.holdback_ends_at > now:
             counts.not_due += 1

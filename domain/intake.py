@@ -30,6 +30,7 @@ import logging
 import re
 from typing import Any, Callable, Iterator, Mapping
 
+from domain import orders, payment_state
 from engine import inbox
 from engine.contracts import EngineContext
 from engine.transaction import CallsWaiting, FactsWaiting, Transaction
@@ -63,6 +64,10 @@ MAX_CENTS = 2 ** 63 - 1
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 # Orders written per unit of work by an import; each row is its own savepoint.
 IMPORT_BATCH = 100
+# The fields that say what a payment was for: once an order is paid, a call changes them
+# only when it says it means it (the API's amend_paid=1, the import's --amend-paid). The
+# kind is never changed: a number is an order of one kind (OtherKind).
+MONEY_FIELDS = ("total_cents", "amb_annual_price_cents", "currency")
 
 
 class UnknownKind(LookupError):
@@ -86,6 +91,20 @@ class OtherKind(ValueError):
         self.kind = kind
 
 
+class PaidOrder(ValueError):
+    """The order is paid and the call changes what its payment was for (MONEY_FIELDS)
+    without saying it means it; `field` the first such field, `changes` each one's
+    (stored, asked)."""
+
+    def __init__(self, order: OrderBase, changes: Mapping[str, tuple[Any, Any]]) -> None:
+        self.field = next(name for name in MONEY_FIELDS if name in changes)
+        paid = orders.paid_amount(order)
+        asked = "; ".join(f"{name} stays {_shown(old)} (asked {_shown(new)})"
+                          for name, (old, new) in changes.items())
+        super().__init__(f"order {order.order_number} is paid"
+                         f"{f' ({paid} received)' if paid else ''}: {asked}")
+
+
 @dataclasses.dataclass(frozen=True)
 class OrderInput:
     """An order as the shop sent it, checked: its shop fields to set (None: cleared)."""
@@ -101,6 +120,10 @@ class Stored:
     outcome: str
     # The calls waiting for this order made due now by its arrival.
     due: int
+    # {field: (old, new)} of an update.
+    changes: Mapping[str, tuple[Any, Any]] = dataclasses.field(default_factory=dict)
+    # An update of a paid order's MONEY_FIELDS, as the call said it meant.
+    amended_paid: bool = False
 
 
 def model_of(kind: str) -> type[OrderBase]:
@@ -231,9 +254,12 @@ def kind_of(tx: Transaction, order_number: str) -> str | None:
     return tx.kind_of_order(order_number)
 
 
-def store(tx: Transaction, order: OrderInput, now: datetime.datetime) -> Stored:
-    """Create the order, or set its shop fields (a unit of work, or part of one).
-    Raises OtherKind when the number is an order of another kind."""
+def store(tx: Transaction, order: OrderInput, now: datetime.datetime, by: str,
+          amend_paid: bool = False) -> Stored:
+    """Create the order, or set its shop fields (a unit of work, or part of one), and keep
+    what was done in its history, by `by` (who sent it). Raises OtherKind when the number
+    is an order of another kind, and PaidOrder, nothing written, when the order is paid
+    and the call changes one of its MONEY_FIELDS without `amend_paid`."""
     model_of(order.kind)
     found = tx.kind_of_order(order.order_number)
     if found not in (None, order.kind):
@@ -242,28 +268,49 @@ def store(tx: Transaction, order: OrderInput, now: datetime.datetime) -> Stored:
     if existing is None:
         created = tx.add_shop_order(order.kind, order.order_number, order.values, now)
         if created is not None:
+            tx.record_creation(order.kind, order.order_number, {
+                name: getattr(created, name) for name in SHOP_FIELDS[order.kind]}, now, by)
             return Stored(created, "created", make_waiting_due(tx, order.order_number, now))
         # Made by another call meanwhile, whose transaction has ended: it is there now.
         existing = tx.lock_order(order.kind, order.order_number)
         assert existing is not None
-    changed = {name: value for name, value in order.values.items()
+    changes = {name: (getattr(existing, name), value) for name, value in order.values.items()
                if getattr(existing, name) != value}
-    if not changed:
+    if not changes:
         return Stored(existing, "unchanged", 0)
-    return Stored(tx.set_shop_fields(existing, changed, now), "updated", 0)
+    paid_money = {name: change for name, change in changes.items() if name in MONEY_FIELDS}
+    paid = bool(paid_money) and payment_state.received(existing)
+    if paid and not amend_paid:
+        raise PaidOrder(existing, paid_money)
+    tx.record_changes(order.kind, order.order_number, changes, now, by)
+    updated = tx.set_shop_fields(existing, {name: new for name, (_, new) in changes.items()},
+                                 now)
+    return Stored(updated, "updated", 0, changes, amended_paid=paid)
 
 
-async def put(ctx: EngineContext, order: OrderInput) -> Stored:
+async def put(ctx: EngineContext, order: OrderInput, by: str,
+              amend_paid: bool = False) -> Stored:
     """`store` in a unit of its own; the inbox's retry told to run now when calls were
     made due, so they are handled now rather than at its next tick."""
     stored: Stored = await ctx.db(functools.partial(store, Transaction(ctx), order,
-                                                    ctx.clock()))
+                                                    ctx.clock(), by, amend_paid))
     if stored.outcome != "unchanged":
-        log.info("%s order %s %s through the orders API%s", order.kind, order.order_number,
-                 stored.outcome, f"; {stored.due} waiting call(s) due now" if stored.due else "")
+        log.log(logging.WARNING if stored.amended_paid else logging.INFO,
+                "%s order %s %s through the orders API%s%s%s", order.kind,
+                order.order_number, stored.outcome,
+                f": {changes_text(stored.changes)}" if stored.changes else "",
+                " (a paid order's amounts, as the call said it meant: amend_paid)"
+                if stored.amended_paid else "",
+                f"; {stored.due} waiting call(s) due now" if stored.due else "")
     if stored.due:
         run_waiting_calls(ctx)
     return stored
+
+
+def changes_text(changes: Mapping[str, tuple[Any, Any]]) -> str:
+    """`total_cents 12900 -> 99999, currency "CAD" -> "USD"`: what an update changed."""
+    return ", ".join(f"{name} {_shown(old)} -> {_shown(new)}"
+                     for name, (old, new) in changes.items())
 
 
 def run_waiting_calls(ctx: EngineContext) -> None:
@@ -310,6 +357,11 @@ def describe(order: OrderBase) -> dict[str, Any]:
             "shop": {name: shown(getattr(order, name)) for name in SHOP_FIELDS[kind]},
             "service": {name: shown(getattr(order, name)) for name in service_fields(kind)},
             "created_at": shown(order.created_at), "updated_at": shown(order.updated_at)}
+
+
+def changes_shown(changes: Mapping[str, tuple[Any, Any]]) -> dict[str, dict[str, Any]]:
+    """An update's changes as the orders API tells them: {field: {"old": ..., "new": ...}}."""
+    return {name: {"old": old, "new": new} for name, (old, new) in changes.items()}
 
 
 # --- files -------------------------------------------------------------------------------
@@ -420,44 +472,61 @@ class Imported:
     # (line, why) of each row not stored, in the file's order.
     bad: list[tuple[int, str]] = dataclasses.field(default_factory=list)
     due: int = 0
+    # (line, what changed) of each paid order whose amounts were changed (--amend-paid).
+    amended: list[tuple[int, str]] = dataclasses.field(default_factory=list)
 
     def add(self, other: "Imported") -> None:
         for name in ("created", "updated", "unchanged", "due"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.bad += other.bad
+        self.amended += other.amended
 
 
 async def import_rows(ctx: EngineContext, rows: list[Row],
-                      progress: Callable[[int, int | None], None]) -> Imported:
+                      progress: Callable[[int, int | None], None], source: str,
+                      amend_paid: bool = False) -> Imported:
     """Store the good rows of a file, IMPORT_BATCH to a unit of work; the bad ones are
-    counted with their line and reason. `progress(stored, of)` after each batch."""
+    counted with their line and reason. `source` names the file in the orders' history
+    (`import orders.csv line 4`); `amend_paid` changes a paid order's MONEY_FIELDS.
+    `progress(stored, of)` after each batch."""
     good = [row for row in rows if row.order is not None]
     counts = Imported(bad=[(row.line, row.problem) for row in rows if row.problem is not None])
     progress(0, len(good))
     for start in range(0, len(good), IMPORT_BATCH):
         batch = good[start:start + IMPORT_BATCH]
         stored = await ctx.db(functools.partial(store_rows, Transaction(ctx), batch,
-                                                ctx.clock()))
+                                                ctx.clock(), source, amend_paid))
         counts.add(stored)
         progress(start + len(batch), len(good))
     counts.bad.sort()
+    counts.amended.sort()
     if counts.due:
         run_waiting_calls(ctx)
     return counts
 
 
-def store_rows(tx: Transaction, rows: list[Row], now: datetime.datetime) -> Imported:
-    """Store the good rows of a batch, each alone (a unit of work): one refused by the
-    database (a number of another kind) is a bad row, the others are stored."""
+def store_rows(tx: Transaction, rows: list[Row], now: datetime.datetime, source: str,
+               amend_paid: bool = False) -> Imported:
+    """Store the good rows of a batch, each alone (a unit of work): one refused (a number
+    of another kind, a paid order's amounts without `amend_paid`) is a bad row, the
+    others are stored."""
     counts = Imported()
     for row in rows:
         assert row.order is not None
         try:
             with tx.savepoint():
-                stored = store(tx, row.order, now)
+                stored = store(tx, row.order, now, f"import {source} line {row.line}",
+                               amend_paid)
         except OtherKind as other:
             counts.bad.append((row.line, str(other)))
             continue
+        except PaidOrder as paid:
+            counts.bad.append((row.line, f"{paid}; --amend-paid changes a paid order's "
+                                         f"{', '.join(MONEY_FIELDS)}"))
+            continue
+        if stored.amended_paid:
+            counts.amended.append((row.line, f"order {row.order.order_number} is paid; "
+                                             f"changed as asked: {changes_text(stored.changes)}"))
         setattr(counts, stored.outcome, getattr(counts, stored.outcome) + 1)
         counts.due += stored.due
     return counts

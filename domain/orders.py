@@ -98,7 +98,7 @@ def remember_order_name(ctx: EngineContext, tx: Transaction, order_number: str,
                   f"{order_name!r} not kept") as part:
         found = order_name_of_any_kind(tx, order_number)
         if found is not None and found[1] != order_name:
-            tx.rename_order(found[0], order_number, order_name, ctx.clock())
+            tx.rename_order(found[0], order_number, order_name, found[1], ctx.clock())
             renamed = True
     return renamed and not part.failed
 

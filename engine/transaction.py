@@ -26,7 +26,10 @@ from typing import Iterator
 
 from peewee import PeeweeException
 
+from models import WebhookEvent
+
 from engine.commits import raise_if_conflict
+from engine.contracts import EngineContext
 from engine.outbox import Effects
 from engine.store.filings import FilingStore
 from engine.store.intake import CallsWaiting, FactsWaiting, IntakeStore, wait_key
@@ -56,6 +59,15 @@ class Part:
 class Transaction(Effects, OrderStore, PaymentStore, TreasuryStore, ReconcileStore,
                   FilingStore, IntakeStore):
     """One handling's reads, writes and effects (above)."""
+
+    def __init__(self, ctx: EngineContext, event: WebhookEvent | None = None,
+                 first_handling: bool = False, for_scheduler: bool = False, *,
+                 by: str | None = None) -> None:
+        super().__init__(ctx, event, first_handling, for_scheduler)
+        # Who the changes of orders this handling makes are by when no event is (a
+        # scheduled job's name): an order's history names them so.
+        self.by = by
+        self.now = lambda: ctx.clock()
 
     @contextlib.contextmanager
     def apart(self, what: str) -> Iterator[Part]:

@@ -576,7 +576,8 @@ class OrderHandler(ConsoleHandler):
         order, moments = await self.ctx.db(
             functools.partial(console.timeline, self.ctx, order_number))
         self.render_page("order", 200 if order or moments else 404, order_number=order_number,
-                         order=order, moments=moments)
+                         order=order, moments=moments,
+                         amounts=console.order_amounts(order) if order else None)
 
 
 class OutboxHandler(ConsoleHandler):

@@ -3,9 +3,11 @@
 `Authorization: Bearer <ORDERS_API_KEY>`, compared in constant time; without the key
 set, every call is refused (no sender is open by default). PUT creates the order (201)
 or sets its shop fields (200, also when nothing changed: the same PUT again is the same
-order); a field the service owns, an unknown one or a wrong value is 400 naming it; an
-order number that is an order of another kind is 409. GET answers the order as the
-service sees it. Both answer the order's description (domain.intake.describe)."""
+order, and its answer says it is unchanged); a field the service owns, an unknown one or
+a wrong value is 400 naming it; an order number that is an order of another kind is 409,
+and so is a change of a paid order's amounts without `?amend_paid=1`. GET answers the
+order as the service sees it. Both answer the order's description
+(domain.intake.describe); a PUT's also says what it did (`outcome`, `changed`)."""
 import functools
 from typing import Any, NoReturn
 
@@ -13,7 +15,11 @@ import tornado.web
 
 from domain import intake
 from engine.transaction import Transaction
+from handlers.addresses import peer_address
 from handlers.base import ApiHandler, same_secret
+
+# The query parameter by which a PUT says it means to change a paid order's amounts.
+AMEND_PAID = "amend_paid"
 
 
 class OrderHandler(ApiHandler):
@@ -51,17 +57,32 @@ class OrderHandler(ApiHandler):
         except intake.InvalidOrder as invalid:
             self.fail_field(400, str(invalid), invalid.field)
 
+    def amend_paid(self) -> bool:
+        """Whether the call says it means to change a paid order's amounts."""
+        given = self.get_query_argument(AMEND_PAID, "")
+        if given not in ("", "0", "1"):
+            self.fail_field(400, f"{AMEND_PAID} must be 1 (or 0), got {given[:40]!r}",
+                            AMEND_PAID)
+        return given == "1"
+
     async def put(self, kind: str, order_number: str) -> None:
         self.known_kind(kind)
+        amend_paid = self.amend_paid()
         order = self.checked(kind, order_number, self.json_body())
         try:
-            stored = await intake.put(self.ctx, order)
+            stored = await intake.put(self.ctx, order,
+                                      f"orders API from {peer_address(self.request)}",
+                                      amend_paid)
         except intake.OtherKind as other:
             self.fail_field(409, str(other), "order_number")
+        except intake.PaidOrder as paid:
+            self.fail_field(409, f"{paid}; send the call with ?{AMEND_PAID}=1 to change a "
+                                 f"paid order's {', '.join(intake.MONEY_FIELDS)}", paid.field)
         if stored.outcome == "created":
             self.set_header("Location", self.request.path)
         self.answer(201 if stored.outcome == "created" else 200,
-                    intake.describe(stored.order))
+                    {**intake.describe(stored.order), "outcome": stored.outcome,
+                     "changed": intake.changes_shown(stored.changes)})
 
     async def get(self, kind: str, order_number: str) -> None:
         self.known_kind(kind)

@@ -10,6 +10,7 @@ costs a large database can be read in one place."""
 import dataclasses
 import datetime
 import functools
+import itertools
 import json
 import logging
 import re
@@ -26,9 +27,10 @@ from engine.claims import claim, lease
 from engine.contracts import EngineContext
 from engine.destinations import ORDERED_KINDS
 from engine.store.intake import waiting_for_an_id
+from engine.store.orders import CREATED, history_value
 from engine.transaction import Transaction
 from models import (
-    Attempt, ConsoleAction, CrtcOrder, LedgerEntry, OrderBase, Outbox,
+    Attempt, ConsoleAction, CrtcOrder, LedgerEntry, OrderBase, OrderChange, Outbox,
     SelfFiling, SurveyResponse, TreasuryJob, WebhookEvent,
 )
 from settings import Settings
@@ -681,16 +683,73 @@ def _money_moments(order_number: str) -> Iterator[Moment]:
                      f"{entry.provider} ({entry.provider_status})")
 
 
-def _as_created(order: OrderBase) -> str:
-    """The order as it was created: who, for what, how much; not what it became (its
-    payment and later states have moments of their own). An order's total is kept
-    without its currency, and so shown."""
-    parts = [part for part in (order.customer_name, order.customer_email and
-                               f"<{order.customer_email}>", order.service_name) if part]
+@dataclasses.dataclass
+class Amounts:
+    """What an order's page shows of its money, as text with its currency: what its
+    payment received, and (a CRTC order) what it was ordered for."""
+    paid: str | None
+    total: str | None
+
+
+def order_amounts(order: OrderBase) -> Amounts:
     total = getattr(order, "total_cents", None)
-    if total is not None:
-        parts.append(money(total, None))
+    return Amounts(orders.paid_amount(order),
+                   None if total is None else money(total, getattr(order, "currency", None)))
+
+
+# The longest value of a change the timeline shows whole (a note's text is longer).
+SHOWN_VALUE = 80
+
+
+def first_values(order: OrderBase, history: list[OrderChange]) -> dict[str, Any]:
+    """The order's columns as it was created, as JSON values: those its history's creation
+    row keeps; for an order created before its history was kept (or by the shop's own
+    INSERT), its columns now with each recorded change undone."""
+    created = next((row for row in history if row.field == CREATED), None)
+    if created is not None:
+        kept: dict[str, Any] = json.loads(created.new_value or "{}")
+        return kept
+    values = {}
+    for row in reversed(history):
+        values[row.field] = json.loads(row.old_value or "null")
+    names = [field.name for field in type(order)._meta.sorted_fields]
+    return {name: values[name] if name in values
+            else json.loads(history_value(getattr(order, name))) for name in names}
+
+
+def _as_created(values: dict[str, Any]) -> str:
+    """The order as it was created (`first_values`): who, for what, how much; not what it
+    became (its changes, payment and later states have moments of their own)."""
+    parts = [part for part in (values.get("customer_name"), values.get("customer_email")
+                               and f"<{values['customer_email']}>",
+                               values.get("service_name")) if part]
+    for name in ("total_cents", "amb_annual_price_cents"):
+        if values.get(name) is not None:
+            parts.append(("" if name == "total_cents" else "AMB annual ")
+                         + money(values[name], values.get("currency")))
     return ", ".join(parts)
+
+
+def _value_shown(text: str | None) -> str:
+    """A value of a change (JSON text) as the timeline shows it."""
+    value = json.loads(text or "null")
+    shown = "(none)" if value is None else value if isinstance(value, str) else json.dumps(value)
+    return shown if len(shown) <= SHOWN_VALUE else shown[:SHOWN_VALUE - 3] + "..."
+
+
+def _change_moments(history: list[OrderChange]) -> Iterator[Moment]:
+    """One moment per change of the order (the fields one call changed together): who
+    changed it, the fields' names, and under it a line per field with its old and new
+    value."""
+    changes = [row for row in history if row.field != CREATED]
+    for (at, by, event_id), grouped in itertools.groupby(
+            changes, key=lambda row: (row.changed_at, row.changed_by, row.event_id)):
+        rows = list(grouped)
+        yield Moment(at, f"order changed by {by}", ", ".join(row.field for row in rows),
+                     event_id=event_id, under=[
+                         Moment(at, row.field, f"{_value_shown(row.old_value)} -> "
+                                               f"{_value_shown(row.new_value)}")
+                         for row in rows])
 
 
 def _click_moments(order_number: str) -> Iterator[Moment]:
@@ -702,7 +761,14 @@ def _click_moments(order_number: str) -> Iterator[Moment]:
 
 
 def _order_moments(ctx: ConsoleContext, order: OrderBase) -> Iterator[Moment]:
-    yield Moment(order.created_at, f"{order.kind} order created", _as_created(order))
+    history = list(OrderChange.select().where(OrderChange.order_number == order.order_number,
+                                              OrderChange.kind == order.kind)
+                   .order_by(OrderChange.changed_at, OrderChange.id))
+    created = next((row for row in history if row.field == CREATED), None)
+    yield Moment(order.created_at, f"{order.kind} order created"
+                 + (f" by {created.changed_by}" if created else ""),
+                 _as_created(first_values(order, history)))
+    yield from _change_moments(history)
     if order.paid_at:
         yield Moment(order.paid_at, "paid", getattr(order, "payment_method", None) or "")
     for column, what in ORDER_TIMES.get(order.kind or "", ()):

@@ -189,7 +189,7 @@ async def test_a_dispute_of_an_order_not_stored_yet_is_handled_when_the_order_co
     stripe_api.charged(se.payment_intent("CA-9", "canada_crtc", intent_id="pi_test_9"), "card")
     row = await send("charge.dispute.created", se.dispute("pi_test_9"), created=DISPUTED)
     assert row.status == "waiting"
-    stored_order = await intake.put(ctx, intake.parse("canada_crtc", "CA-9", {}))
+    stored_order = await intake.put(ctx, intake.parse("canada_crtc", "CA-9", {}), "the tests")
     assert stored_order.due == 1
     assert await inbox.retry_due(ctx) == 1
     assert CrtcOrder.get().payment_status == "disputed"
@@ -220,7 +220,7 @@ async def test_a_payment_naming_an_order_not_stored_yet_pays_it_when_it_comes(
     assert [s for s in subjects(smtp) if "waits for its order" in s] == [
         f"Event #{row.id} ({event_type}) waits for its order"]
 
-    stored_order = await intake.put(ctx, intake.parse("formation", "FO-77", {}))
+    stored_order = await intake.put(ctx, intake.parse("formation", "FO-77", {}), "the tests")
     assert stored_order.due == 1
     assert await inbox.retry_due(ctx) == 1
     order = FormationOrder.get()

@@ -27,6 +27,7 @@ from tests.shkeeper import API_KEY, URL as CRYPTO_URL, encode, key_headers, paid
 
 SCREENSHOTS = os.path.join(ROOT, "tests", "artifacts", "console")
 SIZES = {"phone": (375, 812), "desktop": (1280, 800)}
+ORDERS_API_KEY = "orders-api-key-for-the-browser-0123456789"
 SUBMITTED = {"order_name": "ORD-1", "order_number": "FO-1", "state_code": "WY",
              "entity_name": "Acme LLC"}
 
@@ -47,6 +48,7 @@ def service(tmp_path, database_url, worker, frappe, io_loop):
         "WORKFLOW_URL": frappe.url, "WORKFLOW_API_KEY": "k", "WORKFLOW_API_SECRET": "s",
         "CRYPTO_PROCESSOR_API_KEY": API_KEY, "CONSOLE_PASSWORD_HASH": PASSWORD_HASH,
         "COOKIE_SECRET": COOKIE_SECRET, "OUTBOUND_TIMEOUT_SECONDS": "3",
+        "ORDERS_API_KEY": ORDERS_API_KEY,
         # Shorter than an effect's first wait after a failed try (15 to 30 s): a failed
         # effect is then soon off its send's lease, and can be retried from its page.
         "CLAIM_LEASE_SECONDS": "5"})
@@ -280,8 +282,9 @@ async def test_every_page_at_desktop_and_phone_width(service, browser, client, w
     events = await browser.do(lambda d: d.find_element(By.CSS_SELECTOR, "main").text)
     assert "STATUS: DEAD" in events.upper()
     await browser.open(service.url + "/console/orders/CA-7")
-    # The order's total and the crypto payment's fiat amount, each on one line.
-    assert await seen_at(browser, PHONE, LINES_OF_TEXT, "1234.56") == [1, 1]
+    # The order's total and the amount paid (its facts, and the created line) and the
+    # crypto payment's fiat amount, each on one line.
+    assert await seen_at(browser, PHONE, LINES_OF_TEXT, "1234.56") == [1, 1, 1, 1]
 
     # The timeline of an order with a failed and retried effect, for the docs.
     await browser.open(service.url + "/console/orders/FO-1")
@@ -291,6 +294,55 @@ async def test_every_page_at_desktop_and_phone_width(service, browser, client, w
     await save_screenshot(browser, "timeline-docs", (1280, 900))
     await browser.open(service.url + "/console/")
     await save_screenshot(browser, "overview-docs", (1280, 1000))
+
+
+async def put_order(client, service, number, body, query=""):
+    response = await client.fetch(
+        f"{service.url}/api/v1/orders/canada_crtc/{number}{query}", method="PUT",
+        body=json.dumps(body),
+        headers={"Authorization": f"Bearer {ORDERS_API_KEY}"})
+    return response.code, json.loads(response.body)
+
+
+@pytest.mark.gen_test(timeout=180)
+async def test_a_paid_order_changed_on_purpose_shows_its_change_on_the_timeline(
+        service, browser, client):
+    """A CRTC order made through the orders API and paid 129.00 CAD in crypto; a PUT that
+    moves it to 999.99 USD is refused, then sent with amend_paid=1: the order's page shows
+    the payment's amount, the created line the order as it was created, and the change
+    (each field's old and new value, who, when), at both widths."""
+    await service.start()
+    await service.wait_ready(client)
+    fay = {"customer_name": "Fay Radio Ltd", "customer_email": "fay@example.com",
+           "service_name": "CRTC registration", "total_cents": 12900, "currency": "CAD"}
+    assert (await put_order(client, service, "CA-0042", fay))[0] == 201
+    await client.fetch(service.url + CRYPTO_URL, method="POST", headers=key_headers(),
+                       body=encode(paid("CA-0042", balance_fiat="129.00", fiat="CAD")))
+    moved = {"total_cents": 99999, "currency": "USD"}
+    status, refused = await put_order(client, service, "CA-0042", moved)
+    assert (status, refused["field"]) == (409, "total_cents")
+    status, changed = await put_order(client, service, "CA-0042", moved, "?amend_paid=1")
+    assert (status, changed["outcome"]) == (200, "updated")
+
+    await browser.open(service.url + "/console/login")
+    await browser.fill_and_submit("main form", name="Dana", password=PASSWORD)
+    await browser.arrive("console/")
+    await browser.open(service.url + "/console/orders/CA-0042")
+    assert await browser.text("#amount-paid") == "CAD 129.00"
+    assert await browser.text("#order-total") == "$999.99"
+    timeline = await browser.text("table.timeline")
+    assert ("canada_crtc order created by orders API from 127.0.0.1 Fay Radio Ltd, "
+            "<fay@example.com>, CRTC registration, CAD 129.00\n") in timeline
+    assert "order changed by orders API from 127.0.0.1" in timeline
+    assert "12900 -> 99999" in timeline and "CAD -> USD" in timeline
+    assert "payment_status" in timeline and "pending_payment -> paid" in timeline
+    # Each field's change is on one line of its own, on a phone too.
+    for size in SIZES.values():
+        assert await seen_at(browser, size, LINES_OF_TEXT, "12900 -> 99999") == [1]
+    await shots_of(browser, "order-history")
+    # The whole timeline, its changes below the fold at the usual heights, to look at.
+    for device, (width, _) in SIZES.items():
+        await save_screenshot(browser, f"order-history-whole-{device}", (width, 2400))
 
 
 async def shots_of(browser, name, reload=True):

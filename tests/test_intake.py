@@ -18,7 +18,8 @@ from domain import intake
 from engine import claims, inbox
 from engine.transaction import Transaction
 from models import (
-    ORDER_MODELS, UTC, BundleOrder, ComplianceOrder, CrtcOrder, FormationOrder, WebhookEvent,
+    ORDER_MODELS, UTC, BundleOrder, ComplianceOrder, CrtcOrder, FormationOrder, OrderChange,
+    WebhookEvent,
 )
 from tests import shkeeper
 from tests.door import through_the_door
@@ -71,12 +72,19 @@ async def test_a_put_creates_the_order_and_the_same_put_again_changes_nothing(pu
     assert (order.total_cents, order.currency, order.payment_status) == (12900, "CAD",
                                                                          "pending_payment")
 
+    assert (created["outcome"], created["changed"]) == ("created", {})
+
+    # The same PUT again says that it changed nothing, and records nothing.
     clock.fixed = NOW + datetime.timedelta(hours=1)
     status, again, response = await put("canada_crtc", "CA-0042", body)
-    assert status == 200 and again == created and "Location" not in response.headers
+    assert status == 200 and "Location" not in response.headers
+    assert again == {**created, "outcome": "unchanged"}
     status, got, _ = await put("canada_crtc", "CA-0042", None, method="GET")
-    assert (status, got) == (200, created)
+    described = {name: value for name, value in created.items()
+                 if name not in ("outcome", "changed")}
+    assert (status, got) == (200, described)
     assert rows() == {("canada_crtc", "CA-0042")}
+    assert [row.field for row in OrderChange.select()] == ["order"]
 
 
 @pytest.mark.gen_test
@@ -494,8 +502,8 @@ def test_a_file_s_rows_in_any_order_and_imported_again_give_the_same_orders(db, 
             through_the_door(lambda model=model: model.delete().execute())
         parsed = [intake.Row(n, intake.parse(kind, f"N-{number}", {"customer_name": name}))
                   for n, (kind, number, name) in enumerate(ordered, start=2)]
-        first = through_the_door(intake.store_rows, Transaction(ctx), parsed, NOW)
-        again = through_the_door(intake.store_rows, Transaction(ctx), parsed, NOW)
+        first = through_the_door(intake.store_rows, Transaction(ctx), parsed, NOW, "rows.csv")
+        again = through_the_door(intake.store_rows, Transaction(ctx), parsed, NOW, "rows.csv")
         assert (again.created, again.updated, again.unchanged) == (0, 0, len(parsed))
         assert first.created == len(parsed)
         return {(kind, order.order_number, order.customer_name)

@@ -167,14 +167,14 @@ def test_any_delivery_of_one_payments_facts_gives_the_order_its_facts_give(
                 await inbox.drain_spool(ctx)
                 await ctx.drain_background()
             if index == order_at:
-                await intake.put(ctx, intake.parse(kind, number, {}))
+                await intake.put(ctx, intake.parse(kind, number, {}), "the tests")
             with database_down(db) if index in world.down else contextlib.nullcontext():
                 assert (await deliver(post, clock, events[name]))[:2] == RECEIVED
             await ctx.drain_background()
         await inbox.drain_spool(ctx)
         await ctx.drain_background()
         if order_at == len(deliveries):
-            await intake.put(ctx, intake.parse(kind, number, {}))
+            await intake.put(ctx, intake.parse(kind, number, {}), "the tests")
         for name in sorted(world.resent):
             again = {**events[name], "id": f"{events[name]['id']}_again"}
             events[f"{name} again"] = again

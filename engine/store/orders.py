@@ -9,17 +9,23 @@ holding what the other waits for; when they do (the parts of one joined statemen
 no promised order), PostgreSQL rolls one back as a deadlock, a conflict whose unit is run
 again (engine.commits)."""
 import datetime
+import decimal
 import functools
-from typing import Any, Callable, Iterable, Iterator, Literal, NamedTuple, Sequence, cast, overload
+import json
+from typing import (Any, Callable, Iterable, Iterator, Literal, Mapping, NamedTuple,
+                    Sequence, cast, overload)
 
 import peewee
 
 from models import (ORDER_MODELS, BaseModel, BundleOrder, ComplianceOrder, CrtcOrder,
-                    FormationOrder, OrderBase, SubscriptionCycle)
+                    FormationOrder, OrderBase, OrderChange, SubscriptionCycle, WebhookEvent)
 from engine import commits
 from engine.commits import Ahead, AheadStatement
 from engine.db import locked
-from engine.prepared import ArraySlot, Prepared, save_changes, slot
+from engine.prepared import ArraySlot, Prepared, save_changes, slot, write_later
+
+# The `field` of an order's history row that records its creation (models.OrderChange).
+CREATED = "order"
 
 
 class OrderRef(NamedTuple):
@@ -187,8 +193,65 @@ def ahead_of(refs: Iterable[OrderRef]) -> tuple[Ahead, ...]:
                  else OrderAhead(ref.kind, ref.number) for ref in refs)
 
 
+def history_value(value: Any) -> str:
+    """A column's value as an order's history keeps it: JSON text, times in ISO 8601 UTC,
+    exact decimals as text."""
+    def plain(value: Any) -> Any:
+        if isinstance(value, datetime.datetime):
+            return value.astimezone(datetime.timezone.utc).isoformat()
+        if isinstance(value, decimal.Decimal):
+            return str(value)
+        if isinstance(value, dict):
+            return {name: plain(item) for name, item in value.items()}
+        return value
+    return json.dumps(plain(value), ensure_ascii=False, sort_keys=True)
+
+
 class OrderStore:
-    """Orders, in the caller's transaction."""
+    """Orders, in the caller's transaction. Every change of an order written here is
+    recorded in its history (models.OrderChange) in the same transaction: by the caller
+    named (`by`), else by the handling's event, else by the handling's `by` (a scheduled
+    job's name)."""
+
+    # The handling's (engine.outbox.Effects, engine.transaction.Transaction): its event,
+    # who it is when no event is, and its context's clock.
+    event: WebhookEvent | None
+    by: str | None
+    now: Callable[[], datetime.datetime]
+
+    def changed_by(self) -> tuple[str, int | None]:
+        """(who, the event's id or None) of the changes this handling makes."""
+        if self.event is not None and self.event.id is not None:
+            return (f"event #{self.event.id} ({self.event.source} "
+                    f"{self.event.event_type})", self.event.id)
+        return self.by or "the service", None
+
+    def record_changes(self, kind: str, number: str, changes: Mapping[str, tuple[Any, Any]],
+                       at: datetime.datetime, by: str | None = None) -> None:
+        """Keep `changes` ({column: (old, new)}) of the order of that kind and number in
+        its history, made `at`
+        by `by` (or by this handling, `changed_by`); the insert goes with the next
+        statement. `CREATED` as a column: the order was created, with the new value."""
+        if not changes:
+            return
+        who, event_id = (by, None) if by is not None else self.changed_by()
+        write_later(OrderChange.insert_many([{
+            "kind": kind, "order_number": number, "field": field,
+            "old_value": None if field == CREATED else history_value(old),
+            "new_value": history_value(new), "changed_by": who, "event_id": event_id,
+            "changed_at": at, "created_at": at, "updated_at": at}
+            for field, (old, new) in sorted(changes.items())]))
+
+    def record_creation(self, kind: str, number: str, values: Mapping[str, Any],
+                        at: datetime.datetime, by: str | None = None) -> None:
+        """Keep in the order's history that it was created `at`, by `by` (or by this
+        handling), with `values` ({shop field: value})."""
+        self.record_changes(kind, number, {CREATED: (None, dict(values))}, at, by)
+
+    def order_history(self, order_number: str) -> list[OrderChange]:
+        """The history of the orders with that number, oldest first."""
+        return list(OrderChange.select().where(OrderChange.order_number == order_number)
+                    .order_by(OrderChange.changed_at, OrderChange.id))
 
     @overload
     def order(self, kind: Literal["canada_crtc"], number: str) -> CrtcOrder | None: ...
@@ -258,10 +321,11 @@ class OrderStore:
             found = dict(NAME_OF_ANY_KIND.execute(order_number=number).fetchall())
         return found
 
-    def rename_order(self, kind: str, number: str, name: str,
+    def rename_order(self, kind: str, number: str, name: str, was: str | None,
                      at: datetime.datetime) -> None:
-        """Keep the workflow system's document name `name` on the order."""
+        """Keep the workflow system's document name `name` on the order, which was `was`."""
         RENAME[kind].execute_later(order_name=name, updated_at=at, order_number=number)
+        self.record_changes(kind, number, {"order_name": (was, name)}, at)
 
     def order_paid_by(self, payment_intent_id: str) -> OrderBase | None:
         """The order a payment intent paid: exact match on stripe_payment_intent_id first,
@@ -291,7 +355,11 @@ class OrderStore:
 
     def save(self, row: BaseModel) -> None:
         """Write the changed fields of a row read from the database (an UPDATE by its
-        id); the write may reach the server with the transaction's next statement."""
+        id); the write may reach the server with the transaction's next statement. An
+        order's changes go to its history, by this handling (`changed_by`)."""
+        if isinstance(row, OrderBase) and row.kind is not None:
+            self.record_changes(row.kind, row.order_number, row.take_changes(),
+                                self.now())
         save_changes(row)
 
     def subscription_cycle(self, invoice_id: str) -> SubscriptionCycle | None:
