@@ -609,7 +609,7 @@ class SentReminder(BaseModel):
 REMINDER_MODELS = [SentReminder]
 
 
-# An order's history (issue 48).
+# An order's history.
 
 class OrderChange(BaseModel):
     """One change of an order, kept for good, written in the transaction of the change:

@@ -100,8 +100,10 @@ class Destination:
         self.probe_at: datetime.datetime | None = None
         self.probing = False
         self.down_since: datetime.datetime | None = None
-        # The failure that took it down.
+        # The failure that took it down; whether its going down was told (`went`), so
+        # that only an outage told is told over (one of credentials has its own notice).
         self.down_because: str | None = None
+        self.down_told = False
         self.in_flight = 0
         # What the peer said when it refused our credentials, or named our settings wrong.
         self.credentials_refused: str | None = None
@@ -209,7 +211,9 @@ class Destination:
         self.up, self.probing, self.down_since = True, False, None
         self.back = True
         self.recovered()
-        self.went(self, True, went_at)
+        if self.down_told:
+            self.down_told = False
+            self.went(self, True, went_at)
 
     def _go_down(self, error: str) -> None:
         self.up, self.probing, self.down_since = False, False, self.clock()
@@ -220,6 +224,7 @@ class Destination:
                   "its effects wait, one is tried every %s s or so", self.name,
                   self.failures, (self.clock() - (self.failing_since or self.clock()))
                   .total_seconds(), error, int(self.probe_wait.total_seconds()))
+        self.down_told = True
         self.went(self, False, None)
 
     def down_if_failing_too_long(self) -> None:

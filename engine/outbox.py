@@ -25,7 +25,7 @@ from engine.claims import claim, lease
 from engine.commits import Unit
 from engine.contracts import EngineContext, SendOutcome
 from engine.db import UNAVAILABLE, due_by
-from engine.destinations import ORDERED_KINDS, Destination
+from engine.destinations import DESTINATION_OF, ORDERED_KINDS, Destination
 from engine.prepared import InsertMany, InsertOnce, Prepared, slot, write_later
 
 log = logging.getLogger("receiver.outbox")
@@ -880,10 +880,10 @@ OUTAGE_KEY_MINUTES = 10
 def tell_destination_went(ctx: EngineContext, destination: Destination, up: bool,
                           down_since: datetime.datetime | None) -> None:
     """An alert and an e-mail to the administrator when a destination goes down, and
-    when it is back: whichever of the two does not go to the one down reaches them (a
-    Telegram down is told by mail, a mail server down on Telegram). Written in the
-    background; keyed by the outage's start to OUTAGE_KEY_MINUTES, so that the
-    processes that each saw it go tell it once."""
+    when it is back, each by the channels that are not the one down (a Telegram down is
+    told by mail, a mail server down on Telegram). Written in the background; keyed by
+    the outage's start to OUTAGE_KEY_MINUTES, so that the processes that each saw it go
+    tell it once."""
     began = down_since if up else destination.down_since
     if began is None:
         return
@@ -899,10 +899,12 @@ def tell_destination_went(ctx: EngineContext, destination: Destination, up: bool
     key = f"destination-{'up' if up else 'down'}-{name}-{bucket:%Y%m%dT%H%M}"
 
     def tell() -> None:
-        tell_admin(ctx, key, subject, "destination_went", destination=name, up=up,
-                   since=began.isoformat(timespec="seconds"),
-                   reason=destination.down_because or "")
-        Effects(ctx, for_scheduler=True).alert(subject, key=f"alert-{key}")
+        if name != DESTINATION_OF["email"]:
+            tell_admin(ctx, key, subject, "destination_went", destination=name, up=up,
+                       since=began.isoformat(timespec="seconds"),
+                       reason=destination.down_because or "")
+        if name != DESTINATION_OF["alert"]:
+            Effects(ctx, for_scheduler=True).alert(subject, key=f"alert-{key}")
     ctx.background(ctx.db(tell))
 
 

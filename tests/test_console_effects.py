@@ -83,7 +83,8 @@ async def test_the_order_created_row_shows_the_order_as_created(logged_in, clock
     CrtcOrder.create(order_number="CA-9", customer_name="Rae Radio Ltd", total_cents=78000,
                      payment_status="paid", paid_at=at(2026, 11, 2), created_at=at(2026, 11, 1))
     lines = timeline_lines(text(await logged_in.get("/console/orders/CA-9")))
-    assert lines[0] == "canada_crtc order created | Rae Radio Ltd, 780.00 (currency not given)"
+    # A CRTC order has its currency (USD by default): the line said "(currency not given)".
+    assert lines[0] == "canada_crtc order created | Rae Radio Ltd, $780.00"
     assert lines[1].startswith("paid")
 
 

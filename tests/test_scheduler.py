@@ -63,7 +63,11 @@ async def test_a_failed_send_is_retried_with_growing_backoff_until_it_goes_out(
 
     worker.fail_with(200, {"ok": True})
     clock.advance(hours=7)
-    assert await outbox.send_due(ctx) == 1
+    # The job goes, with the notices of the worker down (its fifth failure) and back.
+    sent = await outbox.send_due(ctx)
+    await ctx.drain_background()
+    notices = Outbox.select().where(Outbox.idempotency_key.contains("destination-"))
+    assert notices.count() == 4 and 1 <= sent <= 1 + notices.count()
     row = Outbox.get_by_id(row.id)
     assert (row.status, row.attempts) == ("sent", 6)
     assert len({r.headers["Idempotency-Key"] for r in worker.requests}) == 1
@@ -81,7 +85,8 @@ async def test_after_the_last_attempt_the_row_is_dead_and_the_admin_gets_one_mai
     job = Outbox.get(Outbox.kind == "job")
     assert (job.status, job.attempts) == ("dead", ctx.settings.outbox_max_attempts)
     assert len(worker.requests) == ctx.settings.outbox_max_attempts
-    [mail] = admin_mail(smtp)
+    [mail] = [mail for mail in admin_mail(smtp)
+              if not mail["Subject"].startswith("Destination worker")]
     assert mail["Subject"] == f"Outbox effect #{job.id} given up"
     assert "FO-7" in mail.get_body(("plain",)).get_content()
     assert "HTTP 502" in mail.get_body(("html",)).get_content()
@@ -478,7 +483,10 @@ async def test_a_destination_found_back_has_its_backlog_sent_at_once_not_at_the_
         await eventually(lambda: len(worker.requests) == 3, timeout=10, interval=0.02)
     finally:
         await scheduler.stop()
-    assert Outbox.select().where(Outbox.status == "sent").count() == 3
+    assert Outbox.select().where(Outbox.status == "sent", Outbox.kind == "job").count() == 3
+    # Its going down and coming back told to the administrator, by mail and by alert.
+    assert sorted(row.kind for row in Outbox.select().where(
+        Outbox.idempotency_key.contains("destination-"))) == ["alert"] * 2 + ["email"] * 2
 
 
 @postgres_only

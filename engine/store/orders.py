@@ -229,9 +229,9 @@ class OrderStore:
     def record_changes(self, kind: str, number: str, changes: Mapping[str, tuple[Any, Any]],
                        at: datetime.datetime, by: str | None = None) -> None:
         """Keep `changes` ({column: (old, new)}) of the order of that kind and number in
-        its history, made `at`
-        by `by` (or by this handling, `changed_by`); the insert goes with the next
-        statement. `CREATED` as a column: the order was created, with the new value."""
+        its history, made `at` by `by` (or by this handling, `changed_by`); the insert
+        goes with the next statement. `CREATED` as a column: the order was created, with
+        the new value."""
         if not changes:
             return
         who, event_id = (by, None) if by is not None else self.changed_by()
