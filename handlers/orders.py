@@ -7,7 +7,7 @@ order); a field the service owns, an unknown one or a wrong value is 400 naming 
 order number that is an order of another kind is 409. GET answers the order as the
 service sees it. Both answer the order's description (domain.intake.describe)."""
 import functools
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import tornado.web
 
@@ -44,16 +44,17 @@ class OrderHandler(ApiHandler):
         self.answer(status, {"error": message, "field": field})
         raise tornado.web.Finish()
 
-    def checked(self, kind: str, order_number: str,
-                fields: dict[str, Any]) -> intake.OrderInput:
+    def checked(self, kind: str, order_number: str) -> intake.OrderInput:
         try:
-            return intake.parse(kind, order_number, fields)
+            return intake.parse(kind, order_number, intake.read_body(self.raw_body))
         except intake.InvalidOrder as invalid:
             self.fail_field(400, str(invalid), invalid.field)
+        except ValueError:
+            self.fail(400, "invalid JSON body")
 
     async def put(self, kind: str, order_number: str) -> None:
         self.known_kind(kind)
-        order = self.checked(kind, order_number, self.json_body())
+        order = self.checked(kind, order_number)
         try:
             stored = await intake.put(self.ctx, order)
         except intake.OtherKind as other:
