@@ -6,7 +6,8 @@ The shop owns who the customer is and what was ordered: SHOP_FIELDS, per kind. T
 service owns every other column (payment, fulfilment, settlement, holdback, notes, the
 Frappe document name): a call that names one is refused, never half taken. `parse`
 checks an order as the shop sends it (a JSON object, or a CSV row whose cells are text)
-and raises InvalidOrder naming the field; `store` writes it, once: the same order sent
+and raises InvalidOrder naming the field (what each value must be, an order number and a
+currency among them: domain.order_checks); `store` writes it, once: the same order sent
 again changes nothing, and says so.
 
 An order that arrives makes the calls that wait for it due now (`make_waiting_due`): the
@@ -30,9 +31,12 @@ import logging
 import re
 from typing import Any, Callable, Iterator, Mapping
 
-from domain import orders, payment_state
+from domain import order_checks, orders, payment_state
+# InvalidOrder: the contract's error, raised by its checks (domain.order_checks).
+from domain.order_checks import InvalidOrder as InvalidOrder, shown
 from engine import inbox
 from engine.contracts import EngineContext
+from engine.payload import read_json
 from engine.transaction import CallsWaiting, FactsWaiting, Transaction
 from models import ORDER_MODELS, OrderBase
 
@@ -53,15 +57,10 @@ ROW_FIELDS = ("id", "order_number", "created_at", "updated_at")
 
 MAX_TEXT_LENGTH = 255
 MAX_EMAIL_LENGTH = 254
-# An order number is part of the orders API's path, and of links and Frappe's calls:
-# printable, no white space, nothing a URL gives a meaning to.
-ORDER_NUMBER = re.compile(r"[^\s/?#%\\\x00-\x1f\x7f]{1,255}")
 EMAIL = re.compile(r"[^@\s\x00-\x1f\x7f]{1,64}@[^@\s\x00-\x1f\x7f]{1,189}\.[^@\s.\x00-\x1f\x7f]{1,63}")
-CURRENCY = re.compile(r"[A-Za-z]{3}")
 DEFAULT_CURRENCY = "USD"
 # The largest amount a BIGINT holds.
 MAX_CENTS = 2 ** 63 - 1
-CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 # Orders written per unit of work by an import; each row is its own savepoint.
 IMPORT_BATCH = 100
 # The fields that say what a payment was for: once an order is paid, a call changes them
@@ -72,14 +71,6 @@ MONEY_FIELDS = ("total_cents", "amb_annual_price_cents", "currency")
 
 class UnknownKind(LookupError):
     """The path names no kind of order."""
-
-
-class InvalidOrder(ValueError):
-    """An order the contract refuses; `field` names what is wrong."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(message)
-        self.field = field
 
 
 class OtherKind(ValueError):
@@ -99,7 +90,7 @@ class PaidOrder(ValueError):
     def __init__(self, order: OrderBase, changes: Mapping[str, tuple[Any, Any]]) -> None:
         self.field = next(name for name in MONEY_FIELDS if name in changes)
         paid = orders.paid_amount(order)
-        asked = "; ".join(f"{name} stays {_shown(old)} (asked {_shown(new)})"
+        asked = "; ".join(f"{name} stays {shown(old)} (asked {shown(new)})"
                           for name, (old, new) in changes.items())
         super().__init__(f"order {order.order_number} is paid"
                          f"{f' ({paid} received)' if paid else ''}: {asked}")
@@ -130,7 +121,8 @@ def model_of(kind: str) -> type[OrderBase]:
     try:
         return ORDER_MODELS[kind]
     except KeyError:
-        raise UnknownKind(f"unknown kind: {kind} (the kinds: {', '.join(KINDS)})") from None
+        raise UnknownKind(f"unknown kind: {order_checks.named(kind)} "
+                          f"(the kinds: {', '.join(KINDS)})") from None
 
 
 def service_fields(kind: str) -> tuple[str, ...]:
@@ -140,11 +132,26 @@ def service_fields(kind: str) -> tuple[str, ...]:
                  if field.name not in ROW_FIELDS and field.name not in SHOP_FIELDS[kind])
 
 
-def check_order_number(order_number: object, field: str = "order_number") -> str:
-    if not isinstance(order_number, str) or not ORDER_NUMBER.fullmatch(order_number):
-        raise InvalidOrder(field, f"{field} must be 1 to {MAX_TEXT_LENGTH} characters, "
-                                  "without spaces, control characters, /, ?, #, % or \\")
-    return order_number
+def read_body(data: bytes) -> dict[str, Any]:
+    """An orders API call's body as its JSON object. Raises InvalidOrder naming the field
+    whose value nests too deep for the parser, ValueError for any other body that is not a
+    JSON object."""
+    try:
+        body = read_json(data)
+    except ValueError:
+        field = order_checks.too_deep(data.decode("utf-8", "replace"))
+        if field is not None:
+            raise _nested(field) from None
+        raise
+    if not isinstance(body, dict):
+        raise ValueError("not a JSON object")
+    return body
+
+
+def _nested(field: str) -> InvalidOrder:
+    return InvalidOrder(field or "body", f"{field or 'the body'} nests arrays or objects more "
+                                         f"than {order_checks.MAX_NESTING} deep (a shop field "
+                                         "is text or a number)")
 
 
 def parse(kind: str, order_number: str, fields: Mapping[str, Any],
@@ -153,14 +160,15 @@ def parse(kind: str, order_number: str, fields: Mapping[str, Any],
     a CSV row's text, where an empty cell clears its field and amounts are digits).
     Raises UnknownKind, or InvalidOrder naming the first field at fault."""
     model_of(kind)
-    check_order_number(order_number)
+    order_checks.check_number("order_number", order_number, kind)
     own = SHOP_FIELDS[kind]
     values = {}
     for name, value in fields.items():
         if name in ("kind", "order_number"):
             given = kind if name == "kind" else order_number
             if value != given:
-                raise InvalidOrder(name, f"{name} is {given!r} (the path's), not {value!r}")
+                raise InvalidOrder(name, f"{name} is {shown(given)} (the path's), not "
+                                         f"{shown(value)}")
             continue
         if name not in own:
             raise InvalidOrder(name, _not_the_shops(kind, name))
@@ -179,7 +187,7 @@ def _not_the_shops(kind: str, name: str) -> str:
                 "changes it (docs/ORDERS.md)")
     if any(name in SHOP_FIELDS[other] for other in KINDS):
         return f"{name} is not a field of {kind} orders"
-    return f"unknown field: {name}"
+    return f"unknown field: {order_checks.named(name)}"
 
 
 def _text(name: str, value: Any, cells: bool, max_length: int = MAX_TEXT_LENGTH) -> str | None:
@@ -188,8 +196,7 @@ def _text(name: str, value: Any, cells: bool, max_length: int = MAX_TEXT_LENGTH)
     if not isinstance(value, str):
         raise InvalidOrder(name, f"{name} must be text or null")
     value = value.strip()
-    if CONTROL.search(value):
-        raise InvalidOrder(name, f"{name} must not hold control characters")
+    order_checks.check_text(name, value)
     if len(value) > max_length:
         raise InvalidOrder(name, f"{name} is longer than {max_length} characters")
     return value or None
@@ -204,18 +211,19 @@ def _email(name: str, value: Any, cells: bool) -> str | None:
 
 def _order_number(name: str, value: Any, cells: bool) -> str | None:
     value = _text(name, value, cells)
-    return None if value is None else check_order_number(value, name)
+    # The parent may be of any kind: its prefix is checked as written, not against one.
+    return None if value is None else order_checks.check_number(name, value)
 
 
 def _cents(name: str, value: Any, cells: bool) -> int | None:
     if value is None:
         return None
-    if cells and isinstance(value, str) and value.strip().isdigit():
-        value = int(value.strip())
+    if cells and isinstance(value, str):
+        value = order_checks.cell_cents(value)
     # bool is an int to Python, not an amount; 780.0 is JSON's float, not cents.
     if type(value) is not int or not 0 <= value <= MAX_CENTS:
         raise InvalidOrder(name, f"{name} must be a whole number of cents (the currency's "
-                                 f"minor units), 0 or more, got {_shown(value)}")
+                                 f"minor units), 0 or more, got {shown(value)}")
     return value
 
 
@@ -223,15 +231,7 @@ def _currency(name: str, value: Any, cells: bool) -> str:
     value = _text(name, value, cells)
     if value is None:
         return DEFAULT_CURRENCY
-    if not CURRENCY.fullmatch(value):
-        raise InvalidOrder(name, f"{name} must be an ISO 4217 code such as USD or CAD, "
-                                 f"got {_shown(value)}")
-    return value.upper()
-
-
-def _shown(value: Any) -> str:
-    return json.dumps(value)[:40] if isinstance(value, (str, int, float, type(None))) \
-        else type(value).__name__
+    return order_checks.check_currency(name, value)
 
 
 CHECKS = {
@@ -309,7 +309,7 @@ async def put(ctx: EngineContext, order: OrderInput, by: str,
 
 def changes_text(changes: Mapping[str, tuple[Any, Any]]) -> str:
     """`total_cents 12900 -> 99999, currency "CAD" -> "USD"`: what an update changed."""
-    return ", ".join(f"{name} {_shown(old)} -> {_shown(new)}"
+    return ", ".join(f"{name} {shown(old)} -> {shown(new)}"
                      for name, (old, new) in changes.items())
 
 
@@ -387,7 +387,8 @@ def read_rows(data: bytes) -> list[Row]:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as bad:
         line = data[:bad.start].count(b"\n") + 1
-        raise UnreadableFile(f"line {line}: not UTF-8 text") from None
+        raise UnreadableFile(f"line {line}: not UTF-8 text{_windows_1252(data, bad.start)}") \
+            from None
     rows = list(_json_lines(text) if text.lstrip().startswith("{") else _csv_rows(text))
     first_line: dict[str, int] = {}
     checked = []
@@ -401,22 +402,42 @@ def read_rows(data: bytes) -> list[Row]:
     return checked
 
 
+def _windows_1252(data: bytes, start: int) -> str:
+    """Why a file is not UTF-8 when its bytes read as Windows-1252: the encoding a
+    spreadsheet's plain "CSV" export writes on Windows."""
+    try:
+        data.decode("cp1252")
+    except UnicodeDecodeError:
+        return f" (byte 0x{data[start]:02X})"
+    return (f" (byte 0x{data[start]:02X}): it reads as Windows-1252, the encoding of a "
+            "spreadsheet's plain CSV export on Windows; export it as CSV UTF-8")
+
+
 def _checked(line: int, kind: Any, order_number: Any, fields: Mapping[str, Any],
              cells: bool) -> Row:
     try:
         if not isinstance(kind, str) or not kind:
-            raise InvalidOrder("kind", "kind is missing")
-        return Row(line, parse(kind, order_number, fields, cells=cells))
+            raise InvalidOrder("kind", f"kind is missing (the kinds: {', '.join(KINDS)})")
+        # A file's kind is a word a person typed: `Formation` is formation (and an
+        # unknown one is named as it was typed).
+        kind = kind.strip()
+        return Row(line, parse(kind.lower() if kind.lower() in ORDER_MODELS else kind,
+                               order_number, fields, cells=cells))
     except (UnknownKind, InvalidOrder) as problem:
         return Row(line, problem=str(problem))
 
 
 def _json_lines(text: str) -> Iterator[Row]:
-    for line, content in enumerate(text.splitlines(), start=1):
+    # Lines end at a line feed alone: a JSON string may hold U+2028 or U+0085, which
+    # str.splitlines would break a line at.
+    for line, content in enumerate(text.split("\n"), start=1):
         if not content.strip():
             continue
         try:
             body = json.loads(content)
+        except RecursionError:
+            yield Row(line, problem=str(_nested(order_checks.too_deep(content) or "")))
+            continue
         except ValueError:
             body = None
         if not isinstance(body, dict):
@@ -435,7 +456,8 @@ def _csv_rows(text: str) -> Iterator[Row]:
         raise UnreadableFile("line 1: no header (kind,order_number,<field>...)") from None
     header = [name.strip() for name in header]
     if header[:2] != ["kind", "order_number"]:
-        raise UnreadableFile("line 1: the header must start with kind,order_number")
+        raise UnreadableFile(f"line 1: the header must start with kind,order_number"
+                             f"{_other_separator(header)}")
     fields = header[2:]
     for name in fields:
         if not any(name in SHOP_FIELDS[kind] for kind in KINDS):
@@ -449,8 +471,9 @@ def _csv_rows(text: str) -> Iterator[Row]:
         except StopIteration:
             return
         except csv.Error as broken:
-            yield Row(line, problem=f"not CSV: {broken}")
-            return
+            # The reader goes on at the next line: the rows after it are read.
+            yield Row(line, problem=_not_csv(broken))
+            continue
         if not any(cell.strip() for cell in cells):
             continue
         if len(cells) != len(header):
@@ -460,8 +483,26 @@ def _csv_rows(text: str) -> Iterator[Row]:
         kind, order_number = cells[0].strip(), cells[1].strip()
         given = {name: value for name, value in zip(fields, cells[2:])
                  # A column the row's kind does not have is left empty by it.
-                 if name in SHOP_FIELDS.get(kind, ()) or value.strip()}
+                 if name in SHOP_FIELDS.get(kind.lower(), ()) or value.strip()}
         yield _checked(line, kind, order_number, given, cells=True)
+
+
+def _other_separator(header: list[str]) -> str:
+    """The header split by another separator, named: a spreadsheet where the decimal mark
+    is a comma exports its "CSV" with semicolons."""
+    for separator, called in ((";", "semicolons"), ("\t", "tabs")):
+        if len(header) == 1 and [name.strip() for name in
+                                 header[0].split(separator)][:2] == ["kind", "order_number"]:
+            return (f": its columns are separated by {called}, not commas (a spreadsheet's "
+                    "export where the decimal mark is a comma); export it with commas")
+    return ""
+
+
+def _not_csv(broken: csv.Error) -> str:
+    if "field larger than field limit" in str(broken):
+        return (f"a cell longer than {csv.field_size_limit()} characters (no field holds "
+                f"more than {MAX_TEXT_LENGTH})")
+    return f"not CSV: {broken}"
 
 
 @dataclasses.dataclass

@@ -34,7 +34,8 @@ from engine.payload import exact_json
 from engine.transaction import LedgerFields, OrderRef, Refused, Transaction
 from domain.money import Money, minor_units
 from domain.orders import (CRYPTO_REFERENCE, CRYPTO_SOURCE, OrderNotFound,
-                           complete_payment, email_admin, order_type_of)
+                           complete_payment, email_admin, order_name_of_any_kind,
+                           order_type_of)
 
 log = logging.getLogger("receiver.crypto")
 
@@ -207,6 +208,9 @@ class Callback:
     # beyond its upper limit; 0 when not sent.
     fee_percent: decimal.Decimal = decimal.Decimal(0)
     overpaid_fiat: decimal.Decimal = decimal.Decimal(0)
+    # The kind of the order stored under external_id (`routed`); None: not looked up, or
+    # no such order.
+    stored_kind: str | None = None
 
     @classmethod
     def parse(cls, body: dict[str, Any]) -> "Callback":
@@ -243,7 +247,22 @@ class Callback:
 
     @property
     def order_type(self) -> str:
-        return order_type_of(self.external_id)
+        """The kind of the callback's order: the stored order's; the prefix rule's
+        (domain.orders.order_type_of) only for an order we do not have."""
+        return self.stored_kind or order_type_of(self.external_id)
+
+    def routed(self, tx: Transaction) -> "Callback":
+        """The callback with the kind of the order stored under its number, when there is
+        one: a number without its kind's prefix (a shop writing the tables, an order from
+        before intake checked prefixes) is still that order's. A part that may fail
+        alone: the receipt is recorded before the order is completed (BEHAVIOUR.md 4.3),
+        so an order table the database refuses leaves the prefix's kind, and the
+        completion's failure, as it was."""
+        found = None
+        with tx.apart(f"crypto callback for {self.external_id}: the kind of its order not "
+                      "read, its prefix's taken"):
+            found = order_name_of_any_kind(tx, self.external_id)
+        return self if found is None else dataclasses.replace(self, stored_kind=found[0])
 
     @property
     def fiat_currency(self) -> str:
@@ -339,6 +358,7 @@ def receive_payment(ctx: EngineContext, payload: dict[str, Any], tx: Transaction
     callback = Callback.parse(payload)
     if history(tx, callback):
         return
+    callback = callback.routed(tx)
     if not callback.to_be_processed:
         log.info("crypto %s callback for %s with paid=%s: logged only",
                  callback.status, callback.external_id, callback.paid)
@@ -447,11 +467,14 @@ def tell_mispaid(ctx: EngineContext, tx: Transaction, callback: Callback,
 
 
 def orders_of(payload: dict[str, Any]) -> tuple[OrderRef, ...]:
-    """The order `receive_payment` completes; none when the callback is only logged."""
+    """The order `receive_payment` completes: the kinds of the orders of its number (read
+    to route it, `Callback.routed`) and the order of the kind its prefix names; none when
+    the callback is only logged."""
     callback = Callback.parse(payload)
     if not callback.to_be_processed:
         return ()
-    return (OrderRef(callback.order_type, callback.external_id),)
+    return (OrderRef(None, callback.external_id),
+            OrderRef(callback.order_type, callback.external_id))
 
 
 def tell_other_currency(ctx: EngineContext, tx: Transaction, callback: Callback,
@@ -494,7 +517,7 @@ def receive_partial(ctx: EngineContext, payload: dict[str, Any], tx: Transaction
     if history(tx, callback):
         return
     _log_notice(callback)
-    tell_partial_covered(ctx, tx, callback)
+    tell_partial_covered(ctx, tx, callback.routed(tx))
 
 
 def listed_net(callback: Callback) -> decimal.Decimal:

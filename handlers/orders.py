@@ -9,7 +9,7 @@ and so is a change of a paid order's amounts without `?amend_paid=1`. GET answer
 order as the service sees it. Both answer the order's description
 (domain.intake.describe); a PUT's also says what it did (`outcome`, `changed`)."""
 import functools
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import tornado.web
 
@@ -50,12 +50,13 @@ class OrderHandler(ApiHandler):
         self.answer(status, {"error": message, "field": field})
         raise tornado.web.Finish()
 
-    def checked(self, kind: str, order_number: str,
-                fields: dict[str, Any]) -> intake.OrderInput:
+    def checked(self, kind: str, order_number: str) -> intake.OrderInput:
         try:
-            return intake.parse(kind, order_number, fields)
+            return intake.parse(kind, order_number, intake.read_body(self.raw_body))
         except intake.InvalidOrder as invalid:
             self.fail_field(400, str(invalid), invalid.field)
+        except ValueError:
+            self.fail(400, "invalid JSON body")
 
     def amend_paid(self) -> bool:
         """Whether the call says it means to change a paid order's amounts."""
@@ -68,7 +69,7 @@ class OrderHandler(ApiHandler):
     async def put(self, kind: str, order_number: str) -> None:
         self.known_kind(kind)
         amend_paid = self.amend_paid()
-        order = self.checked(kind, order_number, self.json_body())
+        order = self.checked(kind, order_number)
         try:
             stored = await intake.put(self.ctx, order,
                                       f"orders API from {peer_address(self.request)}",

@@ -317,15 +317,16 @@ async def test_a_failed_ledger_write_takes_the_job_with_it(post, db, telegram, c
 
 
 def test_a_callback_names_its_order_only_when_it_completes_it():
-    """What PAID and OVERPAID lock and read (their `orders_of`): the order a paid
-    callback completes, its kind from its number; none for a notice or a callback not
-    paid."""
+    """What PAID and OVERPAID lock and read (their `orders_of`): the kinds of the orders
+    of its number (the stored order's kind routes it) and the order of its prefix's kind;
+    none for a notice or a callback not paid."""
     registry = plugins.registries()["crypto"]
 
     def asked(body):
         return [(ref.kind, ref.number) for ref in registry.orders_of(body["status"], body)]
-    assert asked(shkeeper.paid("CO-7")) == [("compliance", "CO-7")]
-    assert asked({**shkeeper.paid("X-7"), "status": "OVERPAID"}) == [("canada_crtc", "X-7")]
+    assert asked(shkeeper.paid("CO-7")) == [(None, "CO-7"), ("compliance", "CO-7")]
+    assert asked({**shkeeper.paid("X-7"), "status": "OVERPAID"}) == [(None, "X-7"),
+                                                                     ("canada_crtc", "X-7")]
     assert asked({**shkeeper.paid("CO-8"), "paid": False}) == []
     assert asked({**shkeeper.paid("CO-9"), "status": "PARTIAL", "paid": False}) == []
 
