@@ -271,6 +271,9 @@ def _add_order_intake_commands(commands: Commands) -> None:
                            help="change a paid order's total_cents, amb_annual_price_cents "
                                 "or currency as its row says (without it such a row is "
                                 "refused, named by its line)")
+    importing.add_argument("--dry-run", action="store_true",
+                           help="check every row against the database as the import would, "
+                                "say what it would do, and store nothing")
     importing.set_defaults(run=orders_import)
     fill = commands.add_parser(
         "backfill", help="fetch card events whose webhook delivery failed from Stripe's "
@@ -610,15 +613,17 @@ async def orders_import(ctx: Context, args: argparse.Namespace) -> int:
     with TerminalProgress("importing", "order") as progress:
         counts = await intake.import_rows(
             ctx, rows, progress, "stdin" if args.file == "-" else args.file,
-            args.amend_paid)
+            args.amend_paid, args.dry_run)
     for line, why in counts.bad:
         print(f"line {line}: {why}", file=sys.stderr)
     for line, what in counts.amended:
         print(f"line {line}: {what}")
     waiting = (f"; {counts.due} waiting call(s) due now (the running service handles them "
-               "within SCHEDULER_TICK_SECONDS)" if counts.due else "")
-    print(f"{len(rows)} row(s): {counts.created} created, {counts.updated} updated, "
-          f"{counts.unchanged} unchanged, {len(counts.bad)} bad{waiting}")
+               "within SCHEDULER_TICK_SECONDS)" if counts.due and not args.dry_run else "")
+    would = " would be" if args.dry_run else ""
+    print(f"{len(rows)} row(s): {counts.created}{would} created, {counts.updated}{would} "
+          f"updated, {counts.unchanged} unchanged, {len(counts.bad)} bad{waiting}"
+          f"{' (dry run: nothing stored)' if args.dry_run else ''}")
     return 1 if counts.bad else 0
 
 

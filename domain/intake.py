@@ -525,10 +525,11 @@ class Imported:
 
 async def import_rows(ctx: EngineContext, rows: list[Row],
                       progress: Callable[[int, int | None], None], source: str,
-                      amend_paid: bool = False) -> Imported:
+                      amend_paid: bool = False, dry_run: bool = False) -> Imported:
     """Store the good rows of a file, IMPORT_BATCH to a unit of work; the bad ones are
     counted with their line and reason. `source` names the file in the orders' history
-    (`import orders.csv line 4`); `amend_paid` changes a paid order's MONEY_FIELDS.
+    (`import orders.csv line 4`); `amend_paid` changes a paid order's MONEY_FIELDS;
+    `dry_run`: each row stored to count what it does, then undone, nothing kept.
     `progress(stored, of)` after each batch."""
     good = [row for row in rows if row.order is not None]
     counts = Imported(bad=[(row.line, row.problem) for row in rows if row.problem is not None])
@@ -536,21 +537,26 @@ async def import_rows(ctx: EngineContext, rows: list[Row],
     for start in range(0, len(good), IMPORT_BATCH):
         batch = good[start:start + IMPORT_BATCH]
         stored = await ctx.db(functools.partial(store_rows, Transaction(ctx), batch,
-                                                ctx.clock(), source, amend_paid))
+                                                ctx.clock(), source, amend_paid, dry_run))
         counts.add(stored)
         progress(start + len(batch), len(good))
     counts.bad.sort()
     counts.amended.sort()
-    if counts.due:
+    if counts.due and not dry_run:
         run_waiting_calls(ctx)
     return counts
 
 
+class _Undone(Exception):
+    """A dry run's row, stored to count what it does: its savepoint undoes it."""
+
+
 def store_rows(tx: Transaction, rows: list[Row], now: datetime.datetime, source: str,
-               amend_paid: bool = False) -> Imported:
+               amend_paid: bool = False, dry_run: bool = False) -> Imported:
     """Store the good rows of a batch, each alone (a unit of work): one refused (a number
     of another kind, a paid order's amounts without `amend_paid`) is a bad row, the
-    others are stored."""
+    others are stored; in a `dry_run`, counted as stored and undone, each in its
+    savepoint, so that what the database would refuse is refused as it would be."""
     counts = Imported()
     for row in rows:
         assert row.order is not None
@@ -558,6 +564,10 @@ def store_rows(tx: Transaction, rows: list[Row], now: datetime.datetime, source:
             with tx.savepoint():
                 stored = store(tx, row.order, now, f"import {source} line {row.line}",
                                amend_paid)
+                if dry_run:
+                    raise _Undone
+        except _Undone:
+            pass  # counted below as it would have been stored
         except OtherKind as other:
             counts.bad.append((row.line, str(other)))
             continue

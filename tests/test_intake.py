@@ -406,6 +406,30 @@ def test_an_import_stores_the_good_rows_names_each_bad_one_by_line_and_exits_1(
     assert second.stdout == "10 row(s): 0 created, 0 updated, 3 unchanged, 7 bad\n"
 
 
+def test_a_dry_run_says_what_the_import_would_do_and_stores_nothing(
+        tmp_path, database_url, migrated_db):
+    """`orders import --dry-run`: every row checked as the import checks it, the database's
+    refusals included (a number of another kind), its answer the import's, nothing kept."""
+    path = write(tmp_path, "orders.csv", CSV)
+    dry = run(database_url, "orders", "import", "--dry-run", path)
+    assert dry.returncode == 1 and dry.stderr.splitlines() == CSV_BAD
+    assert dry.stdout == ("10 row(s): 3 would be created, 0 would be updated, 0 unchanged, "
+                          "7 bad (dry run: nothing stored)\n")
+    assert rows() == set() and OrderChange.select().count() == 0
+
+    assert run(database_url, "orders", "import", path).returncode == 1
+    changes = OrderChange.select().count()
+    ComplianceOrder.create(order_number="CA-3")  # CA-3's number taken by another kind
+    again = write(tmp_path, "again.csv", "kind,order_number,customer_name\n"
+                  "canada_crtc,CA-1,Fay Radio Inc\ncanada_crtc,CA-3,Cy\n")
+    dry = run(database_url, "orders", "import", "--dry-run", again)
+    assert dry.returncode == 1
+    assert dry.stderr.splitlines() == ["line 3: order CA-3 is a compliance order"]
+    assert dry.stdout.startswith("2 row(s): 0 would be created, 1 would be updated, ")
+    assert CrtcOrder.get().customer_name == "Fay Radio Ltd"
+    assert OrderChange.select().count() == changes
+
+
 def test_json_lines_are_imported_under_the_same_contract(tmp_path, database_url):
     lines = [{"kind": "formation", "order_number": "FO-1", "customer_name": "Ana"},
              {"kind": "canada_crtc", "order_number": "CA-1", "total_cents": 780},
