@@ -483,7 +483,7 @@ def tell_other_currency(ctx: EngineContext, tx: Transaction, callback: Callback,
     against the order's total, and a person must look. One in the order's own currency
     is the normal case, whatever that currency (most orders of a CRTC shop are in CAD).
     Once per order (the mail's key)."""
-    priced_in = getattr(order, "currency", None) or "USD"
+    priced_in = _priced_in(order)
     if callback.fiat_currency == priced_in:
         return
     log.warning("crypto invoice %s is in %s; its order is priced in %s",
@@ -530,10 +530,15 @@ def listed_net(callback: Callback) -> decimal.Decimal:
         1 + callback.fee_percent / 100)
 
 
+def _priced_in(order: OrderBase) -> str:
+    """The currency of the order's price: its own, USD for a kind that has none."""
+    return getattr(order, "currency", None) or "USD"
+
+
 def _total_in(order: OrderBase, currency: str) -> Money | None:
     """The order's total when it has one in `currency`."""
     total = getattr(order, "total_cents", None)
-    priced_in = getattr(order, "currency", None) or "USD"
+    priced_in = _priced_in(order)
     if not total or Money.of(0, priced_in).currency != Money.of(0, currency).currency:
         return None
     return Money.of(total, priced_in)
